@@ -1,0 +1,25 @@
+# Copyright 2026 The fisher_optax Authors. Licensed under the Apache License 2.0.
+"""fisher_optax: Fisher-information methods as composable optax transforms.
+
+The public API is flat, like optax's: ``fisher_optax.fadam``,
+``fisher_optax.scale_by_fismo``, ``fisher_optax.fisher.diagonal`` and so on.
+The Fisher estimator engine lives in :mod:`fisher_optax.fisher`; Flax
+adapters in :mod:`fisher_optax.flax` (import it explicitly, it needs flax).
+"""
+
+__version__ = "0.1.0.dev0"
+
+from fisher_optax import fisher
+
+# -- FAdam (_fadam.py) --
+# -- FISMO (_fismo.py) --
+# -- Natural GaLore and the Woodbury Fisher preconditioner (_natural_galore.py) --
+# -- EWC penalties and protected subspaces (_ewc.py, _physguard.py) --
+# -- Fisher merging (_merging.py) --
+# -- M-FAC, OBS pruning, Fisher-weighted SVD (_mfac.py, _obs.py, _fwsvd.py) --
+
+__all__ = [
+    "__version__",
+    "fisher",
+    # -- exports, one block per module --
+]

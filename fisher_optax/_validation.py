@@ -1,0 +1,112 @@
+# Copyright 2026 The fisher_optax Authors. Licensed under the Apache License 2.0.
+"""Hyperparameter and input checks shared by every transform.
+
+Checks run only on concrete Python numbers: under ``optax.inject_hyperparams``
+the factory is re-called with traced arrays, which cannot be validated
+without a host round-trip, so they pass through (optax ``_adding.py`` does
+the same).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+
+def _is_concrete(x: Any) -> bool:
+  return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def check_positive(name: str, value: Any, *, allow_zero: bool = False) -> None:
+  """Raises ``ValueError`` if a concrete ``value`` is negative (or zero)."""
+  if _is_concrete(value):
+    if value != value:  # NaN
+      raise ValueError(f"{name} must be a number, got NaN.")
+    if value < 0 or (value == 0 and not allow_zero):
+      bound = ">= 0" if allow_zero else "> 0"
+      raise ValueError(f"{name} must be {bound}, got {value}.")
+
+
+def check_in_unit_interval(
+    name: str, value: Any, *, closed_right: bool = False
+) -> None:
+  """Raises ``ValueError`` unless a concrete ``value`` lies in [0, 1)."""
+  if _is_concrete(value):
+    ok = 0 <= value <= 1 if closed_right else 0 <= value < 1
+    if not ok:
+      interval = "[0, 1]" if closed_right else "[0, 1)"
+      raise ValueError(f"{name} must lie in {interval}, got {value}.")
+
+
+def check_learning_rate(value: Any) -> None:
+  """A float learning rate must be >= 0; callables are schedules."""
+  if not callable(value):
+    check_positive("learning_rate", value, allow_zero=True)
+
+
+def check_static_int(name: str, value: Any, *, minimum: int = 0) -> int:
+  """Shape-setting integers must be static Python ints (``TypeError``)."""
+  if isinstance(value, bool) or not isinstance(value, int):
+    raise TypeError(
+        f"{name} sets array shapes and must be a static Python int, got "
+        f"{type(value).__name__}. Under inject_hyperparams list it in "
+        "static_args."
+    )
+  if value < minimum:
+    raise ValueError(f"{name} must be >= {minimum}, got {value}.")
+  return value
+
+
+def check_choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
+  if value not in choices:
+    raise ValueError(f"{name} must be one of {choices}, got {value!r}.")
+  return value
+
+
+def check_same_structure(
+    reference: Any, other: Any, *, what: str, reference_name: str = "updates"
+) -> None:
+  """Raises ``ValueError`` naming both tree structures when they differ."""
+  ref_def = jax.tree.structure(reference)
+  other_def = jax.tree.structure(other)
+  if ref_def != other_def:
+    raise ValueError(
+        f"{what} must have the same tree structure as {reference_name}.\n"
+        f"  {reference_name}: {ref_def}\n  {what}: {other_def}"
+    )
+
+
+def check_leading_axis(tree: Any, like: Any, *, what: str) -> int:
+  """Checks ``tree`` = ``like`` with one extra leading axis; returns its size.
+
+  Args:
+    tree: the stacked tree, e.g. per-example gradients.
+    like: a tree of the unstacked shapes, e.g. the updates.
+    what: the name used in error messages.
+
+  Returns:
+    The common size of the leading axis.
+  """
+  check_same_structure(like, tree, what=what)
+  sizes = set()
+  for path, leaf, ref in zip(
+      jax.tree_util.tree_flatten_with_path(tree)[0],
+      jax.tree.leaves(tree),
+      jax.tree.leaves(like),
+  ):
+    name = jax.tree_util.keystr(path[0])
+    if jnp.ndim(leaf) != jnp.ndim(ref) + 1 or jnp.shape(leaf)[1:] != jnp.shape(
+        ref
+    ):
+      raise ValueError(
+          f"{what}{name} must have shape (batch, *{jnp.shape(ref)}), got "
+          f"{jnp.shape(leaf)}."
+      )
+    sizes.add(jnp.shape(leaf)[0])
+  if len(sizes) > 1:
+    raise ValueError(
+        f"{what} leaves disagree on the leading (batch) axis: {sorted(sizes)}."
+    )
+  return sizes.pop() if sizes else 0
