@@ -1,0 +1,211 @@
+# Copyright 2026 The fisher_optax Authors. Licensed under the Apache License 2.0.
+"""Shared test helpers: a tiny MLP and dense ``jax.jacobian`` Fisher oracles.
+
+The oracles never call :mod:`fisher_optax.fisher`: they build the full
+``P x P`` Fisher of a tiny model from the per-example Jacobian
+``J_n = d f(x_n) / d theta`` and closed-form output statistics, so any
+estimator (any kind, any structure, any path) can be checked against its
+definition. Call them inside ``with jax.enable_x64(True):`` with float64
+params for tight tolerances.
+
+Typical use::
+
+  with jax.enable_x64(True):
+    params = fisher_testing.mlp_params(jax.random.key(0), dtype=jnp.float64)
+    x, y = fisher_testing.make_batch(jax.random.key(1), 6, "categorical")
+    dense = fisher_testing.dense_fisher(
+        fisher_testing.mlp_apply, params, x, y, family="categorical",
+        kind="exact")
+    diag = fisher_testing.unravel_like(params, jnp.diag(dense))
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+PyTree = Any
+
+FAMILIES = ("categorical", "gaussian", "bernoulli", "heteroscedastic")
+SIGMA = 0.7  # Fixed sigma of the "gaussian" family.
+IN_DIM = 4
+OUT_DIM = 4  # Heteroscedastic: reshaped to (2, 2) = (mu, log var) pairs.
+
+
+def mlp_params(key: jax.Array, sizes: Sequence[int] = (IN_DIM, 5, OUT_DIM),
+               dtype: Any = jnp.float32) -> dict[str, dict[str, jax.Array]]:
+  """Flax-like params ``{"dense_i": {"kernel": (d_in, d_out), "bias"}}``."""
+  params = {}
+  keys = jax.random.split(key, len(sizes) - 1)
+  for i, (k, d_in, d_out) in enumerate(zip(keys, sizes[:-1], sizes[1:])):
+    kw, kb = jax.random.split(k)
+    params[f"dense_{i}"] = {
+        "kernel": (jax.random.normal(kw, (d_in, d_out)) / np.sqrt(d_in)
+                   ).astype(dtype),
+        "bias": (0.1 * jax.random.normal(kb, (d_out,))).astype(dtype),
+    }
+  return params
+
+
+def mlp_apply(params: PyTree, inputs: jax.Array) -> jax.Array:
+  """``tanh`` MLP on a batch ``(B, d_in) -> (B, d_out)``."""
+  h = inputs
+  n = len(params)
+  for i in range(n):
+    layer = params[f"dense_{i}"]
+    h = h @ layer["kernel"] + layer["bias"]
+    if i < n - 1:
+      h = jnp.tanh(h)
+  return h
+
+
+def apply_for(family: str) -> Callable[[PyTree, jax.Array], jax.Array]:
+  """The MLP apply function whose outputs suit ``family``."""
+  if family == "heteroscedastic":
+    return lambda p, x: mlp_apply(p, x).reshape(x.shape[0], -1, 2)
+  return mlp_apply
+
+
+def make_batch(key: jax.Array, n: int, family: str,
+               dtype: Any = None) -> tuple[jax.Array, jax.Array]:
+  """Random ``(inputs (n, IN_DIM), targets)`` for a likelihood family."""
+  dtype = dtype or (jnp.float64 if jax.config.jax_enable_x64
+                    else jnp.float32)
+  kx, ky = jax.random.split(key)
+  x = jax.random.normal(kx, (n, IN_DIM), dtype)
+  if family == "categorical":
+    y = jax.random.randint(ky, (n,), 0, OUT_DIM)
+  elif family == "gaussian":
+    y = jax.random.normal(ky, (n, OUT_DIM), dtype)
+  elif family == "bernoulli":
+    y = jax.random.bernoulli(ky, 0.5, (n, OUT_DIM)).astype(dtype)
+  elif family == "heteroscedastic":
+    y = jax.random.normal(ky, (n, OUT_DIM // 2), dtype)
+  else:
+    raise ValueError(family)
+  return x, y
+
+
+def ravel(tree: PyTree) -> jax.Array:
+  return jnp.concatenate([jnp.ravel(l) for l in jax.tree.leaves(tree)])
+
+
+def unravel_like(like: PyTree, flat: jax.Array) -> PyTree:
+  """Splits a flat vector (or a leading-axis stack of them) into ``like``."""
+  leaves, treedef = jax.tree.flatten(like)
+  out, i = [], 0
+  lead = flat.shape[:-1]
+  for leaf in leaves:
+    size = int(np.prod(leaf.shape))
+    out.append(flat[..., i:i + size].reshape(*lead, *leaf.shape))
+    i += size
+  return jax.tree.unflatten(treedef, out)
+
+
+def jacobians(apply_fn: Callable[..., jax.Array], params: PyTree,
+              inputs: jax.Array) -> jax.Array:
+  """Per-example Jacobians ``(B, O, P)`` (outputs flattened, params ravelled)."""
+  flat = ravel(params)
+
+  def f(theta, x):
+    out = apply_fn(unravel_like(params, theta), x[None])[0]
+    return jnp.ravel(out)
+
+  return jax.vmap(jax.jacobian(f), in_axes=(None, 0))(flat, inputs)
+
+
+def output_grad(family: str, out: jax.Array, y: jax.Array) -> jax.Array:
+  """Closed-form ``d NLL / d out`` for one example, flattened."""
+  if family == "categorical":
+    return jax.nn.softmax(out) - jax.nn.one_hot(y, out.shape[-1],
+                                                dtype=out.dtype)
+  if family == "gaussian":
+    return jnp.ravel((out - y) / SIGMA**2)
+  if family == "bernoulli":
+    return jnp.ravel(jax.nn.sigmoid(out) - y)
+  if family == "heteroscedastic":
+    mu, logvar = out[..., 0], out[..., 1]
+    r = y - mu
+    dmu = -r * jnp.exp(-logvar)
+    dlv = 0.5 - 0.5 * r**2 * jnp.exp(-logvar)
+    return jnp.ravel(jnp.stack([dmu, dlv], -1))
+  raise ValueError(family)
+
+
+def output_fisher(family: str, out: jax.Array) -> jax.Array:
+  """Closed-form ``Lambda`` (``O x O``) for one example."""
+  if family == "categorical":
+    p = jax.nn.softmax(out)
+    return jnp.diag(p) - jnp.outer(p, p)
+  if family == "gaussian":
+    return jnp.eye(out.size, dtype=out.dtype) / SIGMA**2
+  if family == "bernoulli":
+    p = jax.nn.sigmoid(jnp.ravel(out))
+    return jnp.diag(p * (1 - p))
+  if family == "heteroscedastic":
+    logvar = out[..., 1]
+    d = jnp.stack([jnp.exp(-logvar), 0.5 * jnp.ones_like(logvar)], -1)
+    return jnp.diag(jnp.ravel(d))
+  raise ValueError(family)
+
+
+def per_example_grads_dense(apply_fn, params, inputs, targets, family,
+                            ) -> jax.Array:
+  """``(B, P)`` per-example NLL gradients ``J_n^T d NLL/d out``."""
+  jac = jacobians(apply_fn, params, inputs)
+  outs = apply_fn(params, inputs)
+  r = jax.vmap(lambda o, y: output_grad(family, o, y))(outs, targets)
+  return jnp.einsum("bop,bo->bp", jac, r)
+
+
+def dense_fisher(apply_fn: Callable[..., jax.Array], params: PyTree,
+                 inputs: jax.Array, targets: jax.Array | None, *,
+                 family: str, kind: str) -> jax.Array:
+  """The dense ``P x P`` Fisher (a mean over examples) of the given kind.
+
+  ``kind="mc"`` is not deterministic: for it pass the sampled labels as
+  ``targets`` with a leading sample axis ``(S, B, ...)`` and use
+  ``kind="empirical_samples"``, which averages over the samples.
+  """
+  if kind == "exact":
+    jac = jacobians(apply_fn, params, inputs)
+    outs = apply_fn(params, inputs)
+    lam = jax.vmap(lambda o: output_fisher(family, o))(outs)
+    return jnp.einsum("bop,boq,bqr->pr", jac, lam, jac) / inputs.shape[0]
+  if kind == "empirical":
+    g = per_example_grads_dense(apply_fn, params, inputs, targets, family)
+    return g.T @ g / inputs.shape[0]
+  if kind == "batch_squared":
+    g = per_example_grads_dense(apply_fn, params, inputs, targets, family)
+    m = jnp.mean(g, 0)
+    return jnp.outer(m, m)
+  if kind == "empirical_samples":
+    fs = [dense_fisher(apply_fn, params, inputs, t, family=family,
+                       kind="empirical") for t in targets]
+    return sum(fs) / len(fs)
+  raise ValueError(kind)
+
+
+def mean_grad_dense(apply_fn, params, inputs, targets, family) -> PyTree:
+  """The mean NLL gradient as a params-shaped tree."""
+  g = per_example_grads_dense(apply_fn, params, inputs, targets, family)
+  return unravel_like(params, jnp.mean(g, 0))
+
+
+def leaf_blocks(params: PyTree, dense: jax.Array) -> list[jax.Array]:
+  """The diagonal blocks of a dense Fisher, one per leaf (flatten order)."""
+  blocks, i = [], 0
+  for leaf in jax.tree.leaves(params):
+    size = int(np.prod(leaf.shape))
+    blocks.append(dense[i:i + size, i:i + size])
+    i += size
+  return blocks
+
+
+def top_eig(dense: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+  """Top-``k`` eigenpairs ``(vals (k,) descending, vecs (k, P))``."""
+  vals, vecs = jnp.linalg.eigh(dense)
+  return vals[::-1][:k], vecs[:, ::-1][:, :k].T
