@@ -1,0 +1,338 @@
+# Copyright 2026 The fisher_optax Authors. Licensed under the Apache License 2.0.
+"""Shared benchmark harness: models, training loops, timing ratios, reports.
+
+Every benchmark script imports this module (run scripts from the repository
+root: ``python -m benchmarks.<name>``). Conventions:
+
+* Speed is reported as a **ratio** against the optax/peer baseline measured in
+  the same process, in interleaved rounds, as the median of within-round
+  ratios (robust to a noisy, shared CPU). Absolute times are indicative only.
+* Memory is XLA's temp + output bytes of the compiled function, or the bytes
+  of an optimizer state pytree.
+* Quality is mean ± std over seeds; every run records its settings.
+* Results go to ``benchmarks/results/<name>.json`` and ``<name>.md``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import pathlib
+import platform
+import statistics
+import time
+from typing import Any, Callable, Iterable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+PyTree = Any
+RESULTS_DIR = pathlib.Path(__file__).resolve().parent / "results"
+
+
+# -- models (Flax NNX, used functionally: apply_fn(params, inputs)) -----------
+
+
+class MLP(nnx.Module):
+  """A plain MLP ``sizes[0] -> ... -> sizes[-1]`` with Dense layers."""
+
+  def __init__(self, sizes: Sequence[int], *, activation: str = "gelu",
+               rngs: nnx.Rngs):
+    self.layers = nnx.List([
+        nnx.Linear(a, b, rngs=rngs) for a, b in zip(sizes[:-1], sizes[1:])
+    ])
+    self.activation = getattr(jax.nn, activation)
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    for layer in self.layers[:-1]:
+      x = self.activation(layer(x))
+    return self.layers[-1](x)
+
+
+class CausalSelfAttention(nnx.Module):
+  """Multi-head causal attention with separate 2-D q, k, v, o kernels."""
+
+  def __init__(self, d: int, heads: int, *, rngs: nnx.Rngs):
+    if d % heads:
+      raise ValueError(f"d={d} is not divisible by heads={heads}.")
+    self.heads = heads
+    self.q = nnx.Linear(d, d, use_bias=False, rngs=rngs)
+    self.k = nnx.Linear(d, d, use_bias=False, rngs=rngs)
+    self.v = nnx.Linear(d, d, use_bias=False, rngs=rngs)
+    self.o = nnx.Linear(d, d, use_bias=False, rngs=rngs)
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    b, t, d = x.shape
+    split = lambda y: y.reshape(b, t, self.heads, d // self.heads)
+    q, k, v = split(self.q(x)), split(self.k(x)), split(self.v(x))
+    logits = jnp.einsum("bthd,bshd->bhts", q, k) / math.sqrt(d // self.heads)
+    mask = jnp.tril(jnp.ones((t, t), bool))
+    logits = jnp.where(mask, logits, -1e30)
+    att = jax.nn.softmax(logits, axis=-1)
+    return self.o(jnp.einsum("bhts,bshd->bthd", att, v).reshape(b, t, d))
+
+
+class Block(nnx.Module):
+
+  def __init__(self, d: int, heads: int, ffn: int, *, rngs: nnx.Rngs):
+    self.norm1 = nnx.RMSNorm(d, rngs=rngs)
+    self.attn = CausalSelfAttention(d, heads, rngs=rngs)
+    self.norm2 = nnx.RMSNorm(d, rngs=rngs)
+    self.up = nnx.Linear(d, ffn, rngs=rngs)
+    self.down = nnx.Linear(ffn, d, rngs=rngs)
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    x = x + self.attn(self.norm1(x))
+    return x + self.down(jax.nn.gelu(self.up(self.norm2(x))))
+
+
+class CharTransformer(nnx.Module):
+  """A small pre-RMSNorm decoder-only transformer for character LMs.
+
+  Projection-friendly: every attention/MLP weight is a 2-D ``nnx.Linear``
+  kernel named ``q``, ``k``, ``v``, ``o``, ``up``, ``down``.
+  """
+
+  def __init__(self, vocab: int, *, d: int = 64, heads: int = 4,
+               layers: int = 2, ffn: int = 256, context: int = 64,
+               rngs: nnx.Rngs):
+    self.embed = nnx.Embed(vocab, d, rngs=rngs)
+    self.pos = nnx.Param(0.02 * jax.random.normal(rngs.params(), (context, d)))
+    self.blocks = nnx.List([Block(d, heads, ffn, rngs=rngs)
+                            for _ in range(layers)])
+    self.norm = nnx.RMSNorm(d, rngs=rngs)
+    self.head = nnx.Linear(d, vocab, rngs=rngs)
+
+  def __call__(self, ids: jax.Array) -> jax.Array:
+    x = self.embed(ids) + self.pos[: ids.shape[-1]]
+    for block in self.blocks:
+      x = block(x)
+    return self.head(self.norm(x))
+
+
+def functional(module: nnx.Module) -> tuple[Callable[..., Any], PyTree]:
+  """Splits an NNX module into ``(apply_fn, params)`` for pure optax loops.
+
+  ``params`` is a plain nested dict (``nnx.to_pure_dict``), so masks, label
+  functions and dimension-number trees are ordinary dicts.
+  """
+  graphdef, state, rest = nnx.split(module, nnx.Param, ...)
+  params = nnx.to_pure_dict(state)
+
+  def apply_fn(p: PyTree, x: jax.Array) -> jax.Array:
+    template = jax.tree.map(lambda v: v, state)
+    nnx.replace_by_pure_dict(template, p)
+    return nnx.merge(graphdef, template, rest)(x)
+
+  return apply_fn, params
+
+
+def digits_mlp(seed: int = 0, sizes: Sequence[int] = (64, 128, 128, 10),
+               activation: str = "gelu"):
+  """``(apply_fn, params)`` of the digits MLP used across benchmarks."""
+  return functional(MLP(sizes, activation=activation,
+                        rngs=nnx.Rngs(seed)))
+
+
+def char_transformer(vocab: int, seed: int = 0, **kwargs):
+  """``(apply_fn, params)`` of :class:`CharTransformer`."""
+  return functional(CharTransformer(vocab, rngs=nnx.Rngs(seed), **kwargs))
+
+
+def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
+  return optax.softmax_cross_entropy_with_integer_labels(
+      logits.astype(jnp.float32), labels).mean()
+
+
+def accuracy(logits: jax.Array, labels: jax.Array) -> jax.Array:
+  return jnp.mean(jnp.argmax(logits, -1) == labels)
+
+
+# -- training -------------------------------------------------------------
+
+
+def make_train_step(
+    apply_fn: Callable[..., Any],
+    tx: optax.GradientTransformation,
+    loss: Callable[[jax.Array, jax.Array], jax.Array] = cross_entropy,
+    extra_args_fn: Callable[..., dict[str, Any]] | None = None,
+):
+  """A jitted ``step(params, opt_state, batch) -> (params, opt_state, loss)``.
+
+  ``extra_args_fn(params, batch)`` may return extra keyword arguments for
+  ``tx.update`` (e.g. ``per_example_grads``).
+  """
+
+  def objective(params, batch):
+    x, y = batch
+    return loss(apply_fn(params, x), y)
+
+  @jax.jit
+  def step(params, opt_state, batch):
+    value, grads = jax.value_and_grad(objective)(params, batch)
+    extras = extra_args_fn(params, batch) if extra_args_fn else {}
+    updates, opt_state = tx.update(grads, opt_state, params, **extras)
+    return optax.apply_updates(params, updates), opt_state, value
+
+  return step
+
+
+def minibatches(x: np.ndarray, y: np.ndarray, batch_size: int, seed: int,
+                drop_last: bool = True) -> Iterable[tuple[np.ndarray,
+                                                          np.ndarray]]:
+  """Endless shuffled epochs of ``(x, y)`` mini-batches."""
+  rng = np.random.default_rng(seed)
+  n = len(x)
+  while True:
+    perm = rng.permutation(n)
+    stop = n - batch_size + 1 if drop_last else n
+    for i in range(0, stop, batch_size):
+      idx = perm[i:i + batch_size]
+      yield x[idx], y[idx]
+
+
+def evaluate(apply_fn, params, x, y, batch_size: int = 512,
+             loss: Callable[[jax.Array, jax.Array], jax.Array] = cross_entropy
+             ) -> dict[str, float]:
+  """Mean loss and accuracy over a dataset, in batches."""
+  f = jax.jit(lambda p, a, b: (loss(apply_fn(p, a), b) * len(a),
+                               accuracy(apply_fn(p, a), b) * len(a)))
+  tot_loss = tot_acc = 0.0
+  for i in range(0, len(x), batch_size):
+    l, a = f(params, x[i:i + batch_size], y[i:i + batch_size])
+    tot_loss += float(l)
+    tot_acc += float(a)
+  return {"loss": tot_loss / len(x), "accuracy": tot_acc / len(x)}
+
+
+# -- timing and memory -------------------------------------------------------
+
+
+def block(tree: PyTree) -> PyTree:
+  return jax.tree.map(
+      lambda x: x.block_until_ready() if hasattr(x, "block_until_ready")
+      else x, tree)
+
+
+def time_ratios(fns: dict[str, Callable[[], Any]], baseline: str, *,
+                rounds: int = 15, inner: int = 3, warmup: int = 2
+                ) -> dict[str, dict[str, float]]:
+  """Times zero-argument callables in interleaved rounds.
+
+  Each round runs every function ``inner`` times (after ``warmup`` calls at
+  the start) and records its per-call wall time; the ratio of a function is
+  the median over rounds of its time divided by the baseline's time in the
+  same round.
+
+  Returns:
+    ``{name: {"median_s": ..., "ratio": ...}}``.
+  """
+  if baseline not in fns:
+    raise ValueError(f"baseline {baseline!r} is not among {list(fns)}.")
+  for f in fns.values():
+    for _ in range(warmup):
+      block(f())
+  per_round: dict[str, list[float]] = {k: [] for k in fns}
+  for _ in range(rounds):
+    for name, f in fns.items():
+      t0 = time.perf_counter()
+      for _ in range(inner):
+        out = f()
+      block(out)
+      per_round[name].append((time.perf_counter() - t0) / inner)
+  base = per_round[baseline]
+  return {
+      name: {
+          "median_s": statistics.median(ts),
+          "ratio": statistics.median(t / b for t, b in zip(ts, base)),
+      }
+      for name, ts in per_round.items()
+  }
+
+
+def compiled_memory_bytes(fn: Callable[..., Any], *args, **kwargs) -> int:
+  """XLA temp bytes of ``jit(fn)`` compiled for these arguments (-1 if unknown)."""
+  compiled = jax.jit(fn).lower(*args, **kwargs).compile()
+  analysis = compiled.memory_analysis()
+  if analysis is None:
+    return -1
+  return int(getattr(analysis, "temp_size_in_bytes", -1))
+
+
+def tree_bytes(tree: PyTree) -> int:
+  """Bytes of all array leaves (works on ShapeDtypeStructs too)."""
+  return int(sum(np.prod(x.shape) * jnp.dtype(x.dtype).itemsize
+                 for x in jax.tree.leaves(tree) if hasattr(x, "shape")))
+
+
+# -- statistics and reports ---------------------------------------------------
+
+
+def mean_std(xs: Sequence[float]) -> tuple[float, float]:
+  xs = [float(x) for x in xs]
+  if not xs:
+    return float("nan"), float("nan")
+  return (statistics.fmean(xs),
+          statistics.stdev(xs) if len(xs) > 1 else 0.0)
+
+
+def fmt_mean_std(xs: Sequence[float], digits: int = 4) -> str:
+  m, s = mean_std(xs)
+  return f"{m:.{digits}f} ± {s:.{digits}f}"
+
+
+def paired_difference(a: Sequence[float], b: Sequence[float]
+                      ) -> tuple[float, float]:
+  """Mean and standard error of ``a - b`` over paired seeds."""
+  d = np.asarray(a, float) - np.asarray(b, float)
+  se = float(d.std(ddof=1) / math.sqrt(len(d))) if len(d) > 1 else float("nan")
+  return float(d.mean()), se
+
+
+def markdown_table(header: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
+  lines = ["| " + " | ".join(header) + " |",
+           "|" + "|".join("---" for _ in header) + "|"]
+  for r in rows:
+    lines.append("| " + " | ".join(str(c) for c in r) + " |")
+  return "\n".join(lines)
+
+
+def environment() -> dict[str, Any]:
+  """What a reader needs to interpret the numbers."""
+  return {
+      "jax": jax.__version__,
+      "optax": optax.__version__,
+      "backend": jax.default_backend(),
+      "devices": [str(d) for d in jax.devices()],
+      "cpu_count": os.cpu_count(),
+      "python": platform.python_version(),
+      "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+  }
+
+
+def _jsonable(obj: Any) -> Any:
+  if dataclasses.is_dataclass(obj):
+    return dataclasses.asdict(obj)
+  if isinstance(obj, (np.generic,)):
+    return obj.item()
+  if isinstance(obj, (np.ndarray, jax.Array)):
+    return np.asarray(obj).tolist()
+  raise TypeError(f"not JSON serialisable: {type(obj)}")
+
+
+def write_results(name: str, data: dict[str, Any], markdown: str,
+                  out_dir: str | os.PathLike[str] | None = None
+                  ) -> pathlib.Path:
+  """Writes ``<name>.json`` (data + environment) and ``<name>.md``."""
+  out = pathlib.Path(out_dir) if out_dir else RESULTS_DIR
+  out.mkdir(parents=True, exist_ok=True)
+  payload = {"name": name, "environment": environment(), **data}
+  (out / f"{name}.json").write_text(
+      json.dumps(payload, indent=2, default=_jsonable) + "\n")
+  (out / f"{name}.md").write_text(markdown.rstrip() + "\n")
+  return out / f"{name}.md"
