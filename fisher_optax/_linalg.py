@@ -156,3 +156,114 @@ def woodbury_inverse_diag(stacked: PyTree, factor: WoodburyFactor) -> PyTree:
 def symmetrize(a: jax.Array) -> jax.Array:
   """``(A + A^T) / 2`` over the last two axes."""
   return 0.5 * (a + jnp.swapaxes(a, -1, -2))
+
+
+def stacked_push_rows(
+    stacked: PyTree, gram: jax.Array, rows: PyTree, index: jax.Array | int
+) -> tuple[PyTree, jax.Array]:
+  """Writes ``k`` rows into a ring buffer of ``m`` rows and refreshes its Gram.
+
+  The rows land in slots ``index, index + 1, ..., index + k - 1`` (mod ``m``),
+  overwriting the oldest entries, and only the matching rows and columns of
+  the cached ``gram = G G^T`` are recomputed: ``O(k m d)`` work instead of the
+  ``O(m^2 d)`` of a fresh :func:`tree_stacked_gram`. Entries are recomputed,
+  never accumulated, so the cache does not drift.
+
+  Args:
+    stacked: the window, a stacked tree with leading axis ``m``.
+    gram: its ``(m, m)`` Gram matrix.
+    rows: a stacked tree with leading axis ``k <= m``, same structure.
+    index: the slot of the first new row (traced ints are fine).
+
+  Returns:
+    ``(stacked, gram)`` after the push, in the dtypes of the inputs.
+  """
+  sizes = {x.shape[0] for x in jax.tree.leaves(rows)}
+  if not sizes:  # a tree without leaves: nothing to push
+    return stacked, gram
+  if len(sizes) > 1:
+    raise ValueError(f"rows disagree on the leading axis: {sorted(sizes)}.")
+  k = sizes.pop()
+  m = gram.shape[0]
+  if k > m:
+    raise ValueError(f"cannot push {k} rows into a window of {m} rows.")
+  slots = (jnp.asarray(index, jnp.int32) + jnp.arange(k, dtype=jnp.int32)) % m
+  stacked = jax.tree.map(
+      lambda s, r: s.at[slots].set(r.astype(s.dtype)), stacked, rows)
+  new = tree_stacked_gram(
+      jax.tree.map(lambda s: s[slots], stacked), stacked).astype(gram.dtype)
+  gram = gram.at[slots, :].set(new).at[:, slots].set(new.T)
+  return stacked, gram
+
+
+def ring_buffer_push(
+    stacked: PyTree, gram: jax.Array, x: PyTree, slot: jax.Array | int
+) -> tuple[PyTree, jax.Array]:
+  """Writes ``x`` into row ``slot`` of a stacked tree and updates its Gram.
+
+  A windowed Fisher keeps its last ``m`` gradients as a ring buffer ``G``
+  plus the cached Gram ``G G^T``. Replacing one row changes one row and one
+  column of the Gram, so a step costs ``O(m d)`` instead of ``O(m^2 d)``.
+  The new row is computed from the *stored* value of ``x`` (after the cast
+  to the buffer's dtype), so the cache stays the exact Gram of the buffer
+  even for a bfloat16 window. Shared by Natural GaLore and M-FAC.
+
+  Args:
+    stacked: the buffer, leaves ``(m, *shape)``.
+    gram: its Gram matrix ``(m, m)`` (float32 or wider).
+    x: the new gradient, leaves ``shape``.
+    slot: the row to overwrite, usually ``count % m``.
+
+  Returns:
+    ``(new_stacked, new_gram)``.
+  """
+  new_stacked = jax.tree.map(
+      lambda s, v: s.at[slot].set(v.astype(s.dtype)), stacked, x)
+  stored = jax.tree.map(lambda s: s[slot].astype(gram.dtype), new_stacked)
+  wide = jax.tree.map(lambda s: s.astype(gram.dtype), new_stacked)
+  row = tree_stacked_dot(wide, stored).astype(gram.dtype)
+  new_gram = gram.at[slot, :].set(row).at[:, slot].set(row)
+  return new_stacked, new_gram
+
+
+def tree_stacked_eigh(
+    stacked: PyTree, *, scale: jax.Array | float = 1.0,
+    rtol: float | None = None,
+) -> tuple[jax.Array, PyTree]:
+  """Eigenpairs of ``scale * G^T G`` from the ``m x m`` Gram ``G G^T``.
+
+  The nonzero spectrum of ``G^T G`` (``d x d``) equals that of ``G G^T``
+  (``m x m``); with ``G G^T q_i = l_i q_i`` the unit eigenvectors of
+  ``G^T G`` are ``v_i = G^T q_i / sqrt(l_i)``, orthonormal over the whole
+  tree. Eigenvalues below ``rtol * max(l)`` (round-off of the Gram) are set to
+  zero and their vectors to exactly zero, so rank-deficient or all-zero ``G``
+  never divides by zero.
+
+  Args:
+    stacked: ``G`` as a stacked tree with leading axis ``m``.
+    scale: ``c`` in ``c G^T G`` (e.g. ``1/N`` for a mean of outer products).
+    rtol: relative cut-off; default ``10 m eps`` of the Gram's dtype.
+
+  Returns:
+    ``(eigvals, eigvecs)``: ``eigvals`` ``(m,)`` in descending order (of
+    ``scale * G^T G``, clipped at zero) and ``eigvecs`` a stacked tree shaped
+    like ``stacked``.
+  """
+  gram = symmetrize(tree_stacked_gram(stacked))
+  m = gram.shape[0]
+  if rtol is None:
+    rtol = 10.0 * m * float(jnp.finfo(gram.dtype).eps)
+  evals, evecs = jnp.linalg.eigh(gram)
+  evals, evecs = evals[::-1], evecs[:, ::-1]
+  top = jnp.maximum(evals[0], 0.0)
+  keep = evals > rtol * top
+  safe = jnp.where(keep, evals, 1.0)
+  coeffs = jnp.where(keep, 1.0 / jnp.sqrt(safe), 0.0)[None, :] * evecs
+  # v_i = G^T q_i / sqrt(l_i), one stacked combination per eigenvector.
+  vecs = jax.tree.map(
+      lambda s: jnp.tensordot(coeffs.T.astype(s.dtype), s, axes=(1, 0),
+                              precision=_HIGHEST),
+      stacked,
+  )
+  evals = jnp.where(keep, evals, 0.0) * jnp.asarray(scale, gram.dtype)
+  return evals, vecs
