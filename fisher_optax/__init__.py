@@ -14,6 +14,11 @@ from fisher_optax import fisher
 # -- FAdam (_fadam.py) --
 # -- FISMO (_fismo.py) --
 # -- Natural GaLore and the Woodbury Fisher preconditioner (_natural_galore.py) --
+from fisher_optax._natural_galore import natural_galore
+from fisher_optax._natural_galore import NaturalGaLoreState
+from fisher_optax._natural_galore import scale_by_natural_galore
+from fisher_optax._natural_galore import scale_by_woodbury_fisher
+from fisher_optax._natural_galore import WoodburyFisherState
 # -- EWC penalties and protected subspaces (_ewc.py, _physguard.py) --
 # -- Fisher merging (_merging.py) --
 # -- M-FAC, OBS pruning, Fisher-weighted SVD (_mfac.py, _obs.py, _fwsvd.py) --
@@ -22,4 +27,10 @@ __all__ = [
     "__version__",
     "fisher",
     # -- exports, one block per module --
+    # Natural GaLore (_natural_galore.py)
+    "NaturalGaLoreState",
+    "WoodburyFisherState",
+    "natural_galore",
+    "scale_by_natural_galore",
+    "scale_by_woodbury_fisher",
 ]
