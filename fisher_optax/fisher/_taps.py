@@ -1,0 +1,789 @@
+# Copyright 2026 The fisher_optax Authors. Licensed under the Apache License 2.0.
+"""The fast layer-statistics path: per-example statistics without B x P.
+
+A dense layer computes ``z = a @ W (+ b)``. For example ``n`` (and output
+cotangent ``s``), its gradient is ``g = a_n^T delta_{s,n}`` where ``delta`` is
+the cotangent at the pre-activation ``z``. Diagonal Fisher, K-FAC factors,
+per-example norms and the per-example Gram matrix are all cheap functions of
+``a`` and ``delta``:
+
+.. math::
+
+  \\mathrm{diag}(W) = \\sum_{s,n} (a_n^2)^\\top \\delta_{s,n}^2, \\quad
+  A = \\sum_n a_n a_n^\\top, \\quad \\Gamma = \\sum_{s,n} \\delta_{s,n}
+  \\delta_{s,n}^\\top, \\quad
+  \\langle g_i, g_j \\rangle = (a_i \\cdot a_j)(\\delta_i \\cdot \\delta_j).
+
+``delta`` comes from the zero-"tap" trick: add a zero array to every dense
+output and differentiate the model's outputs with respect to the taps. Row
+``n`` of a tap only touches example ``n``'s outputs, so the tap cotangents are
+the per-example ``delta`` for all examples at once, at the cost of one backward
+pass (vmapped over the ``S`` cotangents).
+
+**How layers are found.** No model edits and no Flax hooks: the apply function
+is traced to a jaxpr and the dense and embedding patterns are matched on it,
+so the same code serves Flax Linen (``nn.Dense``, ``nn.Embed``, ``model.apply``),
+Flax NNX (``nnx.Linear``, ``nnx.Embed`` behind an ``nnx.merge`` function) and
+plain functions (``x @ p["w"] + p["b"]``, ``jnp.take(table, ids, axis=0)``).
+A parameter leaf is *covered* when its only use is one of
+
+* the right operand of a ``dot_general`` contracting the last axis of an
+  activation with the first axis of the 2-D leaf (``x @ W``, ``jnp.dot``,
+  ``jnp.einsum("...d,de->...e")``, Linen ``Dense``, NNX ``Linear``);
+* a 1-D leaf reshaped or broadcast along the last axis and added to such a
+  product, the product having no other consumer (the bias);
+* the table of a row ``gather`` (``jnp.take(table, ids, axis=0)``, ``table[ids]``,
+  Linen ``Embed``, NNX ``Embed``).
+
+Casts (``convert_element_type``) and ``jit``/``remat`` boundaries are looked
+through. A leaf used any other way (a layer-norm scale, a convolution kernel, a
+kernel used twice as in tied embeddings, a kernel inside ``scan`` or a
+``custom_jvp``) is reported as not covered; the engine computes it by the
+per-example path.
+
+**Weight sharing.** When the activation has middle axes (a dense layer applied
+to ``(B, T, d)``), the example gradient is ``sum_t a_t delta_t^T``. Norms and
+the Gram matrix keep a cheap exact form
+(:math:`\\langle a a^\\top, \\delta \\delta^\\top \\rangle`, "ghost norms"); the
+exact diagonal does not, and is computed as a chunked per-example einsum. The
+K-FAC factors use the "expand" convention (positions as examples):
+``A_sum = sum_n mean_t a_t a_t^T`` and ``Gamma_sum = sum_{s,n,t} delta delta^T``,
+so that ``(A_sum / B) kron (Gamma_sum / B)`` is the exact block when ``T = 1``.
+
+**Assumptions.** The model is batch independent (output row ``n`` depends on
+input row ``n`` only: no BatchNorm in training mode), and an activation whose
+leading axis has the batch size carries the batch on that axis. Both hold for
+the usual models; the per-example path needs the first one too.
+
+Ordering: statistics indexed by ``i`` run over ``i = s * B + n``.
+
+References:
+  Goodfellow, `Efficient per-example gradient computations
+  <https://arxiv.org/abs/1510.01799>`_, 2015.
+
+  Li et al, `Large language models can be strong differentially private
+  learners <https://arxiv.org/abs/2110.05679>`_, 2021 (ghost norms).
+
+  Eschenhagen et al, `Kronecker-factored approximate curvature for modern
+  neural network architectures <https://arxiv.org/abs/2311.00636>`_, 2023.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Optional, Sequence
+
+import jax
+from jax import lax
+import jax.extend.core as jex
+import jax.numpy as jnp
+import numpy as np
+
+Array = jax.Array
+PyTree = Any
+
+STRUCTURES = ("diag", "kron", "gram", "norms")
+
+# Call-like primitives whose body is looked into (and inlined when it holds a
+# tapped layer), with the name of the parameter holding the body.
+_CALLS = {
+    "jit": "jaxpr",
+    "pjit": "jaxpr",
+    "closed_call": "call_jaxpr",
+    "core_call": "call_jaxpr",
+    "checkpoint": "jaxpr",
+    "remat": "jaxpr",
+}
+
+# Budget (elements) for a materialised chunk of per-example layer gradients
+# when the caller gives no chunk size (weight-shared diagonal only).
+_DEFAULT_CHUNK_ELEMENTS = 1 << 24
+
+
+# --------------------------------------------------------------------------
+# Matching layers on the jaxpr.
+
+
+@dataclasses.dataclass
+class _Site:
+  """A matched layer: a dense product or an embedding gather."""
+
+  kind: str  # "dense" | "embed"
+  path: tuple[int, ...]  # equation indices from the top-level jaxpr down
+  kernel: int  # leaf index of the kernel / table
+  bias: Optional[int] = None  # leaf index of the bias, if matched
+  mode: Any = None  # gather mode (embed)
+  num_rows: int = 0  # vocabulary size (embed)
+
+
+@dataclasses.dataclass
+class _Plan:
+  sites: list[_Site]
+  roles: list[Optional[tuple[int, str]]]  # per leaf: (site, role) or None
+  site_at: dict[tuple[int, ...], int]  # equation path -> site index
+  inline: set[tuple[int, ...]]  # call equations to inline
+
+
+def _sub_jaxpr(eqn) -> Optional[tuple[Any, Sequence[Any]]]:
+  """Returns (open jaxpr, consts) of a call-like equation, else None."""
+  name = _CALLS.get(eqn.primitive.name)
+  if name is None or name not in eqn.params:
+    return None
+  sub = eqn.params[name]
+  if isinstance(sub, jex.ClosedJaxpr):
+    return sub.jaxpr, sub.consts
+  if isinstance(sub, jex.Jaxpr):
+    return sub, ()
+  return None
+
+
+def _var_uses(jaxpr) -> dict[Any, int]:
+  counts: dict[Any, int] = {}
+  for eqn in jaxpr.eqns:
+    for v in eqn.invars:
+      if isinstance(v, jex.Var):
+        counts[v] = counts.get(v, 0) + 1
+  for v in jaxpr.outvars:
+    if isinstance(v, jex.Var):
+      counts[v] = counts.get(v, 0) + 1
+  return counts
+
+
+def _is_dense(eqn, batch: int) -> bool:
+  x, w = (v.aval for v in eqn.invars)
+  (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+  return (len(w.shape) == 2 and len(x.shape) >= 2 and x.shape[0] == batch
+          and tuple(lc) == (len(x.shape) - 1,) and tuple(rc) == (0,)
+          and not lb and not rb)
+
+
+def _is_embed(eqn, batch: int) -> bool:
+  table, idx = (v.aval for v in eqn.invars)
+  if len(table.shape) != 2 or len(idx.shape) < 2 or idx.shape[0] != batch:
+    return False
+  if idx.shape[-1] != 1 or not jnp.issubdtype(idx.dtype, jnp.integer):
+    return False
+  dn = eqn.params["dimension_numbers"]
+  return (tuple(dn.offset_dims) == (len(idx.shape) - 1,)
+          and tuple(dn.collapsed_slice_dims) == (0,)
+          and tuple(dn.start_index_map) == (0,)
+          and not tuple(dn.operand_batching_dims)
+          and tuple(eqn.params["slice_sizes"]) == (1, table.shape[1]))
+
+
+def _is_bias_view(eqn, kind) -> bool:
+  """A 1-D leaf reshaped/broadcast to (1, ..., 1, d)."""
+  if kind is None or kind[0] != "param":
+    return False
+  src, out = eqn.invars[0].aval, eqn.outvars[0].aval
+  return (len(src.shape) == 1 and len(out.shape) >= 1
+          and out.shape[-1] == src.shape[0]
+          and all(d == 1 for d in out.shape[:-1]))
+
+
+def _scan(jaxpr, env: dict, path: tuple[int, ...], batch: int,
+          plan: _Plan, uses: list[list[tuple[str, int]]]) -> list:
+  """Walks a jaxpr, matching layers; returns the kinds of its outputs.
+
+  ``env`` maps a variable to ``("param", leaf)`` (a leaf, possibly cast),
+  ``("bias", leaf)`` (a bias view of a leaf) or ``("site", site)`` (a matched
+  dense product with a single consumer chain).
+  """
+  counts = _var_uses(jaxpr)
+
+  def other(kind):
+    if kind is not None and kind[0] in ("param", "bias"):
+      uses[kind[1]].append(("other", -1))
+
+  for i, eqn in enumerate(jaxpr.eqns):
+    kinds = [env.get(v) if isinstance(v, jex.Var) else None
+             for v in eqn.invars]
+    if not any(kinds):
+      continue
+    here = path + (i,)
+    name = eqn.primitive.name
+    sub = _sub_jaxpr(eqn)
+    if sub is not None:
+      inner, _ = sub
+      inner_env = {v: k for v, k in zip(inner.invars, kinds) if k}
+      n_sites = len(plan.sites)
+      out_kinds = _scan(inner, inner_env, here, batch, plan, uses)
+      if len(plan.sites) > n_sites:
+        plan.inline.add(here)
+      for v, k in zip(eqn.outvars, out_kinds):
+        if k is not None:
+          env[v] = k
+      continue
+    if name == "convert_element_type" and kinds[0] is not None:
+      k = kinds[0]
+      if k[0] == "param" or (k[0] == "site" and counts[eqn.invars[0]] == 1):
+        env[eqn.outvars[0]] = k
+        continue
+    if (name == "dot_general" and kinds[0] is None and kinds[1] is not None
+        and kinds[1][0] == "param" and _is_dense(eqn, batch)):
+      site = len(plan.sites)
+      plan.sites.append(_Site("dense", here, kinds[1][1]))
+      plan.site_at[here] = site
+      uses[kinds[1][1]].append(("kernel", site))
+      if counts[eqn.outvars[0]] == 1:
+        env[eqn.outvars[0]] = ("site", site)
+      continue
+    if (name == "gather" and kinds[0] is not None and kinds[1] is None
+        and kinds[0][0] == "param" and _is_embed(eqn, batch)):
+      site = len(plan.sites)
+      plan.sites.append(_Site(
+          "embed", here, kinds[0][1], mode=eqn.params["mode"],
+          num_rows=eqn.invars[0].aval.shape[0]))
+      plan.site_at[here] = site
+      uses[kinds[0][1]].append(("table", site))
+      continue
+    if name in ("reshape", "broadcast_in_dim") and _is_bias_view(eqn, kinds[0]):
+      env[eqn.outvars[0]] = ("bias", kinds[0][1])
+      continue
+    if name == "add" and len(kinds) == 2:
+      for j in (0, 1):
+        site_k, bias_k = kinds[j], kinds[1 - j]
+        if (site_k is not None and site_k[0] == "site" and bias_k is not None
+            and bias_k[0] == "bias"
+            and eqn.invars[j].aval.shape[-1]
+            == eqn.invars[1 - j].aval.shape[-1]
+            and eqn.outvars[0].aval.shape == eqn.invars[j].aval.shape):
+          site = plan.sites[site_k[1]]
+          if site.bias is None:
+            site.bias = bias_k[1]
+            uses[bias_k[1]].append(("bias", site_k[1]))
+            break
+      else:
+        for k in kinds:
+          other(k)
+      continue
+    for k in kinds:
+      other(k)
+  return [env.get(v) if isinstance(v, jex.Var) else None
+          for v in jaxpr.outvars]
+
+
+def _make_plan(closed, num_leaves: int, batch: int) -> _Plan:
+  plan = _Plan(sites=[], roles=[None] * num_leaves, site_at={}, inline=set())
+  uses: list[list[tuple[str, int]]] = [[] for _ in range(num_leaves)]
+  env = {v: ("param", i) for i, v in enumerate(closed.jaxpr.invars[
+      :num_leaves])}
+  out_kinds = _scan(closed.jaxpr, env, (), batch, plan, uses)
+  for k in out_kinds:  # a leaf returned as an output is an opaque use
+    if k is not None and k[0] in ("param", "bias"):
+      uses[k[1]].append(("other", -1))
+  for leaf, u in enumerate(uses):
+    if len(u) == 1 and u[0][0] != "other":
+      role, site = u[0]
+      plan.roles[leaf] = (site, role)
+  # A bias whose product is not tapped for its kernel still needs the tap;
+  # every site is tapped, uncovered ones simply go unused.
+  return plan
+
+
+# --------------------------------------------------------------------------
+# Evaluating the jaxpr with taps.
+
+
+def _bind(eqn, invals):
+  bind_params = eqn.primitive.get_bind_params(eqn.params)
+  if isinstance(bind_params, tuple):  # older jax: (subfuns, params)
+    subfuns, bind_params = bind_params
+    invals = [*subfuns, *invals]
+  ctx = getattr(getattr(eqn, "ctx", None), "manager", None)
+  if ctx is None:
+    out = eqn.primitive.bind(*invals, **bind_params)
+  else:
+    with ctx:
+      out = eqn.primitive.bind(*invals, **bind_params)
+  return out if eqn.primitive.multiple_results else [out]
+
+
+def _eval(jaxpr, consts, args, path, plan: _Plan, taps, acts: dict) -> list:
+  env: dict = {}
+
+  def read(v):
+    return v.val if isinstance(v, jex.Literal) else env[v]
+
+  for v, x in zip(jaxpr.constvars, consts):
+    env[v] = x
+  for v, x in zip(jaxpr.invars, args):
+    env[v] = x
+  for i, eqn in enumerate(jaxpr.eqns):
+    here = path + (i,)
+    invals = [read(v) for v in eqn.invars]
+    if here in plan.inline:
+      inner, inner_consts = _sub_jaxpr(eqn)
+      outs = _eval(inner, inner_consts, invals, here, plan, taps, acts)
+    else:
+      outs = _bind(eqn, invals)
+      site = plan.site_at.get(here)
+      if site is not None:
+        kind = plan.sites[site].kind
+        acts[site] = invals[0] if kind == "dense" else invals[1]
+        outs = [outs[0] + taps[site]]
+    for v, x in zip(eqn.outvars, outs):
+      if not isinstance(v, jex.DropVar):
+        env[v] = x
+  return [read(v) for v in jaxpr.outvars]
+
+
+def _trace(apply_fn, params, inputs):
+  """make_jaxpr of apply_fn on flat (param leaves, input leaves)."""
+  leaves, treedef = jax.tree_util.tree_flatten(params)
+  in_leaves, in_def = jax.tree_util.tree_flatten(inputs)
+  for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+      raise TypeError(
+          f"params leaf {jax.tree_util.keystr(path)} is not an array: "
+          f"{type(x).__name__}.")
+  batches = {int(np.shape(x)[0]) for x in in_leaves if np.ndim(x) > 0}
+  if len(batches) != 1 or any(np.ndim(x) == 0 for x in in_leaves):
+    raise ValueError(
+        "inputs must be a non-empty pytree of arrays sharing one leading "
+        f"batch axis; got leading sizes {sorted(batches)}.")
+  num = len(leaves)
+
+  def flat_apply(*flat):
+    p = jax.tree_util.tree_unflatten(treedef, flat[:num])
+    x = jax.tree_util.tree_unflatten(in_def, flat[num:])
+    return apply_fn(p, x)
+
+  closed, out_shape = jax.make_jaxpr(flat_apply, return_shape=True)(
+      *leaves, *in_leaves)
+  out_def = jax.tree_util.tree_structure(out_shape)
+  return leaves, treedef, in_leaves, closed, out_def, batches.pop()
+
+
+# --------------------------------------------------------------------------
+# Public: recording a forward pass and pulling cotangents back to the taps.
+
+
+class LayerTape:
+  """A traced forward pass with zero taps on every matched layer.
+
+  Built by :func:`record`. ``covered`` is a params-shaped tree of Python bools
+  (static), ``outputs`` the model outputs of the recorded forward pass.
+  """
+
+  def __init__(self, plan: _Plan, treedef, leaves, covered_list, outputs,
+               pullback, acts, batch: int):
+    self._plan = plan
+    self._treedef = treedef
+    self._leaves = leaves
+    self._covered = covered_list
+    self.outputs = outputs
+    self._pullback = pullback
+    self._acts = acts
+    self.batch = batch
+
+  @property
+  def covered(self) -> PyTree:
+    return jax.tree_util.tree_unflatten(self._treedef, self._covered)
+
+  def backward(self, cotangents: PyTree) -> "LayerGrads":
+    """Pulls ``S`` output cotangents back to the taps (one vmapped backward).
+
+    Args:
+      cotangents: like ``outputs`` with an extra leading axis ``S``.
+
+    Returns:
+      A :class:`LayerGrads` holding the per-example ``delta`` of every layer.
+    """
+    out_leaves, out_def = jax.tree_util.tree_flatten(self.outputs)
+    ct_leaves, ct_def = jax.tree_util.tree_flatten(cotangents)
+    if ct_def != out_def:
+      raise ValueError(
+          "cotangents must have the structure of the model outputs "
+          f"{out_def}, got {ct_def}.")
+    num = None
+    for o, c in zip(out_leaves, ct_leaves):
+      if c.ndim != o.ndim + 1 or tuple(c.shape[1:]) != tuple(o.shape):
+        raise ValueError(
+            "cotangents must have shape (S, *outputs.shape) = "
+            f"(S, {', '.join(map(str, o.shape))}); got {tuple(c.shape)}.")
+      if num is not None and c.shape[0] != num:
+        raise ValueError("cotangent leaves disagree on the sample axis S.")
+      num = c.shape[0]
+    ct_leaves = [c.astype(o.dtype) for o, c in zip(out_leaves, ct_leaves)]
+    cts = jax.tree_util.tree_unflatten(ct_def, ct_leaves)
+    deltas = jax.vmap(lambda c: self._pullback(c)[0])(cts)
+    return LayerGrads(self, tuple(deltas), num)
+
+
+def record(apply_fn: Callable[[PyTree, PyTree], PyTree], params: PyTree,
+           inputs: PyTree, *, axis_name: Optional[str] = None
+           ) -> LayerTape:
+  """Runs ``apply_fn(params, inputs)`` with zero taps on its dense layers.
+
+  Args:
+    apply_fn: ``apply_fn(params, inputs) -> outputs`` with a leading batch axis
+      on ``inputs`` and ``outputs``.
+    params: the parameters (any pytree of arrays).
+    inputs: the batch inputs (any pytree of arrays with leading axis ``B``).
+    axis_name: inside ``shard_map``, the batch axis name: taps are made
+      device-varying so autodiff does not sum cotangents across devices.
+
+  Returns:
+    A :class:`LayerTape`; call ``.backward(cotangents)`` on it.
+  """
+  leaves, treedef, in_leaves, closed, out_def, batch = _trace(
+      apply_fn, params, inputs)
+  num = len(leaves)
+  plan = _make_plan(closed, num, batch)
+  covered = [r is not None for r in plan.roles]
+  out_shapes = {}
+
+  def _collect(jaxpr, path):
+    for i, eqn in enumerate(jaxpr.eqns):
+      here = path + (i,)
+      if here in plan.site_at:
+        out_shapes[plan.site_at[here]] = eqn.outvars[0].aval
+      if here in plan.inline:
+        _collect(_sub_jaxpr(eqn)[0], here)
+
+  _collect(closed.jaxpr, ())
+  taps = []
+  for s in range(len(plan.sites)):
+    aval = out_shapes[s]
+    t = jnp.zeros(aval.shape, aval.dtype)
+    if axis_name is not None:
+      t = lax.pcast(t, axis_name, to="varying")
+    taps.append(t)
+
+  def tapped(taps):
+    acts: dict = {}
+    outs = _eval(closed.jaxpr, closed.consts, [*leaves, *in_leaves], (),
+                 plan, taps, acts)
+    return (jax.tree_util.tree_unflatten(out_def, outs),
+            tuple(acts[s] for s in range(len(plan.sites))))
+
+  outputs, pullback, acts = jax.vjp(tapped, tuple(taps), has_aux=True)
+  return LayerTape(plan, treedef, leaves, covered, outputs, pullback, acts,
+                   batch)
+
+
+# --------------------------------------------------------------------------
+# Statistics from (a, delta).
+
+
+def _f32(x: Array) -> Array:
+  return x.astype(jnp.promote_types(x.dtype, jnp.float32))
+
+
+def _chunk_map(fn: Callable[..., Array], xs: Sequence[Array], chunk: int
+               ) -> Array:
+  """``fn`` over row chunks of ``xs`` (zero-padded), results concatenated."""
+  n = xs[0].shape[0]
+  if chunk >= n:
+    return fn(*xs)
+  pad = -n % chunk
+  padded = [jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1)) for x in xs]
+  shaped = [x.reshape((-1, chunk) + x.shape[1:]) for x in padded]
+  out = lax.map(lambda c: fn(*c), shaped)
+  return out.reshape((-1,) + out.shape[2:])[:n]
+
+
+class LayerGrads:
+  """Per-example layer cotangents ``delta`` of a :class:`LayerTape`.
+
+  ``num_samples`` is ``S``; rows are ordered ``i = s * B + n``.
+  """
+
+  def __init__(self, tape: LayerTape, deltas: tuple, num_samples: int):
+    self._tape = tape
+    self._deltas = deltas
+    self.num_samples = num_samples
+
+  def take(self, samples: slice) -> "LayerGrads":
+    """Restricts to a slice of the ``S`` sample axis."""
+    deltas = tuple(d[samples] for d in self._deltas)
+    num = deltas[0].shape[0] if deltas else len(range(
+        *samples.indices(self.num_samples)))
+    return LayerGrads(self._tape, deltas, num)
+
+  # Per-site views: a (B, T, d_in) or ids (B, T); delta (S, B, T, d_out).
+  def _site(self, s: int):
+    site = self._tape._plan.sites[s]
+    b = self._tape.batch
+    delta = _f32(self._deltas[s])
+    delta = delta.reshape(delta.shape[0], b, -1, delta.shape[-1])
+    act = self._tape._acts[s]
+    if site.kind == "dense":
+      act = _f32(act).reshape(b, -1, act.shape[-1])
+      return site, act, delta, None
+    ids = act.reshape(b, -1).astype(jnp.int32)
+    rows = site.num_rows
+    if site.mode == lax.GatherScatterMode.CLIP:
+      ids = jnp.clip(ids, 0, rows - 1)
+      valid = jnp.ones(ids.shape, bool)
+    else:  # out-of-range rows are filled on the way in, dropped on the way out
+      valid = (ids >= 0) & (ids < rows)
+      ids = jnp.where(valid, ids, 0)
+    delta = delta * valid[None, :, :, None]
+    return site, ids, delta, valid
+
+  def _leaf_items(self):
+    """Yields (leaf index, site index, role) for covered leaves."""
+    for leaf, r in enumerate(self._tape._plan.roles):
+      if r is not None:
+        yield leaf, r[0], r[1]
+
+  def _unflatten(self, values: dict) -> PyTree:
+    vals = [values.get(i) for i in range(len(self._tape._leaves))]
+    return jax.tree_util.tree_unflatten(self._tape._treedef, vals)
+
+  def statistics(self, structure: str, *, chunk_size: Optional[int] = None
+                 ) -> PyTree:
+    """Sums over samples and examples; see :func:`layer_statistics`."""
+    if structure not in STRUCTURES:
+      raise ValueError(
+          f"structure must be one of {STRUCTURES}, got {structure!r}.")
+    cache: dict = {}
+
+    def site(s):
+      if s not in cache:
+        cache[s] = self._site(s)
+      return cache[s]
+
+    if structure == "gram":
+      n = self.num_samples * self._tape.batch
+      total = jnp.zeros((n, n), jnp.float32)
+      for _, s, role in self._leaf_items():
+        total = total + self._gram(site(s), role, chunk_size)
+      return total
+    fn = {"diag": self._diag, "kron": self._kron, "norms": self._norms}[
+        structure]
+    out = {leaf: fn(site(s), role, leaf, chunk_size)
+           for leaf, s, role in self._leaf_items()}
+    return self._unflatten(out)
+
+  def _diag(self, site_view, role, leaf, chunk_size):
+    site, act, delta, _ = site_view
+    shape = self._tape._leaves[leaf].shape
+    if role == "bias":
+      return jnp.sum(jnp.sum(delta, axis=2) ** 2, axis=(0, 1)).reshape(shape)
+    if site.kind == "embed":
+      ids = act
+      same = ids[:, :, None] == ids[:, None, :]  # (B, T, T)
+      summed = jnp.einsum("ntu,snud->sntd", same.astype(delta.dtype), delta)
+      mult = jnp.sum(same, axis=-1).astype(delta.dtype)  # (B, T)
+      per_pos = jnp.sum(summed ** 2, axis=0) / mult[..., None]
+      return jnp.zeros(shape, delta.dtype).at[ids.reshape(-1)].add(
+          per_pos.reshape(-1, shape[-1]))
+    if act.shape[1] == 1:
+      return jnp.einsum("ni,snj->ij", act[:, 0] ** 2, delta[:, :, 0] ** 2)
+    # Weight sharing: no shortcut, chunked per-example products.
+    num_s, b, t, d_out = delta.shape
+    d_in = act.shape[-1]
+    rows = delta.reshape(num_s * b, t, d_out)
+    acts = jnp.broadcast_to(act, (num_s,) + act.shape).reshape(
+        num_s * b, t, d_in)
+    chunk = chunk_size or max(1, _DEFAULT_CHUNK_ELEMENTS // (d_in * d_out))
+
+    def part(a, d):
+      g = jnp.einsum("cti,ctj->cij", a, d)
+      return jnp.sum(g ** 2, axis=0)[None]
+
+    return jnp.sum(_chunk_map(part, [acts, rows], chunk), axis=0)
+
+  def _kron(self, site_view, role, leaf, chunk_size):
+    del chunk_size
+    site, act, delta, valid = site_view
+    gamma = jnp.einsum("sntd,snte->de", delta, delta)
+    t = delta.shape[2]
+    if role == "bias":
+      return (jnp.full((1, 1), self._tape.batch, delta.dtype), gamma)
+    if site.kind == "embed":
+      counts = jnp.zeros((site.num_rows,), delta.dtype).at[
+          act.reshape(-1)].add(valid.reshape(-1).astype(delta.dtype))
+      return (jnp.diag(counts) / t, gamma)
+    return (jnp.einsum("ntd,nte->de", act, act) / t, gamma)
+
+  def _norms(self, site_view, role, leaf, chunk_size):
+    del leaf, chunk_size
+    site, act, delta, _ = site_view
+    if role == "bias":
+      return jnp.sum(jnp.sum(delta, axis=2) ** 2, axis=-1).reshape(-1)
+    if site.kind == "embed":
+      same = (act[:, :, None] == act[:, None, :]).astype(delta.dtype)
+    elif act.shape[1] == 1:
+      a2 = jnp.sum(act[:, 0] ** 2, axis=-1)
+      return (jnp.sum(delta[:, :, 0] ** 2, axis=-1) * a2).reshape(-1)
+    else:
+      same = jnp.einsum("ntd,nud->ntu", act, act)
+    dd = jnp.einsum("sntd,snud->sntu", delta, delta)
+    return jnp.einsum("ntu,sntu->sn", same, dd).reshape(-1)
+
+  def _gram(self, site_view, role, chunk_size):
+    site, act, delta, _ = site_view
+    num_s, b, t, d_out = delta.shape
+    rows = delta.reshape(num_s * b, t, d_out)
+    if role == "bias":
+      g = jnp.sum(rows, axis=1)
+      return g @ g.T
+    if site.kind == "embed":
+      ka = (act[:, None, :, None] == act[None, :, None, :]).astype(
+          delta.dtype)  # (B, B, T, T)
+    else:
+      d_in = act.shape[-1]
+      if t > 1 and d_in * d_out < num_s * b * t * t:
+        acts = jnp.broadcast_to(act, (num_s,) + act.shape).reshape(
+            num_s * b, t, d_in)
+        g = jnp.einsum("cti,ctj->cij", acts, rows).reshape(num_s * b, -1)
+        return g @ g.T
+      ka = jnp.einsum("ntd,mud->nmtu", act, act)
+    kd = jnp.einsum("itd,jud->ijtu", rows, rows).reshape(
+        num_s, b, num_s, b, t, t)
+    return jnp.einsum("nmtu,snrmtu->snrm", ka, kd).reshape(
+        num_s * b, num_s * b)
+
+  def combine(self, weights: Array) -> PyTree:
+    """``sum_i weights[:, i] g_i`` per covered leaf; see :func:`combine`."""
+    num_s, b = self.num_samples, self._tape.batch
+    weights = jnp.asarray(weights)
+    if weights.ndim != 2 or weights.shape[1] != num_s * b:
+      raise ValueError(
+          f"weights must have shape (k, S * B) = (k, {num_s * b}); got "
+          f"{tuple(weights.shape)}.")
+    out = {}
+    for leaf, s, role in self._leaf_items():
+      site, act, delta, _ = self._site(s)
+      w = _f32(weights).astype(jnp.promote_types(weights.dtype, delta.dtype))
+      w = w.reshape(-1, num_s, b)
+      shape = self._tape._leaves[leaf].shape
+      k = w.shape[0]
+      if role == "bias":
+        val = jnp.einsum("ksn,sntd->kd", w, delta)
+      elif site.kind == "embed":
+        wd = jnp.einsum("ksn,sntd->kntd", w, delta)
+        val = jnp.zeros((k,) + shape, wd.dtype).at[:, act.reshape(-1)].add(
+            wd.reshape(k, -1, shape[-1]))
+      else:
+        val = jnp.einsum("ksn,nti,sntj->kij", w, act, delta)
+      out[leaf] = val.reshape((k,) + shape)
+    return self._unflatten(out)
+
+
+# --------------------------------------------------------------------------
+# The engine contract.
+
+
+def _check_cotangents(cotangents) -> None:
+  for c in jax.tree_util.tree_leaves(cotangents):
+    if not hasattr(c, "shape") or c.ndim < 2:
+      raise ValueError(
+          "cotangents must be arrays of shape (S, B, *out_shape); got "
+          f"{getattr(c, 'shape', type(c).__name__)}.")
+
+
+def _check_chunk(chunk_size) -> None:
+  if chunk_size is not None and (
+      not isinstance(chunk_size, (int, np.integer))
+      or isinstance(chunk_size, bool) or chunk_size < 1):
+    raise ValueError(
+        f"chunk_size must be None or a positive int, got {chunk_size!r}.")
+
+
+def layer_statistics(apply_fn: Callable[[PyTree, PyTree], PyTree],
+                     params: PyTree, inputs: PyTree, cotangents: PyTree, *,
+                     structure: str, chunk_size: Optional[int] = None,
+                     axis_name: Optional[str] = None
+                     ) -> tuple[Any, PyTree]:
+  """Sums of per-example statistics from layer inputs and output gradients.
+
+  For sample ``s`` and example ``n`` the pseudo-gradient is
+  :math:`g_{s,n} = J_n^\\top r_{s,n}` with ``r = cotangents[s, n]``. For every
+  covered leaf this returns, without forming any ``g``:
+
+  .. math::
+
+    \\texttt{diag} = \\sum_{s,n} g_{s,n}^2, \\quad
+    \\texttt{norms}_{i} = \\lVert g_i \\rVert^2, \\quad
+    \\texttt{gram}_{ij} = \\sum_{\\text{covered}} \\langle g_i, g_j \\rangle,
+
+  and for ``"kron"`` the K-FAC sums ``(A_sum, Gamma_sum)``: for a kernel
+  ``A_sum = sum_n mean_t a a^T`` (``(d_in, d_in)``; an embedding's is the
+  diagonal of row counts) and ``Gamma_sum = sum_{s,n,t} delta delta^T``; for a
+  bias ``A_sum = [[B]]``.
+
+  Args:
+    apply_fn: ``apply_fn(params, inputs) -> outputs`` (leading batch axis):
+      a Linen ``model.apply``, an NNX merge function or a plain function.
+    params: the parameters.
+    inputs: batch inputs with leading axis ``B``.
+    cotangents: ``(S, B, *out_shape)`` (a pytree like the outputs, each leaf
+      with the leading ``S`` axis).
+    structure: ``"diag"``, ``"kron"``, ``"gram"`` or ``"norms"``.
+    chunk_size: examples per chunk where per-example layer gradients must be
+      formed (weight-shared diagonal); ``None`` picks a chunk of about
+      ``2**24`` elements.
+    axis_name: inside ``shard_map``, the batch axis name (see :func:`record`).
+
+  Returns:
+    ``(stats, covered)``: ``covered`` is a params-shaped tree of Python bools;
+    ``stats`` is params-shaped with ``None`` at uncovered leaves (``"diag"``:
+    leaf shape; ``"norms"``: ``(S * B,)`` ordered ``s * B + n``; ``"kron"``: a
+    pair), or one ``(S * B, S * B)`` array for ``"gram"``. Float32 or wider.
+
+  Example::
+
+    stats, covered = layer_statistics(
+        model.apply, params, x, cotangents, structure="diag")
+  """
+  if structure not in STRUCTURES:
+    raise ValueError(
+        f"structure must be one of {STRUCTURES}, got {structure!r}.")
+  _check_chunk(chunk_size)
+  _check_cotangents(cotangents)
+  tape = record(apply_fn, params, inputs, axis_name=axis_name)
+  grads = tape.backward(cotangents)
+  return grads.statistics(structure, chunk_size=chunk_size), tape.covered
+
+
+def combine(apply_fn: Callable[[PyTree, PyTree], PyTree], params: PyTree,
+            inputs: PyTree, cotangents: PyTree, weights: Array, *,
+            chunk_size: Optional[int] = None,
+            axis_name: Optional[str] = None) -> tuple[PyTree, PyTree]:
+  """Weighted sums of pseudo-gradients, ``sum_i weights[:, i] g_i``.
+
+  .. math::
+
+    \\texttt{out}_k = \\sum_{i} w_{k,i}\\, g_i, \\qquad
+    g_{s \\cdot B + n} = J_n^\\top r_{s,n}.
+
+  Args:
+    apply_fn: as in :func:`layer_statistics`.
+    params: the parameters.
+    inputs: batch inputs with leading axis ``B``.
+    cotangents: ``(S, B, *out_shape)``.
+    weights: ``(k, S * B)``.
+    chunk_size: unused (kept for symmetry with :func:`layer_statistics`).
+    axis_name: inside ``shard_map``, the batch axis name.
+
+  Returns:
+    ``(tree, covered)``: params-shaped, each covered leaf with a leading ``k``
+    axis, ``None`` elsewhere; ``covered`` as in :func:`layer_statistics`.
+
+  Example::
+
+    mean_grad, covered = combine(
+        model.apply, params, x, cotangents[None], jnp.full((1, B), 1 / B))
+  """
+  _check_chunk(chunk_size)
+  _check_cotangents(cotangents)
+  tape = record(apply_fn, params, inputs, axis_name=axis_name)
+  return tape.backward(cotangents).combine(weights), tape.covered
+
+
+def coverage(apply_fn: Callable[[PyTree, PyTree], PyTree], params: PyTree,
+             inputs: PyTree) -> PyTree:
+  """The params-shaped tree of Python bools: leaves the layer path covers.
+
+  Only traces ``apply_fn`` (no FLOPs), so ``params`` and ``inputs`` may be
+  ``jax.ShapeDtypeStruct`` trees.
+  """
+  leaves, treedef, _, closed, _, batch = _trace(apply_fn, params, inputs)
+  plan = _make_plan(closed, len(leaves), batch)
+  return jax.tree_util.tree_unflatten(
+      treedef, [r is not None for r in plan.roles])
