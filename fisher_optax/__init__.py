@@ -21,12 +21,27 @@ from fisher_optax._natural_galore import scale_by_woodbury_fisher
 from fisher_optax._natural_galore import WoodburyFisherState
 # -- EWC penalties and protected subspaces (_ewc.py, _physguard.py) --
 # -- Fisher merging (_merging.py) --
+from fisher_optax._merging import fisher_merge
+from fisher_optax._merging import fisher_merge_accumulator
+from fisher_optax._merging import FisherMergeAccumulator
+from fisher_optax._merging import FisherMergeState
+from fisher_optax._merging import merge_weight_candidates
+from fisher_optax._merging import MergeWeightSearch
+from fisher_optax._merging import search_merge_weights
 # -- M-FAC, OBS pruning, Fisher-weighted SVD (_mfac.py, _obs.py, _fwsvd.py) --
 
 __all__ = [
     "__version__",
     "fisher",
     # -- exports, one block per module --
+    # Fisher merging
+    "FisherMergeAccumulator",
+    "FisherMergeState",
+    "MergeWeightSearch",
+    "fisher_merge",
+    "fisher_merge_accumulator",
+    "merge_weight_candidates",
+    "search_merge_weights",
     # Natural GaLore (_natural_galore.py)
     "NaturalGaLoreState",
     "WoodburyFisherState",
