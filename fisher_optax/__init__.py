@@ -12,6 +12,9 @@ __version__ = "0.1.0.dev0"
 from fisher_optax import fisher
 
 # -- FAdam (_fadam.py) --
+from fisher_optax._fadam import FAdamState
+from fisher_optax._fadam import fadam
+from fisher_optax._fadam import scale_by_fadam
 # -- FISMO (_fismo.py) --
 # -- Natural GaLore and the Woodbury Fisher preconditioner (_natural_galore.py) --
 from fisher_optax._natural_galore import natural_galore
@@ -34,6 +37,10 @@ __all__ = [
     "__version__",
     "fisher",
     # -- exports, one block per module --
+    # FAdam
+    "FAdamState",
+    "fadam",
+    "scale_by_fadam",
     # Fisher merging
     "FisherMergeAccumulator",
     "FisherMergeState",

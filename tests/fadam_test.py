@@ -1,0 +1,518 @@
+# Copyright 2026 The fisher_optax Authors. Licensed under the Apache License 2.0.
+"""Tests for FAdam (fisher_optax._fadam)."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from absl.testing import absltest
+from absl.testing import parameterized
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import fisher_optax
+from tests import conformance
+
+# -- a float64 NumPy re-implementation of spec §1 ----------------------------
+
+
+def _rms(x: np.ndarray) -> float:
+  return float(np.sqrt(np.mean(np.square(x))))
+
+
+def numpy_fadam(theta0, grads_seq, *, lr, b1, b2, eps, eps2, clip, p,
+                weight_decay, eps_mode="paper", decay=None, fisher_seq=None):
+  """Runs spec §1 in float64; returns the params after every step and flags.
+
+  ``fisher_seq[t][i]`` replaces g^2 of leaf i at step t (per-example Fisher);
+  ``decay[i]`` False turns the decay off for leaf i.
+  """
+  theta = [np.array(x, np.float64) for x in theta0]
+  m = [np.zeros_like(x) for x in theta]
+  f = [np.zeros_like(x) for x in theta]
+  decay = decay or [True] * len(theta)
+  traj, flags = [], {"n_clip": 0, "n_free": 0, "w_clip": 0, "w_free": 0,
+                     "eps2_branch": 0, "zero_leaf": 0}
+  for t, grads in enumerate(grads_seq, start=1):
+    b2_hat = b2 * (1.0 - b2 ** (t - 1)) / (1.0 - b2**t)
+    for i, g in enumerate(grads):
+      g = np.asarray(g, np.float64)
+      sq = g**2 if fisher_seq is None else np.asarray(fisher_seq[t - 1][i])
+      f[i] = b2_hat * f[i] + (1.0 - b2_hat) * sq
+      rms_g = _rms(g)
+      if rms_g == 0.0:
+        eps_hat = eps
+        flags["zero_leaf"] += 1
+      elif eps_mode == "paper":
+        eps_hat = min(eps, eps2 * rms_g)
+        flags["eps2_branch"] += eps2 * rms_g < eps
+      else:
+        eps_hat = eps * min(1.0, rms_g)
+      eps_term = eps_hat ** (2 * p) if eps_mode == "paper" else eps_hat
+      d = f[i] ** p + eps_term
+      n = g / d
+      flags["n_clip" if _rms(n) > clip else "n_free"] += 1
+      n = n / max(1.0, _rms(n) / clip)
+      m[i] = b1 * m[i] + (1.0 - b1) * n
+      step = m[i].copy()
+      if decay[i]:
+        w = theta[i] / d
+        flags["w_clip" if _rms(w) > clip else "w_free"] += 1
+        w = w / max(1.0, _rms(w) / clip)
+        step = step + weight_decay * w
+      theta[i] = theta[i] - lr * step
+    traj.append([x.copy() for x in theta])
+  return traj, flags
+
+
+def _problem(num_steps: int = 28, seed: int = 0):
+  """Gradients with spikes, always-zero entries, a zero leaf, tiny leaves."""
+  rng = np.random.default_rng(seed)
+  theta0 = [rng.normal(size=(4, 5)), rng.normal(size=(6,)),
+            rng.normal(size=(3,))]
+  grads_seq = []
+  for t in range(1, num_steps + 1):
+    a = rng.normal(size=(4, 5)) * 0.3
+    a[:, 2] = 0.0  # Entries that never see a gradient: zero Fisher.
+    if t in (7, 19):
+      a[1, 1] *= 300.0  # Spike.
+    b = rng.normal(size=(6,)) * 1e-3  # Small: eps2 * RMS(g) < eps.
+    if t in (1, 12):
+      b[:] = 0.0  # The whole leaf's gradient is zero.
+    c = rng.normal(size=(3,)) * (50.0 if t == 15 else 1.0)
+    grads_seq.append([a, b, c])
+  return theta0, grads_seq
+
+
+_HPARAMS = dict(lr=0.05, b1=0.9, b2=0.95, eps=1e-3, eps2=1e-2,
+                weight_decay=0.1)
+
+
+def _run_fadam(tx, theta0, grads_seq, dtype, extras_seq=None):
+  params = [jnp.asarray(x, dtype) for x in theta0]
+  state = tx.init(params)
+
+  @jax.jit
+  def step(params, state, grads, extras):
+    updates, state = tx.update(grads, state, params, **extras)
+    return optax.apply_updates(params, updates), state
+
+  traj = []
+  for t, grads in enumerate(grads_seq):
+    extras = extras_seq[t] if extras_seq else {}
+    params, state = step(params, state, [jnp.asarray(g, dtype) for g in grads],
+                         extras)
+    traj.append([np.asarray(x, np.float64) for x in params])
+  return traj, state
+
+
+class FAdamOracleTest(parameterized.TestCase):
+
+  @parameterized.named_parameters(
+      ("p075_clip07", 0.75, 0.7, "paper"),
+      ("p05_clip1", 0.5, 1.0, "paper"),
+      ("p1_clip25", 1.0, 2.5, "paper"),
+      ("v3_p06_clip15", 0.6, 1.5, "v3"),
+  )
+  def test_matches_numpy_float64(self, p, clip, eps_mode):
+    theta0, grads_seq = _problem()
+    expected, flags = numpy_fadam(theta0, grads_seq, clip=clip, p=p,
+                                  eps_mode=eps_mode, **_HPARAMS)
+    # The trajectory must exercise every branch of the rule.
+    self.assertGreater(flags["n_clip"], 0)
+    self.assertGreater(flags["n_free"], 0)
+    self.assertGreater(flags["w_clip"], 0)
+    self.assertGreater(flags["w_free"], 0)
+    self.assertEqual(flags["zero_leaf"], 2)
+    if eps_mode == "paper":
+      self.assertGreater(flags["eps2_branch"], 0)
+    hp = dict(_HPARAMS)
+    lr = hp.pop("lr")
+    with jax.enable_x64(True):
+      tx = fisher_optax.fadam(lr, clip=clip, p=p, eps_mode=eps_mode, **hp)
+      got, state = _run_fadam(tx, theta0, grads_seq, jnp.float64)
+      self.assertEqual(int(state[0].count), len(grads_seq))
+    for t, (g, e) in enumerate(zip(got, expected)):
+      for leaf_g, leaf_e in zip(g, e):
+        np.testing.assert_allclose(leaf_g, leaf_e, rtol=1e-10, atol=1e-12,
+                                   err_msg=f"step {t + 1}")
+
+  @parameterized.parameters(("paper",), ("v3",))
+  def test_matches_numpy_float32(self, eps_mode):
+    theta0, grads_seq = _problem()
+    hp = dict(_HPARAMS)
+    lr = hp.pop("lr")
+    expected, _ = numpy_fadam(theta0, grads_seq, lr=lr, clip=0.7, p=0.75,
+                              eps_mode=eps_mode, **hp)
+    tx = fisher_optax.fadam(lr, clip=0.7, p=0.75, eps_mode=eps_mode, **hp)
+    got, state = _run_fadam(tx, theta0, grads_seq, jnp.float32)
+    chex.assert_tree_all_finite(state)
+    for t, (g, e) in enumerate(zip(got, expected)):
+      for leaf_g, leaf_e in zip(g, e):
+        np.testing.assert_allclose(leaf_g, leaf_e, rtol=2e-4, atol=2e-5,
+                                   err_msg=f"step {t + 1}")
+
+  def test_first_step_closed_form(self):
+    g = jnp.array([4.0, -0.25, 0.0, 1e-3])
+    p, eps, eps2 = 0.75, 1e-3, 1e-2
+    tx = fisher_optax.scale_by_fadam(b1=0.0, eps=eps, eps2=eps2, p=p,
+                                     clip=float("inf"), weight_decay=0.0)
+    state = tx.init(g)
+    update, state = tx.update(g, state)
+    eps_hat = min(eps, eps2 * float(jnp.sqrt(jnp.mean(g**2))))
+    expected = g / (jnp.abs(g) ** (2 * p) + eps_hat ** (2 * p))
+    chex.assert_trees_all_close(state.fim, g**2)
+    chex.assert_trees_all_close(update, expected, rtol=1e-6)
+
+  def test_no_decay_no_clip_is_adam_with_p_power(self):
+    """λ = 0 and c = ∞: momentum of g / (sqrt(v_hat) + eps_hat), no m-hat."""
+    g_seq = [jnp.array([1.0, -2.0, 0.5]), jnp.array([0.3, 0.1, -4.0]),
+             jnp.array([-1.0, 2.0, 2.0])]
+    b1, b2, eps = 0.9, 0.99, 1e-8
+    tx = fisher_optax.scale_by_fadam(b1=b1, b2=b2, eps=eps, clip=float("inf"),
+                                     weight_decay=0.0)
+    adam_nu = optax.scale_by_adam(b1=0.0, b2=b2, eps=0.0)
+    state, nu_state = tx.init(g_seq[0]), adam_nu.init(g_seq[0])
+    m = jnp.zeros(3)
+    for g in g_seq:
+      update, state = tx.update(g, state)
+      _, nu_state = adam_nu.update(g, nu_state)
+      v_hat = nu_state.nu / (1 - b2 ** nu_state.count)
+      eps_hat = min(eps, 1e-2 * float(jnp.sqrt(jnp.mean(g**2))))
+      m = b1 * m + (1 - b1) * g / (jnp.sqrt(v_hat) + eps_hat)
+      chex.assert_trees_all_close(state.fim, v_hat, rtol=1e-5)
+      chex.assert_trees_all_close(update, m, rtol=1e-5)
+
+
+# -- the per-example Fisher --------------------------------------------------
+
+
+def _per_example_problem(num_steps: int = 6, batch: int = 5):
+  rng = np.random.default_rng(1)
+  theta0 = [rng.normal(size=(3, 2)), rng.normal(size=(4,))]
+  pegs = [[rng.normal(size=(batch, 3, 2)), rng.normal(size=(batch, 4)) * 0.1]
+          for _ in range(num_steps)]
+  grads = [[x.mean(0) for x in step] for step in pegs]
+  fisher = [[np.mean(x**2, 0) for x in step] for step in pegs]
+  return theta0, pegs, grads, fisher
+
+
+class _Diag:
+  """Stands in for fisher_optax.fisher.DiagonalFisher (only .diag is read)."""
+
+  def __init__(self, diag):
+    self.diag = diag
+
+
+jax.tree_util.register_pytree_node(
+    _Diag, lambda d: ((d.diag,), None), lambda _, c: _Diag(*c))
+
+
+class FAdamPerExampleTest(parameterized.TestCase):
+
+  @parameterized.parameters(("per_example_grads",), ("fisher",),
+                            ("fisher_tree",))
+  def test_matches_numpy(self, extra):
+    theta0, pegs, grads, fisher = _per_example_problem()
+    hp = dict(_HPARAMS)
+    lr = hp.pop("lr")
+    expected, _ = numpy_fadam(theta0, grads, lr=lr, clip=1.0, p=0.5,
+                              fisher_seq=fisher, **hp)
+    with jax.enable_x64(True):
+      if extra == "per_example_grads":
+        extras = [{"per_example_grads": [jnp.asarray(x) for x in s]}
+                  for s in pegs]
+      elif extra == "fisher":
+        extras = [{"fisher": _Diag([jnp.asarray(x) for x in s])}
+                  for s in fisher]
+      else:
+        extras = [{"fisher": [jnp.asarray(x) for x in s]} for s in fisher]
+      tx = fisher_optax.fadam(lr, fisher_source="per_example", **hp)
+      got, _ = _run_fadam(tx, theta0, grads, jnp.float64, extras)
+    for g, e in zip(got, expected):
+      for leaf_g, leaf_e in zip(g, e):
+        np.testing.assert_allclose(leaf_g, leaf_e, rtol=1e-10, atol=1e-12)
+
+  def test_differs_from_batch_squared(self):
+    theta0, pegs, grads, _ = _per_example_problem()
+    params = [jnp.asarray(x, jnp.float32) for x in theta0]
+    g = [jnp.asarray(x, jnp.float32) for x in grads[0]]
+    peg = [jnp.asarray(x, jnp.float32) for x in pegs[0]]
+    tx_b = fisher_optax.scale_by_fadam(weight_decay=0.0)
+    tx_p = fisher_optax.scale_by_fadam(weight_decay=0.0,
+                                       fisher_source="per_example")
+    _, s_b = tx_b.update(g, tx_b.init(params), params)
+    _, s_p = tx_p.update(g, tx_p.init(params), params, per_example_grads=peg)
+    # Mean of squares >= square of mean, strictly for noisy examples.
+    for fb, fp in zip(s_b.fim, s_p.fim):
+      self.assertTrue(bool(jnp.all(fp >= fb - 1e-7)))
+      self.assertTrue(bool(jnp.any(fp > 1.5 * fb)))
+
+  def test_errors(self):
+    params = {"a": jnp.ones((3, 2)), "b": jnp.ones((4,))}
+    tx = fisher_optax.fadam(1e-2, fisher_source="per_example")
+    state = tx.init(params)
+    with self.assertRaisesRegex(ValueError, "per_example_grads=.*fisher="):
+      tx.update(params, state, params)
+    bad_tree = {"a": jnp.ones((5, 3, 2))}
+    with self.assertRaisesRegex(ValueError, "same tree structure"):
+      tx.update(params, state, params, per_example_grads=bad_tree)
+    bad_shape = {"a": jnp.ones((5, 3, 2)), "b": jnp.ones((5, 3))}
+    with self.assertRaisesRegex(ValueError, r"must have shape \(batch"):
+      tx.update(params, state, params, per_example_grads=bad_shape)
+    no_batch = {"a": jnp.ones((3, 2)), "b": jnp.ones((4,))}
+    with self.assertRaisesRegex(ValueError, "must have shape"):
+      tx.update(params, state, params, per_example_grads=no_batch)
+    with self.assertRaisesRegex(ValueError, "fisher.diag"):
+      tx.update(params, state, params, fisher=_Diag({"a": jnp.ones((3, 2))}))
+    with self.assertRaisesRegex(ValueError, "shapes"):
+      tx.update(params, state, params,
+                fisher={"a": jnp.ones((3, 2)), "b": jnp.ones((5,))})
+    with self.assertRaisesRegex(ValueError, "only one"):
+      tx.update(params, state, params, fisher=params,
+                per_example_grads=jax.tree.map(lambda x: x[None], params))
+
+
+# -- behaviour ---------------------------------------------------------------
+
+
+class FAdamBehaviourTest(parameterized.TestCase):
+
+  @parameterized.parameters(
+      dict(kwargs={"learning_rate": -1.0}, match="learning_rate"),
+      dict(kwargs={"eps": -1e-8}, match="eps"),
+      dict(kwargs={"eps2": -1.0}, match="eps2"),
+      dict(kwargs={"b1": 1.0}, match="b1"),
+      dict(kwargs={"b1": -0.1}, match="b1"),
+      dict(kwargs={"b2": 1.0}, match="b2"),
+      dict(kwargs={"b2": 1.5}, match="b2"),
+      dict(kwargs={"clip": 0.0}, match="clip"),
+      dict(kwargs={"clip": -1.0}, match="clip"),
+      dict(kwargs={"p": 0.0}, match="p must"),
+      dict(kwargs={"p": -0.5}, match="p must"),
+      dict(kwargs={"weight_decay": -0.1}, match="weight_decay"),
+      dict(kwargs={"eps_mode": "v2"}, match="eps_mode"),
+      dict(kwargs={"fisher_source": "mc"}, match="fisher_source"),
+  )
+  def test_invalid_hyperparameters(self, kwargs, match):
+    kwargs = {"learning_rate": 1e-3, **kwargs}
+    with self.assertRaisesRegex(ValueError, match):
+      fisher_optax.fadam(**kwargs)
+
+  def test_invalid_dtype(self):
+    with self.assertRaisesRegex(TypeError, "mu_dtype"):
+      fisher_optax.scale_by_fadam(mu_dtype=jnp.int32)
+
+  def test_params_required_for_decay(self):
+    params = jnp.ones(3)
+    tx = fisher_optax.fadam(1e-2)
+    with self.assertRaisesRegex(ValueError, "needs the current params"):
+      tx.update(params, tx.init(params))
+    tx = fisher_optax.fadam(1e-2, weight_decay=0.0)
+    updates, _ = tx.update(params, tx.init(params))  # No params needed.
+    chex.assert_tree_all_finite(updates)
+
+  def test_weight_decay_mask(self):
+    params = {"w": jnp.full((2, 3), 2.0), "b": jnp.full((3,), -1.0)}
+    grads = jax.tree.map(lambda x: 0.1 * jnp.ones_like(x), params)
+
+    def run(**kw):
+      tx = fisher_optax.scale_by_fadam(**kw)
+      return tx.update(grads, tx.init(params), params)[0]
+
+    full, none = run(), run(weight_decay=0.0)
+    for mask in ({"w": True, "b": False}, lambda p: {"w": True, "b": False}):
+      masked = run(weight_decay_mask=mask)
+      chex.assert_trees_all_close(masked["w"], full["w"])
+      chex.assert_trees_all_close(masked["b"], none["b"])
+      self.assertFalse(bool(jnp.allclose(masked["w"], none["w"])))
+    with self.assertRaisesRegex(ValueError, "weight_decay_mask"):
+      run(weight_decay_mask={"w": True})
+
+  def test_wrong_params_structure(self):
+    params = {"w": jnp.ones((2, 3))}
+    tx = fisher_optax.fadam(1e-2)
+    with self.assertRaisesRegex(ValueError, "params"):
+      tx.update(params, tx.init(params), {"v": jnp.ones((2, 3))})
+    with self.assertRaisesRegex(ValueError, "shapes"):
+      tx.update(params, tx.init(params), {"w": jnp.ones((3, 2))})
+
+  def test_nonfinite_gradient_keeps_state(self):
+    params = (jnp.ones((2, 2)), jnp.ones(3))
+    tx = fisher_optax.fadam(1e-2)
+    update = jax.jit(tx.update)
+    state = tx.init(params)
+    _, state = update((jnp.full((2, 2), 0.5), jnp.ones(3)), state, params)
+    bad = (jnp.array([[1.0, jnp.nan], [0.0, 1.0]]),
+           jnp.array([jnp.inf, 1.0, 1.0]))
+    updates, new_state = update(bad, state, params)
+    chex.assert_trees_all_equal(new_state, state)
+    self.assertFalse(bool(jnp.all(jnp.isfinite(updates[0]))))
+
+  def test_zero_gradients_from_start(self):
+    params = {"w": jnp.ones((3, 3)), "b": jnp.zeros(3)}
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    for eps_mode in ("paper", "v3"):
+      tx = fisher_optax.fadam(1e-2, eps_mode=eps_mode)
+      state = tx.init(params)
+      for _ in range(3):
+        updates, state = tx.update(zeros, state, params)
+        chex.assert_tree_all_finite((updates, state))
+      # Only the (clipped) decay moves w; b = 0 stays put.
+      self.assertLess(float(jnp.max(updates["w"])), 0.0)
+      chex.assert_trees_all_equal(updates["b"], jnp.zeros(3))
+
+  def test_tiny_gradients_p1_stay_finite(self):
+    """eps_hat^(2p) underflows in float32; the floor keeps d > 0."""
+    params = (jnp.ones((4,)), jnp.ones((2, 2)))
+    grads = (jnp.array([1e-25, 0.0, 0.0, 0.0]), jnp.zeros((2, 2)))
+    tx = fisher_optax.fadam(1e-2, p=1.0)
+    updates, state = tx.update(grads, tx.init(params), params)
+    chex.assert_tree_all_finite((updates, state))
+
+  def test_bf16(self):
+    params = {"w": jnp.ones((4, 3), jnp.bfloat16),
+              "b": jnp.full((3,), 0.5, jnp.bfloat16)}
+    grads = jax.tree.map(lambda x: (0.1 * jnp.arange(x.size).reshape(x.shape)
+                                    - 0.3).astype(jnp.bfloat16), params)
+    ref_tx = fisher_optax.fadam(1e-2)
+    ref_params = jax.tree.map(lambda x: x.astype(jnp.float32), params)
+    ref_grads = jax.tree.map(lambda x: x.astype(jnp.float32), grads)
+    ref_updates, _ = ref_tx.update(ref_grads, ref_tx.init(ref_params),
+                                   ref_params)
+    for kw, state_dtype in (({}, jnp.float32),
+                            ({"mu_dtype": jnp.bfloat16,
+                              "fim_dtype": jnp.bfloat16}, jnp.bfloat16)):
+      tx = fisher_optax.fadam(1e-2, **kw)
+      state = tx.init(params)
+      updates, state = jax.jit(tx.update)(grads, state, params)
+      updates, state = jax.jit(tx.update)(grads, state, params)
+      chex.assert_trees_all_equal_dtypes(updates, params)
+      for leaf in jax.tree.leaves((state[0].mu, state[0].fim)):
+        self.assertEqual(leaf.dtype, state_dtype)
+      chex.assert_tree_all_finite(state)
+    # One step in bf16 agrees with float32 to bf16 precision.
+    tx = fisher_optax.fadam(1e-2)
+    updates, _ = tx.update(grads, tx.init(params), params)
+    chex.assert_trees_all_close(
+        jax.tree.map(lambda x: x.astype(jnp.float32), updates), ref_updates,
+        rtol=2e-2, atol=1e-5)
+
+  def test_inject_hyperparams_p_clip_eps(self):
+    injected = optax.inject_hyperparams(fisher_optax.fadam)(
+        learning_rate=1e-2, p=0.75, clip=0.5, eps=1e-3)
+    plain = fisher_optax.fadam(1e-2, p=0.75, clip=0.5, eps=1e-3)
+    params = (jnp.ones((3, 2)), -jnp.ones(4))
+    s1, s2 = plain.init(params), injected.init(params)
+    for name in ("p", "clip", "eps", "b1", "b2", "weight_decay"):
+      self.assertIn(name, s2.hyperparams)
+    for i in range(3):
+      g = jax.tree.map(lambda x, i=i: jnp.sin(x * (i + 1.0) + 0.3), params)
+      u1, s1 = jax.jit(plain.update)(g, s1, params)
+      u2, s2 = jax.jit(injected.update)(g, s2, params)
+      chex.assert_trees_all_close(u1, u2, rtol=1e-5, atol=1e-7)
+    # A changed hyperparameter takes effect without re-building.
+    s2.hyperparams["weight_decay"] = jnp.asarray(0.0)
+    u3, _ = injected.update(g, s2, params)
+    self.assertFalse(bool(jnp.allclose(u3[0], u2[0])))
+
+  def test_in_masked_with_per_example_grads(self):
+    params = {"w": jnp.ones((3, 2)), "frozen": jnp.ones((2,))}
+    pegs = jax.tree.map(
+        lambda x: jnp.stack([jnp.sin(x + k) for k in range(4)]), params)
+    grads = jax.tree.map(lambda x: x.mean(0), pegs)
+    mask = {"w": True, "frozen": False}
+    tx = optax.masked(fisher_optax.fadam(1e-2, fisher_source="per_example"),
+                      mask, mask_compatible_extra_args=True)
+    updates, _ = jax.jit(tx.update)(grads, tx.init(params), params,
+                                    per_example_grads=pegs)
+    alone = fisher_optax.fadam(1e-2, fisher_source="per_example")
+    sub = {"w": params["w"]}
+    ref, _ = alone.update({"w": grads["w"]}, alone.init(sub), sub,
+                          per_example_grads={"w": pegs["w"]})
+    chex.assert_trees_all_close(updates["w"], ref["w"])
+    chex.assert_trees_all_equal(updates["frozen"], grads["frozen"])
+
+  def test_nnx_optimizer(self):
+    from flax import nnx  # pylint: disable=g-import-not-at-top
+
+    model = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
+    opt = nnx.Optimizer(model, fisher_optax.fadam(1e-2,
+                                                  fisher_source="per_example"),
+                        wrt=nnx.Param)
+    x = jnp.arange(12.0).reshape(4, 3) / 10.0
+    y = jnp.ones((4, 2))
+
+    def loss(m, xi, yi):
+      return jnp.mean((m(xi) - yi) ** 2)
+
+    @nnx.jit
+    def step(model, opt, x, y):
+      grads = nnx.grad(loss)(model, x, y)
+      graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+      def per_example(p, xi, yi):
+        return loss(nnx.merge(graphdef, p, rest), xi[None], yi[None])
+
+      pegs = jax.vmap(jax.grad(per_example), in_axes=(None, 0, 0))(
+          params, x, y)
+      opt.update(model, grads, per_example_grads=pegs)
+      return loss(model, x, y)
+
+    first = float(loss(model, x, y))
+    for _ in range(20):
+      last = float(step(model, opt, x, y))
+    self.assertLess(last, first)
+
+  def test_orbax_round_trip(self):
+    import tempfile  # pylint: disable=g-import-not-at-top
+    import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+
+    params = {"w": jnp.ones((3, 2)), "b": jnp.zeros(2)}
+    tx = fisher_optax.fadam(1e-2)
+    state = tx.init(params)
+    _, state = tx.update(jax.tree.map(jnp.ones_like, params), state, params)
+    with tempfile.TemporaryDirectory() as tmp:
+      ckpt = ocp.StandardCheckpointer()
+      ckpt.save(f"{tmp}/state", state)
+      ckpt.wait_until_finished()
+      restored = ckpt.restore(f"{tmp}/state",
+                              jax.eval_shape(tx.init, params))
+    self.assertIsInstance(restored[0], fisher_optax.FAdamState)
+    chex.assert_trees_all_equal(restored, state)
+
+
+# -- the shared conformance suite ---------------------------------------------
+
+
+class FAdamConformanceTest(conformance.OptimizerConformance,
+                           parameterized.TestCase):
+  FACTORY = staticmethod(fisher_optax.fadam)
+  KWARGS = {"learning_rate": 1e-2, "weight_decay": 1e-3}
+  INJECTABLE = ("learning_rate", "b1", "b2", "weight_decay", "eps", "clip",
+                "p")
+  TARGET_KWARGS = {"rosenbrock": {"learning_rate": 3e-3}}
+
+
+class FAdamPerExampleConformanceTest(conformance.OptimizerConformance,
+                                     parameterized.TestCase):
+  """The per-example option; the oracle is one example = the gradient."""
+  FACTORY = staticmethod(functools.partial(fisher_optax.fadam,
+                                           fisher_source="per_example"))
+  KWARGS = {"learning_rate": 1e-2, "weight_decay": 1e-3}
+  INJECTABLE = ("learning_rate", "b1", "b2", "weight_decay")
+  CONVERGENCE_STEPS = {"parabola": 3000, "mixed_tensors": 3000}
+
+  def extra_args(self, params: Any, obj_fn) -> dict[str, Any]:
+    grads = jax.grad(obj_fn)(params)
+    # Two "examples" g(1 + s) and g(1 - s): mean g, mean square > g^2.
+    return {"per_example_grads": jax.tree.map(
+        lambda g: jnp.stack([1.3 * g, 0.7 * g]), grads)}
+
+
+if __name__ == "__main__":
+  absltest.main()
