@@ -95,6 +95,10 @@ _CALLS = {
     "remat": "jaxpr",
 }
 
+# Value-preserving unary primitives looked through: casts, and the
+# device-variance casts shard_map inserts for replicated parameters.
+_PASS_THROUGH = ("convert_element_type", "pvary", "pcast", "copy", "copy_p")
+
 # Budget (elements) for a materialised chunk of per-example layer gradients
 # when the caller gives no chunk size (weight-shared diagonal only).
 _DEFAULT_CHUNK_ELEMENTS = 1 << 24
@@ -214,9 +218,10 @@ def _scan(jaxpr, env: dict, path: tuple[int, ...], batch: int,
         if k is not None:
           env[v] = k
       continue
-    if name == "convert_element_type" and kinds[0] is not None:
+    if name in _PASS_THROUGH and kinds[0] is not None and len(kinds) == 1:
       k = kinds[0]
-      if k[0] == "param" or (k[0] == "site" and counts[eqn.invars[0]] == 1):
+      if k[0] in ("param", "bias") or (
+          k[0] == "site" and counts[eqn.invars[0]] == 1):
         env[eqn.outvars[0]] = k
         continue
     if (name == "dot_general" and kinds[0] is None and kinds[1] is not None
@@ -381,6 +386,29 @@ class LayerTape:
   def covered(self) -> PyTree:
     return jax.tree_util.tree_unflatten(self._treedef, self._covered)
 
+  def _prepare(self, cotangents: PyTree, lead: int) -> tuple[PyTree, int]:
+    """Checks cotangents against the outputs and casts them to their dtype."""
+    out_leaves, out_def = jax.tree_util.tree_flatten(self.outputs)
+    ct_leaves, ct_def = jax.tree_util.tree_flatten(cotangents)
+    if ct_def != out_def:
+      raise ValueError(
+          "cotangents must have the structure of the model outputs "
+          f"{out_def}, got {ct_def}.")
+    num = 1
+    for i, (o, c) in enumerate(zip(out_leaves, ct_leaves)):
+      if (not hasattr(c, "shape") or c.ndim != o.ndim + lead
+          or tuple(c.shape[lead:]) != tuple(o.shape)):
+        want = ("(S, " if lead else "(") + ", ".join(map(str, o.shape)) + ")"
+        raise ValueError(
+            f"cotangents must have shape {want} to match the outputs; got "
+            f"{getattr(c, 'shape', type(c).__name__)}.")
+      if lead:
+        if i and c.shape[0] != num:
+          raise ValueError("cotangent leaves disagree on the sample axis S.")
+        num = c.shape[0]
+    ct_leaves = [c.astype(o.dtype) for o, c in zip(out_leaves, ct_leaves)]
+    return jax.tree_util.tree_unflatten(ct_def, ct_leaves), num
+
   def backward(self, cotangents: PyTree) -> "LayerGrads":
     """Pulls ``S`` output cotangents back to the taps (one vmapped backward).
 
@@ -390,25 +418,38 @@ class LayerTape:
     Returns:
       A :class:`LayerGrads` holding the per-example ``delta`` of every layer.
     """
-    out_leaves, out_def = jax.tree_util.tree_flatten(self.outputs)
-    ct_leaves, ct_def = jax.tree_util.tree_flatten(cotangents)
-    if ct_def != out_def:
-      raise ValueError(
-          "cotangents must have the structure of the model outputs "
-          f"{out_def}, got {ct_def}.")
-    num = None
-    for o, c in zip(out_leaves, ct_leaves):
-      if c.ndim != o.ndim + 1 or tuple(c.shape[1:]) != tuple(o.shape):
-        raise ValueError(
-            "cotangents must have shape (S, *outputs.shape) = "
-            f"(S, {', '.join(map(str, o.shape))}); got {tuple(c.shape)}.")
-      if num is not None and c.shape[0] != num:
-        raise ValueError("cotangent leaves disagree on the sample axis S.")
-      num = c.shape[0]
-    ct_leaves = [c.astype(o.dtype) for o, c in zip(out_leaves, ct_leaves)]
-    cts = jax.tree_util.tree_unflatten(ct_def, ct_leaves)
-    deltas = jax.vmap(lambda c: self._pullback(c)[0])(cts)
+    cts, num = self._prepare(cotangents, 1)
+    # Only the tap cotangents are kept: under jit XLA drops the unused
+    # weight-gradient products.
+    deltas = jax.vmap(lambda c: self._pullback(c)[1])(cts)
     return LayerGrads(self, tuple(deltas), num)
+
+  def gradient(self, cotangent: PyTree) -> tuple[PyTree, "LayerGrads"]:
+    """One backward pass for ``sum_n J_n^T r_n`` and the layer ``delta``.
+
+    The training step's gradient and, for ``kind="empirical"``, the Fisher
+    statistics then come from a single forward and a single backward pass.
+
+    Args:
+      cotangent: like ``outputs`` (no sample axis).
+
+    Returns:
+      ``(grad, layer_grads)``: ``grad`` params-shaped (the summed, not
+      averaged, gradient), ``layer_grads`` a :class:`LayerGrads` with
+      ``S = 1``.
+    """
+    cot, _ = self._prepare(cotangent, 0)
+    leaf_cts, deltas = self._pullback(cot)
+    grad = jax.tree_util.tree_unflatten(self._treedef, list(leaf_cts))
+    return grad, LayerGrads(self, tuple(d[None] for d in deltas), 1)
+
+
+def _varying_axes(aval) -> tuple[str, ...]:
+  """Manual mesh axes a value varies over (``shard_map``), across jax versions."""
+  vma = getattr(aval, "vma", None)
+  if vma is None:
+    vma = getattr(getattr(aval, "manual_axis_type", None), "varying", ())
+  return tuple(sorted(vma or ()))
 
 
 def record(apply_fn: Callable[[PyTree, PyTree], PyTree], params: PyTree,
@@ -421,8 +462,9 @@ def record(apply_fn: Callable[[PyTree, PyTree], PyTree], params: PyTree,
       on ``inputs`` and ``outputs``.
     params: the parameters (any pytree of arrays).
     inputs: the batch inputs (any pytree of arrays with leading axis ``B``).
-    axis_name: inside ``shard_map``, the batch axis name: taps are made
-      device-varying so autodiff does not sum cotangents across devices.
+    axis_name: inside ``shard_map``, the batch axis name. Optional: taps are
+      made device-varying like their layer outputs automatically, so autodiff
+      never sums tap cotangents (examples) across devices.
 
   Returns:
     A :class:`LayerTape`; call ``.backward(cotangents)`` on it.
@@ -447,18 +489,24 @@ def record(apply_fn: Callable[[PyTree, PyTree], PyTree], params: PyTree,
   for s in range(len(plan.sites)):
     aval = out_shapes[s]
     t = jnp.zeros(aval.shape, aval.dtype)
-    if axis_name is not None:
-      t = lax.pcast(t, axis_name, to="varying")
+    # Under shard_map a tap must vary like its layer output: an invariant tap
+    # would have its cotangent summed over devices, mixing examples.
+    vma = _varying_axes(aval)
+    if axis_name is not None and axis_name not in vma:
+      vma = vma + (axis_name,)
+    if vma:
+      t = lax.pcast(t, vma, to="varying")
     taps.append(t)
 
-  def tapped(taps):
+  def tapped(leaves, taps):
     acts: dict = {}
     outs = _eval(closed.jaxpr, closed.consts, [*leaves, *in_leaves], (),
                  plan, taps, acts)
     return (jax.tree_util.tree_unflatten(out_def, outs),
             tuple(acts[s] for s in range(len(plan.sites))))
 
-  outputs, pullback, acts = jax.vjp(tapped, tuple(taps), has_aux=True)
+  outputs, pullback, acts = jax.vjp(tapped, tuple(leaves), tuple(taps),
+                                    has_aux=True)
   return LayerTape(plan, treedef, leaves, covered, outputs, pullback, acts,
                    batch)
 
@@ -669,14 +717,6 @@ class LayerGrads:
 # The engine contract.
 
 
-def _check_cotangents(cotangents) -> None:
-  for c in jax.tree_util.tree_leaves(cotangents):
-    if not hasattr(c, "shape") or c.ndim < 2:
-      raise ValueError(
-          "cotangents must be arrays of shape (S, B, *out_shape); got "
-          f"{getattr(c, 'shape', type(c).__name__)}.")
-
-
 def _check_chunk(chunk_size) -> None:
   if chunk_size is not None and (
       not isinstance(chunk_size, (int, np.integer))
@@ -735,7 +775,6 @@ def layer_statistics(apply_fn: Callable[[PyTree, PyTree], PyTree],
     raise ValueError(
         f"structure must be one of {STRUCTURES}, got {structure!r}.")
   _check_chunk(chunk_size)
-  _check_cotangents(cotangents)
   tape = record(apply_fn, params, inputs, axis_name=axis_name)
   grads = tape.backward(cotangents)
   return grads.statistics(structure, chunk_size=chunk_size), tape.covered
@@ -771,7 +810,6 @@ def combine(apply_fn: Callable[[PyTree, PyTree], PyTree], params: PyTree,
         model.apply, params, x, cotangents[None], jnp.full((1, B), 1 / B))
   """
   _check_chunk(chunk_size)
-  _check_cotangents(cotangents)
   tape = record(apply_fn, params, inputs, axis_name=axis_name)
   return tape.backward(cotangents).combine(weights), tape.covered
 
