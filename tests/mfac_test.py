@@ -1,0 +1,248 @@
+# Copyright 2026 The fisher_optax Authors. Licensed under the Apache License 2.0.
+"""Tests for M-FAC: ``fisher.sum_of_rank_one`` and ``scale_by_mfac``/``mfac``."""
+
+from absl.testing import absltest
+from absl.testing import parameterized
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import fisher_optax
+from fisher_optax import fisher
+from tests import conformance
+
+M, SHAPES = 6, {"b": (5,), "w": (3, 2)}  # d = 11 (dict order: b, then w)
+D = 11
+
+
+def _grads(seed, m=M, dtype=jnp.float64):
+  keys = jax.random.split(jax.random.key(seed), len(SHAPES))
+  return {name: jax.random.normal(k, (m, *shape), dtype)
+          for k, (name, shape) in zip(keys, SHAPES.items())}
+
+
+def _flat(tree):
+  return np.concatenate([np.asarray(x).reshape(-1) for x in
+                         jax.tree.leaves(tree)])
+
+
+def _flat_rows(stacked):
+  m = jax.tree.leaves(stacked)[0].shape[0]
+  return np.concatenate([np.asarray(x).reshape(m, -1) for x in
+                         jax.tree.leaves(stacked)], axis=1)
+
+
+def _unflat(x):
+  return {"b": jnp.asarray(x[:5]), "w": jnp.asarray(x[5:]).reshape(3, 2)}
+
+
+def _dense_fisher(stacked, damping, m=None, block_size=None):
+  g = _flat_rows(stacked)
+  m = g.shape[0] if m is None else m
+  f = damping * np.eye(g.shape[1]) + g.T @ g / m
+  if block_size is not None:
+    mask = np.zeros_like(f)
+    for start in range(0, f.shape[0], block_size):
+      mask[start:start + block_size, start:start + block_size] = 1.0
+    f = f * mask
+  return f
+
+
+class SumOfRankOneTest(parameterized.TestCase):
+
+  @parameterized.product(damping=(1e-3, 1.0), block_size=(None, 4))
+  def test_matches_explicit_inverse(self, damping, block_size):
+    with jax.enable_x64(True):
+      grads = _grads(0)
+      f = fisher.sum_of_rank_one(grads, damping, block_size=block_size)
+      dense = _dense_fisher(grads, damping, block_size=block_size)
+      inv = np.linalg.inv(dense)
+      v = _unflat(np.linspace(-1.0, 2.0, D))
+      np.testing.assert_allclose(_flat(f.ihvp(v)), inv @ _flat(v),
+                                 rtol=1e-9, atol=1e-9 * np.abs(inv).max())
+      np.testing.assert_allclose(_flat(f.inverse_diag()), np.diag(inv),
+                                 rtol=1e-9)
+      idx = jnp.arange(D)
+      np.testing.assert_allclose(f.inverse_entry(idx[:, None], idx[None, :]),
+                                 inv, atol=1e-9 * np.abs(inv).max())
+      q = jnp.array([7, 1, 4, 10])
+      np.testing.assert_allclose(f.inverse_submatrix(q),
+                                 inv[np.ix_(q, q)], atol=1e-9 * np.abs(inv).max())
+      # F (F^{-1} v) = v, with F applied matrix-free and densely.
+      np.testing.assert_allclose(_flat(f.matvec(f.ihvp(v))), _flat(v),
+                                 rtol=1e-8, atol=1e-10)
+      np.testing.assert_allclose(dense @ _flat(f.ihvp(v)), _flat(v),
+                                 rtol=1e-8, atol=1e-10)
+      np.testing.assert_allclose(f.quadratic_form(v),
+                                 _flat(v) @ dense @ _flat(v), rtol=1e-10)
+
+  def test_blocked_equals_per_block_dense(self):
+    with jax.enable_x64(True):
+      grads = _grads(1)
+      f = fisher.sum_of_rank_one(grads, 1e-2, block_size=3)
+      g = _flat_rows(grads)
+      diag = _flat(f.inverse_diag())
+      for start in range(0, D, 3):
+        sl = slice(start, min(start + 3, D))
+        block = 1e-2 * np.eye(sl.stop - sl.start) + g[:, sl].T @ g[:, sl] / M
+        np.testing.assert_allclose(diag[sl], np.diag(np.linalg.inv(block)),
+                                   rtol=1e-9)
+
+  def test_matches_paper_recursion(self):
+    """The batched Cholesky form equals M-FAC's m-step recursion."""
+    with jax.enable_x64(True):
+      grads = _grads(2)
+      damping = 1e-2
+      g = _flat_rows(grads)
+      vs, dens = [], []
+      for k in range(M):  # v_k = F_{k-1}^{-1} g_k with F_0 = damping * I
+        v = g[k] / damping
+        for vj, dj in zip(vs, dens):
+          v = v - vj * (vj @ g[k]) / dj
+        vs.append(v)
+        dens.append(M + g[k] @ v)
+      recursion = np.eye(D) / damping - sum(
+          np.outer(v, v) / d for v, d in zip(vs, dens))
+      f = fisher.sum_of_rank_one(grads, damping)
+      idx = jnp.arange(D)
+      np.testing.assert_allclose(f.inverse_entry(idx[:, None], idx[None, :]),
+                                 recursion, atol=1e-9 * np.abs(recursion).max())
+      # Rows of Z / sqrt(damping) are v_k / sqrt(den_k).
+      np.testing.assert_allclose(
+          np.abs(_flat_rows(f.whitened)) / np.sqrt(damping),
+          np.abs(np.stack([v / np.sqrt(d) for v, d in zip(vs, dens)])),
+          rtol=1e-8, atol=1e-12)
+
+  def test_float32_is_close_to_float64(self):
+    grads = _grads(3, dtype=jnp.float32)
+    f = fisher.sum_of_rank_one(grads, 1e-1)
+    inv = np.linalg.inv(_dense_fisher(jax.tree.map(np.float64, grads), 1e-1))
+    self.assertEqual(f.chol.dtype, jnp.float32)
+    np.testing.assert_allclose(_flat(f.inverse_diag()), np.diag(inv),
+                               rtol=1e-4)
+
+  def test_bad_inputs_raise(self):
+    grads = _grads(0, dtype=jnp.float32)
+    with self.assertRaisesRegex(ValueError, "damping"):
+      fisher.sum_of_rank_one(grads, 0.0)
+    with self.assertRaisesRegex(TypeError, "block_size"):
+      fisher.sum_of_rank_one(grads, 1.0, block_size=2.5)
+    with self.assertRaisesRegex(ValueError, "leading"):
+      fisher.sum_of_rank_one({"a": jnp.ones((3, 2)), "b": jnp.ones((4,))}, 1.0)
+    with self.assertRaisesRegex(ValueError, "at least one leaf"):
+      fisher.sum_of_rank_one({}, 1.0)
+    f = fisher.sum_of_rank_one(grads, 1.0)
+    with self.assertRaisesRegex(ValueError, "tree structure"):
+      f.ihvp({"w": jnp.ones((3, 2))})
+    with self.assertRaisesRegex(ValueError, "shape"):
+      f.ihvp({"b": jnp.ones((5,)), "w": jnp.ones((2, 3))})
+
+
+class ScaleByMFACTest(parameterized.TestCase):
+
+  def _run(self, seq, m, damping=1e-2, **kw):
+    tx = fisher_optax.scale_by_mfac(m, damping, **kw)
+    update = jax.jit(tx.update)
+    state = tx.init(jax.tree.map(lambda x: x[0], seq))
+    for t in range(jax.tree.leaves(seq)[0].shape[0]):
+      u, state = update(jax.tree.map(lambda x, t=t: x[t], seq), state)
+    return u, state
+
+  @parameterized.parameters(0, 3, 8)
+  def test_window_equals_static_factor_of_last_m(self, extra):
+    with jax.enable_x64(True):
+      seq = _grads(4, m=M + extra)
+      u, state = self._run(seq, M)
+      last = jax.tree.map(lambda x: x[extra:], seq)
+      static = fisher.sum_of_rank_one(last, 1e-2)
+      g = jax.tree.map(lambda x: x[-1], seq)
+      chex.assert_trees_all_close(u, static.ihvp(g), rtol=1e-9, atol=1e-9)
+      np.testing.assert_allclose(state.gram, _flat_rows(state.grads)
+                                 @ _flat_rows(state.grads).T, rtol=1e-12)
+      self.assertEqual(int(state.index), (M + extra) % M)
+      self.assertEqual(int(state.count), M + extra)
+
+  def test_partial_window_keeps_one_over_m(self):
+    with jax.enable_x64(True):
+      seq = _grads(5, m=2)
+      u, _ = self._run(seq, M)
+      dense = _dense_fisher(seq, 1e-2, m=M)  # two rows, divided by M
+      g = _flat(jax.tree.map(lambda x: x[-1], seq))
+      np.testing.assert_allclose(_flat(u), np.linalg.solve(dense, g),
+                                 rtol=1e-9)
+
+  def test_per_example_pushes_every_row(self):
+    with jax.enable_x64(True):
+      tx = fisher_optax.scale_by_mfac(M, 1e-2, gradients="per_example")
+      first, second = _grads(6, m=4), _grads(7, m=4)
+      mean = lambda t: jax.tree.map(lambda x: x.mean(0), t)
+      state = tx.init(mean(first))
+      _, state = tx.update(mean(first), state, per_example_grads=first)
+      u, state = tx.update(mean(second), state, per_example_grads=second)
+      window = jax.tree.map(lambda a, b: jnp.concatenate([a[2:], b]),
+                            first, second)  # last M = 6 rows
+      static = fisher.sum_of_rank_one(window, 1e-2)
+      chex.assert_trees_all_close(u, static.ihvp(mean(second)), rtol=1e-9)
+      self.assertEqual(int(state.index), 8 % M)
+
+  def test_nonfinite_gradient_leaves_window_unchanged(self):
+    tx = fisher_optax.scale_by_mfac(4, 1e-2)
+    params = {"b": jnp.ones(5), "w": jnp.ones((3, 2))}
+    state = tx.init(params)
+    _, state = tx.update(jax.tree.map(jnp.ones_like, params), state)
+    bad = {"b": jnp.full((5,), jnp.nan), "w": jnp.ones((3, 2))}
+    _, new_state = jax.jit(tx.update)(bad, state)
+    chex.assert_trees_all_equal(new_state.grads, state.grads)
+    chex.assert_trees_all_equal(new_state.gram, state.gram)
+    self.assertEqual(int(new_state.index), int(state.index))
+
+  def test_tiny_damping_float32_stays_finite(self):
+    tx = fisher_optax.scale_by_mfac(8, 1e-12)
+    state = tx.init(jnp.zeros(3))
+    for _ in range(10):  # identical, rank-one gradients of size 1e3
+      u, state = tx.update(jnp.array([1e3, -2e3, 5e2]), state)
+    chex.assert_tree_all_finite((u, state))
+
+  def test_bad_inputs_raise(self):
+    with self.assertRaisesRegex(TypeError, "window_size"):
+      fisher_optax.scale_by_mfac(4.0)
+    with self.assertRaisesRegex(ValueError, "window_size"):
+      fisher_optax.scale_by_mfac(0)
+    with self.assertRaisesRegex(ValueError, "damping"):
+      fisher_optax.scale_by_mfac(4, -1.0)
+    with self.assertRaisesRegex(ValueError, "gradients"):
+      fisher_optax.scale_by_mfac(4, gradients="sample")
+    with self.assertRaisesRegex(ValueError, "momentum"):
+      fisher_optax.mfac(1e-3, momentum=1.5)
+    params = {"b": jnp.ones(5), "w": jnp.ones((3, 2))}
+    tx = fisher_optax.scale_by_mfac(4)
+    with self.assertRaisesRegex(ValueError, "tree structure"):
+      tx.update({"b": jnp.ones(5)}, tx.init(params))
+    tx = fisher_optax.scale_by_mfac(4, gradients="per_example")
+    state = tx.init(params)
+    with self.assertRaisesRegex(ValueError, "per_example_grads"):
+      tx.update(params, state)
+    with self.assertRaisesRegex(ValueError, "more than window_size"):
+      tx.update(params, state, per_example_grads=jax.tree.map(
+          lambda x: jnp.stack([x] * 5), params))
+    with self.assertRaisesRegex(ValueError, "per_example_grads"):
+      tx.update(params, state, per_example_grads=params)
+
+
+class MFACConformanceTest(conformance.OptimizerConformance,
+                          parameterized.TestCase):
+  FACTORY = staticmethod(fisher_optax.mfac)
+  KWARGS = {"learning_rate": 1e-1, "window_size": 4, "damping": 10.0,
+            "momentum": 0.5, "weight_decay": 0.0}
+  INJECTABLE = ("learning_rate", "damping", "momentum", "weight_decay")
+  STATIC_ARGS = ("window_size",)
+  # Far from the optimum a rank-one empirical Fisher takes steps ~ lr / |g|.
+  TARGET_KWARGS = {"parabola": {"learning_rate": 2e-1}}
+  CONVERGENCE_STEPS = {"parabola": 1000, "rosenbrock": 5000,
+                       "matrix_parabola": 1000, "mixed_tensors": 1000}
+
+
+if __name__ == "__main__":
+  absltest.main()
