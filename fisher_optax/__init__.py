@@ -16,6 +16,10 @@ from fisher_optax._fadam import FAdamState
 from fisher_optax._fadam import fadam
 from fisher_optax._fadam import scale_by_fadam
 # -- FISMO (_fismo.py) --
+from fisher_optax._fismo import fismo
+from fisher_optax._fismo import FismoDimensionNumbers
+from fisher_optax._fismo import FismoState
+from fisher_optax._fismo import scale_by_fismo
 # -- Natural GaLore and the Woodbury Fisher preconditioner (_natural_galore.py) --
 from fisher_optax._natural_galore import natural_galore
 from fisher_optax._natural_galore import NaturalGaLoreState
@@ -37,6 +41,11 @@ __all__ = [
     "__version__",
     "fisher",
     # -- exports, one block per module --
+    # FISMO (_fismo.py)
+    "FismoDimensionNumbers",
+    "FismoState",
+    "fismo",
+    "scale_by_fismo",
     # FAdam
     "FAdamState",
     "fadam",
