@@ -204,10 +204,11 @@ def scale_by_fadam(
   sqrt_p = isinstance(p, (int, float)) and p == 0.5
 
   def init_fn(params: optax.Params) -> FAdamState:
+    # zeros_like keeps a concrete input's sharding.
     mu = jax.tree.map(
-        lambda x: jnp.zeros(jnp.shape(x), _state_dtype(x, mu_dtype)), params)
+        lambda x: jnp.zeros_like(x, _state_dtype(x, mu_dtype)), params)
     fim = jax.tree.map(
-        lambda x: jnp.zeros(jnp.shape(x), _state_dtype(x, fim_dtype)), params)
+        lambda x: jnp.zeros_like(x, _state_dtype(x, fim_dtype)), params)
     return FAdamState(count=jnp.zeros([], jnp.int32), mu=mu, fim=fim)
 
   def update_fn(

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 from absl.testing import absltest
@@ -114,9 +113,8 @@ class FAdamOracleTest(parameterized.TestCase):
 
   @parameterized.named_parameters(
       ("p075_clip07", 0.75, 0.7, "paper"),
-      ("p05_clip1", 0.5, 1.0, "paper"),
       ("p1_clip25", 1.0, 2.5, "paper"),
-      ("v3_p06_clip15", 0.6, 1.5, "v3"),
+      ("v3_p05_clip15", 0.5, 1.5, "v3"),
   )
   def test_matches_numpy_float64(self, p, clip, eps_mode):
     theta0, grads_seq = _problem()
@@ -141,8 +139,7 @@ class FAdamOracleTest(parameterized.TestCase):
         np.testing.assert_allclose(leaf_g, leaf_e, rtol=1e-10, atol=1e-12,
                                    err_msg=f"step {t + 1}")
 
-  @parameterized.parameters(("paper",), ("v3",))
-  def test_matches_numpy_float32(self, eps_mode):
+  def test_matches_numpy_float32(self, eps_mode="paper"):
     theta0, grads_seq = _problem()
     hp = dict(_HPARAMS)
     lr = hp.pop("lr")
@@ -161,8 +158,7 @@ class FAdamOracleTest(parameterized.TestCase):
     p, eps, eps2 = 0.75, 1e-3, 1e-2
     tx = fisher_optax.scale_by_fadam(b1=0.0, eps=eps, eps2=eps2, p=p,
                                      clip=float("inf"), weight_decay=0.0)
-    state = tx.init(g)
-    update, state = tx.update(g, state)
+    update, state = jax.jit(tx.update)(g, tx.init(g))
     eps_hat = min(eps, eps2 * float(jnp.sqrt(jnp.mean(g**2))))
     expected = g / (jnp.abs(g) ** (2 * p) + eps_hat ** (2 * p))
     chex.assert_trees_all_close(state.fim, g**2)
@@ -177,10 +173,11 @@ class FAdamOracleTest(parameterized.TestCase):
                                      weight_decay=0.0)
     adam_nu = optax.scale_by_adam(b1=0.0, b2=b2, eps=0.0)
     state, nu_state = tx.init(g_seq[0]), adam_nu.init(g_seq[0])
+    update_fn, nu_fn = jax.jit(tx.update), jax.jit(adam_nu.update)
     m = jnp.zeros(3)
     for g in g_seq:
-      update, state = tx.update(g, state)
-      _, nu_state = adam_nu.update(g, nu_state)
+      update, state = update_fn(g, state)
+      _, nu_state = nu_fn(g, nu_state)
       v_hat = nu_state.nu / (1 - b2 ** nu_state.count)
       eps_hat = min(eps, 1e-2 * float(jnp.sqrt(jnp.mean(g**2))))
       m = b1 * m + (1 - b1) * g / (jnp.sqrt(v_hat) + eps_hat)
@@ -214,8 +211,7 @@ jax.tree_util.register_pytree_node(
 
 class FAdamPerExampleTest(parameterized.TestCase):
 
-  @parameterized.parameters(("per_example_grads",), ("fisher",),
-                            ("fisher_tree",))
+  @parameterized.parameters(("per_example_grads",), ("fisher",))
   def test_matches_numpy(self, extra):
     theta0, pegs, grads, fisher = _per_example_problem()
     hp = dict(_HPARAMS)
@@ -226,11 +222,10 @@ class FAdamPerExampleTest(parameterized.TestCase):
       if extra == "per_example_grads":
         extras = [{"per_example_grads": [jnp.asarray(x) for x in s]}
                   for s in pegs]
-      elif extra == "fisher":
-        extras = [{"fisher": _Diag([jnp.asarray(x) for x in s])}
-                  for s in fisher]
-      else:
-        extras = [{"fisher": [jnp.asarray(x) for x in s]} for s in fisher]
+      else:  # A DiagonalFisher-like object on odd steps, .diag on even.
+        extras = [{"fisher": _Diag([jnp.asarray(x) for x in s])} if t % 2
+                  else {"fisher": [jnp.asarray(x) for x in s]}
+                  for t, s in enumerate(fisher)]
       tx = fisher_optax.fadam(lr, fisher_source="per_example", **hp)
       got, _ = _run_fadam(tx, theta0, grads, jnp.float64, extras)
     for g, e in zip(got, expected):
@@ -245,8 +240,9 @@ class FAdamPerExampleTest(parameterized.TestCase):
     tx_b = fisher_optax.scale_by_fadam(weight_decay=0.0)
     tx_p = fisher_optax.scale_by_fadam(weight_decay=0.0,
                                        fisher_source="per_example")
-    _, s_b = tx_b.update(g, tx_b.init(params), params)
-    _, s_p = tx_p.update(g, tx_p.init(params), params, per_example_grads=peg)
+    _, s_b = jax.jit(tx_b.update)(g, tx_b.init(params), params)
+    _, s_p = jax.jit(tx_p.update)(g, tx_p.init(params), params,
+                                  per_example_grads=peg)
     # Mean of squares >= square of mean, strictly for noisy examples.
     for fb, fp in zip(s_b.fim, s_p.fim):
       self.assertTrue(bool(jnp.all(fp >= fb - 1e-7)))
@@ -382,24 +378,25 @@ class FAdamBehaviourTest(parameterized.TestCase):
     ref_tx = fisher_optax.fadam(1e-2)
     ref_params = jax.tree.map(lambda x: x.astype(jnp.float32), params)
     ref_grads = jax.tree.map(lambda x: x.astype(jnp.float32), grads)
-    ref_updates, _ = ref_tx.update(ref_grads, ref_tx.init(ref_params),
-                                   ref_params)
+    ref_updates, _ = jax.jit(ref_tx.update)(
+        ref_grads, ref_tx.init(ref_params), ref_params)
     for kw, state_dtype in (({}, jnp.float32),
                             ({"mu_dtype": jnp.bfloat16,
                               "fim_dtype": jnp.bfloat16}, jnp.bfloat16)):
       tx = fisher_optax.fadam(1e-2, **kw)
-      state = tx.init(params)
-      updates, state = jax.jit(tx.update)(grads, state, params)
-      updates, state = jax.jit(tx.update)(grads, state, params)
+      update = jax.jit(tx.update)
+      updates, state = update(grads, tx.init(params), params)
+      if not kw:
+        bf16_updates = updates
+      updates, state = update(grads, state, params)
       chex.assert_trees_all_equal_dtypes(updates, params)
       for leaf in jax.tree.leaves((state[0].mu, state[0].fim)):
         self.assertEqual(leaf.dtype, state_dtype)
       chex.assert_tree_all_finite(state)
     # One step in bf16 agrees with float32 to bf16 precision.
-    tx = fisher_optax.fadam(1e-2)
-    updates, _ = tx.update(grads, tx.init(params), params)
     chex.assert_trees_all_close(
-        jax.tree.map(lambda x: x.astype(jnp.float32), updates), ref_updates,
+        jax.tree.map(lambda x: x.astype(jnp.float32), bf16_updates),
+        ref_updates,
         rtol=2e-2, atol=1e-5)
 
   def test_inject_hyperparams_p_clip_eps(self):
@@ -496,22 +493,6 @@ class FAdamConformanceTest(conformance.OptimizerConformance,
   INJECTABLE = ("learning_rate", "b1", "b2", "weight_decay", "eps", "clip",
                 "p")
   TARGET_KWARGS = {"rosenbrock": {"learning_rate": 3e-3}}
-
-
-class FAdamPerExampleConformanceTest(conformance.OptimizerConformance,
-                                     parameterized.TestCase):
-  """The per-example option; the oracle is one example = the gradient."""
-  FACTORY = staticmethod(functools.partial(fisher_optax.fadam,
-                                           fisher_source="per_example"))
-  KWARGS = {"learning_rate": 1e-2, "weight_decay": 1e-3}
-  INJECTABLE = ("learning_rate", "b1", "b2", "weight_decay")
-  CONVERGENCE_STEPS = {"parabola": 3000, "mixed_tensors": 3000}
-
-  def extra_args(self, params: Any, obj_fn) -> dict[str, Any]:
-    grads = jax.grad(obj_fn)(params)
-    # Two "examples" g(1 + s) and g(1 - s): mean g, mean square > g^2.
-    return {"per_example_grads": jax.tree.map(
-        lambda g: jnp.stack([1.3 * g, 0.7 * g]), grads)}
 
 
 if __name__ == "__main__":
