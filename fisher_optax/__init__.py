@@ -36,6 +36,16 @@ from fisher_optax._merging import merge_weight_candidates
 from fisher_optax._merging import MergeWeightSearch
 from fisher_optax._merging import search_merge_weights
 # -- M-FAC, OBS pruning, Fisher-weighted SVD (_mfac.py, _obs.py, _fwsvd.py) --
+from fisher_optax._fwsvd import fisher_weighted_svd
+from fisher_optax._fwsvd import generalized_fwsvd
+from fisher_optax._mfac import MFACState
+from fisher_optax._mfac import mfac
+from fisher_optax._mfac import scale_by_mfac
+from fisher_optax._obs import group_obs_update
+from fisher_optax._obs import magnitude_prune
+from fisher_optax._obs import obs_prune
+from fisher_optax._obs import obs_saliency
+from fisher_optax._obs import ObsPruneResult
 
 __all__ = [
     "__version__",
@@ -64,4 +74,15 @@ __all__ = [
     "natural_galore",
     "scale_by_natural_galore",
     "scale_by_woodbury_fisher",
+    # M-FAC, OBS pruning, Fisher-weighted SVD (_mfac.py, _obs.py, _fwsvd.py)
+    "MFACState",
+    "ObsPruneResult",
+    "fisher_weighted_svd",
+    "generalized_fwsvd",
+    "group_obs_update",
+    "magnitude_prune",
+    "mfac",
+    "obs_prune",
+    "obs_saliency",
+    "scale_by_mfac",
 ]
