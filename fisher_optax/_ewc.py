@@ -1,0 +1,568 @@
+# Copyright 2026 The fisher_optax Authors. Licensed under the Apache License 2.0.
+"""Elastic weight consolidation: diagonal, rank-1, low-rank and mixed penalties.
+
+A finished task ``k`` leaves an anchor ``theta*_k`` and a Fisher ``F_k``; later
+training adds the quadratic penalty
+
+.. math::
+
+  R(\\theta) = \\frac{\\lambda}{2} \\sum_k (\\theta - \\theta^*_k)^\\top F_k
+      (\\theta - \\theta^*_k), \\qquad
+  \\nabla R = \\lambda \\sum_k F_k (\\theta - \\theta^*_k).
+
+Everything a penalty needs is an :class:`EWCAnchor` of fixed shapes: a
+:class:`DiagonalEWC` (precision and precision-weighted anchor, ``2P`` numbers
+for any number of tasks) and/or a :class:`LowRankEWC` (``K`` slots of one
+direction, one scale and one anchor projection each; ``K P + 2K`` numbers).
+:func:`consolidate` folds a new task into an anchor at fixed shapes, so the
+jitted training step never retraces when the task changes.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from fisher_optax import _linalg
+from fisher_optax import _validation
+from fisher_optax import fisher
+
+PyTree = Any
+
+_MODES = ("separate", "online")
+_LOW_RANK_UPDATES = ("slots", "compress")
+
+
+class DiagonalEWC(NamedTuple):
+  """Sum of diagonal EWC quadratics in merged form (``2P + 1`` numbers).
+
+  ``sum_k gamma^(T-k) F_k * (theta - theta*_k)^2`` equals
+  ``precision * (theta - anchor)^2 + residual`` exactly, with
+  ``precision = sum_k gamma^(T-k) F_k`` and ``anchor`` the precision-weighted
+  mean of the ``theta*_k``.
+
+  Attributes:
+    precision: params-shaped, ``sum_k gamma^(T-k) F_k`` (float32 or wider).
+    anchor: params-shaped, precision-weighted mean of the task anchors.
+    residual: scalar, the penalty's minimum ``sum F_k (anchor - theta*_k)^2``
+      (0 for one task or in online mode); it keeps the merged penalty value,
+      not only its gradient, equal to the sum of the separate ones.
+  """
+
+  precision: PyTree
+  anchor: PyTree
+  residual: jax.Array
+
+
+class LowRankEWC(NamedTuple):
+  """``K`` rank-one EWC terms ``s_k (u_k . theta - a_k)^2`` (``KP + 2K``).
+
+  No anchor vector is stored: ``a_k = u_k . theta*`` is all the penalty needs.
+
+  Attributes:
+    vectors: params-shaped leaves with a leading ``K`` axis, ``u_k``.
+    scales: ``(K,)`` nonnegative ``s_k``; an empty slot has scale 0.
+    anchor_proj: ``(K,)`` ``a_k``.
+  """
+
+  vectors: PyTree
+  scales: jax.Array
+  anchor_proj: jax.Array
+
+
+class EWCAnchor(NamedTuple):
+  """What an EWC penalty remembers: a diagonal part, a low-rank part, or both.
+
+  Attributes:
+    diagonal: a :class:`DiagonalEWC` or ``None``.
+    low_rank: a :class:`LowRankEWC` or ``None``.
+  """
+
+  diagonal: DiagonalEWC | None
+  low_rank: LowRankEWC | None
+
+
+class AddEWCGradientState(NamedTuple):
+  """State of :func:`add_ewc_gradient`.
+
+  Attributes:
+    count: int32 step counter.
+    ewc_anchor: the :class:`EWCAnchor`; swap it between tasks with
+      ``optax.tree.set(opt_state, ewc_anchor=new_anchor)``.
+  """
+
+  count: jax.Array
+  ewc_anchor: EWCAnchor
+
+
+# -- helpers -----------------------------------------------------------------
+
+
+def _stat_dtype(dtype: Any) -> Any:
+  # Statistics in float32, or float64 when the params are float64.
+  return jnp.promote_types(dtype, jnp.float32)
+
+
+def _scalar_dtype(params: PyTree) -> Any:
+  # Never reads a leaf's value: works on ShapeDtypeStructs and placeholders.
+  dtypes = [x.dtype for x in jax.tree.leaves(params)]
+  return jnp.result_type(jnp.float32, *dtypes)
+
+
+def _to_stat(tree: PyTree) -> PyTree:
+  return jax.tree.map(
+      lambda x: jnp.asarray(x).astype(_stat_dtype(jnp.asarray(x).dtype)),
+      tree)
+
+
+def _diag_of(fisher: Any) -> PyTree:
+  return fisher.diag if hasattr(fisher, "diag") else fisher
+
+
+def _low_rank_of(fisher: Any) -> tuple[jax.Array, PyTree]:
+  if hasattr(fisher, "eigvals") and hasattr(fisher, "eigvecs"):
+    return fisher.eigvals, fisher.eigvecs
+  if isinstance(fisher, tuple) and len(fisher) == 2:
+    return fisher
+  raise TypeError(
+      "low_rank must be a LowRankFisher (with .eigvals and .eigvecs) or an "
+      f"(eigvals, eigvecs) pair, got {type(fisher).__name__}.")
+
+
+def _check_params(params: PyTree, like: PyTree, what: str) -> None:
+  _validation.check_same_structure(
+      like, params, what=what, reference_name="the anchor's params")
+  for p, q in zip(jax.tree.leaves(like), jax.tree.leaves(params)):
+    if jnp.shape(p) != jnp.shape(q):
+      raise ValueError(
+          f"{what} leaf shape {jnp.shape(q)} does not match the anchor's "
+          f"{jnp.shape(p)}.")
+
+
+def _low_rank_size(low_rank: LowRankEWC) -> int:
+  return low_rank.scales.shape[0]
+
+
+# -- building anchors ----------------------------------------------------------
+
+
+def init_ewc_anchor(
+    params: PyTree, *, diagonal: bool = True, rank: int = 0
+) -> EWCAnchor:
+  """An empty :class:`EWCAnchor` (zero Fisher) with fixed shapes.
+
+  Args:
+    params: parameters (arrays or ``jax.ShapeDtypeStruct``).
+    diagonal: whether the anchor holds a diagonal part.
+    rank: number ``K`` of low-rank slots (0: no low-rank part). Static.
+
+  Returns:
+    An :class:`EWCAnchor` whose penalty is identically zero.
+  """
+  rank = _validation.check_static_int("rank", rank)
+  if not diagonal and rank == 0:
+    raise ValueError("an EWC anchor needs diagonal=True or rank > 0.")
+  zeros = lambda shape_prefix: jax.tree.map(
+      lambda p: jnp.zeros(shape_prefix + tuple(p.shape),
+                          _stat_dtype(p.dtype)), params)
+  sdtype = _scalar_dtype(params)
+  diag = None
+  if diagonal:
+    diag = DiagonalEWC(precision=zeros(()), anchor=zeros(()),
+                       residual=jnp.zeros([], sdtype))
+  low = None
+  if rank:
+    low = LowRankEWC(vectors=zeros((rank,)),
+                     scales=jnp.zeros([rank], sdtype),
+                     anchor_proj=jnp.zeros([rank], sdtype))
+  return EWCAnchor(diagonal=diag, low_rank=low)
+
+
+def _merge_diagonal(
+    old: DiagonalEWC, params: PyTree, fisher_diag: PyTree, decay: Any,
+    mode: str,
+) -> DiagonalEWC:
+  _check_params(fisher_diag, old.precision, "diagonal Fisher")
+  theta = _to_stat(params)
+  fdiag = jax.tree.map(
+      lambda f, p: jnp.maximum(jnp.asarray(f).astype(p.dtype), 0.0),
+      fisher_diag, old.precision)
+  old_prec = jax.tree.map(lambda p: decay * p, old.precision)
+  precision = jax.tree.map(jnp.add, old_prec, fdiag)
+  if mode == "online":
+    # Online EWC (Schwarz et al.): one anchor, the latest parameters.
+    return DiagonalEWC(precision, theta, jnp.zeros_like(old.residual))
+
+  # Exact merge of two quadratics per coordinate:
+  # a(x-m)^2 + b(x-t)^2 = (a+b)(x - t - w(m-t))^2 + w b (m-t)^2, w = a/(a+b),
+  # where x = t exactly when nothing was stored before (a = 0).
+  def weight(a, b):
+    tot = a + b
+    return jnp.where(tot > 0, a / jnp.where(tot > 0, tot, 1.0), 0.0)
+
+  w = jax.tree.map(weight, old_prec, fdiag)
+  anchor = jax.tree.map(lambda wi, m, t: t + wi * (m - t), w, old.anchor,
+                        theta)
+  gaps = jax.tree.leaves(jax.tree.map(
+      lambda wi, b, m, t: jnp.sum(wi * b * jnp.square(m - t)), w, fdiag,
+      old.anchor, theta))
+  residual = decay * old.residual + sum(
+      g.astype(old.residual.dtype) for g in gaps)
+  return DiagonalEWC(precision, anchor, residual)
+
+
+def _merge_low_rank(
+    old: LowRankEWC, params: PyTree, eigvals: jax.Array, eigvecs: PyTree,
+    decay: Any, mode: str, update: str,
+) -> LowRankEWC:
+  k_slots = _low_rank_size(old)
+  _validation.check_leading_axis(
+      eigvecs, jax.tree.map(lambda v: v[0], old.vectors),
+      what="low-rank Fisher eigvecs")
+  eigvals = jnp.atleast_1d(jnp.asarray(eigvals)).astype(old.scales.dtype)
+  k_new = eigvals.shape[0]
+  sizes = {v.shape[0] for v in jax.tree.leaves(eigvecs)}
+  if sizes and sizes != {k_new}:
+    raise ValueError(
+        f"low-rank Fisher has {k_new} eigenvalues but eigvecs with leading "
+        f"axis {sorted(sizes)}.")
+  theta = _to_stat(params)
+  new_vecs = jax.tree.map(lambda v, o: v.astype(o.dtype), eigvecs, old.vectors)
+  new_scales = jnp.maximum(eigvals, 0.0)
+  new_proj = _linalg.tree_stacked_dot(new_vecs, theta).astype(
+      old.scales.dtype)
+  scales = decay * old.scales
+  proj = old.anchor_proj
+  if mode == "online":
+    proj = _linalg.tree_stacked_dot(old.vectors, theta).astype(proj.dtype)
+
+  if update == "slots":
+    if k_new > k_slots:
+      raise ValueError(
+          f"cannot store {k_new} new directions in {k_slots} low-rank slots; "
+          "use more slots (rank=) or low_rank_update='compress'.")
+    # Overwrite the weakest slots; empty slots (scale 0) go first.
+    slots = jnp.argsort(scales, stable=True)[:k_new]
+    vectors = jax.tree.map(lambda o, n: o.at[slots].set(n), old.vectors,
+                           new_vecs)
+    return LowRankEWC(vectors, scales.at[slots].set(new_scales),
+                      proj.at[slots].set(new_proj))
+
+  # "compress": top-K eigenpairs of M = sum_j s_j u_j u_j^T over old and new
+  # slots, through the (K + k) x (K + k) Gram of the sqrt(s_j) u_j; the linear
+  # term b = sum_j s_j a_j u_j is kept by a_i' = v_i . b / l_i (exact when
+  # nothing is truncated).
+  all_vecs = jax.tree.map(lambda o, n: jnp.concatenate([o, n]), old.vectors,
+                          new_vecs)
+  all_scales = jnp.concatenate([scales, new_scales])
+  all_proj = jnp.concatenate([proj, new_proj])
+  weighted = jax.tree.map(
+      lambda v: v * jnp.sqrt(all_scales).astype(v.dtype).reshape(
+          (-1,) + (1,) * (v.ndim - 1)), all_vecs)
+  # The engine's Gram-matrix eigensolver returns eigenpairs of W^T W / m.
+  m = all_scales.shape[0]
+  top = fisher.low_rank_from_grads(weighted, rank=k_slots)  # m > k_slots
+  evals = (m * top.eigvals).astype(all_scales.dtype)
+  evecs = top.eigvecs
+  linear = _linalg.tree_stacked_combine(all_vecs, all_scales * all_proj)
+  vb = _linalg.tree_stacked_dot(evecs, linear).astype(evals.dtype)
+  safe = jnp.where(evals > 0, evals, 1.0)
+  anchor_proj = jnp.where(evals > 0, vb / safe, 0.0)
+  return LowRankEWC(
+      jax.tree.map(lambda v, o: v.astype(o.dtype), evecs, old.vectors),
+      evals.astype(old.scales.dtype), anchor_proj.astype(old.scales.dtype))
+
+
+def consolidate(
+    anchor: EWCAnchor,
+    params: PyTree,
+    *,
+    diagonal: Any = None,
+    low_rank: Any = None,
+    decay: float | jax.Array = 1.0,
+    mode: str = "separate",
+    low_rank_update: str = "slots",
+) -> EWCAnchor:
+  """Folds a finished task (anchor ``params``, Fisher) into an EWC anchor.
+
+  With decay :math:`\\gamma`, the penalty after task :math:`T` is
+
+  .. math::
+
+    R_T(\\theta) = \\frac{\\lambda}{2} \\sum_{k \\le T} \\gamma^{T-k}
+      (\\theta - \\theta^*_k)^\\top F_k (\\theta - \\theta^*_k)
+    \\quad \\text{(separate)}, \\qquad
+    \\frac{\\lambda}{2} (\\theta - \\theta^*_T)^\\top \\tilde F_T
+      (\\theta - \\theta^*_T), \\ \\tilde F_T = \\gamma \\tilde F_{T-1} + F_T
+    \\quad \\text{(online)}.
+
+  *Separate* keeps every task's own anchor (Kirkpatrick et al.); for the
+  diagonal part the sum is merged exactly into one precision and one
+  precision-weighted anchor (``2P`` numbers for any number of tasks). *Online*
+  is online EWC (Schwarz et al.; Huszar): one accumulated Fisher, re-anchored
+  at the latest parameters. P&C's extra ``gamma`` inside the penalty only
+  rescales ``lambda``, so it is not a separate option.
+
+  Low-rank slots: ``low_rank_update="slots"`` writes the new directions into
+  the ``k`` weakest slots (empty ones first) and leaves the others untouched,
+  so ``K`` slots hold ``K / k`` tasks exactly; ``"compress"`` re-compresses the
+  old and new terms to the top ``K`` eigenpairs of their sum (exact while the
+  sum has rank ``<= K``; otherwise the weakest curvature is dropped).
+
+  All shapes are fixed, so this function can run under ``jit`` and the
+  training step that reads the anchor never retraces.
+
+  Args:
+    anchor: the current :class:`EWCAnchor` (e.g. from :func:`init_ewc_anchor`
+      or ``optax.tree.get(opt_state, "ewc_anchor")``).
+    params: the parameters at the end of the finished task, ``theta*``.
+    diagonal: a ``fisher_optax.fisher.DiagonalFisher`` (its ``.diag``) or a
+      params-shaped tree; required iff the anchor has a diagonal part.
+    low_rank: a ``LowRankFisher`` (``.eigvals``, ``.eigvecs``), e.g. from
+      ``fisher.rank_one`` or ``fisher.low_rank``, or an ``(eigvals, eigvecs)``
+      pair; required iff the anchor has low-rank slots.
+    decay: ``gamma`` in [0, 1] applied to the old terms.
+    mode: ``"separate"`` or ``"online"``.
+    low_rank_update: ``"slots"`` or ``"compress"``.
+
+  Returns:
+    The new :class:`EWCAnchor`, same shapes and dtypes.
+
+  Example::
+
+    anchor = optax.tree.get(opt_state, "ewc_anchor")
+    fisher = fisher_optax.fisher.diagonal(apply_fn, params, (x, y),
+                                          likelihood=Categorical(),
+                                          kind="exact")
+    anchor = fisher_optax.consolidate(anchor, params, diagonal=fisher)
+    opt_state = optax.tree.set(opt_state, ewc_anchor=anchor)
+  """
+  _validation.check_choice("mode", mode, _MODES)
+  _validation.check_choice("low_rank_update", low_rank_update,
+                           _LOW_RANK_UPDATES)
+  _validation.check_in_unit_interval("decay", decay, closed_right=True)
+  if not isinstance(anchor, EWCAnchor):
+    raise TypeError(
+        f"anchor must be an EWCAnchor, got {type(anchor).__name__}.")
+  if (diagonal is None) != (anchor.diagonal is None):
+    raise ValueError(
+        "diagonal= must be given exactly when the anchor has a diagonal part "
+        f"(anchor.diagonal is {'None' if anchor.diagonal is None else 'set'}).")
+  if (low_rank is None) != (anchor.low_rank is None):
+    raise ValueError(
+        "low_rank= must be given exactly when the anchor has low-rank slots "
+        f"(anchor.low_rank is {'None' if anchor.low_rank is None else 'set'}).")
+  like = (anchor.diagonal.precision if anchor.diagonal is not None
+          else jax.tree.map(lambda v: v[0], anchor.low_rank.vectors))
+  _check_params(params, like, "params")
+  diag = anchor.diagonal
+  if diag is not None:
+    diag = _merge_diagonal(diag, params, _diag_of(diagonal), decay, mode)
+  low = anchor.low_rank
+  if low is not None:
+    eigvals, eigvecs = _low_rank_of(low_rank)
+    low = _merge_low_rank(low, params, eigvals, eigvecs, decay, mode,
+                          low_rank_update)
+  return EWCAnchor(diagonal=diag, low_rank=low)
+
+
+# -- the penalty -------------------------------------------------------------
+
+
+def ewc_gradient(params: PyTree, anchor: EWCAnchor) -> PyTree:
+  """``sum_k F_k (theta - theta*_k)``: the penalty gradient for ``lambda = 1``.
+
+  Args:
+    params: current parameters ``theta``.
+    anchor: an :class:`EWCAnchor`.
+
+  Returns:
+    A params-shaped tree in the anchor's (float32 or wider) dtype.
+  """
+  terms = []
+  if anchor.diagonal is not None:
+    d = anchor.diagonal
+    _check_params(params, d.precision, "params")
+    terms.append(jax.tree.map(
+        lambda pr, m, p: pr * (p.astype(pr.dtype) - m),
+        d.precision, d.anchor, params))
+  if anchor.low_rank is not None:
+    lr = anchor.low_rank
+    residual = _linalg.tree_stacked_dot(lr.vectors, _to_stat(params)).astype(
+        lr.scales.dtype) - lr.anchor_proj
+    terms.append(_linalg.tree_stacked_combine(lr.vectors,
+                                              lr.scales * residual))
+  if len(terms) == 1:
+    return terms[0]
+  return jax.tree.map(jnp.add, *terms)
+
+
+def ewc_penalty(
+    params: PyTree, anchor: EWCAnchor, strength: float | jax.Array
+) -> jax.Array:
+  """The EWC penalty in loss form, for users who add it to their loss.
+
+  .. math::
+
+    R(\\theta) = \\frac{\\lambda}{2} \\Bigl[\\sum_i \\mathrm{Pr}_i
+      (\\theta_i - m_i)^2 + r \\Bigr] + \\frac{\\lambda}{2} \\sum_k s_k
+      (u_k^\\top \\theta - a_k)^2,
+
+  i.e. :math:`\\tfrac{\\lambda}{2} \\sum_k (\\theta - \\theta^*_k)^\\top F_k
+  (\\theta - \\theta^*_k)` with the ``1/2`` convention, so that
+  ``jax.grad(ewc_penalty)`` is exactly the increment of
+  :func:`add_ewc_gradient`. Avalanche and the reference EWC code omit the
+  ``1/2``: ``lambda_ours = 2 lambda_theirs``.
+
+  Args:
+    params: current parameters ``theta``.
+    anchor: an :class:`EWCAnchor`.
+    strength: ``lambda >= 0``.
+
+  Returns:
+    A scalar in the anchor's dtype.
+
+  Example::
+
+    def loss(params, batch):
+      return task_loss(params, batch) + fisher_optax.ewc_penalty(
+          params, anchor, strength=100.0)
+  """
+  _validation.check_positive("strength", strength, allow_zero=True)
+  total = []
+  if anchor.diagonal is not None:
+    d = anchor.diagonal
+    _check_params(params, d.precision, "params")
+    sq = jax.tree.map(
+        lambda pr, m, p: jnp.sum(pr * jnp.square(p.astype(pr.dtype) - m)),
+        d.precision, d.anchor, params)
+    total.append(sum(jax.tree.leaves(sq)) + d.residual)
+  if anchor.low_rank is not None:
+    lr = anchor.low_rank
+    residual = _linalg.tree_stacked_dot(lr.vectors, _to_stat(params)).astype(
+        lr.scales.dtype) - lr.anchor_proj
+    total.append(jnp.sum(lr.scales * jnp.square(residual)))
+  return 0.5 * strength * sum(total)
+
+
+# -- the transform -----------------------------------------------------------
+
+
+def add_ewc_gradient(
+    strength: float | jax.Array,
+    anchor: EWCAnchor | None = None,
+    *,
+    diagonal: bool = True,
+    rank: int = 0,
+) -> optax.GradientTransformationExtraArgs:
+  """Adds the gradient of the EWC penalty, ``lambda F (theta - theta*)``.
+
+  .. math::
+
+    u \\leftarrow u + \\lambda \\sum_k F_k (\\theta - \\theta^*_k),
+
+  the gradient of :func:`ewc_penalty` (``1/2`` convention: ``R = lambda/2
+  D^T F D``). Put it **first** in a chain, where it is exactly the loss-form
+  penalty; placed after an adaptive optimizer it becomes a decoupled
+  (AdamW-style) pull towards the anchor whose ``lambda`` no longer matches the
+  loss form.
+
+  The Fisher lives in the state as an :class:`EWCAnchor` of fixed shapes.
+  After each task, fold the task in with :func:`consolidate` and write it back
+  with ``optax.tree.set(opt_state, ewc_anchor=...)``: same shapes, so the
+  jitted step does not retrace.
+
+  Fisher flavours (all from :mod:`fisher_optax.fisher`):
+
+  * classic EWC: ``diagonal(..., kind="exact"|"mc"|"empirical")``;
+  * ``kind="batch_squared"`` (Avalanche's "BATCHED" squared mini-batch
+    gradient) estimates about ``F / b + mu mu^T`` for batch size ``b``, so its
+    best ``lambda`` is about ``b`` times larger;
+  * rank-1 EWC (Wang et al.): ``rank_one(..., direction="mean")``; with
+    ``scale="none"`` the term is ``(1/2) (mu . D)^2`` as in the paper's
+    ``rank1``, with ``scale="optimal"`` it is ``(1/2) c* (mu . D)^2`` with the
+    Frobenius-optimal ``c* = mean((mu . g_n)^2) / |mu|^4`` (``rank1_opt``);
+  * rank-k / AlignGuard's ``l_A`` term: ``low_rank(..., rank=k)``;
+  * diagonal plus low rank together (no source does this): ``diagonal=True,
+    rank=k`` and both statistics in :func:`consolidate`.
+
+  ``lambda`` multiplies a *mean* Fisher (per-example mean over the task's
+  data), so it does not depend on the number of examples the Fisher saw.
+
+  Args:
+    strength: ``lambda >= 0`` (injectable).
+    anchor: an initial :class:`EWCAnchor`; default an empty one built by
+      :func:`init_ewc_anchor` with ``diagonal`` and ``rank``.
+    diagonal: whether the default anchor has a diagonal part. Static.
+    rank: low-rank slots ``K`` of the default anchor. Static int.
+
+  Returns:
+    An ``optax.GradientTransformationExtraArgs``; ``update`` requires params.
+
+  Example (AlignGuard-style: a Fisher penalty on the LoRA leaves only)::
+
+    is_lora = jax.tree.map_with_path(
+        lambda path, _: "lora" in jax.tree_util.keystr(path), params)
+    # optax.masked shows the inner transform MaskedNode for the other leaves.
+    only_lora = lambda t: jax.tree.map(
+        lambda m, x: x if m else optax.MaskedNode(), is_lora, t)
+    tx = optax.chain(
+        optax.masked(fisher_optax.add_ewc_gradient(1.0, rank=8), is_lora),
+        optax.adam(1e-4))
+    state = tx.init(params)
+    # A rank-8 Fisher on alignment data: AlignGuard's l_A sum_i s_i (u_i.D)^2
+    # (the l_A / lambda ratio is the strength).
+    stat = fisher_optax.fisher.low_rank(apply_fn, params, safety_batch,
+                                        likelihood=fisher_optax.fisher.
+                                        Categorical(), kind="mc", key=key,
+                                        rank=8)
+    anchor = fisher_optax.consolidate(
+        optax.tree.get(state, "ewc_anchor"), only_lora(params),
+        low_rank=(stat.eigvals, only_lora(stat.eigvecs)))
+    state = optax.tree.set(state, ewc_anchor=anchor)
+
+  (The Fisher above is over all parameters; restricting it to the LoRA
+  leaves keeps its block, so for a LoRA-only Fisher compute it on the LoRA
+  parameters, as AlignGuard does.)
+
+  References:
+    Kirkpatrick et al, `Overcoming catastrophic forgetting in neural
+    networks <https://arxiv.org/abs/1612.00796>`_, 2017.
+    Schwarz et al, `Progress & Compress
+    <https://arxiv.org/abs/1805.06370>`_, 2018.
+    Wang et al, `Rank-1 Fisher for diffusion continual learning
+    <https://arxiv.org/abs/2509.23593>`_, 2026.
+    Das et al, `AlignGuard-LoRA <https://arxiv.org/abs/2508.02079>`_, 2025.
+  """
+  _validation.check_positive("strength", strength, allow_zero=True)
+  rank = _validation.check_static_int("rank", rank)
+  if anchor is not None and not isinstance(anchor, EWCAnchor):
+    raise TypeError(
+        f"anchor must be an EWCAnchor, got {type(anchor).__name__}.")
+
+  def init_fn(params: PyTree) -> AddEWCGradientState:
+    if anchor is None:
+      start = init_ewc_anchor(params, diagonal=diagonal, rank=rank)
+    else:
+      start = anchor
+    return AddEWCGradientState(count=jnp.zeros([], jnp.int32),
+                               ewc_anchor=start)
+
+  def update_fn(updates, state, params=None, **extra_args):
+    del extra_args
+    if params is None:
+      raise ValueError(
+          "add_ewc_gradient needs params: call update(updates, state, "
+          "params).")
+    grad = ewc_gradient(params, state.ewc_anchor)
+    updates = jax.tree.map(
+        lambda u, g: (u.astype(g.dtype) + strength * g).astype(u.dtype),
+        updates, grad)
+    return updates, AddEWCGradientState(
+        count=optax.safe_increment(state.count),
+        ewc_anchor=state.ewc_anchor)
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)

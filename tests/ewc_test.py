@@ -1,0 +1,438 @@
+# Copyright 2026 The fisher_optax Authors. Licensed under the Apache License 2.0.
+"""Tests for the EWC penalties, anchors and transform (``_ewc.py``)."""
+
+from absl.testing import absltest
+from absl.testing import parameterized
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import fisher_optax
+from fisher_optax import fisher
+from tests import conformance
+from tests import fisher_testing as ft
+
+
+def _params(seed, dtype=jnp.float64):
+  return ft.mlp_params(jax.random.key(seed), dtype=dtype)
+
+
+def _positive_tree(seed, like):
+  keys = iter(jax.random.split(jax.random.key(seed), len(jax.tree.leaves(like))))
+  return jax.tree.map(
+      lambda x: jnp.abs(jax.random.normal(next(keys), x.shape, x.dtype)), like)
+
+
+def _orthonormal(seed, like, k):
+  """k orthonormal directions over the whole tree, as a stacked tree."""
+  p = ft.ravel(like).size
+  q, _ = jnp.linalg.qr(jax.random.normal(jax.random.key(seed), (p, k),
+                                         ft.ravel(like).dtype))
+  return ft.unravel_like(like, q.T)
+
+
+def _dense_low_rank(vals, vecs):
+  u = jax.vmap(ft.ravel)(vecs)
+  return u.T @ jnp.diag(vals) @ u
+
+
+class EWCPenaltyTest(parameterized.TestCase):
+
+  def _anchor(self, params, parts):
+    diag = "diag" in parts
+    rank = 3 if "low" in parts else 0
+    anchor = fisher_optax.init_ewc_anchor(params, diagonal=diag, rank=rank)
+    kwargs = {}
+    if diag:
+      kwargs["diagonal"] = _positive_tree(1, params)
+    if rank:
+      kwargs["low_rank"] = (jnp.array([3.0, 2.0, 0.5]),
+                            _orthonormal(2, params, 3))
+    return fisher_optax.consolidate(anchor, params, **kwargs), kwargs
+
+  @parameterized.parameters(("diag",), ("low",), ("diag", "low"))
+  def test_zero_at_anchor(self, *parts):
+    with jax.enable_x64(True):
+      theta = _params(0)
+      anchor, _ = self._anchor(theta, parts)
+      self.assertEqual(float(fisher_optax.ewc_penalty(theta, anchor, 7.0)),
+                       0.0)
+      grad = jax.grad(fisher_optax.ewc_penalty)(theta, anchor, 7.0)
+      chex.assert_trees_all_close(grad, jax.tree.map(jnp.zeros_like, theta),
+                                  atol=1e-12)
+
+  @parameterized.parameters(("diag",), ("low",), ("diag", "low"))
+  def test_penalty_is_dense_quadratic_form(self, *parts):
+    with jax.enable_x64(True):
+      theta_star, theta = _params(0), _params(5)
+      anchor, kwargs = self._anchor(theta_star, parts)
+      dense = 0.0
+      if "diagonal" in kwargs:
+        dense = dense + jnp.diag(ft.ravel(kwargs["diagonal"]))
+      if "low_rank" in kwargs:
+        dense = dense + _dense_low_rank(*kwargs["low_rank"])
+      d = ft.ravel(theta) - ft.ravel(theta_star)
+      lam = 3.0
+      np.testing.assert_allclose(
+          fisher_optax.ewc_penalty(theta, anchor, lam), 0.5 * lam * d @ dense @ d,
+          rtol=1e-12)
+      chex.assert_trees_all_close(
+          jax.grad(fisher_optax.ewc_penalty)(theta, anchor, lam),
+          ft.unravel_like(theta, lam * dense @ d), rtol=1e-10, atol=1e-12)
+
+  @parameterized.parameters(("diag",), ("low",), ("diag", "low"))
+  def test_transform_increment_is_grad_of_loss_form(self, *parts):
+    with jax.enable_x64(True):
+      theta_star, theta = _params(0), _params(5)
+      anchor, _ = self._anchor(theta_star, parts)
+      tx = fisher_optax.add_ewc_gradient(2.5, anchor)
+      updates = jax.tree.map(lambda x: 0.1 * jnp.ones_like(x), theta)
+      out, state = jax.jit(tx.update)(updates, tx.init(theta), theta)
+      expected = jax.tree.map(
+          jnp.add, updates,
+          jax.grad(fisher_optax.ewc_penalty)(theta, anchor, 2.5))
+      chex.assert_trees_all_close(out, expected, rtol=1e-12, atol=1e-12)
+      self.assertEqual(int(state.count), 1)
+
+  def test_strength_zero_is_identity(self):
+    theta_star, theta = _params(0, jnp.float32), _params(5, jnp.float32)
+    anchor, _ = self._anchor(theta_star, ("diag", "low"))
+    tx = fisher_optax.add_ewc_gradient(0.0, anchor)
+    g = _positive_tree(3, theta)
+    out, _ = tx.update(g, tx.init(theta), theta)
+    chex.assert_trees_all_equal(out, g)
+
+
+class ConsolidateTest(parameterized.TestCase):
+
+  def _tasks(self, n=3):
+    thetas = [_params(10 + t) for t in range(n)]
+    fishers = [_positive_tree(20 + t, thetas[0]) for t in range(n)]
+    return thetas, fishers
+
+  def _separate_penalty(self, theta, thetas, fishers, decay):
+    total = 0.0
+    n = len(thetas)
+    for k, (ts, f) in enumerate(zip(thetas, fishers)):
+      d = ft.ravel(theta) - ft.ravel(ts)
+      total += decay ** (n - 1 - k) * jnp.sum(ft.ravel(f) * d * d)
+    return 0.5 * total
+
+  @parameterized.parameters(1.0, 0.7)
+  def test_merged_diagonal_equals_sum_of_separate(self, decay):
+    with jax.enable_x64(True):
+      thetas, fishers = self._tasks()
+      anchor = fisher_optax.init_ewc_anchor(thetas[0])
+      for ts, f in zip(thetas, fishers):
+        anchor = jax.jit(fisher_optax.consolidate, static_argnames="mode")(
+            anchor, ts, diagonal=f, decay=decay)
+      theta = _params(99)
+      sep = lambda th: self._separate_penalty(th, thetas, fishers, decay)
+      np.testing.assert_allclose(fisher_optax.ewc_penalty(theta, anchor, 1.0),
+                                 sep(theta), rtol=1e-12)
+      chex.assert_trees_all_close(
+          jax.grad(fisher_optax.ewc_penalty)(theta, anchor, 1.0),
+          jax.grad(sep)(theta), rtol=1e-10, atol=1e-12)
+      # 2P + 1 numbers, whatever the number of tasks.
+      size = sum(x.size for x in jax.tree.leaves(anchor))
+      self.assertEqual(size, 2 * ft.ravel(thetas[0]).size + 1)
+
+  def test_online_decay_equals_manual_recursion(self):
+    with jax.enable_x64(True):
+      thetas, fishers = self._tasks()
+      gamma = 0.6
+      anchor = fisher_optax.init_ewc_anchor(thetas[0])
+      manual = jnp.zeros_like(ft.ravel(thetas[0]))
+      for ts, f in zip(thetas, fishers):
+        anchor = fisher_optax.consolidate(anchor, ts, diagonal=f, decay=gamma,
+                                          mode="online")
+        manual = gamma * manual + ft.ravel(f)
+      np.testing.assert_allclose(ft.ravel(anchor.diagonal.precision), manual,
+                                 rtol=1e-12)
+      theta = _params(99)
+      d = ft.ravel(theta) - ft.ravel(thetas[-1])
+      np.testing.assert_allclose(fisher_optax.ewc_penalty(theta, anchor, 2.0),
+                                 jnp.sum(manual * d * d), rtol=1e-12)
+
+  @parameterized.parameters("separate", "online")
+  def test_low_rank_slots_equal_separate_terms(self, mode):
+    with jax.enable_x64(True):
+      thetas, _ = self._tasks(2)
+      stats = [(jnp.array([2.0, 1.0]), _orthonormal(30 + t, thetas[0], 2))
+               for t in range(2)]
+      anchor = fisher_optax.init_ewc_anchor(thetas[0], diagonal=False, rank=4)
+      for ts, st in zip(thetas, stats):
+        anchor = fisher_optax.consolidate(anchor, ts, low_rank=st, decay=0.5,
+                                          mode=mode)
+      theta = _params(99)
+      terms = []
+      for k, (ts, st) in enumerate(zip(thetas, stats)):
+        ref = thetas[-1] if mode == "online" else ts
+        d = ft.ravel(theta) - ft.ravel(ref)
+        terms.append(0.5 ** (1 - k) * d @ _dense_low_rank(*st) @ d)
+      np.testing.assert_allclose(fisher_optax.ewc_penalty(theta, anchor, 2.0),
+                                 sum(terms), rtol=1e-10)
+
+  def test_compress_is_exact_within_budget_and_keeps_top_directions(self):
+    with jax.enable_x64(True):
+      thetas, _ = self._tasks(2)
+      s1 = (jnp.array([5.0]), _orthonormal(40, thetas[0], 1))
+      s2 = (jnp.array([3.0]), _orthonormal(41, thetas[0], 1))
+      # Budget 2 >= total rank 2: the compressed gradient is exact.
+      anchor = fisher_optax.init_ewc_anchor(thetas[0], diagonal=False, rank=2)
+      anchor = fisher_optax.consolidate(anchor, thetas[0], low_rank=s1,
+                                        low_rank_update="compress")
+      anchor = fisher_optax.consolidate(anchor, thetas[1], low_rank=s2,
+                                        low_rank_update="compress")
+      theta = _params(99)
+
+      def sep(th):
+        out = 0.0
+        for ts, st in zip(thetas, (s1, s2)):
+          d = ft.ravel(th) - ft.ravel(ts)
+          out += 0.5 * d @ _dense_low_rank(*st) @ d
+        return out
+
+      chex.assert_trees_all_close(
+          jax.grad(fisher_optax.ewc_penalty)(theta, anchor, 1.0),
+          jax.grad(sep)(theta), rtol=1e-8, atol=1e-10)
+      # Budget 1: the top eigenpair of the summed curvature survives.
+      small = fisher_optax.init_ewc_anchor(thetas[0], diagonal=False, rank=1)
+      small = fisher_optax.consolidate(small, thetas[0], low_rank=s1,
+                                       low_rank_update="compress")
+      small = fisher_optax.consolidate(small, thetas[1], low_rank=s2,
+                                       low_rank_update="compress")
+      dense = _dense_low_rank(*s1) + _dense_low_rank(*s2)
+      vals, vecs = ft.top_eig(dense, 1)
+      np.testing.assert_allclose(small.low_rank.scales, vals, rtol=1e-10)
+      got = ft.ravel(jax.tree.map(lambda v: v[0], small.low_rank.vectors))
+      np.testing.assert_allclose(abs(got @ vecs[0]), 1.0, rtol=1e-10)
+
+  def test_slots_evict_weakest(self):
+    with jax.enable_x64(True):
+      theta = _params(0)
+      anchor = fisher_optax.init_ewc_anchor(theta, diagonal=False, rank=2)
+      for t, s in enumerate((4.0, 1.0, 3.0)):
+        anchor = fisher_optax.consolidate(
+            anchor, theta,
+            low_rank=(jnp.array([s]), _orthonormal(50 + t, theta, 1)))
+      np.testing.assert_allclose(jnp.sort(anchor.low_rank.scales), [3.0, 4.0])
+
+  def test_zero_fisher_and_zero_directions_give_no_nan(self):
+    theta = _params(0, jnp.float32)
+    anchor = fisher_optax.init_ewc_anchor(theta, rank=2)
+    zeros = jax.tree.map(jnp.zeros_like, theta)
+    for update in ("slots", "compress"):
+      a = fisher_optax.consolidate(
+          anchor, theta, diagonal=zeros,
+          low_rank=(jnp.zeros([1]), jax.tree.map(lambda x: x[None], zeros)),
+          low_rank_update=update)
+      a = fisher_optax.consolidate(a, _params(1, jnp.float32), diagonal=zeros,
+                                   low_rank=(jnp.zeros([1]), jax.tree.map(
+                                       lambda x: x[None], zeros)),
+                                   low_rank_update=update)
+      chex.assert_tree_all_finite(a)
+      chex.assert_tree_all_finite(
+          jax.grad(fisher_optax.ewc_penalty)(_params(2, jnp.float32), a, 1.0))
+
+  def test_engine_statistics_plug_in(self):
+    theta = _params(0, jnp.float32)
+    x, y = ft.make_batch(jax.random.key(3), 16, "categorical", jnp.float32)
+    kw = dict(likelihood=fisher.Categorical(), kind="exact")
+    diag = fisher.diagonal(ft.mlp_apply, theta, (x, y), **kw)
+    r1 = fisher.rank_one(ft.mlp_apply, theta, (x, y), likelihood=kw[
+        "likelihood"], kind="empirical", scale="optimal")
+    anchor = fisher_optax.init_ewc_anchor(theta, rank=1)
+    anchor = fisher_optax.consolidate(anchor, theta, diagonal=diag,
+                                      low_rank=r1)
+    theta2 = _params(1, jnp.float32)
+    d = ft.ravel(theta2) - ft.ravel(theta)
+    expected = 0.5 * (jnp.sum(ft.ravel(diag.diag) * d * d)
+                      + r1.eigvals[0] * (ft.ravel(jax.tree.map(
+                          lambda v: v[0], r1.eigvecs)) @ d) ** 2)
+    np.testing.assert_allclose(fisher_optax.ewc_penalty(theta2, anchor, 1.0),
+                               expected, rtol=1e-5)
+
+
+class RankOneScaleTest(absltest.TestCase):
+  """Spec §6: c* is the least-squares scale; collinear gradients are exact."""
+
+  def test_optimal_scale_is_least_squares(self):
+    with jax.enable_x64(True):
+      theta = _params(0)
+      x, y = ft.make_batch(jax.random.key(1), 12, "categorical")
+      stat = fisher.rank_one(ft.mlp_apply, theta, (x, y),
+                             likelihood=fisher.Categorical(),
+                             kind="empirical", scale="optimal")
+      dense = ft.dense_fisher(ft.mlp_apply, theta, x, y, family="categorical",
+                              kind="empirical")
+      mu = ft.ravel(ft.mean_grad_dense(ft.mlp_apply, theta, x, y,
+                                       "categorical"))
+      m = jnp.outer(mu, mu)
+      c_star = jnp.sum(dense * m) / jnp.sum(m * m)  # argmin_c |F - c m|_F
+      np.testing.assert_allclose(stat.eigvals[0], c_star * mu @ mu, rtol=1e-6)
+      # And it beats nearby scales.
+      err = lambda c: jnp.linalg.norm(dense - c * m)
+      self.assertLess(err(c_star), err(1.01 * c_star))
+      self.assertLess(err(c_star), err(0.99 * c_star))
+
+  def test_collinear_gradients_make_rank_one_exact(self):
+    with jax.enable_x64(True):
+      u = _orthonormal(0, {"w": jnp.zeros((3, 2), jnp.float64)}, 1)["w"][0]
+      a = jnp.array([0.5, -1.0, 2.0, 3.0])
+      g = a[:, None, None] * u[None]          # g_n = a_n u
+      dense = jnp.einsum("nij,nkl->ijkl", g, g).reshape(6, 6) / 4
+      mu = jnp.mean(g, 0).ravel()
+      c_star = jnp.mean((g.reshape(4, -1) @ mu) ** 2) / (mu @ mu) ** 2
+      np.testing.assert_allclose(c_star * jnp.outer(mu, mu), dense,
+                                 atol=1e-12)
+      top = fisher.low_rank_from_grads({"w": g}, rank=1)
+      v = top.eigvecs["w"][0].ravel()
+      np.testing.assert_allclose(top.eigvals[0] * jnp.outer(v, v), dense,
+                                 atol=1e-12)
+
+
+class EWCTransformTest(parameterized.TestCase):
+
+  def test_converges_to_penalised_minimum(self):
+    target = jnp.array([1.0, -2.0, 3.0])
+    anchor_at = jnp.array([0.0, 0.0, 1.0])
+    prec = jnp.array([1.0, 4.0, 0.5])
+    lam = 2.0
+    anchor = fisher_optax.consolidate(
+        fisher_optax.init_ewc_anchor(anchor_at), anchor_at, diagonal=prec)
+    tx = optax.chain(fisher_optax.add_ewc_gradient(lam, anchor),
+                     optax.sgd(0.05))
+    loss = lambda p: jnp.sum((p - target) ** 2)
+
+    def step(carry, _):
+      p, s = carry
+      u, s = tx.update(jax.grad(loss)(p), s, p)
+      return (optax.apply_updates(p, u), s), None
+
+    (p, _), _ = jax.lax.scan(step, (anchor_at, tx.init(anchor_at)), length=500)
+    expected = (2 * target + lam * prec * anchor_at) / (2 + lam * prec)
+    np.testing.assert_allclose(p, expected, rtol=1e-5)
+
+  def test_task_swap_does_not_retrace(self):
+    theta = _params(0, jnp.float32)
+    tx = optax.chain(fisher_optax.add_ewc_gradient(1.0, rank=2),
+                     optax.adam(1e-2))
+    state = tx.init(theta)
+
+    @jax.jit
+    @chex.assert_max_traces(n=1)
+    def step(p, s):
+      u, s = tx.update(_positive_tree(0, p), s, p)
+      return optax.apply_updates(p, u), s
+
+    consolidate = jax.jit(fisher_optax.consolidate)
+    for t in range(3):
+      theta, state = step(theta, state)
+      anchor = optax.tree.get(state, "ewc_anchor")
+      anchor = consolidate(
+          anchor, theta, diagonal=_positive_tree(t, theta),
+          low_rank=(jnp.ones([1]), _orthonormal(t, theta, 1)))
+      state = optax.tree.set(state, ewc_anchor=anchor)
+    theta, state = step(theta, state)
+    chex.assert_tree_all_finite(theta)
+
+  def test_keeps_bf16_dtype(self):
+    theta = _params(0, jnp.bfloat16)
+    anchor = fisher_optax.consolidate(
+        fisher_optax.init_ewc_anchor(theta), theta,
+        diagonal=_positive_tree(0, theta))
+    chex.assert_trees_all_equal_dtypes(
+        anchor.diagonal.precision, jax.tree.map(
+            lambda x: x.astype(jnp.float32), theta))
+    tx = fisher_optax.add_ewc_gradient(1.0, anchor)
+    out, _ = jax.jit(tx.update)(theta, tx.init(theta), _params(1, jnp.bfloat16))
+    chex.assert_trees_all_equal_dtypes(out, theta)
+
+  def test_masked_lora_style(self):
+    """AlignGuard-style: the penalty acts only on the masked (LoRA) leaves."""
+    theta = {"base": jnp.ones((3,)), "lora": jnp.ones((2, 2))}
+    mask = {"base": False, "lora": True}
+    # optax.masked shows the inner transform MaskedNode for masked-out leaves.
+    masked = lambda t: jax.tree.map(
+        lambda m, x: x if m else optax.MaskedNode(), mask, t)
+    full_diag = {"base": jnp.ones(3), "lora": jnp.full((2, 2), 2.0)}
+    full_vec = {"base": jnp.zeros((1, 3)),
+                "lora": jnp.eye(2)[None] / jnp.sqrt(2.0)}
+    anchor = fisher_optax.consolidate(
+        fisher_optax.init_ewc_anchor(masked(theta), rank=1), masked(theta),
+        diagonal=masked(full_diag), low_rank=(jnp.ones([1]), masked(full_vec)))
+    tx = optax.masked(fisher_optax.add_ewc_gradient(1.0, anchor), mask)
+    state = tx.init(theta)
+    moved = jax.tree.map(lambda x: x + 1.0, theta)
+    zeros = jax.tree.map(jnp.zeros_like, theta)
+    out, _ = tx.update(zeros, state, moved)
+    np.testing.assert_allclose(out["base"], 0.0)
+    np.testing.assert_allclose(out["lora"], 2.0 + jnp.eye(2), rtol=1e-6)
+
+
+class EWCValidationTest(parameterized.TestCase):
+
+  def test_bad_hyperparameters(self):
+    with self.assertRaisesRegex(ValueError, "strength"):
+      fisher_optax.add_ewc_gradient(-1.0)
+    with self.assertRaisesRegex(TypeError, "rank"):
+      fisher_optax.add_ewc_gradient(1.0, rank=2.0)
+    with self.assertRaisesRegex(TypeError, "EWCAnchor"):
+      fisher_optax.add_ewc_gradient(1.0, anchor={"a": 1})
+    with self.assertRaisesRegex(ValueError, "diagonal=True or rank"):
+      fisher_optax.init_ewc_anchor({"a": jnp.ones(2)}, diagonal=False)
+
+  def test_update_without_params(self):
+    tx = fisher_optax.add_ewc_gradient(1.0)
+    p = {"a": jnp.ones(2)}
+    with self.assertRaisesRegex(ValueError, "needs params"):
+      tx.update(p, tx.init(p))
+
+  def test_bad_consolidate_inputs(self):
+    p = {"a": jnp.ones(2), "b": jnp.ones((2, 3))}
+    anchor = fisher_optax.init_ewc_anchor(p, rank=1)
+    lr = (jnp.ones([1]), jax.tree.map(lambda x: x[None], p))
+    with self.assertRaisesRegex(ValueError, "mode"):
+      fisher_optax.consolidate(anchor, p, diagonal=p, low_rank=lr, mode="x")
+    with self.assertRaisesRegex(ValueError, "decay"):
+      fisher_optax.consolidate(anchor, p, diagonal=p, low_rank=lr, decay=1.5)
+    with self.assertRaisesRegex(ValueError, "low_rank= must be given"):
+      fisher_optax.consolidate(anchor, p, diagonal=p)
+    with self.assertRaisesRegex(ValueError, "tree structure"):
+      fisher_optax.consolidate(anchor, {"a": p["a"]}, diagonal=p, low_rank=lr)
+    with self.assertRaisesRegex(ValueError, "leaf shape"):
+      fisher_optax.consolidate(anchor, p, diagonal={"a": jnp.ones(3),
+                                                    "b": p["b"]}, low_rank=lr)
+    two = (jnp.ones([2]), jax.tree.map(lambda x: jnp.stack([x, x]), p))
+    with self.assertRaisesRegex(ValueError, "low-rank slots"):
+      fisher_optax.consolidate(anchor, p, diagonal=p, low_rank=two)
+    with self.assertRaisesRegex(ValueError, "eigvecs"):
+      fisher_optax.consolidate(anchor, p, diagonal=p,
+                               low_rank=(jnp.ones([1]), p))
+    tx = fisher_optax.add_ewc_gradient(1.0)
+    with self.assertRaisesRegex(ValueError, "tree structure"):
+      tx.update(p, tx.init(p), {"a": p["a"]})
+
+
+def _ewc_adam(learning_rate, strength=0.5):
+  return optax.chain(fisher_optax.add_ewc_gradient(strength),
+                     optax.adam(learning_rate))
+
+
+class EWCConformanceTest(conformance.OptimizerConformance,
+                         parameterized.TestCase):
+  """The add_ewc_gradient + adam chain (empty anchor) through the suite."""
+
+  FACTORY = staticmethod(_ewc_adam)
+  KWARGS = {"learning_rate": 1e-1, "strength": 0.5}
+  INJECTABLE = ("learning_rate", "strength")
+  CONVERGENCE_STEPS = {"parabola": 1000, "rosenbrock": 3000,
+                       "matrix_parabola": 1000, "mixed_tensors": 1000}
+  TARGET_KWARGS = {"rosenbrock": {"learning_rate": 1e-2}}
+
+
+if __name__ == "__main__":
+  absltest.main()
