@@ -27,6 +27,21 @@ from fisher_optax._natural_galore import scale_by_natural_galore
 from fisher_optax._natural_galore import scale_by_woodbury_fisher
 from fisher_optax._natural_galore import WoodburyFisherState
 # -- EWC penalties and protected subspaces (_ewc.py, _physguard.py) --
+from fisher_optax._ewc import add_ewc_gradient
+from fisher_optax._ewc import AddEWCGradientState
+from fisher_optax._ewc import consolidate
+from fisher_optax._ewc import DiagonalEWC
+from fisher_optax._ewc import ewc_gradient
+from fisher_optax._ewc import ewc_penalty
+from fisher_optax._ewc import EWCAnchor
+from fisher_optax._ewc import init_ewc_anchor
+from fisher_optax._ewc import LowRankEWC
+from fisher_optax._physguard import init_protected_subspace
+from fisher_optax._physguard import physguard
+from fisher_optax._physguard import project_out_subspace
+from fisher_optax._physguard import ProjectOutSubspaceState
+from fisher_optax._physguard import protected_subspace
+from fisher_optax._physguard import ProtectedSubspace
 # -- Fisher merging (_merging.py) --
 from fisher_optax._merging import fisher_merge
 from fisher_optax._merging import fisher_merge_accumulator
@@ -85,4 +100,20 @@ __all__ = [
     "obs_prune",
     "obs_saliency",
     "scale_by_mfac",
+    # EWC penalties and protected subspaces (_ewc.py, _physguard.py)
+    "AddEWCGradientState",
+    "DiagonalEWC",
+    "EWCAnchor",
+    "LowRankEWC",
+    "ProjectOutSubspaceState",
+    "ProtectedSubspace",
+    "add_ewc_gradient",
+    "consolidate",
+    "ewc_gradient",
+    "ewc_penalty",
+    "init_ewc_anchor",
+    "init_protected_subspace",
+    "physguard",
+    "project_out_subspace",
+    "protected_subspace",
 ]
