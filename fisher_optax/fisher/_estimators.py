@@ -1,0 +1,773 @@
+# Copyright 2026 The fisher_optax Authors. Licensed under the Apache License 2.0.
+"""Fisher estimators: which Fisher (``kind``) x which structure x which path.
+
+Every estimator runs one forward pass and one batched backward pass for the
+mean loss gradient, turns the outputs into per-example output cotangents
+``r_{s,n}`` (:func:`fisher_optax.fisher._likelihoods.output_cotangents`), and
+reduces the pseudo-gradients ``g_{s,n} = J_n^T r_{s,n}`` to *sums* by either
+
+- the layer-statistics path (``fisher_optax.fisher._taps``: dense and
+  embedding layers, never forming ``B x P``), or
+- the generic per-example path (``vmap`` of one-example VJPs, chunked),
+
+then all-reduces the sums over ``axis_name`` (when given) and divides by the
+global example count.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from fisher_optax import _linalg
+from fisher_optax import _validation
+from fisher_optax.fisher import _likelihoods
+from fisher_optax.fisher import _per_example
+from fisher_optax.fisher import _statistics
+from fisher_optax.fisher import _taps
+
+PyTree = Any
+ApplyFn = Callable[[PyTree, PyTree], jax.Array]
+METHODS = ("auto", "taps", "per_example")
+
+
+class _Pass(NamedTuple):
+  """What every estimator needs after the forward/backward pass."""
+
+  inputs: PyTree
+  cotangents: jax.Array  # (S, B, *out)
+  mean_grad: PyTree  # global mean, float32, or None without targets
+  count: jax.Array  # global int32 N
+  params: PyTree  # pcast to varying under axis_name
+  size: int  # local B
+
+
+def _psum(x: PyTree, axis_name: str | None) -> PyTree:
+  if axis_name is None:
+    return x
+  return jax.lax.psum(x, axis_name)
+
+
+def _f32(tree: PyTree) -> PyTree:
+  return jax.tree.map(
+      lambda x: x.astype(jnp.promote_types(x.dtype, jnp.float32)), tree)
+
+
+def _check_apply_outputs(out: Any, size: int) -> None:
+  if not isinstance(out, jax.Array) or out.ndim < 1 or out.shape[0] != size:
+    shape = getattr(out, "shape", type(out).__name__)
+    raise ValueError(
+        "apply_fn(params, inputs) must return one array with the batch "
+        f"axis first, shape ({size}, ...); got {shape}.")
+
+
+def _forward(apply_fn: ApplyFn, params: PyTree, batch: Any, *,
+             likelihood: Any, kind: str, num_samples: int,
+             key: jax.Array | None, method: str, chunk_size: int | None,
+             axis_name: str | None) -> tuple[_Pass, _likelihoods.Likelihood]:
+  """Validates the arguments and runs the shared forward/backward pass."""
+  likelihood = _likelihoods.as_likelihood(likelihood)
+  _likelihoods.check_kind(likelihood, kind)
+  _validation.check_choice("method", method, METHODS)
+  _validation.check_static_int("num_samples", num_samples, minimum=1)
+  chunk_size = _per_example.check_chunk_size(chunk_size)
+  del chunk_size
+  if not isinstance(batch, (tuple, list)) or len(batch) != 2:
+    raise ValueError(
+        "batch must be a pair (inputs, targets); got "
+        f"{type(batch).__name__}" + (f" of length {len(batch)}"
+                                     if isinstance(batch, (tuple, list))
+                                     else "") + ".")
+  inputs, targets = batch
+  size = _per_example.check_batch_tree(
+      inputs if targets is None else (inputs, targets), what="batch")
+  if kind == "mc" and key is None:
+    raise ValueError("kind='mc' samples labels from the model and needs "
+                     "key=, a PRNG key.")
+  for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+    if not isinstance(leaf, jax.Array) and not hasattr(leaf, "dtype"):
+      raise TypeError(f"params{jax.tree_util.keystr(path)} must be an array, "
+                      f"got {type(leaf).__name__}.")
+
+  if axis_name is not None:
+    # Replicated params are device-invariant, so autodiff would psum their
+    # cotangents and mix examples across devices: make them varying.
+    params = jax.tree.map(
+        lambda p: jax.lax.pcast(p, axis_name, to="varying"), params)
+    if key is not None:
+      key = jax.random.fold_in(key, jax.lax.axis_index(axis_name))
+
+  out, pull = jax.vjp(lambda p: apply_fn(p, inputs), params)
+  _check_apply_outputs(out, size)
+  cot = _likelihoods.output_cotangents(
+      likelihood, kind, out, targets, key=key, num_samples=num_samples)
+  count = _psum(jnp.asarray(size, jnp.int32), axis_name)
+  if targets is None:
+    mean_grad = None
+  else:
+    if kind in ("empirical", "batch_squared"):
+      r_emp = cot[0]
+    else:
+      r_emp = _likelihoods.output_cotangents(likelihood, "empirical", out,
+                                             targets)[0]
+    sums = _f32(pull(r_emp)[0])
+    mean_grad = jax.tree.map(lambda s: s / count, _psum(sums, axis_name))
+  return _Pass(inputs, cot, mean_grad, count, params, size), likelihood
+
+
+def _batch_major(cot: jax.Array) -> jax.Array:
+  return jnp.moveaxis(cot, 0, 1)  # (B, S, *out)
+
+
+def _pseudo_grad_chunk(apply_fn: ApplyFn, params: PyTree
+                       ) -> Callable[[tuple[PyTree, jax.Array]], PyTree]:
+  """``(inputs_chunk, cot_chunk (c, S, *out)) -> g (c, S, *params)``."""
+  one = _per_example.pseudo_grads_fn(apply_fn, params)
+  return lambda xs: jax.vmap(one)(*xs)
+
+
+# -- the layer-statistics path --------------------------------------------------
+
+
+def _use_taps(method: str) -> bool:
+  return method != "per_example"
+
+
+def _check_covered(covered: PyTree, method: str) -> None:
+  if method != "taps":
+    return
+  flat = jax.tree_util.tree_flatten_with_path(covered)[0]
+  missing = [jax.tree_util.keystr(p) for p, c in flat if not c]
+  if missing:
+    raise ValueError(
+        "method='taps' cannot compute these leaves from layer statistics "
+        f"(not dense/embedding layers): {missing}. Use method='auto' to fall "
+        "back to the per-example path for them.")
+
+
+def _split(params: PyTree, covered: PyTree) -> tuple[list[Any], Callable]:
+  """Uncovered leaves and a function rebuilding params from them."""
+  leaves, treedef = jax.tree.flatten(params)
+  flags = jax.tree.leaves(covered)
+  idx = [i for i, c in enumerate(flags) if not c]
+
+  def rebuild(sub):
+    full = list(leaves)
+    for i, leaf in zip(idx, sub):
+      full[i] = leaf
+    return jax.tree.unflatten(treedef, full)
+
+  return [leaves[i] for i in idx], rebuild
+
+
+# -- structure: diagonal -------------------------------------------------------
+
+
+def _diag_sums(apply_fn: ApplyFn, params: PyTree, inputs: PyTree,
+               cot: jax.Array, size: int, chunk_size: int | None) -> PyTree:
+  """``sum_{s,n} g_{s,n}^2`` by the per-example path."""
+  pg = _pseudo_grad_chunk(apply_fn, params)
+
+  def chunk_sum(xs):
+    return jax.tree.map(lambda g: jnp.sum(jnp.square(_f32(g)), axis=(0, 1)),
+                        pg(xs))
+
+  return _per_example.reduce_chunks(chunk_sum, (inputs, _batch_major(cot)),
+                                    size, chunk_size)
+
+
+def diagonal(
+    apply_fn: ApplyFn,
+    params: PyTree,
+    batch: tuple[PyTree, jax.Array | None],
+    *,
+    likelihood: Any,
+    kind: str,
+    num_samples: int = 1,
+    key: jax.Array | None = None,
+    method: str = "auto",
+    chunk_size: int | None = None,
+    axis_name: str | None = None,
+) -> _statistics.DiagonalFisher:
+  """Diagonal Fisher of a model's likelihood, with the mean gradient.
+
+  .. math::
+
+    \\operatorname{diag} F = \\frac{1}{N} \\sum_{n=1}^{N} \\sum_s
+      (J_n^\\top r_{s,n})^{\\odot 2}
+
+  with the cotangents ``r`` of ``kind`` (see :mod:`fisher_optax.fisher`);
+  ``batch_squared`` is ``(mean_n g_n)^2``, Adam's quantity.
+
+  Args:
+    apply_fn: ``apply_fn(params, inputs) -> outputs`` with the batch axis
+      first (a Linen ``model.apply``, an NNX merge function, any function).
+      Examples must not interact (no batch norm in training mode).
+    params: the parameters to differentiate.
+    batch: ``(inputs, targets)``; ``targets`` may be ``None`` for ``mc`` and
+      ``exact`` (then ``mean_grad`` is ``None``).
+    likelihood: a likelihood object, or a per-example loss
+      ``loss(output, target)`` (then only ``empirical`` and
+      ``batch_squared``).
+    kind: ``"empirical" | "mc" | "exact" | "batch_squared"``.
+    num_samples: label samples per example for ``mc`` (static int).
+    key: PRNG key, required by ``mc``. Under ``axis_name`` it is folded with
+      the device index, so MC draws depend on the device count.
+    method: ``"auto"`` (layer statistics where they apply, per-example
+      elsewhere), ``"taps"`` (layer statistics only; error otherwise) or
+      ``"per_example"``.
+    chunk_size: examples per chunk on the per-example path (static int).
+    axis_name: a ``shard_map``/``pmap`` axis the batch is split over; sums
+      are all-reduced before normalising.
+
+  Returns:
+    A :class:`DiagonalFisher` (float32 statistics). Non-finite per-example
+    gradients are not masked: they make ``diag`` non-finite (check
+    ``.is_finite()``), so a bad example is never silently averaged away.
+
+  Example::
+
+    >>> import jax, jax.numpy as jnp
+    >>> from fisher_optax import fisher
+    >>> params = {"w": jnp.ones((3, 2))}
+    >>> apply_fn = lambda p, x: x @ p["w"]
+    >>> x, y = jnp.ones((4, 3)), jnp.array([0, 1, 1, 0])
+    >>> stat = fisher.diagonal(apply_fn, params, (x, y),
+    ...                        likelihood=fisher.Categorical(), kind="exact")
+    >>> stat.diag["w"].shape, int(stat.count)
+    ((3, 2), 4)
+
+  References:
+    Kunstner et al, `Limitations of the empirical Fisher approximation for
+    natural gradient descent <https://arxiv.org/abs/1905.12558>`_, 2019
+  """
+  ps, _ = _forward(apply_fn, params, batch, likelihood=likelihood, kind=kind,
+                   num_samples=num_samples, key=key, method=method,
+                   chunk_size=chunk_size, axis_name=axis_name)
+  if kind == "batch_squared":
+    diag = jax.tree.map(jnp.square, ps.mean_grad)
+    return _statistics.DiagonalFisher(diag, ps.mean_grad, ps.count, kind)
+
+  sums = None
+  if _use_taps(method):
+    stats, covered = _taps.layer_statistics(
+        apply_fn, ps.params, ps.inputs, ps.cotangents, structure="diag",
+        chunk_size=chunk_size, axis_name=axis_name)
+    _check_covered(covered, method)
+    sub, rebuild = _split(ps.params, covered)
+    if sub:
+      sub_sums = _diag_sums(lambda q, x: apply_fn(rebuild(q), x), sub,
+                            ps.inputs, ps.cotangents, ps.size, chunk_size)
+      it = iter(sub_sums)
+      sums = jax.tree.map(lambda s, c: _f32(s) if c else next(it), stats,
+                          covered, is_leaf=lambda s: s is None)
+    else:
+      sums = _f32(stats)
+  if sums is None:
+    sums = _diag_sums(apply_fn, ps.params, ps.inputs, ps.cotangents, ps.size,
+                      chunk_size)
+  diag = jax.tree.map(lambda s: s / ps.count, _psum(sums, axis_name))
+  return _statistics.DiagonalFisher(diag, ps.mean_grad, ps.count, kind)
+
+
+# -- structure: low rank --------------------------------------------------------
+
+
+def _stacked_pseudo_grads(apply_fn: ApplyFn, params: PyTree, inputs: PyTree,
+                          cot: jax.Array, size: int,
+                          chunk_size: int | None) -> PyTree:
+  """All pseudo-gradients as a stacked tree ``(S*B, *leaf)``, s-major."""
+  one = _per_example.pseudo_grads_fn(apply_fn, params)
+  g = _per_example.map_chunks(lambda xr: one(*xr),
+                              (inputs, _batch_major(cot)), size, chunk_size)
+  return jax.tree.map(
+      lambda a: _f32(jnp.moveaxis(a, 1, 0).reshape(-1, *a.shape[2:])), g)
+
+
+def _top_k(gram: jax.Array, rank: int, count: jax.Array
+           ) -> tuple[jax.Array, jax.Array]:
+  """Top-``rank`` eigvals of ``gram / N`` and weights ``W (M, k)`` so that
+  ``V_j = sum_i W[i, j] g_i`` are orthonormal eigvecs of ``G^T G / N``."""
+  m = gram.shape[0]
+  gram = _linalg.symmetrize(gram) / count
+  vals, vecs = jnp.linalg.eigh(gram)
+  vals, vecs = vals[::-1], vecs[:, ::-1]
+  if rank > m:  # Fewer pseudo-gradients than directions: pad with zeros.
+    vals = jnp.concatenate([vals, jnp.zeros((rank - m,), vals.dtype)])
+    vecs = jnp.concatenate([vecs, jnp.zeros((m, rank - m), vecs.dtype)], 1)
+  vals, vecs = vals[:rank], vecs[:, :rank]
+  tol = jnp.maximum(vals[0], 0.0) * m * jnp.finfo(vals.dtype).eps
+  ok = vals > jnp.maximum(tol, jnp.finfo(vals.dtype).tiny)
+  # Zero eigenvalues get zero directions, not 0/0.
+  scale = jnp.where(ok, jax.lax.rsqrt(jnp.where(ok, vals * count, 1.0)), 0.0)
+  vals = jnp.where(ok | jnp.isnan(vals), vals, 0.0)
+  return vals, vecs * scale[None, :]
+
+
+def _combine(stacked: PyTree, weights: jax.Array) -> PyTree:
+  """``V[j] = sum_i weights[i, j] stacked[i]`` as a stacked tree (k, ...)."""
+  return jax.tree.map(
+      lambda s: jnp.tensordot(weights.T.astype(s.dtype), s, axes=(1, 0),
+                              precision=jax.lax.Precision.HIGHEST), stacked)
+
+
+def _low_rank_from_stacked(stacked: PyTree, rank: int, count: jax.Array,
+                           mean_grad: PyTree, kind: str
+                           ) -> _statistics.LowRankFisher:
+  vals, w = _top_k(_linalg.tree_stacked_gram(stacked), rank, count)
+  return _statistics.LowRankFisher(vals, _combine(stacked, w), mean_grad,
+                                   count, kind)
+
+
+def low_rank(
+    apply_fn: ApplyFn,
+    params: PyTree,
+    batch: tuple[PyTree, jax.Array | None],
+    *,
+    likelihood: Any,
+    kind: str,
+    rank: int,
+    per_leaf: bool = False,
+    num_samples: int = 1,
+    key: jax.Array | None = None,
+    method: str = "auto",
+    chunk_size: int | None = None,
+    axis_name: str | None = None,
+) -> _statistics.LowRankFisher | PyTree:
+  """Top-``rank`` eigenpairs of the Fisher by the Gram-matrix trick.
+
+  With the ``M = S * B`` pseudo-gradients stacked as rows of ``G``,
+  ``F = G^T G / N`` and the ``M x M`` Gram ``K = G G^T / N`` share their
+  non-zero eigenvalues:
+
+  .. math::
+
+    K = U \\Lambda U^\\top, \\qquad
+    V = G^\\top U \\Lambda^{-1/2} / \\sqrt{N},
+
+  so ``V`` has orthonormal columns and ``F V = V \\Lambda``; ``P x P`` is
+  never formed. Eigenvalues below ``M * eps * max(eigvals)`` get eigenvalue
+  0 and a zero direction (no division by zero). ``rank > M`` pads with zeros.
+
+  Args:
+    apply_fn, params, batch, likelihood, kind, num_samples, key, method,
+      chunk_size, axis_name: as in :func:`diagonal`.
+    rank: number of eigenpairs ``k`` (static int ``>= 1``).
+    per_leaf: if ``True``, one top-``k`` eigenproblem per leaf (block-diagonal
+      Fisher) and a params-shaped tree of :class:`LowRankFisher` is returned.
+
+  Returns:
+    A :class:`LowRankFisher` (``eigvals (k,)`` descending, ``eigvecs``
+    leaves ``(k, *leaf)`` orthonormal over the whole tree), or a tree of
+    them when ``per_leaf``.
+
+  .. note::
+    Under ``axis_name`` the pseudo-gradients are all-gathered (``S*B x P``
+    over all devices) to form the global Gram matrix. Prefer ``jit`` with a
+    batch-sharded input (XLA then all-reduces only ``M x M``-sized blocks).
+
+  Example::
+
+    >>> import jax, jax.numpy as jnp
+    >>> from fisher_optax import fisher
+    >>> params = {"w": jnp.ones((3, 2))}
+    >>> x, y = jnp.eye(3)[[0, 1, 2, 0]], jnp.array([0, 1, 1, 0])
+    >>> stat = fisher.low_rank(lambda p, x: x @ p["w"], params, (x, y),
+    ...                        likelihood=fisher.Categorical(),
+    ...                        kind="empirical", rank=2)
+    >>> stat.eigvals.shape, stat.eigvecs["w"].shape
+    ((2,), (2, 3, 2))
+  """
+  rank = _validation.check_static_int("rank", rank, minimum=1)
+  ps, _ = _forward(apply_fn, params, batch, likelihood=likelihood, kind=kind,
+                   num_samples=num_samples, key=key, method=method,
+                   chunk_size=chunk_size, axis_name=axis_name)
+  if kind == "batch_squared":
+    stacked = jax.tree.map(lambda m: m[None], ps.mean_grad)
+    count = jnp.ones((), jnp.int32)
+  else:
+    count = ps.count
+    if _use_taps(method) and not per_leaf and axis_name is None:
+      return _low_rank_taps(apply_fn, ps, rank, method, chunk_size, kind)
+    stacked = _stacked_pseudo_grads(apply_fn, ps.params, ps.inputs,
+                                    ps.cotangents, ps.size, chunk_size)
+    if axis_name is not None:
+      stacked = jax.lax.all_gather(stacked, axis_name, tiled=True)
+  if per_leaf:
+    mean = (ps.mean_grad if ps.mean_grad is not None
+            else jax.tree.map(lambda _: None, stacked))
+    return jax.tree.map(
+        lambda s, mg: _low_rank_from_stacked(s, rank, count, mg, kind),
+        stacked, mean, is_leaf=lambda x: x is None)
+  stat = _low_rank_from_stacked(stacked, rank, count, ps.mean_grad, kind)
+  return _statistics.LowRankFisher(stat.eigvals, stat.eigvecs, ps.mean_grad,
+                                   ps.count, kind)
+
+
+def _low_rank_taps(apply_fn, ps, rank, method, chunk_size, kind):
+  """Global low rank with the Gram of covered leaves from layer statistics."""
+  gram, covered = _taps.layer_statistics(
+      apply_fn, ps.params, ps.inputs, ps.cotangents, structure="gram",
+      chunk_size=chunk_size)
+  _check_covered(covered, method)
+  sub, rebuild = _split(ps.params, covered)
+  gram = _f32(gram)
+  sub_stacked = None
+  if sub:
+    sub_stacked = _stacked_pseudo_grads(
+        lambda q, x: apply_fn(rebuild(q), x), sub, ps.inputs, ps.cotangents,
+        ps.size, chunk_size)
+    gram = gram + _linalg.tree_stacked_gram(sub_stacked)
+  vals, w = _top_k(gram, rank, ps.count)
+  tree, _ = _taps.combine(apply_fn, ps.params, ps.inputs, ps.cotangents,
+                          w.T, chunk_size=chunk_size)
+  if sub_stacked is not None:
+    it = iter(_combine(sub_stacked, w))
+    tree = jax.tree.map(lambda t, c: _f32(t) if c else next(it), tree,
+                        covered, is_leaf=lambda t: t is None)
+  return _statistics.LowRankFisher(vals, _f32(tree), ps.mean_grad, ps.count,
+                                   kind)
+
+
+def _norm(tree: PyTree) -> jax.Array:
+  return jnp.sqrt(sum(jnp.sum(jnp.square(x)) for x in jax.tree.leaves(tree)))
+
+
+def rank_one(
+    apply_fn: ApplyFn,
+    params: PyTree,
+    batch: tuple[PyTree, jax.Array],
+    *,
+    likelihood: Any,
+    kind: str,
+    direction: str = "mean",
+    scale: str = "none",
+    num_samples: int = 1,
+    key: jax.Array | None = None,
+    method: str = "auto",
+    chunk_size: int | None = None,
+    axis_name: str | None = None,
+) -> _statistics.LowRankFisher:
+  """A rank-one Fisher ``F ~ lambda v v^T``.
+
+  ``direction="mean"``: ``v = mu / |mu|`` with ``mu`` the mean gradient, and
+  ``lambda = |mu|^2`` (``scale="none"``) or the Frobenius-optimal
+  ``lambda = c^* |mu|^2 = v^T F v`` with
+
+  .. math::
+
+    c^* = \\arg\\min_c \\|F - c\\, \\mu\\mu^\\top\\|_F
+        = \\frac{\\mu^\\top F \\mu}{\\|\\mu\\|^4}
+        = \\frac{1}{N \\|\\mu\\|^4} \\sum_{s,n} (\\mu \\cdot g_{s,n})^2,
+
+  computed with one Jacobian-vector product (``mu . g = r . J mu``), never
+  per-example gradients. For ``kind="empirical"`` this is
+  ``mean_n (mu . g_n)^2 / |mu|^4``. ``direction="top_eig"``: the top
+  eigenpair (:func:`low_rank` with ``rank=1``), whose eigenvalue is already
+  Frobenius-optimal, so ``scale`` does not change it.
+
+  Args:
+    apply_fn, params, batch, likelihood, kind, num_samples, key, method,
+      chunk_size, axis_name: as in :func:`diagonal`; ``direction="mean"``
+      needs targets.
+    direction: ``"mean" | "top_eig"``.
+    scale: ``"none" | "optimal"``.
+
+  Returns:
+    A :class:`LowRankFisher` with ``k = 1``. A zero mean gradient gives a
+    zero direction and eigenvalue 0.
+
+  Example::
+
+    >>> import jax.numpy as jnp
+    >>> from fisher_optax import fisher
+    >>> x, y = jnp.eye(3)[[0, 1, 2, 0]], jnp.array([0, 1, 1, 0])
+    >>> stat = fisher.rank_one(lambda p, x: x @ p, jnp.ones((3, 2)), (x, y),
+    ...                        likelihood=fisher.Categorical(),
+    ...                        kind="empirical", scale="optimal")
+    >>> stat.eigvecs.shape
+    (1, 3, 2)
+  """
+  _validation.check_choice("direction", direction, ("mean", "top_eig"))
+  _validation.check_choice("scale", scale, ("none", "optimal"))
+  if direction == "top_eig":
+    return low_rank(apply_fn, params, batch, likelihood=likelihood, kind=kind,
+                    rank=1, num_samples=num_samples, key=key, method=method,
+                    chunk_size=chunk_size, axis_name=axis_name)
+  if isinstance(batch, (tuple, list)) and len(batch) == 2 and batch[1] is None:
+    raise ValueError("rank_one(direction='mean') needs targets for the mean "
+                     "gradient; got targets=None.")
+  ps, _ = _forward(apply_fn, params, batch, likelihood=likelihood, kind=kind,
+                   num_samples=num_samples, key=key, method=method,
+                   chunk_size=chunk_size, axis_name=axis_name)
+  mu = ps.mean_grad
+  norm = _norm(mu)
+  safe = jnp.where(norm > 0, norm, 1.0)
+  v = jax.tree.map(lambda m: jnp.where(norm > 0, m / safe, 0.0), mu)
+  if scale == "none" or kind == "batch_squared":
+    val = jnp.square(norm)
+  else:
+    # v^T F v = (1/N) sum_{s,n} <r_{s,n}, (J v)_n>^2, one jvp over the batch.
+    tangent = jax.tree.map(lambda t, p: t.astype(p.dtype), v, ps.params)
+    _, jv = jax.jvp(lambda p: apply_fn(p, ps.inputs), (ps.params,),
+                    (tangent,))
+    dots = jnp.sum(_f32(ps.cotangents) * _f32(jv)[None],
+                   axis=tuple(range(2, ps.cotangents.ndim)))
+    val = _psum(jnp.sum(jnp.square(dots)), axis_name) / ps.count
+  eigvecs = jax.tree.map(lambda x: x[None], v)
+  return _statistics.LowRankFisher(jnp.reshape(val, (1,)), eigvecs, mu,
+                                   ps.count, kind)
+
+
+# -- structure: Kronecker --------------------------------------------------------
+
+
+def _as_matrix(g: jax.Array) -> jax.Array:
+  """``(c, *leaf) -> (c, m, n)`` with :func:`matrix_shape`."""
+  return g.reshape(g.shape[0], *_statistics.matrix_shape(g.shape[1:]))
+
+
+def _kron_pass(apply_fn: ApplyFn, params: PyTree, inputs: PyTree,
+               cot: jax.Array, size: int, chunk_size: int | None,
+               leaf_fn: Callable[..., jax.Array], extra: PyTree) -> PyTree:
+  """``sum_{s,n} leaf_fn(G_{s,n} as a matrix, extra_leaf)`` per leaf."""
+  pg = _pseudo_grad_chunk(apply_fn, params)
+
+  def chunk_sum(xs):
+    g = pg(xs)
+
+    def leaf(gl, e):
+      mats = _as_matrix(_f32(gl).reshape(-1, *gl.shape[2:]))
+      return jax.tree.map(lambda t: jnp.sum(t, axis=0),
+                          jax.vmap(lambda m: leaf_fn(m, e))(mats))
+
+    return jax.tree.map(leaf, g, extra)
+
+  return _per_example.reduce_chunks(chunk_sum, (inputs, _batch_major(cot)),
+                                    size, chunk_size)
+
+
+def _hp(a, b):
+  return jnp.matmul(a, b, precision=jax.lax.Precision.HIGHEST)
+
+
+def _shampoo_factors(apply_fn, params, inputs, cot, size, chunk_size, count,
+                     axis_name, num_iters):
+  """Nearest-Kronecker factors from per-example (pseudo-)gradients.
+
+  ``num_iters = 0``: one Shampoo step, ``left = E[G G^T]``,
+  ``right = E[G^T G] / tr(E[G G^T])``. Otherwise alternate
+  ``L <- E[G R G^T] / |R|^2``, ``R <- E[G^T L G] / |L|^2`` from ``R = I``.
+  """
+  dummy = jax.tree.map(lambda p: jnp.zeros(()), params)
+  if num_iters == 0:
+    sums = _kron_pass(apply_fn, params, inputs, cot, size, chunk_size,
+                      lambda m, _: (_hp(m, m.T), _hp(m.T, m)), dummy)
+    sums = _psum(sums, axis_name)
+    is_pair = lambda x: isinstance(x, tuple)
+    left = jax.tree.map(lambda s: s[0] / count, sums, is_leaf=is_pair)
+
+    def right_fn(s):
+      tr = jnp.trace(s[0]) / count
+      return jnp.where(tr > 0, s[1] / count / jnp.where(tr > 0, tr, 1.0), 0.0)
+
+    right = jax.tree.map(right_fn, sums, is_leaf=is_pair)
+    return left, right
+  right = jax.tree.map(
+      lambda p: jnp.eye(_statistics.matrix_shape(p.shape)[1],
+                        dtype=jnp.float32), params)
+
+  def safe_div(s, f):
+    n2 = jnp.sum(jnp.square(f))
+    return jnp.where(n2 > 0, s / count / jnp.where(n2 > 0, n2, 1.0), 0.0)
+
+  left = None
+  for _ in range(num_iters):
+    s = _kron_pass(apply_fn, params, inputs, cot, size, chunk_size,
+                   lambda m, r: _hp(_hp(m, r), m.T), right)
+    left = jax.tree.map(safe_div, _psum(s, axis_name), right)
+    s = _kron_pass(apply_fn, params, inputs, cot, size, chunk_size,
+                   lambda m, l: _hp(_hp(m.T, l), m), left)
+    right = jax.tree.map(safe_div, _psum(s, axis_name), left)
+  return left, right
+
+
+def kronecker(
+    apply_fn: ApplyFn,
+    params: PyTree,
+    batch: tuple[PyTree, jax.Array | None],
+    *,
+    likelihood: Any,
+    kind: str,
+    estimator: str = "auto",
+    num_iters: int = 0,
+    num_samples: int = 1,
+    key: jax.Array | None = None,
+    method: str = "auto",
+    chunk_size: int | None = None,
+    axis_name: str | None = None,
+) -> _statistics.KroneckerFisher:
+  """Per-leaf Kronecker factors ``F_leaf ~ left ⊗ right``.
+
+  Each leaf is viewed as an ``(m, n)`` matrix (:class:`KroneckerFisher`).
+
+  - ``estimator="kfac"`` (dense/embedding kernels, layer-statistics path):
+    for a kernel ``(d_in, d_out)`` with inputs ``a`` and pre-activation
+    cotangents ``delta``,
+
+    .. math::
+
+      \\text{left} = \\frac{1}{N}\\sum_n a_n a_n^\\top, \\qquad
+      \\text{right} = \\frac{1}{N}\\sum_{s,n} \\delta_{s,n}\\delta_{s,n}^\\top.
+
+  - ``estimator="shampoo"`` (any leaf, from per-example gradients): with
+    ``num_iters=0`` one nearest-Kronecker step from the identity,
+    ``left = E[G G^T]``, ``right = E[G^T G] / tr E[G G^T]`` (exact for
+    rank-one ``G``; Morwani et al's ``L ⊗ R / tr F``); with
+    ``num_iters = t > 0`` ``t`` rounds of the Van Loan–Pitsianis power
+    iteration ``L <- E[G R G^T] / |R|_F^2``, ``R <- E[G^T L G] / |L|_F^2``
+    (from ``R = I``), converging to the Frobenius-nearest Kronecker product
+    (two passes over the per-example gradients per round).
+  - ``estimator="auto"``: ``kfac`` for leaves the layer path covers,
+    ``shampoo`` for the others (``estimator`` field ``"mixed"``).
+
+  Args:
+    apply_fn, params, batch, likelihood, kind, num_samples, key, method,
+      chunk_size, axis_name: as in :func:`diagonal`.
+    estimator: ``"auto" | "kfac" | "shampoo"``.
+    num_iters: nearest-Kronecker rounds for ``shampoo`` (static int ``>= 0``).
+
+  Returns:
+    A :class:`KroneckerFisher` with float32 factors.
+
+  Example::
+
+    >>> import jax.numpy as jnp
+    >>> from fisher_optax import fisher
+    >>> x, y = jnp.eye(3)[[0, 1, 2, 0]], jnp.array([0, 1, 1, 0])
+    >>> stat = fisher.kronecker(lambda p, x: x @ p, jnp.ones((3, 2)), (x, y),
+    ...                         likelihood=fisher.Categorical(),
+    ...                         kind="exact", estimator="shampoo")
+    >>> stat.left.shape, stat.right.shape
+    ((3, 3), (2, 2))
+
+  References:
+    Martens & Grosse, `Optimizing neural networks with Kronecker-factored
+    approximate curvature <https://arxiv.org/abs/1503.05671>`_, 2015;
+    Morwani et al, `A new perspective on Shampoo's preconditioner
+    <https://arxiv.org/abs/2406.17748>`_, 2024
+  """
+  _validation.check_choice("estimator", estimator,
+                           ("auto", "kfac", "shampoo"))
+  num_iters = _validation.check_static_int("num_iters", num_iters)
+  if estimator == "kfac" and method == "per_example":
+    raise ValueError("estimator='kfac' needs layer statistics (method='auto' "
+                     "or 'taps'); method='per_example' supports "
+                     "estimator='shampoo'.")
+  ps, _ = _forward(apply_fn, params, batch, likelihood=likelihood, kind=kind,
+                   num_samples=num_samples, key=key, method=method,
+                   chunk_size=chunk_size, axis_name=axis_name)
+  inputs, cot, size, count = ps.inputs, ps.cotangents, ps.size, ps.count
+  if kind == "batch_squared":
+    left, right = _batch_squared_kron(ps.mean_grad, num_iters)
+    return _statistics.KroneckerFisher(left, right, ps.mean_grad, count, kind,
+                                       "shampoo")
+  use_taps = estimator != "shampoo" and _use_taps(
+      "taps" if estimator == "kfac" else method)
+  if not use_taps:
+    left, right = _shampoo_factors(apply_fn, ps.params, inputs, cot, size,
+                                   chunk_size, count, axis_name, num_iters)
+    return _statistics.KroneckerFisher(left, right, ps.mean_grad, count, kind,
+                                       "shampoo")
+  stats, covered = _taps.layer_statistics(
+      apply_fn, ps.params, inputs, cot, structure="kron",
+      chunk_size=chunk_size, axis_name=axis_name)
+  _check_covered(covered, "taps" if estimator == "kfac" else method)
+  stats = _psum(stats, axis_name)
+  sub, rebuild = _split(ps.params, covered)
+  if sub:
+    sl, sr = _shampoo_factors(lambda q, x: apply_fn(rebuild(q), x), sub,
+                              inputs, cot, size, chunk_size, count, axis_name,
+                              num_iters)
+    it_l, it_r = iter(sl), iter(sr)
+  is_stat = lambda s: s is None or isinstance(s, tuple)
+  left = jax.tree.map(lambda s: _f32(s[0]) / count if s is not None
+                      else next(it_l), stats, is_leaf=is_stat)
+  right = jax.tree.map(lambda s: _f32(s[1]) / count if s is not None
+                       else next(it_r), stats, is_leaf=is_stat)
+  return _statistics.KroneckerFisher(left, right, ps.mean_grad, count, kind,
+                                     "mixed" if sub else "kfac")
+
+
+def _batch_squared_kron(mean_grad: PyTree, num_iters: int):
+  """Nearest-Kronecker factors of ``vec(M) vec(M)^T`` per leaf (exact)."""
+  del num_iters  # A rank-one matrix gives the exact product in one step.
+
+  def leaf(m):
+    mat = m.reshape(_statistics.matrix_shape(m.shape))
+    l = _hp(mat, mat.T)
+    tr = jnp.trace(l)
+    r = jnp.where(tr > 0, _hp(mat.T, mat) / jnp.where(tr > 0, tr, 1.0), 0.0)
+    return l, r
+
+  pairs = jax.tree.map(leaf, mean_grad)
+  is_pair = lambda x: isinstance(x, tuple)
+  return (jax.tree.map(lambda p: p[0], pairs, is_leaf=is_pair),
+          jax.tree.map(lambda p: p[1], pairs, is_leaf=is_pair))
+
+
+# -- from given per-example gradients -------------------------------------------
+
+
+def diagonal_from_grads(per_example_grads: PyTree, *,
+                        kind: str = "empirical",
+                        axis_name: str | None = None
+                        ) -> _statistics.DiagonalFisher:
+  """Diagonal Fisher from precomputed per-example gradients ``(B, *leaf)``.
+
+  ``kind="empirical"``: ``mean_n g_n^2``; ``"batch_squared"``:
+  ``(mean_n g_n)^2``. ``mean_grad`` is ``mean_n g_n``. Non-finite gradients
+  propagate into ``diag``.
+
+  Example::
+
+    >>> import jax.numpy as jnp
+    >>> from fisher_optax import fisher
+    >>> fisher.diagonal_from_grads(jnp.array([[1.0], [3.0]])).diag
+    Array([5.], dtype=float32)
+  """
+  _validation.check_choice("kind", kind, ("empirical", "batch_squared"))
+  size = _per_example.check_batch_tree(per_example_grads,
+                                       what="per_example_grads")
+  count = _psum(jnp.asarray(size, jnp.int32), axis_name)
+  g = _f32(per_example_grads)
+  mean = jax.tree.map(lambda s: s / count,
+                      _psum(jax.tree.map(lambda x: jnp.sum(x, 0), g),
+                            axis_name))
+  if kind == "batch_squared":
+    diag = jax.tree.map(jnp.square, mean)
+  else:
+    diag = jax.tree.map(
+        lambda s: s / count,
+        _psum(jax.tree.map(lambda x: jnp.sum(jnp.square(x), 0), g),
+              axis_name))
+  return _statistics.DiagonalFisher(diag, mean, count, kind)
+
+
+def low_rank_from_grads(per_example_grads: PyTree, *, rank: int
+                        ) -> _statistics.LowRankFisher:
+  """Top-``rank`` empirical-Fisher eigenpairs from per-example gradients.
+
+  Same Gram-matrix trick as :func:`low_rank` on ``G`` = the given
+  ``(B, *leaf)`` gradients.
+  """
+  rank = _validation.check_static_int("rank", rank, minimum=1)
+  size = _per_example.check_batch_tree(per_example_grads,
+                                       what="per_example_grads")
+  g = _f32(per_example_grads)
+  count = jnp.asarray(size, jnp.int32)
+  mean = jax.tree.map(lambda x: jnp.mean(x, 0), g)
+  return _low_rank_from_stacked(g, rank, count, mean, "empirical")
+

@@ -1,0 +1,269 @@
+# Copyright 2026 The fisher_optax Authors. Licensed under the Apache License 2.0.
+"""Likelihoods and the map from a Fisher ``kind`` to output cotangents.
+
+A likelihood turns model outputs into a distribution over targets. For an
+example ``n`` with outputs ``f_n`` and Jacobian ``J_n = d f_n / d theta``,
+every kind of Fisher is a mean of outer products of *pseudo-gradients*
+
+.. math::
+
+  F = \\frac{1}{N} \\sum_n \\sum_s g_{s,n} g_{s,n}^\\top, \\qquad
+  g_{s,n} = J_n^\\top r_{s,n},
+
+so a kind is fully described by its output cotangents ``r_{s,n}``:
+
+- ``empirical``: one cotangent, ``r = d NLL(f_n, y_n) / d f_n`` (dataset label);
+- ``mc`` (``k`` samples): ``r_s = d NLL(f_n, yhat_s) / d f_n / sqrt(k)`` with
+  ``yhat_s ~ p(. | f_n)`` (labels are constants, not differentiated);
+- ``exact``: ``r_s`` = column ``s`` of ``S_n`` with ``S_n S_n^T = Lambda_n``, the
+  closed-form Fisher of the output distribution w.r.t. ``f_n``;
+- ``batch_squared``: not per-example; the square of the mean gradient.
+
+Per-example shapes: every method takes ONE example's ``output`` (the model
+output without its batch axis) except :meth:`Likelihood.sample`, which works
+on a batch. Event axes of an output are independent (a sequence of logits is a
+product of categoricals), and the NLL of an example is the sum over them.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+from fisher_optax import _validation
+
+KINDS = ("empirical", "mc", "exact", "batch_squared")
+
+
+class Likelihood:
+  """Base class: an output distribution ``p(y | f)`` for one example.
+
+  Subclasses implement :meth:`nll`, :meth:`sample` and :meth:`sqrt_fisher`;
+  :meth:`grad_out` defaults to autodiff of :meth:`nll`.
+  """
+
+  #: Kinds this likelihood can estimate.
+  kinds: tuple[str, ...] = KINDS
+
+  def nll(self, output: jax.Array, target: jax.Array) -> jax.Array:
+    """Negative log-likelihood of one example (summed over event axes)."""
+    raise NotImplementedError
+
+  def grad_out(self, output: jax.Array, target: jax.Array) -> jax.Array:
+    """``d nll / d output`` for one example, shaped like ``output``."""
+    return jax.grad(self.nll)(output, target)
+
+  def sample(self, key: jax.Array, outputs: jax.Array,
+             num_samples: int) -> jax.Array:
+    """Targets ``(num_samples, B, ...)`` drawn from ``p(. | outputs)``."""
+    raise NotImplementedError
+
+  def sqrt_fisher(self, output: jax.Array) -> jax.Array:
+    """Columns of ``S`` with ``S S^T = Lambda``: ``(num_columns, *output.shape)``."""
+    raise NotImplementedError
+
+  def __repr__(self) -> str:
+    return f"{type(self).__name__}()"
+
+
+class Categorical(Likelihood):
+  """Categorical over the last output axis; outputs are logits.
+
+  Targets are integer class labels shaped like ``output[..., 0]``. The exact
+  Fisher of the logits is ``Lambda = diag(p) - p p^T`` with columns
+  ``s_c = sqrt(p_c) (e_c - p)`` (one per class and event position).
+  """
+
+  def nll(self, output, target):
+    logp = jax.nn.log_softmax(output, axis=-1)
+    picked = jnp.take_along_axis(
+        logp, jnp.asarray(target, jnp.int32)[..., None], axis=-1)
+    return -jnp.sum(picked)
+
+  def grad_out(self, output, target):
+    p = jax.nn.softmax(output, axis=-1)
+    return p - jax.nn.one_hot(target, output.shape[-1], dtype=output.dtype)
+
+  def sample(self, key, outputs, num_samples):
+    return jax.random.categorical(
+        key, outputs, axis=-1, shape=(num_samples, *outputs.shape[:-1]))
+
+  def sqrt_fisher(self, output):
+    c = output.shape[-1]
+    lead = output.shape[:-1]
+    t = math.prod(lead)
+    p = jax.nn.softmax(output, axis=-1).reshape(t, c)
+    eye_c = jnp.eye(c, dtype=output.dtype)
+    # val[t, c, c'] = sqrt(p_tc) (delta_cc' - p_tc'); event positions are
+    # independent, so each (t, c) column is zero away from position t.
+    val = jnp.sqrt(p)[:, :, None] * (eye_c[None] - p[:, None, :])
+    eye_t = jnp.eye(t, dtype=output.dtype)
+    cols = eye_t[:, None, :, None] * val[:, :, None, :]
+    return cols.reshape(t * c, *lead, c)
+
+
+class Gaussian(Likelihood):
+  """Gaussian with mean ``output`` and a fixed scalar ``sigma``.
+
+  ``nll = |y - f|^2 / (2 sigma^2)`` (constants dropped), ``Lambda = I / sigma^2``.
+  With ``sigma = 1`` the empirical Fisher is that of the squared error
+  ``0.5 |y - f|^2``.
+
+  Args:
+    sigma: the noise scale, ``> 0``; a float or a scalar array.
+  """
+
+  def __init__(self, sigma: float | jax.Array = 1.0):
+    _validation.check_positive("sigma", sigma)
+    self.sigma = sigma
+
+  def nll(self, output, target):
+    return 0.5 * jnp.sum(jnp.square(output - target)) / self.sigma**2
+
+  def grad_out(self, output, target):
+    return (output - target) / self.sigma**2
+
+  def sample(self, key, outputs, num_samples):
+    noise = jax.random.normal(key, (num_samples, *outputs.shape),
+                              outputs.dtype)
+    return outputs[None] + self.sigma * noise
+
+  def sqrt_fisher(self, output):
+    d = output.size
+    eye = jnp.eye(d, dtype=output.dtype) / self.sigma
+    return eye.reshape(d, *output.shape)
+
+  def __repr__(self) -> str:
+    return f"Gaussian(sigma={self.sigma})"
+
+
+class Bernoulli(Likelihood):
+  """Independent Bernoulli per output element; outputs are logits.
+
+  Targets are 0/1 floats shaped like the outputs; ``Lambda = diag(p (1 - p))``.
+  """
+
+  def nll(self, output, target):
+    return jnp.sum(jax.nn.softplus(output) - target * output)
+
+  def grad_out(self, output, target):
+    return jax.nn.sigmoid(output) - target
+
+  def sample(self, key, outputs, num_samples):
+    p = jax.nn.sigmoid(outputs)
+    return jax.random.bernoulli(
+        key, p, (num_samples, *outputs.shape)).astype(outputs.dtype)
+
+  def sqrt_fisher(self, output):
+    p = jax.nn.sigmoid(output.ravel())
+    d = output.size
+    cols = jnp.diag(jnp.sqrt(p * (1 - p)))
+    return cols.reshape(d, *output.shape)
+
+
+class HeteroscedasticGaussian(Likelihood):
+  """Gaussian whose last output axis is ``(mean, log variance)``.
+
+  Outputs have shape ``(..., 2)``; targets shape ``(...)``.
+  ``nll = (log v + (y - mu)^2 / v) / 2`` and the Fisher w.r.t.
+  ``(mu, log v)`` is ``diag(1 / v, 1 / 2)``.
+  """
+
+  def nll(self, output, target):
+    mu, logvar = output[..., 0], output[..., 1]
+    return 0.5 * jnp.sum(logvar + jnp.square(target - mu) * jnp.exp(-logvar))
+
+  def sample(self, key, outputs, num_samples):
+    mu, logvar = outputs[..., 0], outputs[..., 1]
+    noise = jax.random.normal(key, (num_samples, *mu.shape), outputs.dtype)
+    return mu[None] + jnp.exp(0.5 * logvar)[None] * noise
+
+  def sqrt_fisher(self, output):
+    if output.shape[-1:] != (2,):
+      raise ValueError(
+          "HeteroscedasticGaussian needs outputs with a last axis of size 2 "
+          f"(mean, log variance); got per-example shape {output.shape}.")
+    logvar = output[..., 1]
+    d = jnp.stack([jnp.exp(-0.5 * logvar),
+                   jnp.full_like(logvar, math.sqrt(0.5))], -1)
+    return jnp.diag(d.ravel()).reshape(output.size, *output.shape)
+
+
+class LossLikelihood(Likelihood):
+  """A bare per-example loss ``loss(output, target) -> scalar``.
+
+  It defines no distribution, so only ``empirical`` and ``batch_squared``
+  are available (there is nothing to sample from or take an expectation
+  under). Any callable passed as ``likelihood=`` is wrapped in this class.
+  """
+
+  kinds = ("empirical", "batch_squared")
+
+  def __init__(self, loss: Callable[[jax.Array, jax.Array], jax.Array]):
+    self.loss = loss
+
+  def nll(self, output, target):
+    return self.loss(output, target)
+
+  def __repr__(self) -> str:
+    name = getattr(self.loss, "__name__", type(self.loss).__name__)
+    return f"LossLikelihood({name})"
+
+
+def as_likelihood(likelihood: Any) -> Likelihood:
+  """Returns a :class:`Likelihood`; callables become :class:`LossLikelihood`."""
+  if isinstance(likelihood, Likelihood):
+    return likelihood
+  if callable(likelihood):
+    return LossLikelihood(likelihood)
+  raise TypeError(
+      "likelihood must be a fisher_optax.fisher likelihood (Categorical(), "
+      "Gaussian(sigma), Bernoulli(), HeteroscedasticGaussian()) or a "
+      f"per-example loss callable loss(output, target); got {likelihood!r}.")
+
+
+def check_kind(likelihood: Likelihood, kind: str) -> str:
+  """Validates ``kind`` against :data:`KINDS` and what ``likelihood`` can do."""
+  _validation.check_choice("kind", kind, KINDS)
+  if kind not in likelihood.kinds:
+    raise ValueError(
+        f"kind={kind!r} needs a probabilistic likelihood, but {likelihood!r} "
+        f"only supports {likelihood.kinds}. Pass e.g. likelihood=Categorical()"
+        " instead of a bare loss.")
+  return kind
+
+
+def output_cotangents(
+    likelihood: Likelihood, kind: str, outputs: jax.Array,
+    targets: jax.Array | None, *, key: jax.Array | None = None,
+    num_samples: int = 1,
+) -> jax.Array:
+  """Returns the cotangents ``r`` of shape ``(S, B, *outputs.shape[1:])``.
+
+  ``batch_squared`` returns the empirical cotangents (``S = 1``); the
+  squaring of the mean happens in the estimator. Computed in float32 (or
+  wider) and cast back to ``outputs.dtype`` so they can be pulled back
+  through the model.
+  """
+  dtype = outputs.dtype
+  work = outputs.astype(jnp.promote_types(dtype, jnp.float32))
+  work = jax.lax.stop_gradient(work)
+  if kind in ("empirical", "batch_squared"):
+    if targets is None:
+      raise ValueError(f"kind={kind!r} needs targets: batch=(inputs, targets)"
+                       ", got targets=None.")
+    r = jax.vmap(likelihood.grad_out)(work, targets)[None]
+  elif kind == "mc":
+    if key is None:
+      raise ValueError("kind='mc' samples labels and needs key=, a PRNG key.")
+    yhat = jax.lax.stop_gradient(likelihood.sample(key, work, num_samples))
+    r = jax.vmap(jax.vmap(likelihood.grad_out), in_axes=(None, 0))(
+        work, yhat) / jnp.sqrt(jnp.asarray(num_samples, work.dtype))
+  elif kind == "exact":
+    r = jnp.moveaxis(jax.vmap(likelihood.sqrt_fisher)(work), 1, 0)
+  else:
+    raise ValueError(f"unknown kind {kind!r}; expected one of {KINDS}.")
+  return r.astype(dtype)

@@ -1,0 +1,494 @@
+# Copyright 2026 The fisher_optax Authors. Licensed under the Apache License 2.0.
+"""Estimator tests: every statistic against its dense ``jax.jacobian`` oracle."""
+
+from __future__ import annotations
+
+import functools
+
+from absl.testing import absltest
+from absl.testing import parameterized
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fisher_optax import fisher
+from tests import fisher_testing as ft
+
+LIKELIHOODS = {
+    "categorical": fisher.Categorical,
+    "gaussian": lambda: fisher.Gaussian(ft.SIGMA),
+    "bernoulli": fisher.Bernoulli,
+    "heteroscedastic": fisher.HeteroscedasticGaussian,
+}
+N = 7  # Not a multiple of the chunk sizes below: remainders are exercised.
+
+
+def _setup(family, n=N, seed=0):
+  params = ft.mlp_params(jax.random.key(seed), dtype=jnp.float64)
+  x, y = ft.make_batch(jax.random.key(seed + 1), n, family)
+  return ft.apply_for(family), params, x, y
+
+
+def _scaled_mlp(params, x):
+  """An MLP with an element-wise scale the layer path does not cover."""
+  h = jnp.tanh(x @ params["dense_0"]["kernel"] + params["dense_0"]["bias"])
+  h = h * params["scale"]
+  return h @ params["dense_1"]["kernel"] + params["dense_1"]["bias"]
+
+
+def _stack_flat(stacked, k):
+  return jnp.stack([ft.ravel(jax.tree.map(lambda a, j=j: a[j], stacked))
+                    for j in range(k)])
+
+
+class DiagonalTest(parameterized.TestCase):
+
+  @parameterized.product(
+      family=ft.FAMILIES, kind=("empirical", "exact", "batch_squared"),
+      method=("auto", "per_example"))
+  def test_matches_dense_oracle(self, family, kind, method):
+    with jax.enable_x64(True):
+      apply_fn, params, x, y = _setup(family)
+      dense = ft.dense_fisher(apply_fn, params, x, y, family=family,
+                              kind=kind)
+      stat = jax.jit(functools.partial(
+          fisher.diagonal, apply_fn, likelihood=LIKELIHOODS[family](),
+          kind=kind, method=method, chunk_size=3))(params, (x, y))
+      chex.assert_trees_all_close(stat.diag,
+                                  ft.unravel_like(params, jnp.diag(dense)),
+                                  rtol=1e-10, atol=1e-12)
+      chex.assert_trees_all_close(
+          stat.mean_grad, ft.mean_grad_dense(apply_fn, params, x, y, family),
+          rtol=1e-10, atol=1e-12)
+      self.assertEqual(int(stat.count), N)
+      self.assertEqual(stat.kind, kind)
+
+  @parameterized.parameters(*ft.FAMILIES)
+  def test_mc_matches_oracle_on_the_same_labels(self, family):
+    with jax.enable_x64(True):
+      apply_fn, params, x, y = _setup(family)
+      lik = LIKELIHOODS[family]()
+      key = jax.random.key(7)
+      stat = fisher.diagonal(apply_fn, params, (x, y), likelihood=lik,
+                             kind="mc", num_samples=3, key=key)
+      labels = lik.sample(key, apply_fn(params, x), 3)
+      dense = ft.dense_fisher(apply_fn, params, x, labels, family=family,
+                              kind="empirical_samples")
+      chex.assert_trees_all_close(stat.diag,
+                                  ft.unravel_like(params, jnp.diag(dense)),
+                                  rtol=1e-10, atol=1e-12)
+
+  @parameterized.parameters("categorical", "bernoulli", "heteroscedastic")
+  def test_mc_converges_to_exact(self, family):
+    with jax.enable_x64(True):
+      apply_fn, params, x, y = _setup(family)
+      exact = ft.ravel(fisher.diagonal(
+          apply_fn, params, (x, y), likelihood=LIKELIHOODS[family](),
+          kind="exact").diag)
+
+      def rel_err(k):
+        mc = fisher.diagonal(apply_fn, params, (x, y),
+                             likelihood=LIKELIHOODS[family](), kind="mc",
+                             num_samples=k, key=jax.random.key(3))
+        return float(jnp.linalg.norm(ft.ravel(mc.diag) - exact)
+                     / jnp.linalg.norm(exact))
+
+      few, many = rel_err(2), rel_err(4096)
+      # The MC error shrinks like 1/sqrt(k): ~45x from 2 to 4096 samples.
+      self.assertLess(many, 0.06)
+      self.assertLess(many, few / 5)
+
+  def test_auto_with_uncovered_leaf_equals_per_example(self):
+    with jax.enable_x64(True):
+      _, params, x, y = _setup("categorical")
+      params = dict(params, scale=jnp.linspace(0.5, 1.5, 5))
+      kw = dict(likelihood=fisher.Categorical(), kind="mc", num_samples=2,
+                key=jax.random.key(0))
+      auto = fisher.diagonal(_scaled_mlp, params, (x, y), **kw)
+      slow = fisher.diagonal(_scaled_mlp, params, (x, y),
+                             method="per_example", chunk_size=2, **kw)
+      chex.assert_trees_all_close(auto, slow, rtol=1e-10, atol=1e-14)
+      with self.assertRaisesRegex(ValueError, r"\['scale'\]"):
+        fisher.diagonal(_scaled_mlp, params, (x, y), method="taps", **kw)
+
+  def test_bare_loss_is_empirical_only(self):
+    with jax.enable_x64(True):
+      apply_fn, params, x, y = _setup("categorical")
+
+      def ce(out, t):
+        return -jax.nn.log_softmax(out)[t]
+
+      stat = fisher.diagonal(apply_fn, params, (x, y), likelihood=ce,
+                             kind="empirical")
+      ref = fisher.diagonal(apply_fn, params, (x, y),
+                            likelihood=fisher.Categorical(), kind="empirical")
+      chex.assert_trees_all_close(stat, ref, rtol=1e-10)
+      for kind in ("exact", "mc"):
+        with self.assertRaisesRegex(ValueError, "probabilistic likelihood"):
+          fisher.diagonal(apply_fn, params, (x, y), likelihood=ce, kind=kind,
+                          key=jax.random.key(0))
+
+  def test_targets_none_for_exact(self):
+    with jax.enable_x64(True):
+      apply_fn, params, x, y = _setup("categorical")
+      stat = fisher.diagonal(apply_fn, params, (x, None),
+                             likelihood=fisher.Categorical(), kind="exact")
+      self.assertIsNone(stat.mean_grad)
+      with self.assertRaisesRegex(ValueError, "needs targets"):
+        fisher.diagonal(apply_fn, params, (x, None),
+                        likelihood=fisher.Categorical(), kind="empirical")
+
+  def test_bf16_params(self):
+    apply_fn, _, x, y = _setup("categorical")
+    params = ft.mlp_params(jax.random.key(0), dtype=jnp.float32)
+    x = x.astype(jnp.float32)
+    ref = fisher.diagonal(apply_fn, params, (x, y),
+                          likelihood=fisher.Categorical(), kind="exact")
+    p16 = jax.tree.map(lambda a: a.astype(jnp.bfloat16), params)
+    for method in ("auto", "per_example"):
+      stat = jax.jit(functools.partial(
+          fisher.diagonal, apply_fn, likelihood=fisher.Categorical(),
+          kind="exact", method=method))(p16, (x.astype(jnp.bfloat16), y))
+      chex.assert_trees_all_equal_dtypes(
+          stat.diag, jax.tree.map(lambda a: a.astype(jnp.float32), params))
+      chex.assert_tree_all_finite(stat.diag)
+      chex.assert_trees_all_close(stat.diag, ref.diag, rtol=0.1, atol=2e-3)
+
+  def test_no_retrace_on_second_call(self):
+    apply_fn, _, x, y = _setup("categorical")
+    params = ft.mlp_params(jax.random.key(0))
+    x = x.astype(jnp.float32)
+
+    @jax.jit
+    @chex.assert_max_traces(n=1)
+    def estimate(params, batch, key):
+      return fisher.diagonal(apply_fn, params, batch,
+                             likelihood=fisher.Categorical(), kind="mc",
+                             key=key, chunk_size=3)
+
+    estimate(params, (x, y), jax.random.key(0))
+    estimate(jax.tree.map(lambda a: a + 1, params), (x + 1, y),
+             jax.random.key(1))
+
+  def test_non_finite_example_is_not_averaged_away(self):
+    with jax.enable_x64(True):
+      apply_fn, params, x, y = _setup("categorical")
+      x = x.at[2, 0].set(jnp.nan)
+      for method in ("auto", "per_example"):
+        stat = fisher.diagonal(apply_fn, params, (x, y),
+                               likelihood=fisher.Categorical(),
+                               kind="empirical", method=method)
+        self.assertFalse(bool(stat.is_finite()))
+        self.assertEqual(int(stat.count), N)
+      lr = fisher.low_rank(apply_fn, params, (x, y),
+                           likelihood=fisher.Categorical(), kind="empirical",
+                           rank=2)
+      self.assertFalse(bool(lr.is_finite()))
+
+
+class LowRankTest(parameterized.TestCase):
+
+  @parameterized.product(family=ft.FAMILIES,
+                         kind=("empirical", "exact", "batch_squared"))
+  def test_matches_dense_eigenpairs(self, family, kind):
+    with jax.enable_x64(True):
+      apply_fn, params, x, y = _setup(family)
+      dense = ft.dense_fisher(apply_fn, params, x, y, family=family,
+                              kind=kind)
+      k = 1 if kind == "batch_squared" else 3
+      vals, vecs = ft.top_eig(dense, k)
+      for method in ("auto", "per_example"):
+        stat = fisher.low_rank(apply_fn, params, (x, y),
+                               likelihood=LIKELIHOODS[family](), kind=kind,
+                               rank=k, method=method, chunk_size=3)
+        np.testing.assert_allclose(stat.eigvals, vals, rtol=1e-9, atol=1e-12)
+        v = _stack_flat(stat.eigvecs, k)
+        np.testing.assert_allclose(v @ v.T, np.eye(k), atol=1e-10)
+        np.testing.assert_allclose(np.abs(v @ vecs.T), np.eye(k), atol=1e-8)
+
+  def test_rank_larger_than_examples_pads_with_zeros(self):
+    with jax.enable_x64(True):
+      apply_fn, params, x, y = _setup("categorical", n=2)
+      stat = fisher.low_rank(apply_fn, params, (x, y),
+                             likelihood=fisher.Categorical(),
+                             kind="empirical", rank=5)
+      self.assertEqual(stat.eigvals.shape, (5,))
+      np.testing.assert_array_equal(stat.eigvals[2:], 0.0)
+      np.testing.assert_array_equal(_stack_flat(stat.eigvecs, 5)[2:], 0.0)
+      self.assertGreater(float(stat.eigvals[1]), 0.0)
+
+  def test_zero_gradients_give_zero_not_nan(self):
+    with jax.enable_x64(True):
+      apply_fn, params, x, _ = _setup("gaussian")
+      y = apply_fn(params, x)  # Zero residuals: every gradient is zero.
+      stat = fisher.low_rank(apply_fn, params, (x, y),
+                             likelihood=fisher.Gaussian(), kind="empirical",
+                             rank=3)
+      chex.assert_tree_all_finite(stat)
+      np.testing.assert_array_equal(stat.eigvals, 0.0)
+      one = fisher.rank_one(apply_fn, params, (x, y),
+                            likelihood=fisher.Gaussian(), kind="empirical",
+                            scale="optimal")
+      chex.assert_tree_all_finite(one)
+      np.testing.assert_array_equal(one.eigvals, 0.0)
+
+  def test_per_leaf_matches_diagonal_blocks(self):
+    with jax.enable_x64(True):
+      apply_fn, params, x, y = _setup("categorical")
+      dense = ft.dense_fisher(apply_fn, params, x, y, family="categorical",
+                              kind="exact")
+      stats = fisher.low_rank(apply_fn, params, (x, y),
+                              likelihood=fisher.Categorical(), kind="exact",
+                              rank=2, per_leaf=True)
+      flat = jax.tree.leaves(
+          stats, is_leaf=lambda s: isinstance(s, fisher.LowRankFisher))
+      for stat, block in zip(flat, ft.leaf_blocks(params, dense)):
+        vals, _ = ft.top_eig(block, 2)
+        np.testing.assert_allclose(stat.eigvals, vals, rtol=1e-9, atol=1e-12)
+
+  def test_rank_one(self):
+    with jax.enable_x64(True):
+      apply_fn, params, x, y = _setup("categorical")
+      lik = fisher.Categorical()
+      for kind in ("empirical", "exact"):
+        dense = ft.dense_fisher(apply_fn, params, x, y, family="categorical",
+                                kind=kind)
+        mu = ft.ravel(ft.mean_grad_dense(apply_fn, params, x, y,
+                                         "categorical"))
+        plain = fisher.rank_one(apply_fn, params, (x, y), likelihood=lik,
+                                kind=kind)
+        opt = fisher.rank_one(apply_fn, params, (x, y), likelihood=lik,
+                              kind=kind, scale="optimal")
+        np.testing.assert_allclose(ft.ravel(plain.eigvecs),
+                                   mu / jnp.linalg.norm(mu), rtol=1e-10)
+        np.testing.assert_allclose(plain.eigvals, [mu @ mu], rtol=1e-10)
+        c_star = (mu @ dense @ mu) / (mu @ mu) ** 2
+        np.testing.assert_allclose(opt.eigvals, [c_star * (mu @ mu)],
+                                   rtol=1e-10)
+        top = fisher.rank_one(apply_fn, params, (x, y), likelihood=lik,
+                              kind=kind, direction="top_eig")
+        vals, _ = ft.top_eig(dense, 1)
+        np.testing.assert_allclose(top.eigvals, vals, rtol=1e-10)
+
+
+class KroneckerTest(parameterized.TestCase):
+
+  def _kfac_oracle(self, params, x, dense):
+    """A = E[a a^T] from the activations, Gamma = the bias block of F."""
+    h = jnp.tanh(x @ params["dense_0"]["kernel"] + params["dense_0"]["bias"])
+    blocks = ft.leaf_blocks(params, dense)  # bias_0, kernel_0, bias_1, ...
+    return {
+        "dense_0": (x.T @ x / x.shape[0], blocks[0]),
+        "dense_1": (h.T @ h / x.shape[0], blocks[2]),
+    }
+
+  @parameterized.parameters("empirical", "exact")
+  def test_kfac_factors(self, kind):
+    with jax.enable_x64(True):
+      apply_fn, params, x, y = _setup("categorical")
+      dense = ft.dense_fisher(apply_fn, params, x, y, family="categorical",
+                              kind=kind)
+      stat = fisher.kronecker(apply_fn, params, (x, y),
+                              likelihood=fisher.Categorical(), kind=kind,
+                              estimator="kfac")
+      self.assertEqual(stat.estimator, "kfac")
+      for layer, (a, gamma) in self._kfac_oracle(params, x, dense).items():
+        np.testing.assert_allclose(stat.left[layer]["kernel"], a, rtol=1e-10)
+        np.testing.assert_allclose(stat.right[layer]["kernel"], gamma,
+                                   rtol=1e-10, atol=1e-14)
+        np.testing.assert_allclose(stat.right[layer]["bias"], gamma,
+                                   rtol=1e-10, atol=1e-14)
+        np.testing.assert_allclose(stat.left[layer]["bias"], [[1.0]])
+
+  def test_shampoo_factors_and_nearest_kronecker(self):
+    with jax.enable_x64(True):
+      apply_fn, params, x, y = _setup("categorical")
+      g = ft.per_example_grads_dense(apply_fn, params, x, y, "categorical")
+      kernel = ft.unravel_like(params, g)["dense_1"]["kernel"]  # (N, 5, 4)
+      block = ft.leaf_blocks(
+          params, g.T @ g / N)[3]  # kernel_1 block, row-major vec
+      one = fisher.kronecker(apply_fn, params, (x, y),
+                             likelihood=fisher.Categorical(),
+                             kind="empirical", estimator="shampoo")
+      ggt = jnp.einsum("nij,nkj->ik", kernel, kernel) / N
+      gtg = jnp.einsum("nij,nik->jk", kernel, kernel) / N
+      np.testing.assert_allclose(one.left["dense_1"]["kernel"], ggt,
+                                 rtol=1e-10)
+      np.testing.assert_allclose(one.right["dense_1"]["kernel"],
+                                 gtg / jnp.trace(ggt), rtol=1e-10)
+      # Van Loan-Pitsianis: the nearest Kronecker product is the top singular
+      # pair of the rearranged block.
+      m, n = 5, 4
+      rearranged = block.reshape(m, n, m, n).transpose(0, 2, 1, 3).reshape(
+          m * m, n * n)
+      u, s, vt = jnp.linalg.svd(rearranged)
+      best = jnp.kron(s[0] * u[:, 0].reshape(m, m), vt[0].reshape(n, n))
+      near = fisher.kronecker(apply_fn, params, (x, y),
+                              likelihood=fisher.Categorical(),
+                              kind="empirical", estimator="shampoo",
+                              num_iters=20, chunk_size=3)
+      approx = jnp.kron(near.left["dense_1"]["kernel"],
+                        near.right["dense_1"]["kernel"])
+      np.testing.assert_allclose(approx, best, atol=1e-8)
+      err_one = jnp.linalg.norm(block - jnp.kron(
+          one.left["dense_1"]["kernel"], one.right["dense_1"]["kernel"]))
+      self.assertLessEqual(float(jnp.linalg.norm(block - approx)),
+                           float(err_one) + 1e-12)
+
+  def test_auto_mixes_kfac_and_shampoo(self):
+    with jax.enable_x64(True):
+      _, params, x, y = _setup("categorical")
+      params = dict(params, scale=jnp.linspace(0.5, 1.5, 5))
+      stat = fisher.kronecker(_scaled_mlp, params, (x, y),
+                              likelihood=fisher.Categorical(), kind="exact")
+      self.assertEqual(stat.estimator, "mixed")
+      ref = fisher.kronecker(_scaled_mlp, params, (x, y),
+                             likelihood=fisher.Categorical(), kind="exact",
+                             method="per_example", estimator="shampoo")
+      np.testing.assert_allclose(stat.left["scale"], ref.left["scale"])
+      np.testing.assert_allclose(stat.right["scale"], ref.right["scale"])
+      with self.assertRaisesRegex(ValueError, "layer statistics"):
+        fisher.kronecker(_scaled_mlp, params, (x, y),
+                         likelihood=fisher.Categorical(), kind="exact",
+                         estimator="kfac")
+
+
+class OperationsTest(parameterized.TestCase):
+  """matvec / quadratic_form / solve against the dense matrix they stand for."""
+
+  def _dense_of(self, stat, params):
+    if isinstance(stat, fisher.DiagonalFisher):
+      return jnp.diag(ft.ravel(stat.diag))
+    if isinstance(stat, fisher.LowRankFisher):
+      v = _stack_flat(stat.eigvecs, stat.rank)
+      return v.T @ jnp.diag(stat.eigvals) @ v
+    blocks = [jnp.kron(l, r) for l, r in zip(jax.tree.leaves(stat.left),
+                                             jax.tree.leaves(stat.right))]
+    return jax.scipy.linalg.block_diag(*blocks)
+
+  @parameterized.parameters("diagonal", "low_rank", "kronecker")
+  def test_operations(self, structure):
+    with jax.enable_x64(True):
+      apply_fn, params, x, y = _setup("categorical")
+      kw = dict(likelihood=fisher.Categorical(), kind="exact")
+      stat = {"diagonal": lambda: fisher.diagonal(apply_fn, params, (x, y),
+                                                  **kw),
+              "low_rank": lambda: fisher.low_rank(apply_fn, params, (x, y),
+                                                  rank=4, **kw),
+              "kronecker": lambda: fisher.kronecker(apply_fn, params, (x, y),
+                                                    **kw)}[structure]()
+      dense = self._dense_of(stat, params)
+      v = ft.unravel_like(params, jax.random.normal(
+          jax.random.key(5), (dense.shape[0],), jnp.float64))
+      flat_v = ft.ravel(v)
+      np.testing.assert_allclose(ft.ravel(stat.matvec(v)), dense @ flat_v,
+                                 rtol=1e-9, atol=1e-12)
+      np.testing.assert_allclose(stat.quadratic_form(v),
+                                 flat_v @ dense @ flat_v, rtol=1e-9)
+      damped = dense + 0.3 * jnp.eye(dense.shape[0])
+      np.testing.assert_allclose(ft.ravel(stat.solve(v, 0.3)),
+                                 jnp.linalg.solve(damped, flat_v), rtol=1e-8,
+                                 atol=1e-10)
+      # Registered pytrees: jit, vmap and tree ops see the arrays only.
+      out = jax.jit(lambda s: s)(stat)
+      self.assertEqual(out.kind, "exact")
+      chex.assert_trees_all_close(out, stat)
+
+
+class FromGradsTest(absltest.TestCase):
+
+  def test_diagonal_and_low_rank_from_grads(self):
+    with jax.enable_x64(True):
+      apply_fn, params, x, y = _setup("categorical")
+      g = ft.per_example_grads_dense(apply_fn, params, x, y, "categorical")
+      grads = ft.unravel_like(params, g)
+      emp = fisher.diagonal_from_grads(grads)
+      chex.assert_trees_all_close(
+          emp.diag, ft.unravel_like(params, jnp.mean(g**2, 0)), rtol=1e-12)
+      sq = fisher.diagonal_from_grads(grads, kind="batch_squared")
+      chex.assert_trees_all_close(
+          sq.diag, ft.unravel_like(params, jnp.mean(g, 0) ** 2), rtol=1e-12)
+      lr = fisher.low_rank_from_grads(grads, rank=3)
+      vals, _ = ft.top_eig(g.T @ g / N, 3)
+      np.testing.assert_allclose(lr.eigvals, vals, rtol=1e-9)
+
+
+class BadInputTest(absltest.TestCase):
+
+  def setUp(self):
+    super().setUp()
+    self.apply_fn, self.params, self.x, self.y = _setup("categorical")
+    self.kw = dict(likelihood=fisher.Categorical(), kind="exact")
+
+  def test_mismatched_batch(self):
+    with self.assertRaisesRegex(ValueError, "leading .batch. axis"):
+      fisher.diagonal(self.apply_fn, self.params, (self.x, self.y[:3]),
+                      **self.kw)
+
+  def test_non_array_leaf(self):
+    with self.assertRaisesRegex(TypeError, r"batch\[0\].*must be an array"):
+      fisher.diagonal(self.apply_fn, self.params, ([[1.0]] * N, self.y),
+                      **self.kw)
+
+  def test_batch_not_a_pair(self):
+    with self.assertRaisesRegex(ValueError, "pair"):
+      fisher.diagonal(self.apply_fn, self.params, self.x, **self.kw)
+
+  def test_chunk_size(self):
+    with self.assertRaisesRegex(ValueError, "chunk_size"):
+      fisher.diagonal(self.apply_fn, self.params, (self.x, self.y),
+                      chunk_size=0, **self.kw)
+    with self.assertRaisesRegex(TypeError, "chunk_size"):
+      fisher.per_example_grads(lambda p, e: 0.0, self.params,
+                               (self.x, self.y), chunk_size=2.0)
+
+  def test_kind_and_options(self):
+    with self.assertRaisesRegex(ValueError, "kind"):
+      fisher.diagonal(self.apply_fn, self.params, (self.x, self.y),
+                      likelihood=fisher.Categorical(), kind="fisher")
+    with self.assertRaisesRegex(ValueError, "key"):
+      fisher.diagonal(self.apply_fn, self.params, (self.x, self.y),
+                      likelihood=fisher.Categorical(), kind="mc")
+    with self.assertRaisesRegex(ValueError, "method"):
+      fisher.diagonal(self.apply_fn, self.params, (self.x, self.y),
+                      method="fast", **self.kw)
+    with self.assertRaisesRegex(TypeError, "rank"):
+      fisher.low_rank(self.apply_fn, self.params, (self.x, self.y), rank=2.0,
+                      **self.kw)
+    with self.assertRaisesRegex(TypeError, "likelihood"):
+      fisher.diagonal(self.apply_fn, self.params, (self.x, self.y),
+                      likelihood="categorical", kind="exact")
+    with self.assertRaisesRegex(ValueError, "sigma"):
+      fisher.Gaussian(-1.0)
+
+  def test_apply_fn_output(self):
+    with self.assertRaisesRegex(ValueError, "batch axis first"):
+      fisher.diagonal(lambda p, x: self.apply_fn(p, x)[0], self.params,
+                      (self.x, self.y), **self.kw)
+
+
+class PerExampleGradsTest(absltest.TestCase):
+
+  def test_chunked_equals_unchunked_and_oracle(self):
+    with jax.enable_x64(True):
+      apply_fn, params, x, y = _setup("categorical")
+
+      def loss(p, ex):
+        xi, yi = ex
+        return fisher.Categorical().nll(apply_fn(p, xi[None])[0], yi)
+
+      full = fisher.per_example_grads(loss, params, (x, y))
+      chex.assert_tree_shape_prefix(full, (N,))
+      oracle = ft.unravel_like(
+          params, ft.per_example_grads_dense(apply_fn, params, x, y,
+                                             "categorical"))
+      chex.assert_trees_all_close(full, oracle, rtol=1e-10, atol=1e-14)
+      for chunk in (1, 2, 3, 7, 50):
+        chunked = jax.jit(functools.partial(
+            fisher.per_example_grads, loss, chunk_size=chunk))(params, (x, y))
+        chex.assert_trees_all_close(chunked, full, rtol=1e-12, atol=1e-15)
+
+
+if __name__ == "__main__":
+  absltest.main()
