@@ -112,6 +112,20 @@ def _check_weight(name: str, weight: Any) -> None:
     raise ValueError(f"{name} must be finite and >= 0, got {arr}.")
 
 
+def _check_fisher_values(name: str, fisher: Any) -> None:
+  """Concrete Fishers must be finite and non-negative (traced ones pass)."""
+  if isinstance(fisher, jax.core.Tracer):
+    return
+  arr = np.asarray(fisher, np.float32)
+  if not np.all(np.isfinite(arr)):
+    raise ValueError(f"fisher{name} has non-finite values.")
+  if np.any(arr < 0):
+    raise ValueError(
+        f"fisher{name} has {int(np.sum(arr < 0))} negative entries; a "
+        "diagonal Fisher is non-negative."
+    )
+
+
 def _fisher_norm(fisher_leaves: list[Any], merged: list[bool]) -> jax.Array:
   sq = [
       jnp.sum(jnp.square(f.astype(_compute_dtype(f))))
@@ -269,10 +283,13 @@ def fisher_merge_accumulator(
     )
     merged = _resolve_mask(merge_mask, params)
     for name, f, m in zip(_leaf_names(fisher), jax.tree.leaves(fisher), merged):
-      if m and not _is_float(f):
+      if not m:
+        continue
+      if not _is_float(f):
         raise TypeError(
             f"fisher{name} must be floating point, got {jnp.result_type(f)}."
         )
+      _check_fisher_values(name, f)
     apply_floor = floor_mode == "all" or is_target
     return merged, _coefficients(
         jax.tree.leaves(fisher), merged, weight, fisher_floor, apply_floor,
@@ -398,8 +415,9 @@ def fisher_merge(
     params_list: ``K >= 1`` pytrees with the same structure, shapes and dtypes
       (Flax NNX state, Linen params, plain dicts).
     fishers: ``K`` diagonal Fishers, each params-shaped (or an engine
-      ``DiagonalFisher``), non-negative and finite; ``None`` for plain
-      averaging.
+      ``DiagonalFisher``), non-negative and finite (checked when called
+      eagerly, with a ``ValueError`` naming the leaf; under ``jit`` the
+      values cannot be inspected); ``None`` for plain averaging.
     weights: ``(K,)`` non-negative weights (traced allowed), default equal.
     fisher_floor: lower bound :math:`\epsilon` on the Fishers (1e-6 in the
       paper).
@@ -414,14 +432,19 @@ def fisher_merge(
   Returns:
     The merged parameters, with the structure and dtypes of the inputs.
 
-  Example::
+  Example:
 
-    merged = fisher_optax.fisher_merge(
-        [params_a, params_b], [fisher_a, fisher_b], weights=[0.7, 0.3])
-    # A weight sweep in one call:
-    grid = jnp.stack([lams, 1 - lams], axis=1)
-    sweep = jax.vmap(lambda w: fisher_optax.fisher_merge(
-        [params_a, params_b], [fisher_a, fisher_b], w))(grid)
+    >>> import jax, jax.numpy as jnp
+    >>> import fisher_optax
+    >>> a, b = {"w": jnp.array([0.0, 0.0])}, {"w": jnp.array([1.0, 1.0])}
+    >>> fa, fb = {"w": jnp.array([1.0, 3.0])}, {"w": jnp.array([1.0, 1.0])}
+    >>> fisher_optax.fisher_merge([a, b], [fa, fb])["w"]
+    Array([0.5 , 0.25], dtype=float32)
+    >>> grid = jnp.array([[1.0, 0.0], [1.0, 1.0]])  # a weight sweep: one vmap
+    >>> merge = lambda w: fisher_optax.fisher_merge([a, b], [fa, fb], w)
+    >>> jax.vmap(merge)(grid)["w"]
+    Array([[0.  , 0.  ],
+           [0.5 , 0.25]], dtype=float32)
 
   References:
     Matena et al, `Merging Models with Fisher-Weighted Averaging

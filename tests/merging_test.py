@@ -222,10 +222,6 @@ class FisherMergeTest(parameterized.TestCase):
     chex.assert_trees_all_equal(merged, params[0])
 
   def test_accepts_engine_diagonal_fisher(self):
-    diag_cls = getattr(fisher_optax.fisher, "DiagonalFisher", None)
-    if diag_cls is None:
-      self.assertIsNone(diag_cls)  # engine not landed: plain trees only
-      return
     params, fishers = _models(2, seed=10)
     wrapped = [fisher_optax.fisher.DiagonalFisher(
         diag=f, mean_grad=f, count=jnp.array(1), kind="exact")
@@ -294,6 +290,14 @@ class FisherMergeErrorsTest(parameterized.TestCase):
       fisher_optax.fisher_merge(
           params, fishers,
           merge_mask=jax.tree.map(lambda _: jnp.array(True), params[0]))
+
+  @parameterized.parameters((-1.0, "1 negative"), (float("nan"), "non-finite"),
+                            (float("inf"), "non-finite"))
+  def test_bad_fisher_values_name_leaf(self, value, pattern):
+    params, fishers = _models(2)
+    bad = dict(fishers[1], head=fishers[1]["head"].at[0, 1].set(value))
+    with self.assertRaisesRegex(ValueError, rf"fisher\['head'\].*{pattern}"):
+      fisher_optax.fisher_merge(params, [fishers[0], bad])
 
   def test_integer_fisher_on_merged_leaf(self):
     params, fishers = _models(2)
