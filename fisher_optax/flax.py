@@ -1,0 +1,311 @@
+# Copyright 2026 The fisher_optax Authors. Licensed under the Apache License 2.0.
+"""Flax adapters: use fisher_optax from NNX and Linen with no glue code.
+
+Needs flax (``pip install 'fisher_optax[flax]'``). Import it explicitly::
+
+  import fisher_optax.flax as fo_flax
+
+**NNX.** ``nnx.Optimizer(model, tx, wrt=nnx.Param)`` hands ``tx.update`` pure
+``nnx.State`` trees restricted to ``wrt``, and forwards extra keyword
+arguments. The adapters here produce extras with exactly that structure:
+
+* :func:`nnx_per_example_grads` — per-example gradients of a model, stacked on
+  a leading batch axis, with the same tree as ``nnx.grad``'s gradients;
+* :func:`nnx_obj_fn` — an ``obj_fn(params)`` closure for transforms that
+  re-evaluate the loss (Sophia-style ``obj_fn`` extras) while the optimizer
+  sees ``nnx.State``;
+* :func:`nnx_apply_fn` — ``(apply_fn, params)`` for the Fisher estimators of
+  :mod:`fisher_optax.fisher`, with ``params`` in the optimizer's tree;
+* :func:`nnx_mask` — a boolean mask tree built from an NNX filter, for
+  ``optax.masked`` and the ``*_mask`` arguments (a plain dict mask does not
+  match an ``nnx.State``).
+
+**Linen.** ``flax.training.train_state.TrainState.apply_gradients`` never
+forwards extra arguments to ``tx.update``. :func:`apply_gradients` and the
+:class:`TrainState` subclass do.
+
+**Gradient accumulation.** ``optax.MultiSteps`` calls the inner ``update`` on
+every micro-batch but keeps the inner state only when it emits, so a
+transform that reads per-example gradients sees only the *last* micro-batch's
+extras. :func:`accumulate_fisher` is the accumulation path that makes a
+diagonal Fisher estimate see every micro-batch.
+
+Example (NNX)::
+
+  model = MyModel(rngs=nnx.Rngs(0))
+  optimizer = nnx.Optimizer(model, fisher_optax.fadam(1e-3, fisher_source=
+      "per_example"), wrt=nnx.Param)
+
+  @nnx.jit
+  def train_step(model, optimizer, x, y):
+    loss_fn = lambda m, ex: cross_entropy(m(ex[0][None]), ex[1][None])
+    grads = nnx.grad(lambda m: batch_loss(m, x, y))(model)
+    pex = fo_flax.nnx_per_example_grads(loss_fn, model, (x, y))
+    optimizer.update(model, grads, per_example_grads=pex)
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple
+
+import flax
+from flax import nnx
+from flax.training import train_state
+import jax
+import jax.numpy as jnp
+import optax
+
+from fisher_optax import fisher as _fisher
+
+PyTree = Any
+Filter = Any
+
+__all__ = [
+    "nnx_per_example_grads",
+    "nnx_obj_fn",
+    "nnx_apply_fn",
+    "nnx_mask",
+    "apply_gradients",
+    "TrainState",
+    "accumulate_fisher",
+    "AccumulateFisherState",
+]
+
+
+# -- NNX --------------------------------------------------------------------
+
+
+def _split(model: nnx.Module, wrt: Filter):
+  graphdef, params, rest = nnx.split(model, wrt, ...)
+  return graphdef, params, rest
+
+
+def nnx_per_example_grads(
+    loss_fn: Callable[[nnx.Module, Any], jax.Array],
+    model: nnx.Module,
+    batch: PyTree,
+    *,
+    wrt: Filter = nnx.Param,
+    chunk_size: int | None = None,
+) -> nnx.State:
+  """Per-example gradients of an NNX model, in the optimizer's tree.
+
+  Args:
+    loss_fn: ``loss_fn(model, example) -> scalar`` for ONE example (the batch
+      pytree without its leading axis). Add the batch axis back inside if the
+      model needs it, e.g. ``model(x[None])``.
+    model: the NNX module; it is not modified.
+    batch: a pytree of arrays sharing a leading batch axis.
+    wrt: the filter of the parameters, the same as ``nnx.Optimizer``'s.
+    chunk_size: examples per chunk (peak memory grows with the chunk, not the
+      batch); ``None`` is one vmap over the batch.
+
+  Returns:
+    An ``nnx.State`` with the structure ``nnx.Optimizer.update`` gives to
+    ``tx.update`` as gradients, every leaf with a leading batch axis.
+  """
+  graphdef, params, rest = _split(model, wrt)
+  pure_params = nnx.as_pure(params)
+
+  def pure_loss(p, example):
+    return loss_fn(nnx.merge(graphdef, p, rest), example)
+
+  return _fisher.per_example_grads(pure_loss, pure_params, batch,
+                                   chunk_size=chunk_size)
+
+
+def nnx_obj_fn(
+    loss_fn: Callable[..., jax.Array],
+    model: nnx.Module,
+    *args: Any,
+    wrt: Filter = nnx.Param,
+    **kwargs: Any,
+) -> Callable[[PyTree], jax.Array]:
+  """Returns ``obj_fn(params) = loss_fn(model_with(params), *args, **kwargs)``.
+
+  ``params`` is the pure state ``nnx.Optimizer`` passes to ``tx.update``
+  (flax issue #4545), so the closure works as an ``obj_fn=`` extra.
+  """
+  graphdef, _, rest = _split(model, wrt)
+
+  def obj_fn(params: PyTree) -> jax.Array:
+    return loss_fn(nnx.merge(graphdef, params, rest), *args, **kwargs)
+
+  return obj_fn
+
+
+def nnx_apply_fn(
+    model: nnx.Module, *, wrt: Filter = nnx.Param
+) -> tuple[Callable[[PyTree, Any], Any], PyTree]:
+  """``(apply_fn, params)`` for the estimators of :mod:`fisher_optax.fisher`.
+
+  ``apply_fn(params, inputs)`` merges ``params`` back into the model and calls
+  it; ``params`` is the model's pure ``wrt`` state (the optimizer's tree), so
+  statistics computed from it plug straight into ``optimizer.update(...,
+  fisher=...)``.
+  """
+  graphdef, params, rest = _split(model, wrt)
+
+  def apply_fn(p: PyTree, inputs: Any) -> Any:
+    return nnx.merge(graphdef, p, rest)(inputs)
+
+  return apply_fn, nnx.as_pure(params)
+
+
+def nnx_mask(
+    model: nnx.Module, select: Filter, *, wrt: Filter = nnx.Param
+) -> PyTree:
+  """A boolean tree over the model's ``wrt`` state: True where ``select`` matches.
+
+  Use it wherever optax takes a mask (``optax.masked``, ``weight_decay_mask``)
+  with ``nnx.Optimizer``; e.g. ``nnx_mask(model, nnx.PathContains("kernel"))``
+  decays kernels only.
+  """
+  predicate = nnx.filterlib.to_predicate(select)
+  _, params, _ = _split(model, wrt)
+  flat = nnx.to_flat_state(params)
+  masked = [(path, predicate(path, var)) for path, var in flat]
+  bool_state = nnx.from_flat_state(
+      [(path, jnp.asarray(flag)) for path, flag in masked])
+  # Python bools, so optax.masked sees static leaves.
+  return jax.tree.map(lambda x: bool(x), nnx.as_pure(bool_state))
+
+
+# -- Linen ------------------------------------------------------------------
+
+
+def apply_gradients(
+    state: train_state.TrainState, grads: PyTree, **tx_kwargs: Any
+) -> train_state.TrainState:
+  """``state.apply_gradients(grads=grads)`` that forwards ``tx_kwargs`` to tx.
+
+  Args:
+    state: a Linen ``TrainState`` (or subclass).
+    grads: gradients with the structure of ``state.params``.
+    **tx_kwargs: extra arguments for ``tx.update``, e.g.
+      ``per_example_grads=...`` or ``fisher=...``.
+
+  Returns:
+    The new state with ``step + 1``, updated ``params`` and ``opt_state``.
+  """
+  updates, opt_state = state.tx.update(grads, state.opt_state, state.params,
+                                       **tx_kwargs)
+  params = optax.apply_updates(state.params, updates)
+  return state.replace(step=state.step + 1, params=params, opt_state=opt_state)
+
+
+class TrainState(train_state.TrainState):
+  """A Linen ``TrainState`` whose ``apply_gradients`` forwards tx extras.
+
+  ``state.apply_gradients(grads=g, tx_kwargs={"per_example_grads": pex})``;
+  other keyword arguments replace dataclass fields, as in flax.
+  """
+
+  def apply_gradients(self, *, grads, tx_kwargs: dict[str, Any] | None = None,
+                      **kwargs):
+    new = apply_gradients(self, grads, **(tx_kwargs or {}))
+    return new.replace(**kwargs) if kwargs else new
+
+
+# -- gradient accumulation -------------------------------------------------
+
+
+class AccumulateFisherState(NamedTuple):
+  """State of :func:`accumulate_fisher`.
+
+  Attributes:
+    mini_step: micro-batches seen since the last emit (int32).
+    grad_sum: running sum of micro-batch mean gradients.
+    sq_sum: running sum of squared per-example gradients.
+    count: examples accumulated.
+    inner_state: the wrapped transform's state.
+  """
+
+  mini_step: jax.Array
+  grad_sum: PyTree
+  sq_sum: PyTree
+  count: jax.Array
+  inner_state: Any
+
+
+def accumulate_fisher(
+    inner: optax.GradientTransformation, every_k: int
+) -> optax.GradientTransformationExtraArgs:
+  """Gradient accumulation whose diagonal Fisher sees every micro-batch.
+
+  Like ``optax.MultiSteps(inner, every_k)``: updates are zero on the first
+  ``every_k - 1`` micro-batches, and on the ``every_k``-th the inner transform
+  runs once on the mean gradient. In addition, every micro-batch's
+  ``per_example_grads`` extra (required) is folded into running sums, and the
+  inner transform receives ``fisher=`` a
+  :class:`fisher_optax.fisher.DiagonalFisher` of kind ``"empirical"`` over all
+  ``every_k * B`` examples. Per-example gradients are never stored across
+  micro-batches, so memory is ``2P`` on top of the inner state.
+
+  With plain ``optax.MultiSteps`` the inner transform would see only the last
+  micro-batch's ``per_example_grads`` (a ``1/every_k`` sample of the data).
+
+  Args:
+    inner: a transform that accepts a ``fisher=`` DiagonalFisher extra (e.g.
+      ``fisher_optax.fadam(..., fisher_source="per_example")``).
+    every_k: micro-batches per update (static int >= 1).
+
+  Returns:
+    A ``GradientTransformationExtraArgs``.
+  """
+  if isinstance(every_k, bool) or not isinstance(every_k, int) or every_k < 1:
+    raise ValueError(f"every_k must be an int >= 1, got {every_k!r}.")
+  inner = optax.with_extra_args_support(inner)
+
+  def init_fn(params):
+    zeros = jax.tree.map(
+        lambda p: jnp.zeros(jnp.shape(p), jnp.float32), params)
+    return AccumulateFisherState(
+        mini_step=jnp.zeros([], jnp.int32), grad_sum=zeros, sq_sum=zeros,
+        count=jnp.zeros([], jnp.int32), inner_state=inner.init(params))
+
+  def update_fn(updates, state, params=None, *, per_example_grads=None,
+                **extra_args):
+    if per_example_grads is None:
+      raise ValueError("accumulate_fisher needs a per_example_grads= extra on "
+                       "every micro-batch.")
+    batch = _fisher_check_leading(per_example_grads, updates)
+    grad_sum = jax.tree.map(lambda s, g: s + g.astype(jnp.float32),
+                            state.grad_sum, updates)
+    sq_sum = jax.tree.map(
+        lambda s, g: s + jnp.sum(jnp.square(g.astype(jnp.float32)), axis=0),
+        state.sq_sum, per_example_grads)
+    count = state.count + batch
+    mini_step = state.mini_step + 1
+
+    def emit(_):
+      mean_grad = jax.tree.map(
+          lambda s, u: (s / every_k).astype(u.dtype), grad_sum, updates)
+      stat = _fisher.DiagonalFisher(
+          diag=jax.tree.map(lambda s: s / count, sq_sum),
+          mean_grad=jax.tree.map(lambda s: s / every_k, grad_sum),
+          count=count, kind="empirical")
+      new_updates, inner_state = inner.update(
+          mean_grad, state.inner_state, params, fisher=stat, **extra_args)
+      zeros = jax.tree.map(jnp.zeros_like, grad_sum)
+      return new_updates, AccumulateFisherState(
+          jnp.zeros([], jnp.int32), zeros, zeros, jnp.zeros([], jnp.int32),
+          inner_state)
+
+    def skip(_):
+      return (jax.tree.map(jnp.zeros_like, updates),
+              AccumulateFisherState(mini_step, grad_sum, sq_sum, count,
+                                    state.inner_state))
+
+    return jax.lax.cond(mini_step >= every_k, emit, skip, None)
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _fisher_check_leading(per_example_grads: PyTree, updates: PyTree) -> int:
+  from fisher_optax import _validation  # pylint: disable=g-import-not-at-top
+  return _validation.check_leading_axis(per_example_grads, updates,
+                                        what="per_example_grads")
+
+
+del flax
