@@ -52,12 +52,9 @@ def _debiased_b2(b2: Any, count: jax.Array) -> jax.Array:
 
 
 def _mean_square(x: jax.Array) -> jax.Array:
-  return jnp.mean(jnp.square(x))
-
-
-def _rms_clip(x: jax.Array, ms: jax.Array, clip: Any) -> jax.Array:
-  """Divides x by max(1, RMS(x) / clip), given ms = mean(x^2)."""
-  return x / jnp.maximum(1.0, jnp.sqrt(ms) / clip).astype(x.dtype)
+  # A dot reads x directly; XLA:CPU materialises x**2 before a reduction.
+  flat = jnp.ravel(x)
+  return jnp.vdot(flat, flat) / flat.size
 
 
 def scale_by_fadam(
@@ -126,8 +123,8 @@ def scale_by_fadam(
   * One step counter for all leaves (optax has no missing gradients; exclude
     leaves from the decay with ``weight_decay_mask``).
   * A step whose gradient is non-finite (or whose natural gradient
-    overflows) leaves the state, ``count`` included, unchanged. The returned
-    updates are not sanitised, so the NaN reaches the caller; wrap the
+    overflows) leaves the state, ``count`` included, unchanged and returns
+    NaN updates for every leaf, so the failure reaches the caller; wrap the
     optimizer in :func:`optax.apply_if_finite` to skip such steps.
   * Statistics are computed in (at least) float32 and stored, by default, in
     ``promote(param dtype, float32)``; the updates keep the gradient's dtype.
@@ -239,56 +236,78 @@ def scale_by_fadam(
     count_inc = optax.safe_increment(state.count)
     b2_hat = _debiased_b2(b2, count_inc)
 
-    outs, mus, fims, finite = [], [], [], []
-    for g, m_old, f_old, theta, mask, sq in zip(
-        grads, treedef.flatten_up_to(state.mu),
-        treedef.flatten_up_to(state.fim), thetas, decay_mask, sq_stats):
-      if jnp.size(g) == 0:  # Nothing to precondition; avoid mean([]) = NaN.
-        outs.append(g), mus.append(m_old), fims.append(f_old)
-        continue
-      cd = jnp.promote_types(jnp.result_type(g), jnp.float32)
-      g32 = jnp.asarray(g, cd)
-      bh = b2_hat.astype(cd)
-      sq = jnp.square(g32) if sq is None else jnp.asarray(sq, cd)
-      f = bh * f_old.astype(cd) + (1.0 - bh) * sq
-
-      ms_g = _mean_square(g32)
+    def eps_term_of(ms_g: jax.Array, cd: jnp.dtype) -> jax.Array:
       rms_g = jnp.sqrt(ms_g)
       if eps_mode == "paper":
         eps_hat = jnp.minimum(eps, eps2 * rms_g)
       else:
         eps_hat = eps * jnp.minimum(1.0, rms_g)
       eps_hat = jnp.where(rms_g > 0, eps_hat, eps).astype(cd)
-      eps_term = eps_hat if eps_mode == "v3" else (
-          eps_hat if sqrt_p else eps_hat ** (2.0 * p))
-      eps_term = jnp.maximum(eps_term, jnp.finfo(cd).tiny)
-      d = (jnp.sqrt(f) if sqrt_p else f ** jnp.asarray(p, cd)) + eps_term
+      term = eps_hat if (eps_mode == "v3" or sqrt_p) else eps_hat ** (2.0 * p)
+      return jnp.maximum(term, jnp.finfo(cd).tiny)
 
-      n = g32 / d
-      ms_n = _mean_square(n)
-      n = _rms_clip(n, ms_n, clip)
-      m = b1 * m_old.astype(cd) + (1.0 - b1) * n
-      out = m
+    def denominator(f: jax.Array, eps_term: jax.Array) -> jax.Array:
+      return (jnp.sqrt(f) if sqrt_p else f ** jnp.asarray(p, f.dtype)
+              ) + eps_term
+
+    # Pass 1: per-leaf scalars (RMS of g, n and w). The clips become scalar
+    # coefficients, so pass 2 fuses into one sweep over each leaf.
+    leaves, finite = [], []
+    for g, f_old, theta, mask, sq in zip(
+        grads, treedef.flatten_up_to(state.fim), thetas, decay_mask,
+        sq_stats):
+      if jnp.size(g) == 0:  # Nothing to precondition; avoid mean([]) = NaN.
+        leaves.append(None)
+        continue
+      cd = jnp.promote_types(jnp.result_type(g), jnp.float32)
+      g32 = jnp.asarray(g, cd)
+      bh = b2_hat.astype(cd)
+      sq = jnp.square(g32) if sq is None else jnp.asarray(sq, cd)
+      ms_g = _mean_square(g32)
+      eps_term = eps_term_of(ms_g, cd)
+      d = denominator(bh * f_old.astype(cd) + (1.0 - bh) * sq, eps_term)
+      ms_n = _mean_square(g32 / d)
+      # (1 - b1) n / max(1, RMS(n) / c) and lambda w / max(1, RMS(w) / c) as
+      # scalar coefficients of g / d and theta / d.
+      coef_n = (1.0 - b1) / jnp.maximum(1.0, jnp.sqrt(ms_n) / clip)
+      coef_w = None
       if mask is not False:
-        w = jnp.asarray(theta, cd) / d
-        w = _rms_clip(w, _mean_square(w), clip)
-        decay = weight_decay * w
+        ms_w = _mean_square(jnp.asarray(theta, cd) / d)
+        coef_w = weight_decay / jnp.maximum(1.0, jnp.sqrt(ms_w) / clip)
         if mask is not True:  # A traced mask entry.
-          decay = jnp.where(mask, decay, 0.0)
-        out = out + decay
+          coef_w = jnp.where(mask, coef_w, 0.0)
       finite.append(jnp.isfinite(ms_g) & jnp.isfinite(ms_n))
+      leaves.append((g32, sq, bh, eps_term, coef_n, coef_w))
+
+    # Pass 2: state and output. A non-finite step keeps the state and returns
+    # NaN updates; the selects act on scalars and on the gradient, never on
+    # whole state arrays, so XLA can update the state in place.
+    ok = jnp.all(jnp.stack(finite)) if finite else jnp.array(True)
+    outs, mus, fims = [], [], []
+    for g, leaf, m_old, f_old, theta in zip(
+        grads, leaves, treedef.flatten_up_to(state.mu),
+        treedef.flatten_up_to(state.fim), thetas):
+      if leaf is None:
+        outs.append(g)
+        mus.append(m_old)
+        fims.append(f_old)
+        continue
+      g32, sq, bh, eps_term, coef_n, coef_w = leaf
+      cd = g32.dtype
+      zero = jnp.zeros((), cd)
+      f = (jnp.where(ok, bh, 1.0) * f_old.astype(cd)
+           + jnp.where(ok, 1.0 - bh, zero) * jnp.where(ok, sq, zero))
+      d = denominator(f, jnp.where(ok, eps_term, 1.0).astype(cd))
+      m = (jnp.where(ok, b1, 1.0) * m_old.astype(cd)
+           + jnp.where(ok, coef_n, zero) * (jnp.where(ok, g32, zero) / d))
+      out = m if coef_w is None else m + coef_w * (jnp.asarray(theta, cd) / d)
+      out = jnp.where(ok, out, jnp.nan)
       outs.append(out.astype(jnp.result_type(g)))
       mus.append(m.astype(m_old.dtype))
       fims.append(f.astype(f_old.dtype))
-
-    ok = jnp.all(jnp.stack(finite)) if finite else jnp.array(True)
-    keep = lambda new, old: jnp.where(ok, new, old)
-    mu = treedef.unflatten(
-        [keep(a, b) for a, b in zip(mus, treedef.flatten_up_to(state.mu))])
-    fim = treedef.unflatten(
-        [keep(a, b) for a, b in zip(fims, treedef.flatten_up_to(state.fim))])
     count = jnp.where(ok, count_inc, state.count)
-    return treedef.unflatten(outs), FAdamState(count=count, mu=mu, fim=fim)
+    return treedef.unflatten(outs), FAdamState(
+        count=count, mu=treedef.unflatten(mus), fim=treedef.unflatten(fims))
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
