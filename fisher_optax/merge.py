@@ -254,7 +254,8 @@ def merge_checkpoints(
   acc = _merging.fisher_merge_accumulator(
       fisher_floor, floor_mode=floor_mode, normalize=normalize,
       merge_mask=mask)
-  init, add = jax.jit(acc.init), jax.jit(acc.add)
+  # Donating the state lets XLA update the two running buffers in place.
+  init, add = jax.jit(acc.init), jax.jit(acc.add, donate_argnums=0)
   state = None
   for i in order:
     params = target if i == target_index else _checkpoint_io.load_tree(
