@@ -21,6 +21,7 @@ Typical use::
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Sequence
 
 import jax
@@ -62,11 +63,14 @@ def mlp_apply(params: PyTree, inputs: jax.Array) -> jax.Array:
   return h
 
 
+def mlp_apply_pairs(params: PyTree, inputs: jax.Array) -> jax.Array:
+  """The MLP with outputs reshaped to ``(B, OUT_DIM // 2, 2)`` pairs."""
+  return mlp_apply(params, inputs).reshape(inputs.shape[0], -1, 2)
+
+
 def apply_for(family: str) -> Callable[[PyTree, jax.Array], jax.Array]:
   """The MLP apply function whose outputs suit ``family``."""
-  if family == "heteroscedastic":
-    return lambda p, x: mlp_apply(p, x).reshape(x.shape[0], -1, 2)
-  return mlp_apply
+  return mlp_apply_pairs if family == "heteroscedastic" else mlp_apply
 
 
 def make_batch(key: jax.Array, n: int, family: str,
@@ -152,6 +156,7 @@ def output_fisher(family: str, out: jax.Array) -> jax.Array:
   raise ValueError(family)
 
 
+@functools.partial(jax.jit, static_argnums=(0, 4))
 def per_example_grads_dense(apply_fn, params, inputs, targets, family,
                             ) -> jax.Array:
   """``(B, P)`` per-example NLL gradients ``J_n^T d NLL/d out``."""
@@ -161,6 +166,8 @@ def per_example_grads_dense(apply_fn, params, inputs, targets, family,
   return jnp.einsum("bop,bo->bp", jac, r)
 
 
+@functools.partial(jax.jit, static_argnums=(0,),
+                   static_argnames=("family", "kind"))
 def dense_fisher(apply_fn: Callable[..., jax.Array], params: PyTree,
                  inputs: jax.Array, targets: jax.Array | None, *,
                  family: str, kind: str) -> jax.Array:
@@ -183,12 +190,13 @@ def dense_fisher(apply_fn: Callable[..., jax.Array], params: PyTree,
     m = jnp.mean(g, 0)
     return jnp.outer(m, m)
   if kind == "empirical_samples":
-    fs = [dense_fisher(apply_fn, params, inputs, t, family=family,
-                       kind="empirical") for t in targets]
+    fs = [dense_fisher(apply_fn, params, inputs, targets[i], family=family,
+                       kind="empirical") for i in range(targets.shape[0])]
     return sum(fs) / len(fs)
   raise ValueError(kind)
 
 
+@functools.partial(jax.jit, static_argnums=(0, 4))
 def mean_grad_dense(apply_fn, params, inputs, targets, family) -> PyTree:
   """The mean NLL gradient as a params-shaped tree."""
   g = per_example_grads_dense(apply_fn, params, inputs, targets, family)

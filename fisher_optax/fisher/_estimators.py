@@ -575,22 +575,29 @@ def _shampoo_factors(apply_fn, params, inputs, cot, size, chunk_size, count,
 
     right = jax.tree.map(right_fn, sums, is_leaf=is_pair)
     return left, right
+  wide = lambda p: jnp.promote_types(p.dtype, jnp.float32)
   right = jax.tree.map(
-      lambda p: jnp.eye(_statistics.matrix_shape(p.shape)[1],
-                        dtype=jnp.float32), params)
+      lambda p: jnp.eye(_statistics.matrix_shape(p.shape)[1], dtype=wide(p)),
+      params)
 
   def safe_div(s, f):
     n2 = jnp.sum(jnp.square(f))
     return jnp.where(n2 > 0, s / count / jnp.where(n2 > 0, n2, 1.0), 0.0)
 
-  left = None
-  for _ in range(num_iters):
+  def one_round(_, lr):
+    _, right = lr
     s = _kron_pass(apply_fn, params, inputs, cot, size, chunk_size,
                    lambda m, r: _hp(_hp(m, r), m.T), right)
     left = jax.tree.map(safe_div, _psum(s, axis_name), right)
     s = _kron_pass(apply_fn, params, inputs, cot, size, chunk_size,
                    lambda m, l: _hp(_hp(m.T, l), m), left)
-    right = jax.tree.map(safe_div, _psum(s, axis_name), left)
+    return left, jax.tree.map(safe_div, _psum(s, axis_name), left)
+
+  left = jax.tree.map(
+      lambda p: jnp.zeros((_statistics.matrix_shape(p.shape)[0],) * 2,
+                          wide(p)), params)
+  # One trace of the two passes whatever num_iters is.
+  left, right = jax.lax.fori_loop(0, num_iters, one_round, (left, right))
   return left, right
 
 
