@@ -10,6 +10,7 @@ weights (``True`` = keep).
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Callable, NamedTuple
 
@@ -148,29 +149,47 @@ def group_obs_update(
   return _group_update(params, index, fisher)
 
 
-def _group_update(params, index, fisher):
+def _group_update(params, index, fisher, valid=None):
+  """Exact group OBS; ``valid`` masks padding entries of ``index``."""
   w = _flatten(params).astype(fisher.chol.dtype)
   if index.shape[0] == 0:
     return params, jnp.zeros([], w.dtype)
-  wq = w[index]
-  block = fisher.inverse_submatrix(index)
+  valid = jnp.ones(index.shape, bool) if valid is None else valid
+  wq = jnp.where(valid, w[index], 0.0)
+  both = valid[:, None] & valid[None, :]
+  block = jnp.where(both, fisher.inverse_submatrix(index),
+                    jnp.eye(index.shape[0], dtype=w.dtype))
   chol = jnp.linalg.cholesky(0.5 * (block + block.T))
-  coef = jax.scipy.linalg.cho_solve((chol, True), wq)
-  sparse = jnp.zeros_like(w).at[index].set(coef)
+  coef = jnp.where(valid, jax.scipy.linalg.cho_solve((chol, True), wq), 0.0)
+  # .add/.max: padding repeats an index with zero weight.
+  sparse = jnp.zeros_like(w).at[index].add(coef)
+  drop = jnp.zeros(w.shape, bool).at[index].max(valid)
   delta = _flatten(fisher.ihvp(_unflatten(sparse, params)))
-  new = (w - delta).at[index].set(0.0)
+  new = jnp.where(drop, 0.0, w - delta)
   return _unflatten(new, params), 0.5 * jnp.dot(wq, coef)
 
 
-def _independent_update(params, index, fisher):
+@jax.jit
+def _group_update_padded(params, index, valid, fisher):
+  return _group_update(params, index, fisher, valid)
+
+
+@jax.jit
+def _independent_update(params, drop, fisher):
   """Sum of single-weight OBS updates (M-FAC's pruner), one ihvp."""
   w = _flatten(params).astype(fisher.chol.dtype)
   inv_diag = _flatten(fisher.inverse_diag())
-  coef = w[index] / inv_diag[index]
-  sparse = jnp.zeros_like(w).at[index].set(coef)
-  delta = _flatten(fisher.ihvp(_unflatten(sparse, params)))
-  new = (w - delta).at[index].set(0.0)
-  return _unflatten(new, params), 0.5 * jnp.dot(w[index], coef)
+  coef = jnp.where(drop, w / inv_diag, 0.0)
+  delta = _flatten(fisher.ihvp(_unflatten(coef, params)))
+  new = jnp.where(drop, 0.0, w - delta)
+  return _unflatten(new, params), 0.5 * jnp.dot(w, coef)
+
+
+@jax.jit
+def _zeroing_loss(params, drop, fisher):
+  w = _flatten(params).astype(fisher.chol.dtype)
+  return 0.5 * fisher.quadratic_form(_unflatten(jnp.where(drop, w, 0.0),
+                                                params))
 
 
 class ObsPruneResult(NamedTuple):
@@ -204,18 +223,21 @@ def _resolve_prunable(params: PyTree, prunable: Any) -> list[bool]:
 
 
 def _select(scores: list[jax.Array], alive: list[jax.Array],
-            n_prune: list[int] | int) -> list[jax.Array]:
-  """Indices (per leaf or global) of the lowest-score alive weights."""
+            n_prune: list[int] | int) -> np.ndarray:
+  """Flat indices (global or per leaf) of the lowest-score alive weights.
+
+  Selection runs on the host: its output size changes every step, which
+  would recompile a jitted version each time.
+  """
+  masked = [np.where(np.asarray(a), np.asarray(s, np.float64), np.inf).ravel()
+            for s, a in zip(scores, alive)]
   if isinstance(n_prune, int):  # global
-    flat = jnp.concatenate([jnp.where(a, s, jnp.inf).ravel()
-                            for s, a in zip(scores, alive)])
-    return [jnp.argsort(flat)[:n_prune]]
+    return np.argsort(np.concatenate(masked), kind="stable")[:n_prune]
   out, offset = [], 0
-  for s, a, n in zip(scores, alive, n_prune):
-    flat = jnp.where(a, s, jnp.inf).ravel()
-    out.append(jnp.argsort(flat)[:n] + offset)
+  for flat, n in zip(masked, n_prune):
+    out.append(np.argsort(flat, kind="stable")[:n] + offset)
     offset += flat.size
-  return [jnp.concatenate(out)]
+  return np.concatenate(out)
 
 
 def _targets(sizes: list[int], alive_counts: list[int], density: float,
@@ -270,15 +292,23 @@ def magnitude_prune(
   alive = [jnp.ones(x.shape, bool) for x in sel]
   n_prune = _targets([x.size for x in sel], [x.size for x in sel],
                      1.0 - sparsity, scope)
-  sel, alive = _apply_zeroing(sel, alive, _select(scores, alive, n_prune)[0])
+  index = _select(scores, alive, n_prune)
+  sel, alive = _apply_zeroing(sel, alive, _drop_mask(index, sum(
+      x.size for x in sel)))
   return _assemble(leaves, flags, sel, alive, treedef, jnp.zeros((0,)))
 
 
-def _apply_zeroing(sel, alive, index):
+def _apply_zeroing(sel, alive, drop):
   w = _flatten(sel)
-  a = _flatten(alive).at[index].set(False)
+  a = _flatten(alive) & ~drop
   return (_unflatten(jnp.where(a, w, 0).astype(w.dtype), sel),
           _unflatten(a, alive))
+
+
+def _drop_mask(index: np.ndarray, size: int) -> jax.Array:
+  drop = np.zeros(size, bool)
+  drop[index] = True
+  return jnp.asarray(drop)
 
 
 def _assemble(leaves, flags, sel, alive, treedef, losses):
@@ -379,35 +409,41 @@ def obs_prune(
   sel = [x for x, f in zip(leaves, flags) if f]
   alive = [jnp.ones(x.shape, bool) for x in sel]
   sizes = [x.size for x in sel]
-  step_update = {"independent": _independent_update,
-                 "group": _group_update}.get(update)
-
-  @jax.jit
-  def score(sel, alive, grads):
-    grads = [jnp.where(a, g, 0) for a, g in zip(alive, grads)]
-    fisher = _rank_one_sum.sum_of_rank_one(grads, damping,
-                                           block_size=block_size)
-    return obs_saliency(sel, fisher), fisher
-
   losses = []
   for s in range(1, steps + 1):
     grads = grad_fn(jax.tree.unflatten(treedef, _merge(leaves, flags, sel)),
                     s - 1)
     _validation.check_leading_axis(grads, params, what="grad_fn output")
     g_sel = [g for g, f in zip(jax.tree.leaves(grads), flags) if f]
-    saliency, fisher = score(sel, alive, g_sel)
+    saliency, fisher = _score(sel, alive, g_sel, damping,
+                              block_size=block_size)
     density = (1.0 - sparsity) ** (s / steps)
     n_prune = _targets(sizes, [int(a.sum()) for a in alive], density, scope)
-    index = _select(saliency, alive, n_prune)[0]
-    if step_update is not None:
-      sel, loss = step_update(sel, index, fisher)
-    else:  # plain zeroing: 0.5 w_Q^T F_QQ w_Q
-      drop = jnp.zeros(sum(sizes), fisher.chol.dtype).at[index].set(
-          _flatten(sel).astype(fisher.chol.dtype)[index])
-      loss = 0.5 * fisher.quadratic_form(_unflatten(drop, sel))
+    index = _select(saliency, alive, n_prune)
+    drop = _drop_mask(index, sum(sizes))
+    if update == "independent":
+      sel, loss = _independent_update(sel, drop, fisher)
+    elif update == "group":
+      # Pad |Q| to a power of two so that the jitted solve compiles rarely.
+      padded = 1 << max(len(index) - 1, 0).bit_length()
+      valid = np.arange(padded) < len(index)
+      idx = np.zeros(padded, np.int32)
+      idx[:len(index)] = index
+      sel, loss = _group_update_padded(sel, jnp.asarray(idx),
+                                       jnp.asarray(valid), fisher)
+    else:
+      loss = _zeroing_loss(sel, drop, fisher)
     losses.append(loss)
-    sel, alive = _apply_zeroing(sel, alive, index)
+    sel, alive = _apply_zeroing(sel, alive, drop)
   return _assemble(leaves, flags, sel, alive, treedef, jnp.stack(losses))
+
+
+@functools.partial(jax.jit, static_argnames=("block_size",))
+def _score(sel, alive, grads, damping, *, block_size):
+  """Factors the Fisher of the surviving weights and scores them."""
+  grads = [jnp.where(a, g, 0) for a, g in zip(alive, grads)]
+  fisher = _rank_one_sum.sum_of_rank_one(grads, damping, block_size=block_size)
+  return obs_saliency(sel, fisher), fisher
 
 
 def _merge(leaves, flags, sel):

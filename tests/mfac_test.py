@@ -52,7 +52,7 @@ def _dense_fisher(stacked, damping, m=None, block_size=None):
 
 class SumOfRankOneTest(parameterized.TestCase):
 
-  @parameterized.product(damping=(1e-3, 1.0), block_size=(None, 4))
+  @parameterized.product(damping=(1e-3, 1.0), block_size=(None, 4, 8))
   def test_matches_explicit_inverse(self, damping, block_size):
     with jax.enable_x64(True):
       grads = _grads(0)

@@ -49,25 +49,27 @@ class RankOneSumFisher:
 
   Attributes:
     whitened: ``Z``; a stacked tree (leading axis ``m``) shaped like the
-      gradients, or ``(num_blocks, m, block_size)`` when blocked.
-    chol: ``L``, shape ``(m, m)`` or ``(num_blocks, m, m)``.
+      gradients, or ``(num_blocks, r, block_size)`` when blocked, with
+      ``r = min(m, block_size)``.
+    chol: ``L``, shape ``(m, m)`` or ``(num_blocks, r, r)``.
     damping: ``lambda``, a scalar array.
     block_size: ``None`` or the static block size.
   """
 
   def __init__(self, whitened: PyTree, chol: jax.Array, damping: jax.Array,
                block_size: int | None, treedef: Any,
-               shapes: tuple[tuple[int, ...], ...]):
+               shapes: tuple[tuple[int, ...], ...], num_grads: int):
     self.whitened = whitened
     self.chol = chol
     self.damping = damping
     self.block_size = block_size
     self._treedef = treedef
     self._shapes = shapes
+    self._num_grads = num_grads
 
   def tree_flatten(self):
     return ((self.whitened, self.chol, self.damping),
-            (self.block_size, self._treedef, self._shapes))
+            (self.block_size, self._treedef, self._shapes, self._num_grads))
 
   @classmethod
   def tree_unflatten(cls, aux, children):
@@ -78,7 +80,7 @@ class RankOneSumFisher:
   @property
   def num_grads(self) -> int:
     """``m``, the number of rank-one terms."""
-    return self.chol.shape[-1]
+    return self._num_grads
 
   @property
   def dim(self) -> int:
@@ -187,7 +189,7 @@ class RankOneSumFisher:
     if self.block_size is not None:
       block = index // self.block_size
       return self.whitened[block, :, index % self.block_size], block
-    cols = jnp.zeros(index.shape + (self.num_grads,), self.chol.dtype)
+    cols = jnp.zeros(index.shape + (self.chol.shape[-1],), self.chol.dtype)
     offset = 0
     for z, shape in zip(jax.tree.leaves(self.whitened), self._shapes):
       n = math.prod(shape)
@@ -247,8 +249,9 @@ def sum_of_rank_one(
     block_size: if set (a static int), ``F`` is restricted to its diagonal
       blocks of this many consecutive entries of the flattened parameters
       (the last block is zero-padded) and each block is factored on its own,
-      as in M-FAC's pruner. This costs ``O(d m^2 / B)`` extra Cholesky work
-      but allows ``m`` comparable to the block size.
+      as in M-FAC's pruner. When ``m > block_size`` each block's gradients
+      are first compressed to ``B`` rows by a QR factorization (``G^T G =
+      R^T R``), so a block costs ``O(m B^2 + B^3)`` and stores ``B x B``.
 
   Returns:
     A :class:`RankOneSumFisher` with ``ihvp``, ``inverse_diag``,
@@ -295,15 +298,19 @@ def sum_of_rank_one(
     factor = _linalg.woodbury_factor(
         _linalg.tree_stacked_gram(grads), lam, 1.0 / m)
     z = _linalg.woodbury_whiten(grads, factor)
-    return RankOneSumFisher(z, factor.chol, lam, None, treedef, shapes)
+    return RankOneSumFisher(z, factor.chol, lam, None, treedef, shapes, m)
   d = sum(math.prod(s) for s in shapes)
   nb = -(-d // block_size)
   blocks = jnp.swapaxes(_flat_blocks(grads, block_size, nb, (m,)), 0, 1)
 
   def one_block(g):
+    if m > block_size:
+      # G^T G = R^T R: the B x B factor R replaces the m gradient rows, so
+      # the block costs O(m B^2 + B^3) instead of O(m^2 B + m^3).
+      g = jnp.linalg.qr(g, mode="r")
     f = _linalg.woodbury_factor(_linalg.tree_stacked_gram(g), lam, 1.0 / m)
     return _linalg.woodbury_whiten(g, f), f.chol
 
   z, chol = jax.vmap(one_block)(blocks)
-  return RankOneSumFisher(z, chol, lam, block_size, treedef, shapes)
+  return RankOneSumFisher(z, chol, lam, block_size, treedef, shapes, m)
 
