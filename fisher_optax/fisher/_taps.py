@@ -22,9 +22,10 @@ pass (vmapped over the ``S`` cotangents).
 
 **How layers are found.** No model edits and no Flax hooks: the apply function
 is traced to a jaxpr and the dense and embedding patterns are matched on it,
-so the same code serves Flax Linen (``nn.Dense``, ``nn.Embed``, ``model.apply``),
-Flax NNX (``nnx.Linear``, ``nnx.Embed`` behind an ``nnx.merge`` function) and
-plain functions (``x @ p["w"] + p["b"]``, ``jnp.take(table, ids, axis=0)``).
+so the same code serves Flax Linen (``nn.Dense``, ``nn.Embed``,
+``model.apply``), Flax NNX (``nnx.Linear``, ``nnx.Embed`` behind an
+``nnx.merge`` function) and plain functions (``x @ p["w"] + p["b"]``,
+``jnp.take(table, ids, axis=0)``).
 A parameter leaf is *covered* when its only use is one of
 
 * the right operand of a ``dot_general`` contracting the last axis of an
@@ -32,8 +33,8 @@ A parameter leaf is *covered* when its only use is one of
   ``jnp.einsum("...d,de->...e")``, Linen ``Dense``, NNX ``Linear``);
 * a 1-D leaf reshaped or broadcast along the last axis and added to such a
   product, the product having no other consumer (the bias);
-* the table of a row ``gather`` (``jnp.take(table, ids, axis=0)``, ``table[ids]``,
-  Linen ``Embed``, NNX ``Embed``).
+* the table of a row ``gather`` (``jnp.take(table, ids, axis=0)``,
+  ``table[ids]``, Linen ``Embed``, NNX ``Embed``).
 
 Casts (``convert_element_type``) and ``jit``/``remat`` boundaries are looked
 through. A leaf used any other way (a layer-norm scale, a convolution kernel, a
@@ -47,7 +48,8 @@ the Gram matrix keep a cheap exact form
 (:math:`\\langle a a^\\top, \\delta \\delta^\\top \\rangle`, "ghost norms"); the
 exact diagonal does not, and is computed as a chunked per-example einsum. The
 K-FAC factors use the "expand" convention (positions as examples):
-``A_sum = sum_n mean_t a_t a_t^T`` and ``Gamma_sum = sum_{s,n,t} delta delta^T``,
+``A_sum = sum_n mean_t a_t a_t^T`` and
+``Gamma_sum = sum_{s,n,t} delta delta^T``,
 so that ``(A_sum / B) kron (Gamma_sum / B)`` is the exact block when ``T = 1``.
 
 **Assumptions.** The model is batch independent (output row ``n`` depends on
@@ -56,6 +58,17 @@ leading axis has the batch size carries the batch on that axis. Both hold for
 the usual models; the per-example path needs the first one too.
 
 Ordering: statistics indexed by ``i`` run over ``i = s * B + n``.
+
+**One pass.** :func:`layer_statistics` and :func:`combine` each trace and run
+their own forward pass. A caller that also needs the outputs and the batch
+gradient can share one forward pass (and, for the empirical Fisher, one
+backward pass)::
+
+  tape = record(apply_fn, params, inputs)      # forward, taps in place
+  r = d_loss_d_outputs(tape.outputs, targets)  # (B, *out)
+  grad_sum, layer_grads = tape.gradient(r)     # one backward: grad + delta
+  diag = layer_grads.statistics("diag")        # sum_n g_n^2, covered leaves
+  deltas = tape.backward(cotangents)           # S more (mc / exact), vmapped
 
 References:
   Goodfellow, `Efficient per-example gradient computations
@@ -93,6 +106,7 @@ _CALLS = {
     "core_call": "call_jaxpr",
     "checkpoint": "jaxpr",
     "remat": "jaxpr",
+    "remat2": "jaxpr",
 }
 
 # Value-preserving unary primitives looked through: casts, and the
@@ -224,8 +238,9 @@ def _scan(jaxpr, env: dict, path: tuple[int, ...], batch: int,
           k[0] == "site" and counts[eqn.invars[0]] == 1):
         env[eqn.outvars[0]] = k
         continue
-    if (name == "dot_general" and kinds[0] is None and kinds[1] is not None
-        and kinds[1][0] == "param" and _is_dense(eqn, batch)):
+    if (name == "dot_general" and (kinds[0] is None or kinds[0][0] == "site")
+        and kinds[1] is not None and kinds[1][0] == "param"
+        and _is_dense(eqn, batch)):
       site = len(plan.sites)
       plan.sites.append(_Site("dense", here, kinds[1][1]))
       plan.site_at[here] = site
@@ -445,7 +460,7 @@ class LayerTape:
 
 
 def _varying_axes(aval) -> tuple[str, ...]:
-  """Manual mesh axes a value varies over (``shard_map``), across jax versions."""
+  """Manual mesh axes a value varies over (``shard_map``), any jax version."""
   vma = getattr(aval, "vma", None)
   if vma is None:
     vma = getattr(getattr(aval, "manual_axis_type", None), "varying", ())
@@ -810,6 +825,12 @@ def combine(apply_fn: Callable[[PyTree, PyTree], PyTree], params: PyTree,
         model.apply, params, x, cotangents[None], jnp.full((1, B), 1 / B))
   """
   _check_chunk(chunk_size)
+  lead = jax.tree.leaves(cotangents)[0].shape[:2]
+  if (np.ndim(weights) != 2
+      or np.shape(weights)[1] != int(np.prod(lead))):
+    raise ValueError(
+        f"weights must have shape (k, S * B) = (k, {int(np.prod(lead))}); "
+        f"got {np.shape(weights)}.")
   tape = record(apply_fn, params, inputs, axis_name=axis_name)
   return tape.backward(cotangents).combine(weights), tape.covered
 

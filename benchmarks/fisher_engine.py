@@ -1,0 +1,243 @@
+# Copyright 2026 The fisher_optax Authors. Licensed under the Apache License 2.0.
+"""Fisher engine cost: each estimator against one jitted batch gradient.
+
+Models (float32, softmax cross-entropy, 10 classes): the MLP 784-512-512-10
+(NNX, every leaf on the layer path) and a small Linen CNN (two convolutions,
+which fall back to the per-example path, and a dense head). For each batch
+size, every estimator returns the mean gradient and its statistic, and is
+timed against ``jax.value_and_grad`` of the mean loss in the same process
+(interleaved rounds, median of within-round ratios). Rows:
+
+* ``fisher.diagonal`` for kinds empirical / mc (1 sample) / exact, by
+  ``method="auto"`` (layer statistics) and ``method="per_example"``
+  (``vmap`` of one-example VJPs, chunked);
+* ``fisher.kronecker`` (K-FAC factors from layer statistics; Shampoo-style
+  factors from per-example gradients);
+* ``fisher.low_rank(rank=8)`` (Gram matrix from layer statistics or from the
+  stacked per-example gradients);
+* ``taps one pass``: the diagonal empirical Fisher and the gradient from one
+  forward and one backward pass (``_taps.record(...).gradient``), the floor
+  the engine can reach.
+
+Memory is XLA's temp bytes of the compiled function. Run from the repository
+root::
+
+  python -m benchmarks.fisher_engine           # full run (< 10 minutes)
+  python -m benchmarks.fisher_engine --small   # seconds-long smoke run
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+from absl import app
+from absl import flags
+from flax import linen as nn
+from flax import nnx
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks import common
+from fisher_optax import fisher
+from fisher_optax import models
+from fisher_optax.fisher import _taps
+
+_SMALL = flags.DEFINE_bool("small", False, "Tiny models, few rounds (smoke).")
+_ROUNDS = flags.DEFINE_integer("rounds", 9, "Interleaved rounds (fast rows).")
+_SLOW_ROUNDS = flags.DEFINE_integer(
+    "slow_rounds", 3, "Interleaved rounds for the per-example rows.")
+_CHUNK = flags.DEFINE_integer("chunk", 32, "Per-example path chunk size.")
+_OUT = flags.DEFINE_string("out_dir", None, "Results dir (default results/).")
+
+NAME = "fisher_engine"
+NUM_CLASSES = 10
+
+
+class SmallCNN(nn.Module):
+  """28x28x1 -> conv 8 -> conv 16 (stride 2) -> dense 10."""
+
+  width: int = 8
+
+  @nn.compact
+  def __call__(self, x):
+    x = jax.nn.relu(nn.Conv(self.width, (3, 3))(x))
+    x = jax.nn.relu(nn.Conv(2 * self.width, (3, 3), strides=2)(x))
+    return nn.Dense(NUM_CLASSES)(x.reshape(x.shape[0], -1))
+
+
+def make_model(name: str, small: bool):
+  """(apply_fn, params, input shape without batch)."""
+  if name == "mlp":
+    sizes = (64, 64, 64, 10) if small else (784, 512, 512, 10)
+    apply_fn, params = models.functional(
+        models.MLP(sizes, activation="relu", rngs=nnx.Rngs(0)))
+    return apply_fn, params, (sizes[0],)
+  side = 8 if small else 28
+  model = SmallCNN(width=4 if small else 8)
+  params = model.init(jax.random.key(0), jnp.zeros((1, side, side, 1)))
+  return model.apply, params, (side, side, 1)
+
+
+def estimators(apply_fn, chunk: int) -> dict[str, tuple[Callable, bool]]:
+  """name -> (fn(params, x, y, key), slow). Each returns grad + statistic."""
+  cat = fisher.Categorical()
+
+  def diag(kind, method):
+    return lambda p, x, y, k: fisher.diagonal(
+        apply_fn, p, (x, y), likelihood=cat, kind=kind, key=k, method=method,
+        chunk_size=chunk if method == "per_example" else None)
+
+  def kron(method):
+    est = "auto" if method == "auto" else "shampoo"
+    return lambda p, x, y, k: fisher.kronecker(
+        apply_fn, p, (x, y), likelihood=cat, kind="empirical",
+        estimator=est, method=method,
+        chunk_size=chunk if method == "per_example" else None)
+
+  def low_rank(method):
+    return lambda p, x, y, k: fisher.low_rank(
+        apply_fn, p, (x, y), likelihood=cat, kind="empirical", rank=8,
+        method=method, chunk_size=chunk if method == "per_example" else None)
+
+  def one_pass(p, x, y, k):
+    del k
+    tape = _taps.record(apply_fn, p, x)
+    logits = tape.outputs
+    r = (jax.nn.softmax(logits) - jax.nn.one_hot(y, NUM_CLASSES)) / len(y)
+    grad, lg = tape.gradient(r)
+    return grad, lg.statistics("diag")
+
+  return {
+      "diag empirical / auto": (diag("empirical", "auto"), False),
+      "diag mc-1 / auto": (diag("mc", "auto"), False),
+      "diag exact / auto": (diag("exact", "auto"), False),
+      "kron (K-FAC) / auto": (kron("auto"), False),
+      "top-8 low rank / auto": (low_rank("auto"), False),
+      "taps one pass (grad + diag emp.)": (one_pass, False),
+      "diag empirical / per_example": (diag("empirical", "per_example"),
+                                       True),
+      "diag mc-1 / per_example": (diag("mc", "per_example"), True),
+      "diag exact / per_example": (diag("exact", "per_example"), True),
+      "kron (Shampoo) / per_example": (kron("per_example"), True),
+      "top-8 low rank / per_example": (low_rank("per_example"), True),
+  }
+
+
+def run_one(model_name: str, batch: int, small: bool, chunk: int,
+            rounds: int, slow_rounds: int) -> list[dict[str, Any]]:
+  apply_fn, params, in_shape = make_model(model_name, small)
+  rng = np.random.default_rng(batch)
+  x = jnp.asarray(rng.normal(size=(batch,) + in_shape), jnp.float32)
+  y = jnp.asarray(rng.integers(0, NUM_CLASSES, size=batch), jnp.int32)
+  key = jax.random.key(1)
+
+  def loss(p, x, y):
+    return common.cross_entropy(apply_fn(p, x), y)
+
+  base = jax.value_and_grad(loss)
+  fns = {"batch gradient": (lambda p, x, y, k: base(p, x, y), False)}
+  fns.update(estimators(apply_fn, chunk))
+  # Per-example exact costs C backprops per example: too slow past B = 128.
+  skip = set()
+  if batch > 128 and not small:
+    skip = {"diag exact / per_example", "top-8 low rank / per_example",
+            "kron (Shampoo) / per_example"}
+  coverage = _taps.coverage(apply_fn, params, x)
+  covered = sum(int(np.prod(l.shape)) for l, c in zip(
+      jax.tree.leaves(params), jax.tree.leaves(coverage)) if c)
+  total = sum(int(np.prod(l.shape)) for l in jax.tree.leaves(params))
+
+  rows: dict[str, dict[str, Any]] = {}
+  jitted = {}
+  for name, (fn, slow) in fns.items():
+    mem = common.compiled_memory_bytes(fn, params, x, y, key)
+    rows[name] = {"model": model_name, "batch": batch, "estimator": name,
+                  "temp_mb": mem / 2**20, "slow": slow,
+                  "covered_fraction": covered / total,
+                  "sizes": "-".join(str(l.shape[-1]) for l in jax.tree.leaves(
+                      params) if l.ndim == 1) if model_name == "mlp" else "",
+                  "num_params": total}
+    if name not in skip:
+      jitted[name] = functools.partial(jax.jit(fn), params, x, y, key)
+
+  fast = {k: f for k, f in jitted.items() if not fns[k][1]}
+  slow = {k: f for k, f in jitted.items() if fns[k][1]}
+  slow["batch gradient"] = jitted["batch gradient"]
+  for group, nr, inner in ((fast, rounds, 3), (slow, slow_rounds, 1)):
+    res = common.time_ratios(group, "batch gradient", rounds=nr, inner=inner,
+                             warmup=1)
+    for k, v in res.items():
+      if k == "batch gradient" and group is slow:
+        continue
+      rows[k].update(v)
+  for k in skip:
+    rows[k].update({"median_s": None, "ratio": None})
+  return list(rows.values())
+
+
+def _fmt_ratio(r):
+  return "—" if r is None else (f"{r:.2f}x" if r < 20 else f"{r:.0f}x")
+
+
+def to_markdown(rows: list[dict[str, Any]], batches: list[int],
+                chunk: int) -> str:
+  out = []
+  for model in sorted({r["model"] for r in rows}, reverse=True):
+    sub = [r for r in rows if r["model"] == model]
+    frac = sub[0]["covered_fraction"]
+    base = {r["batch"]: r["median_s"] for r in sub
+            if r["estimator"] == "batch gradient"}
+    header = (["estimator / path"] + [f"B={b}" for b in batches]
+              + [f"temp MB @{b}" for b in batches])
+    table = []
+    names = list(dict.fromkeys(r["estimator"] for r in sub))
+    for name in names:
+      by_b = {r["batch"]: r for r in sub if r["estimator"] == name}
+      cells = []
+      for b in batches:
+        r = by_b[b]
+        if name == "batch gradient":
+          cells.append(f"{1e3 * base[b]:.2f} ms")
+        else:
+          cells.append(_fmt_ratio(r["ratio"]))
+      mems = [f"{by_b[b]['temp_mb']:.1f}" for b in batches]
+      table.append([name] + cells + mems)
+    title = {"mlp": "MLP (NNX, relu): " + sub[0]["sizes"],
+             "cnn": "small CNN (Linen: 2 convs + dense head)"}[model]
+    out.append(f"### {title}\n\nParameters on the layer path: "
+               f"{100 * frac:.1f}% (the rest use the per-example path under "
+               f"`method=\"auto\"`). Per-example chunk: {chunk}. Ratios are "
+               "wall time / the jitted batch gradient in the same process "
+               "(median of within-round ratios); the batch-gradient row "
+               "gives its absolute median time.\n")
+    out.append(common.markdown_table(header, table))
+    out.append("")
+  return "\n".join(out)
+
+
+def main(argv):
+  del argv
+  small = _SMALL.value
+  batches = [8, 16] if small else [32, 128, 512]
+  rounds = 2 if small else _ROUNDS.value
+  slow_rounds = 1 if small else _SLOW_ROUNDS.value
+  chunk = 4 if small else _CHUNK.value
+  rows = []
+  for model_name in ("mlp", "cnn"):
+    for b in batches:
+      print(f"[{NAME}] {model_name} B={b}", flush=True)
+      rows.extend(run_one(model_name, b, small, chunk, rounds, slow_rounds))
+  md = to_markdown(rows, batches, chunk)
+  print(md)
+  data = {"settings": {"small": small, "batches": batches, "rounds": rounds,
+                       "slow_rounds": slow_rounds, "chunk": chunk},
+          "rows": rows}
+  path = common.write_results(NAME + ("_small" if small else ""), data, md,
+                              _OUT.value)
+  print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,443 @@
+# Copyright 2026 The fisher_optax Authors. Licensed under the Apache License 2.0.
+"""Tests for the layer-statistics path (``fisher_optax.fisher._taps``).
+
+Every statistic is checked in float64 against the per-example
+pseudo-gradients ``g_{s,n} = J_n^T r_{s,n}`` built from dense ``jax.jacobian``
+matrices (``tests/fisher_testing.py``), on Linen, NNX and plain-function
+models, with and without weight sharing, with ``S > 1`` cotangents.
+"""
+
+import functools
+
+from absl.testing import absltest
+from absl.testing import parameterized
+import chex
+from flax import linen as nn
+from flax import nnx
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fisher_optax.fisher import _taps
+from tests import fisher_testing
+
+B, S, T, VOCAB = 3, 2, 4, 5
+
+
+# -- models -------------------------------------------------------------------
+
+
+class _LinenMLP(nn.Module):
+
+  @nn.compact
+  def __call__(self, x):
+    x = jnp.tanh(nn.Dense(5, param_dtype=x.dtype)(x))
+    return nn.Dense(3, param_dtype=x.dtype)(x)
+
+
+class _LinenSeq(nn.Module):
+  """Embedding -> Dense on (B, T, d) (weight sharing) -> mean -> Dense."""
+
+  @nn.compact
+  def __call__(self, ids):
+    dt = jnp.float64 if jax.config.jax_enable_x64 else jnp.float32
+    h = nn.Embed(VOCAB, 4, param_dtype=dt)(ids)
+    h = jnp.tanh(nn.Dense(6, param_dtype=dt)(h))
+    return nn.Dense(3, param_dtype=dt)(h.mean(axis=1))
+
+
+class _NnxMLP(nnx.Module):
+
+  def __init__(self, rngs, dtype):
+    self.l1 = nnx.Linear(4, 5, rngs=rngs, param_dtype=dtype)
+    self.l2 = nnx.Linear(5, 3, rngs=rngs, param_dtype=dtype)
+
+  def __call__(self, x):
+    return self.l2(jnp.tanh(self.l1(x)))
+
+
+class _NnxSeq(nnx.Module):
+
+  def __init__(self, rngs, dtype):
+    self.emb = nnx.Embed(VOCAB, 4, rngs=rngs, param_dtype=dtype)
+    self.l1 = nnx.Linear(4, 6, rngs=rngs, param_dtype=dtype)
+    self.l2 = nnx.Linear(6, 3, rngs=rngs, param_dtype=dtype)
+
+  def __call__(self, ids):
+    return self.l2(jnp.tanh(self.l1(self.emb(ids))).mean(axis=1))
+
+
+def _plain_seq(params, ids):
+  """jnp.take (negative ids wrap), a jitted and a rematerialised layer."""
+  h = jnp.take(params["table"], ids, axis=0)
+
+  @jax.jit
+  def layer(h, w, b):
+    return jnp.tanh(jnp.einsum("btd,de->bte", h, w) + b)
+
+  h = jax.checkpoint(layer)(h, params["w1"], params["b1"])
+  return jnp.dot(h.sum(axis=1), params["w2"])
+
+
+def _model(name: str, dtype=None):
+  """Returns (apply_fn, params, inputs, out_dim) for a named test model."""
+  dtype = dtype or jnp.float64
+  key = jax.random.key(0)
+  kp, kx = jax.random.split(key)
+  x = jax.random.normal(kx, (B, 4), dtype)
+  ids = jax.random.randint(kx, (B, T), 0, VOCAB)
+  ids = ids.at[0, :2].set(1)  # repeated tokens within an example
+  if name == "plain_mlp":
+    params = fisher_testing.mlp_params(kp, (4, 5, 3), dtype=dtype)
+    return fisher_testing.mlp_apply, params, x, 3
+  if name == "linen_mlp":
+    model = _LinenMLP()
+    return model.apply, model.init(kp, x), x, 3
+  if name == "linen_seq":
+    model = _LinenSeq()
+    return model.apply, model.init(kp, ids), ids, 3
+  if name in ("nnx_mlp", "nnx_seq"):
+    cls = _NnxMLP if name == "nnx_mlp" else _NnxSeq
+    graphdef, state = nnx.split(cls(nnx.Rngs(0), dtype))
+    apply_fn = lambda st, inp: nnx.merge(graphdef, st)(inp)
+    return apply_fn, state, (x if name == "nnx_mlp" else ids), 3
+  if name == "plain_seq":
+    k = jax.random.split(kp, 4)
+    params = {
+        "table": jax.random.normal(k[0], (VOCAB, 4), dtype),
+        "w1": jax.random.normal(k[1], (4, 6), dtype) / 2,
+        "b1": jax.random.normal(k[2], (6,), dtype) / 4,
+        "w2": jax.random.normal(k[3], (6, 3), dtype) / 3,
+    }
+    return _plain_seq, params, ids.at[1, 3].set(-1), 3
+  raise ValueError(name)
+
+
+_MODELS = ("plain_mlp", "linen_mlp", "nnx_mlp", "linen_seq", "nnx_seq",
+           "plain_seq")
+
+
+# -- oracles ------------------------------------------------------------------
+
+
+def _cotangents(out_dim: int, num_samples: int = S, dtype=jnp.float64):
+  return jax.random.normal(jax.random.key(7), (num_samples, B, out_dim), dtype)
+
+
+def _stats(apply_fn, params, inputs, cot, structure, chunk_size=None):
+  """Jitted layer_statistics (compiled runs beat eager op-by-op dispatch)."""
+  return _jit_stats(apply_fn, params, inputs, cot, structure, chunk_size)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 4, 5))
+def _jit_stats(apply_fn, params, inputs, cot, structure, chunk_size):
+  return _taps.layer_statistics(apply_fn, params, inputs, cot,
+                                structure=structure, chunk_size=chunk_size)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _pseudo_grads(apply_fn, params, inputs, cot):
+  """Stacked per-leaf pseudo-gradients (S * B, *leaf), rows s * B + n."""
+  jac = fisher_testing.jacobians(apply_fn, params, inputs)  # (B, O, P)
+  r = cot.reshape(cot.shape[0], cot.shape[1], -1)
+  g = jnp.einsum("bop,sbo->sbp", jac, r).reshape(-1, jac.shape[-1])
+  return fisher_testing.unravel_like(params, g)
+
+
+def _leaf_values(tree):
+  return jax.tree.leaves(tree, is_leaf=lambda x: x is None)
+
+
+def _assert_close(test, got, want, rtol=1e-10, atol=1e-12):
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=rtol,
+                             atol=atol)
+
+
+class LayerStatisticsTest(parameterized.TestCase):
+
+  @parameterized.parameters(*_MODELS)
+  def test_statistics_match_jacobian_oracle(self, name):
+    with jax.enable_x64(True):
+      apply_fn, params, inputs, out_dim = _model(name)
+      cov = _taps.coverage(apply_fn, params, inputs)
+      self.assertTrue(all(jax.tree.leaves(cov)), cov)
+      cot = _cotangents(out_dim)
+      weights = jax.random.normal(jax.random.key(3), (2, S * B), jnp.float64)
+      chunk = 5 if "seq" in name else None  # 5 does not divide S * B = 6
+
+      @jax.jit
+      def run(params, inputs, cot, weights):
+        out = {st: _taps.layer_statistics(apply_fn, params, inputs, cot,
+                                          structure=st, chunk_size=chunk)[0]
+               for st in ("diag", "norms", "gram")}
+        out["combine"] = _taps.combine(apply_fn, params, inputs, cot,
+                                       weights)[0]
+        out["g"] = _pseudo_grads(apply_fn, params, inputs, cot)
+        return out
+
+      out = run(params, inputs, cot, weights)
+      g = jax.tree.leaves(out["g"])
+      for got, gi in zip(jax.tree.leaves(out["diag"]), g):
+        _assert_close(self, got, jnp.sum(gi**2, 0))
+      for got, gi in zip(jax.tree.leaves(out["norms"]), g):
+        _assert_close(self, got, jnp.sum(gi.reshape(S * B, -1)**2, 1))
+      flat = jnp.concatenate([gi.reshape(S * B, -1) for gi in g], 1)
+      _assert_close(self, out["gram"], flat @ flat.T)
+      for got, gi in zip(jax.tree.leaves(out["combine"]), g):
+        _assert_close(self, got, jnp.tensordot(weights, gi, 1))
+
+  def test_weight_shared_diag_chunking(self):
+    """Chunked per-example einsum (with remainder rows) == unchunked."""
+    apply_fn, params, inputs, out_dim = _model("linen_seq", jnp.float32)
+    cot = _cotangents(out_dim, dtype=jnp.float32)
+
+    @jax.jit
+    def run(params, inputs, cot):
+      return [_taps.layer_statistics(apply_fn, params, inputs, cot,
+                                     structure="diag", chunk_size=c)[0]
+              for c in (1, 4, None)]
+
+    ones, fours, whole = run(params, inputs, cot)
+    chex.assert_trees_all_close(ones, whole, rtol=1e-5)
+    chex.assert_trees_all_close(fours, whole, rtol=1e-5)
+
+  def test_gram_both_weight_sharing_forms(self):
+    """Ghost form (small T) and materialised form (large T) both exact."""
+    with jax.enable_x64(True):
+      for t in (2, 9):
+        k = jax.random.split(jax.random.key(4), 3)
+        params = {"w": jax.random.normal(k[0], (3, 4)),
+                  "v": jax.random.normal(k[1], (4, 2))}
+        apply_fn = lambda p, x: jnp.tanh(x @ p["w"]).sum(1) @ p["v"]
+        x = jax.random.normal(k[2], (B, t, 3))
+        cot = _cotangents(2)
+        g = _pseudo_grads(apply_fn, params, x, cot)
+        gram, _ = _stats(apply_fn, params, x, cot, "gram")
+        flat = jnp.concatenate([gi.reshape(S * B, -1)
+                                for gi in jax.tree.leaves(g)], 1)
+        _assert_close(self, gram, flat @ flat.T)
+
+  def test_kron_factors(self):
+    """A = sum_n mean_t a a^T; Gamma = sum delta delta^T (delta: bias grad)."""
+    with jax.enable_x64(True):
+      params = fisher_testing.mlp_params(jax.random.key(0), (4, 5, 3),
+                                         dtype=jnp.float64)
+      x = jax.random.normal(jax.random.key(1), (B, 4))
+      cot = _cotangents(3)
+      g = _pseudo_grads(fisher_testing.mlp_apply, params, x, cot)
+      kron, _ = _stats(fisher_testing.mlp_apply, params, x, cot, "kron")
+      # One example, one sample: A (x) Gamma is the exact kernel block.
+      kron1, _ = _stats(fisher_testing.mlp_apply, params, x[:1],
+                        cot[:1, :1], "kron")
+      hidden = jnp.tanh(x @ params["dense_0"]["kernel"]
+                        + params["dense_0"]["bias"])
+      for layer, a in (("dense_0", x), ("dense_1", hidden)):
+        d = g[layer]["bias"]  # per-example delta, rows (s, n)
+        a_sum, gamma = kron[layer]["kernel"]
+        _assert_close(self, a_sum, a.T @ a)
+        _assert_close(self, gamma, d.T @ d)
+        b_a, b_gamma = kron[layer]["bias"]
+        _assert_close(self, b_a, [[B]])
+        _assert_close(self, b_gamma, d.T @ d)
+      g1 = g["dense_1"]["kernel"][0].reshape(-1)
+      a_sum, gamma = kron1["dense_1"]["kernel"]
+      _assert_close(self, jnp.kron(a_sum, gamma), jnp.outer(g1, g1))
+
+  def test_kron_weight_sharing_expand(self):
+    with jax.enable_x64(True):
+      apply_fn, params, ids, out_dim = _model("plain_seq")
+      cot = _cotangents(out_dim)
+      kron, _ = _stats(apply_fn, params, ids, cot, "kron")
+      h = jnp.take(params["table"], ids, axis=0)  # (B, T, 4)
+      a_sum, _ = kron["w1"]
+      _assert_close(self, a_sum, jnp.einsum("btd,bte->de", h, h) / T)
+      counts = jnp.zeros(VOCAB).at[jnp.where(ids < 0, ids + VOCAB, ids)
+                                   .reshape(-1)].add(1.0)
+      _assert_close(self, kron["table"][0], jnp.diag(counts) / T)
+
+  def test_tape_gradient_backward_and_take(self):
+    """gradient() is the batch VJP plus S=1 stats; take() slices samples."""
+    with jax.enable_x64(True):
+      apply_fn, params, inputs, out_dim = _model("linen_seq")
+      cot = _cotangents(out_dim, 3)
+
+      @jax.jit
+      def run(params, inputs, cot):
+        tape = _taps.record(apply_fn, params, inputs)
+        grad, lg = tape.gradient(cot[0])
+        _, vjp = jax.vjp(lambda p: apply_fn(p, inputs), params)
+        both = tape.backward(cot)
+        return dict(
+            grad=grad, vjp=vjp(cot[0])[0], outputs=tape.outputs,
+            apply=apply_fn(params, inputs), diag0=lg.statistics("diag"),
+            want0=both.take(slice(0, 1)).statistics("diag"),
+            diag12=both.take(slice(1, None)).statistics("diag"),
+            want12=_taps.layer_statistics(apply_fn, params, inputs, cot[1:],
+                                          structure="diag")[0])
+
+      out = run(params, inputs, cot)
+      g = _pseudo_grads(apply_fn, params, inputs, cot)
+      for got, gi in zip(jax.tree.leaves(out["diag0"]), jax.tree.leaves(g)):
+        _assert_close(self, got, jnp.sum(gi[:B]**2, 0))
+      chex.assert_trees_all_close(out["grad"], out["vjp"], rtol=1e-12)
+      chex.assert_trees_all_close(out["diag0"], out["want0"], rtol=1e-12)
+      chex.assert_trees_all_close(out["diag12"], out["want12"], rtol=1e-12)
+      np.testing.assert_allclose(out["outputs"], out["apply"], rtol=1e-12)
+
+
+class CoverageTest(parameterized.TestCase):
+
+  def test_uncovered_leaves_are_reported(self):
+    """Norm scales, convs, tied and reused kernels fall back (None)."""
+
+    class Mixed(nn.Module):
+
+      @nn.compact
+      def __call__(self, ids):
+        emb = nn.Embed(VOCAB, 4)
+        h = emb(ids)  # (B, T, 4)
+        h = nn.Conv(4, (2,))(h)
+        h = nn.LayerNorm()(h)
+        shared = nn.Dense(4)
+        h = shared(jnp.tanh(shared(h)))  # a kernel used twice
+        h = nn.Dense(4, name="head")(h.mean(1))
+        return emb.attend(h)  # tied: the table is used twice
+
+    model = Mixed()
+    ids = jnp.array([[0, 1, 2], [3, 3, 4]])
+    params = model.init(jax.random.key(0), ids)
+    cov = _taps.coverage(model.apply, params, ids)["params"]
+    self.assertFalse(cov["Embed_0"]["embedding"])
+    self.assertFalse(cov["Conv_0"]["kernel"])
+    self.assertFalse(cov["LayerNorm_0"]["scale"])
+    self.assertFalse(cov["Dense_0"]["kernel"])
+    self.assertFalse(cov["Dense_0"]["bias"])
+    self.assertTrue(cov["head"]["kernel"])
+    self.assertTrue(cov["head"]["bias"])
+    # Covered leaves still match the oracle; uncovered ones are None.
+    with jax.enable_x64(True):
+      p64 = jax.tree.map(lambda a: a.astype(jnp.float64), params)
+      cot = jax.random.normal(jax.random.key(1), (S, 2, VOCAB))
+      g = _pseudo_grads(model.apply, p64, ids, cot)
+      diag, covered = _stats(model.apply, p64, ids, cot, "diag")
+      for d, c, gi in zip(_leaf_values(diag), jax.tree.leaves(covered),
+                          jax.tree.leaves(g)):
+        if c:
+          _assert_close(self, d, jnp.sum(gi**2, 0))
+        else:
+          self.assertIsNone(d)
+
+  def test_bias_with_second_consumer_is_not_covered(self):
+    params = {"w": jnp.ones((3, 2)), "b": jnp.ones(2)}
+    x = jnp.ones((4, 3))
+
+    def apply_fn(p, x):
+      z = x @ p["w"]
+      return (z + p["b"]) * z  # the product feeds the bias add and more
+
+    cov = _taps.coverage(apply_fn, params, x)
+    self.assertEqual(cov, {"w": True, "b": False})
+
+  def test_stacked_linear_layers_are_covered(self):
+    """A product feeding another product directly (no bias, no activation)."""
+    params = {"w1": jnp.ones((3, 4)), "w2": jnp.ones((4, 2))}
+    cov = _taps.coverage(lambda p, x: x @ p["w1"] @ p["w2"], params,
+                         jnp.ones((5, 3)))
+    self.assertEqual(cov, {"w1": True, "w2": True})
+
+  def test_coverage_on_shape_dtype_structs(self):
+    params = fisher_testing.mlp_params(jax.random.key(0))
+    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
+                            params)
+    cov = _taps.coverage(fisher_testing.mlp_apply, abstract,
+                         jax.ShapeDtypeStruct((7, 4), jnp.float32))
+    self.assertTrue(all(jax.tree.leaves(cov)))
+
+
+class NumericsAndTracingTest(parameterized.TestCase):
+
+  def test_bf16_params_give_float32_statistics(self):
+    apply_fn, p32, x32, out_dim = _model("linen_mlp", jnp.float32)
+    p16 = jax.tree.map(lambda a: a.astype(jnp.bfloat16), p32)
+    cot = _cotangents(out_dim, dtype=jnp.float32)
+    d16, _ = _stats(apply_fn, p16, x32.astype(jnp.bfloat16), cot, "diag")
+    d32, _ = _stats(apply_fn, p32, x32, cot, "diag")
+    for a, b in zip(jax.tree.leaves(d16), jax.tree.leaves(d32)):
+      self.assertEqual(a.dtype, jnp.float32)
+      np.testing.assert_allclose(a, b, rtol=0.1, atol=1e-2)
+
+  def test_no_retrace_under_jit(self):
+    apply_fn, params, inputs, out_dim = _model("linen_seq", jnp.float32)
+
+    @jax.jit
+    @chex.assert_max_traces(n=1)
+    def stats(p, x, c):
+      return _taps.layer_statistics(apply_fn, p, x, c, structure="diag")[0]
+
+    cot = _cotangents(out_dim, dtype=jnp.float32)
+    stats(params, inputs, cot)
+    out = stats(params, inputs, 2 * cot)
+    chex.assert_tree_all_finite(out)
+
+  def test_nonfinite_cotangent_is_not_hidden(self):
+    apply_fn, params, inputs, out_dim = _model("plain_mlp", jnp.float32)
+    cot = _cotangents(out_dim, dtype=jnp.float32).at[0, 1, 0].set(jnp.nan)
+    diag, _ = _stats(apply_fn, params, inputs, cot, "diag")
+    self.assertTrue(np.isnan(diag["dense_1"]["kernel"]).any())
+
+  def test_zero_cotangents_give_zero_statistics(self):
+    apply_fn, params, inputs, out_dim = _model("nnx_seq", jnp.float32)
+    cot = jnp.zeros((S, B, out_dim))
+    for structure in ("diag", "norms"):
+      stats, _ = _stats(apply_fn, params, inputs, cot, structure)
+      for leaf in jax.tree.leaves(stats):
+        np.testing.assert_array_equal(leaf, 0.0)
+
+
+class ErrorsTest(parameterized.TestCase):
+
+  def setUp(self):
+    super().setUp()
+    self.params = fisher_testing.mlp_params(jax.random.key(0))
+    self.x = jnp.ones((B, 4))
+    self.cot = jnp.ones((S, B, fisher_testing.OUT_DIM))
+
+  def _stats(self, **kw):
+    args = dict(apply_fn=fisher_testing.mlp_apply, params=self.params,
+                inputs=self.x, cotangents=self.cot, structure="diag")
+    args.update(kw)
+    return _taps.layer_statistics(**args)
+
+  def test_bad_structure(self):
+    with self.assertRaisesRegex(ValueError, "structure must be one of"):
+      self._stats(structure="full")
+
+  @parameterized.parameters(0, -2, 1.5, True)
+  def test_bad_chunk_size(self, chunk):
+    with self.assertRaisesRegex(ValueError, "chunk_size"):
+      self._stats(chunk_size=chunk)
+
+  def test_cotangent_shape_mismatch(self):
+    with self.assertRaisesRegex(ValueError, r"cotangents must have shape"):
+      self._stats(cotangents=jnp.ones((S, B + 1, fisher_testing.OUT_DIM)))
+    with self.assertRaisesRegex(ValueError, r"cotangents must have shape"):
+      self._stats(cotangents=jnp.ones((B, fisher_testing.OUT_DIM)))
+
+  def test_mismatched_input_batch(self):
+    with self.assertRaisesRegex(ValueError, "leading batch axis"):
+      self._stats(apply_fn=lambda p, xs: fisher_testing.mlp_apply(p, xs[0]),
+                  inputs=(self.x, jnp.ones((B + 1, 4))))
+
+  def test_non_array_param(self):
+    params = dict(self.params, extra={"scale": "big"})
+    with self.assertRaisesRegex(TypeError, r"\['extra'\]\['scale'\]"):
+      self._stats(params=params)
+
+  def test_bad_combine_weights(self):
+    with self.assertRaisesRegex(ValueError, r"weights must have shape"):
+      _taps.combine(fisher_testing.mlp_apply, self.params, self.x, self.cot,
+                    jnp.ones((2, S * B + 1)))
+
+
+if __name__ == "__main__":
+  absltest.main()

@@ -1,0 +1,66 @@
+# Copyright 2026 The fisher_optax Authors. Licensed under the Apache License 2.0.
+"""Layer statistics on 8 CPU devices (run by fisher_taps_multidevice_test)."""
+
+from absl.testing import absltest
+import chex
+import jax
+import jax.numpy as jnp
+from jax.sharding import AxisType
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from fisher_optax.fisher import _taps
+
+
+def _apply(p, x):
+  h = jnp.tanh(x @ p["w1"] + p["b1"])  # x: (B, T, 3), weight sharing
+  return h.mean(1) @ p["w2"]
+
+
+def _setup():
+  k = jax.random.split(jax.random.key(0), 5)
+  params = {"w1": jax.random.normal(k[0], (3, 5)),
+            "b1": jax.random.normal(k[1], (5,)),
+            "w2": jax.random.normal(k[2], (5, 2))}
+  x = jax.random.normal(k[3], (16, 4, 3))
+  cot = jax.random.normal(k[4], (2, 16, 2))
+  return params, x, cot
+
+
+def _stats(p, x, c):
+  return {s: _taps.layer_statistics(_apply, p, x, c, structure=s)[0]
+          for s in ("diag", "kron")}
+
+
+class TapsShardedTest(absltest.TestCase):
+
+  def test_device_count(self):
+    self.assertEqual(jax.device_count(), 8)
+
+  def test_shard_map_sums_match_one_device(self):
+    """Replicated params: taps must vary per device or examples mix."""
+    params, x, cot = _setup()
+    ref = jax.jit(_stats)(params, x, cot)
+    mesh = jax.make_mesh((8,), ("d",), axis_types=(AxisType.Explicit,))
+    local = jax.shard_map(
+        lambda p, x, c: jax.lax.psum(_stats(p, x, c), "d"), mesh=mesh,
+        in_specs=(P(), P("d"), P(None, "d")), out_specs=P())
+    with jax.set_mesh(mesh):
+      out = jax.jit(local)(params, jax.device_put(x, P("d")),
+                           jax.device_put(cot, P(None, "d")))
+    chex.assert_trees_all_close(out, ref, rtol=1e-5, atol=1e-6)
+
+  def test_sharded_jit_matches_one_device(self):
+    params, x, cot = _setup()
+    ref = jax.jit(_stats)(params, x, cot)
+    for axis_type in (AxisType.Auto, AxisType.Explicit):
+      mesh = jax.make_mesh((8,), ("d",), axis_types=(axis_type,))
+      xs = jax.device_put(x, NamedSharding(mesh, P("d")))
+      cs = jax.device_put(cot, NamedSharding(mesh, P(None, "d")))
+      with jax.set_mesh(mesh):
+        out = jax.jit(_stats)(params, xs, cs)
+      chex.assert_trees_all_close(out, ref, rtol=1e-5, atol=1e-6)
+
+
+if __name__ == "__main__":
+  absltest.main()
