@@ -358,15 +358,27 @@ def consolidate(
   like = (anchor.diagonal.precision if anchor.diagonal is not None
           else jax.tree.map(lambda v: v[0], anchor.low_rank.vectors))
   _check_params(params, like, "params")
-  diag = anchor.diagonal
+  diag = None if diagonal is None else _diag_of(diagonal)
+  low = None if low_rank is None else tuple(_low_rank_of(low_rank))
   if diag is not None:
-    diag = _merge_diagonal(diag, params, _diag_of(diagonal), decay, mode)
-  low = anchor.low_rank
-  if low is not None:
-    eigvals, eigvecs = _low_rank_of(low_rank)
-    low = _merge_low_rank(low, params, eigvals, eigvecs, decay, mode,
-                          low_rank_update)
-  return EWCAnchor(diagonal=diag, low_rank=low)
+    _check_params(diag, anchor.diagonal.precision, "diagonal Fisher")
+  return _consolidate(anchor, params, diag, low, decay, mode=mode,
+                      low_rank_update=low_rank_update)
+
+
+@jax.jit(static_argnames=("mode", "low_rank_update"))
+def _consolidate(anchor: EWCAnchor, params: PyTree, diag: PyTree | None,
+                 low: tuple[jax.Array, PyTree] | None, decay: Any, *,
+                 mode: str, low_rank_update: str) -> EWCAnchor:
+  # Compiled once per shape: eager dispatch of the merge is slow on CPU.
+  new_diag = anchor.diagonal
+  if new_diag is not None:
+    new_diag = _merge_diagonal(new_diag, params, diag, decay, mode)
+  new_low = anchor.low_rank
+  if new_low is not None:
+    new_low = _merge_low_rank(new_low, params, low[0], low[1], decay, mode,
+                              low_rank_update)
+  return EWCAnchor(diagonal=new_diag, low_rank=new_low)
 
 
 # -- the penalty -------------------------------------------------------------

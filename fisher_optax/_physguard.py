@@ -181,6 +181,14 @@ def protected_subspace(
   _validation.check_leading_axis(
       per_example_grads, jax.tree.map(lambda b: b[0], existing.bases),
       what="per_example_grads")
+  return _extend(per_example_grads, existing, tau)
+
+
+@jax.jit
+def _extend(per_example_grads: PyTree, existing: ProtectedSubspace,
+            tau: Any) -> ProtectedSubspace:
+  # One compiled program for all leaves (eager op-by-op dispatch of the
+  # eigensolver is far slower on CPU).
   g_leaves, treedef = jax.tree.flatten(per_example_grads)
   out = [_leaf_subspace(g, b, r, tau) for g, b, r in zip(
       g_leaves, treedef.flatten_up_to(existing.bases),
