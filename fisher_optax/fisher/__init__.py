@@ -25,6 +25,11 @@ of float32 *means* with ``count``, ``kind`` and the mean loss gradient
 ``mean_grad`` from the same pass, with ``matvec``, ``quadratic_form`` and
 ``solve(v, damping)``.
 
+**Transforms.** :func:`estimate_fisher_diag` and
+:func:`estimate_fisher_low_rank` keep a statistic in the optimizer state,
+refreshed every ``interval`` steps from a ``per_example_grads=`` or
+``batch=`` extra argument, so it can feed other transforms in a chain.
+
 **Paths.** ``method="auto"`` uses layer statistics (zero taps on dense and
 embedding pre-activations) where they apply and the generic per-example path
 (:func:`per_example_grads`-style ``vmap`` of VJPs, chunked by
@@ -67,11 +72,19 @@ from fisher_optax.fisher._rank_one_sum import sum_of_rank_one
 from fisher_optax.fisher._statistics import DiagonalFisher
 from fisher_optax.fisher._statistics import KroneckerFisher
 from fisher_optax.fisher._statistics import LowRankFisher
+from fisher_optax.fisher._transforms import estimate_fisher_diag
+from fisher_optax.fisher._transforms import estimate_fisher_low_rank
+from fisher_optax.fisher._transforms import EstimateFisherDiagState
+from fisher_optax.fisher._transforms import EstimateFisherLowRankState
+from fisher_optax.fisher._transforms import get_fisher_diag
+from fisher_optax.fisher._transforms import get_fisher_low_rank
 
 __all__ = [
     "Bernoulli",
     "Categorical",
     "DiagonalFisher",
+    "EstimateFisherDiagState",
+    "EstimateFisherLowRankState",
     "Gaussian",
     "HeteroscedasticGaussian",
     "KINDS",
@@ -81,6 +94,10 @@ __all__ = [
     "LowRankFisher",
     "diagonal",
     "diagonal_from_grads",
+    "estimate_fisher_diag",
+    "estimate_fisher_low_rank",
+    "get_fisher_diag",
+    "get_fisher_low_rank",
     "kronecker",
     "low_rank",
     "low_rank_from_grads",

@@ -373,7 +373,7 @@ def low_rank(
     >>> import jax, jax.numpy as jnp
     >>> from fisher_optax import fisher
     >>> params = {"w": jnp.ones((3, 2))}
-    >>> x, y = jnp.eye(3)[[0, 1, 2, 0]], jnp.array([0, 1, 1, 0])
+    >>> x, y = jnp.eye(3)[jnp.array([0, 1, 2, 0])], jnp.array([0, 1, 1, 0])
     >>> stat = fisher.low_rank(lambda p, x: x @ p["w"], params, (x, y),
     ...                        likelihood=fisher.Categorical(),
     ...                        kind="empirical", rank=2)
@@ -483,7 +483,7 @@ def rank_one(
 
     >>> import jax.numpy as jnp
     >>> from fisher_optax import fisher
-    >>> x, y = jnp.eye(3)[[0, 1, 2, 0]], jnp.array([0, 1, 1, 0])
+    >>> x, y = jnp.eye(3)[jnp.array([0, 1, 2, 0])], jnp.array([0, 1, 1, 0])
     >>> stat = fisher.rank_one(lambda p, x: x @ p, jnp.ones((3, 2)), (x, y),
     ...                        likelihood=fisher.Categorical(),
     ...                        kind="empirical", scale="optimal")
@@ -653,7 +653,7 @@ def kronecker(
 
     >>> import jax.numpy as jnp
     >>> from fisher_optax import fisher
-    >>> x, y = jnp.eye(3)[[0, 1, 2, 0]], jnp.array([0, 1, 1, 0])
+    >>> x, y = jnp.eye(3)[jnp.array([0, 1, 2, 0])], jnp.array([0, 1, 1, 0])
     >>> stat = fisher.kronecker(lambda p, x: x @ p, jnp.ones((3, 2)), (x, y),
     ...                         likelihood=fisher.Categorical(),
     ...                         kind="exact", estimator="shampoo")

@@ -31,7 +31,7 @@ def _register(cls, data, meta):
       meta_fields=meta)
 
 
-def _all_finite(tree: PyTree) -> jax.Array:
+def all_finite(tree: PyTree) -> jax.Array:
   leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]
   return jnp.all(jnp.stack(leaves)) if leaves else jnp.asarray(True)
 
@@ -73,7 +73,7 @@ class DiagonalFisher:
 
   def is_finite(self) -> jax.Array:
     """Whether every entry is finite (non-finite inputs propagate here)."""
-    return _all_finite(self.diag)
+    return all_finite(self.diag)
 
 
 DiagonalFisher = _register(DiagonalFisher, ["diag", "mean_grad", "count"],
@@ -127,8 +127,8 @@ class LowRankFisher:
                         v, corr)
 
   def is_finite(self) -> jax.Array:
-    return jnp.logical_and(_all_finite(self.eigvals),
-                           _all_finite(self.eigvecs))
+    return jnp.logical_and(all_finite(self.eigvals),
+                           all_finite(self.eigvecs))
 
 
 LowRankFisher = _register(
@@ -215,7 +215,7 @@ class KroneckerFisher:
     return jax.tree.map(lambda d, p: d.reshape(jnp.shape(p)), mats, like)
 
   def is_finite(self) -> jax.Array:
-    return jnp.logical_and(_all_finite(self.left), _all_finite(self.right))
+    return jnp.logical_and(all_finite(self.left), all_finite(self.right))
 
 
 KroneckerFisher = _register(

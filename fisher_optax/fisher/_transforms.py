@@ -1,0 +1,374 @@
+# Copyright 2026 The fisher_optax Authors. Licensed under the Apache License 2.0.
+"""Fisher estimators as optax transforms (Sophia's estimator pattern).
+
+Each transform passes ``updates`` through unchanged and keeps a Fisher
+statistic in its state, refreshed every ``interval`` steps under
+``lax.cond`` from one of two extra arguments:
+
+- ``per_example_grads=``: the per-example gradients (``updates``' tree with a
+  leading batch axis), for the kinds that need no model (``empirical``,
+  ``batch_squared``);
+- ``batch=(inputs, targets)``: the estimator runs the model itself through
+  the ``apply_fn`` and ``likelihood`` given at construction (any kind).
+
+A later transform in the same chain, or the training loop, reads the
+statistic with :func:`get_fisher_diag` / :func:`get_fisher_low_rank`.
+A refresh whose statistic is not finite is skipped (the previous statistic
+is kept) and counted in ``num_nonfinite``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from fisher_optax import _validation
+from fisher_optax.fisher import _estimators
+from fisher_optax.fisher import _likelihoods
+from fisher_optax.fisher import _statistics
+
+PyTree = Any
+
+
+def _make_key(key: jax.Array | int | None) -> jax.Array:
+  """Raw uint32 key data: plain arrays for chex, orbax and tree utilities."""
+  if key is None:
+    key = 0
+  if isinstance(key, int):
+    key = jax.random.key(key)
+  if jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
+    key = jax.random.key_data(key)
+  return key
+
+
+def _split(raw: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """``(next state key data, key to use now)``."""
+  nxt, now = jax.random.split(jax.random.wrap_key_data(raw))
+  return jax.random.key_data(nxt), now
+
+
+def _check_common(apply_fn, likelihood, kind, interval, decay, num_samples):
+  if likelihood is not None:
+    likelihood = _likelihoods.as_likelihood(likelihood)
+    _likelihoods.check_kind(likelihood, kind)
+  else:
+    _validation.check_choice("kind", kind, _likelihoods.KINDS)
+  if (apply_fn is None) != (likelihood is None):
+    raise ValueError("apply_fn and likelihood go together: give both (to "
+                     "estimate from batch=) or neither (per_example_grads=).")
+  _validation.check_static_int("num_samples", num_samples, minimum=1)
+  if isinstance(interval, (int, float)) and not isinstance(interval, bool):
+    if interval < 1:
+      raise ValueError(f"interval must be >= 1, got {interval}.")
+  _validation.check_in_unit_interval("decay", decay)
+  return likelihood
+
+
+def _blend(old, new, decay, first):
+  """EMA with ``decay``; the first refresh replaces (no zero-init bias)."""
+  d = jnp.where(first, 0.0, jnp.asarray(decay, jnp.float32))
+  return jax.tree.map(lambda o, n: (d * o + (1 - d) * n).astype(o.dtype),
+                      old, new)
+
+
+def _refresh(state_count, interval, compute, keep, finite_of):
+  """Runs ``compute`` every ``interval`` steps; skips non-finite results."""
+
+  def do():
+    new = compute()
+    ok = finite_of(new)
+    return jax.lax.cond(ok, lambda: (new, jnp.zeros((), jnp.int32)),
+                        lambda: (keep(), jnp.ones((), jnp.int32)))
+
+  return jax.lax.cond(state_count % interval == 0, do,
+                      lambda: (keep(), jnp.zeros((), jnp.int32)))
+
+
+def _missing_params(name):
+  raise ValueError(f"{name} with batch= needs params: call "
+                   "update(updates, state, params, batch=...).")
+
+
+# -- diagonal -----------------------------------------------------------------
+
+
+class EstimateFisherDiagState(NamedTuple):
+  """State of :func:`estimate_fisher_diag`.
+
+  Attributes:
+    count: int32 number of ``update`` calls.
+    diag: params-shaped float32 diagonal Fisher (zeros before the first
+      refresh).
+    num_refreshes: int32 accepted refreshes.
+    num_nonfinite: int32 refreshes skipped because the estimate was not
+      finite.
+    key: raw PRNG key data (uint32) for ``kind="mc"``, split every step.
+  """
+
+  count: jax.Array
+  diag: PyTree
+  num_refreshes: jax.Array
+  num_nonfinite: jax.Array
+  key: jax.Array
+
+
+def estimate_fisher_diag(
+    apply_fn: Callable[[PyTree, PyTree], jax.Array] | None = None,
+    likelihood: Any = None,
+    *,
+    kind: str = "empirical",
+    interval: int = 1,
+    decay: float = 0.0,
+    num_samples: int = 1,
+    key: jax.Array | int | None = None,
+    method: str = "auto",
+    chunk_size: int | None = None,
+    axis_name: str | None = None,
+) -> optax.GradientTransformationExtraArgs:
+  """Keeps a diagonal Fisher in the optimizer state; updates pass through.
+
+  Every ``interval`` steps (``count % interval == 0``)
+
+  .. math::
+
+    D \\leftarrow \\beta D + (1 - \\beta) \\hat D, \\qquad
+    \\hat D = \\operatorname{diag} \\hat F,
+
+  with ``beta = decay`` (the first refresh sets ``D = hat D``) and ``hat F``
+  from :func:`fisher_optax.fisher.diagonal` on ``batch=`` or
+  :func:`fisher_optax.fisher.diagonal_from_grads` on ``per_example_grads=``.
+
+  Args:
+    apply_fn: ``apply_fn(params, inputs)``, needed for ``batch=``.
+    likelihood: the likelihood (or per-example loss), with ``apply_fn``.
+    kind: the Fisher kind; with ``per_example_grads=`` only ``empirical`` or
+      ``batch_squared``.
+    interval: refresh period in steps (``>= 1``).
+    decay: EMA factor in ``[0, 1)``; 0 replaces the statistic.
+    num_samples: MC samples (static int).
+    key: PRNG key or int seed, for ``kind="mc"``.
+    method, chunk_size, axis_name: as in :func:`fisher_optax.fisher.diagonal`.
+
+  Returns:
+    An :class:`optax.GradientTransformationExtraArgs` whose ``update`` takes
+    ``per_example_grads=`` or ``batch=`` and returns ``updates`` unchanged.
+
+  Example::
+
+    >>> import jax, jax.numpy as jnp, optax
+    >>> from fisher_optax import fisher
+    >>> apply_fn = lambda p, x: x @ p
+    >>> tx = optax.chain(
+    ...     fisher.estimate_fisher_diag(apply_fn, fisher.Categorical(),
+    ...                                 kind="exact"),
+    ...     optax.sgd(0.1))
+    >>> params = jnp.zeros((3, 2))
+    >>> state = tx.init(params)
+    >>> x, y = jnp.eye(3), jnp.array([0, 1, 1])
+    >>> g = jnp.ones((3, 2))
+    >>> _, state = tx.update(g, state, params, batch=(x, y))
+    >>> fisher.get_fisher_diag(state).shape
+    (3, 2)
+  """
+  likelihood = _check_common(apply_fn, likelihood, kind, interval, decay,
+                             num_samples)
+
+  def init_fn(params):
+    zeros = jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), jnp.float32),
+                         params)
+    z = jnp.zeros((), jnp.int32)
+    return EstimateFisherDiagState(z, zeros, z, z, _make_key(key))
+
+  def update_fn(updates, state, params=None, *, per_example_grads=None,
+                batch=None, **extra_args):
+    del extra_args
+    key_next, key_now = _split(state.key)
+
+    def compute():
+      if per_example_grads is not None:
+        _validation.check_leading_axis(per_example_grads, updates,
+                                       what="per_example_grads")
+        stat = _estimators.diagonal_from_grads(
+            per_example_grads,
+            kind="batch_squared" if kind == "batch_squared" else "empirical",
+            axis_name=axis_name)
+      elif batch is not None:
+        if apply_fn is None:
+          raise ValueError("batch= needs apply_fn and likelihood at "
+                           "construction; or pass per_example_grads=.")
+        if params is None:
+          _missing_params("estimate_fisher_diag")
+        stat = _estimators.diagonal(
+            apply_fn, params, batch, likelihood=likelihood, kind=kind,
+            num_samples=num_samples, key=key_now, method=method,
+            chunk_size=chunk_size, axis_name=axis_name)
+      else:
+        raise ValueError("estimate_fisher_diag needs the extra argument "
+                         "per_example_grads= or batch=.")
+      return _blend(state.diag, stat.diag, decay, state.num_refreshes == 0)
+
+    if per_example_grads is not None and kind not in ("empirical",
+                                                      "batch_squared"):
+      raise ValueError(
+          f"kind={kind!r} needs the model: pass batch=, not "
+          "per_example_grads= (which only give empirical/batch_squared).")
+    diag, skipped = _refresh(state.count, interval, compute,
+                             lambda: state.diag,
+                             _statistics.all_finite)
+    refreshed = (state.count % interval == 0) & (skipped == 0)
+    new_state = EstimateFisherDiagState(
+        count=optax.safe_increment(state.count),
+        diag=diag,
+        num_refreshes=state.num_refreshes + refreshed.astype(jnp.int32),
+        num_nonfinite=state.num_nonfinite + skipped,
+        key=key_next)
+    return updates, new_state
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+# -- low rank -----------------------------------------------------------------
+
+
+class EstimateFisherLowRankState(NamedTuple):
+  """State of :func:`estimate_fisher_low_rank`.
+
+  Attributes:
+    count: int32 number of ``update`` calls.
+    eigvals: ``(rank,)`` float32, descending.
+    eigvecs: params-shaped float32 tree with a leading ``rank`` axis.
+    num_refreshes: int32 accepted refreshes.
+    num_nonfinite: int32 skipped (non-finite) refreshes.
+    key: raw PRNG key data (uint32) for ``kind="mc"``.
+  """
+
+  count: jax.Array
+  eigvals: jax.Array
+  eigvecs: PyTree
+  num_refreshes: jax.Array
+  num_nonfinite: jax.Array
+  key: jax.Array
+
+
+def estimate_fisher_low_rank(
+    apply_fn: Callable[[PyTree, PyTree], jax.Array] | None = None,
+    likelihood: Any = None,
+    *,
+    rank: int,
+    kind: str = "empirical",
+    interval: int = 1,
+    num_samples: int = 1,
+    key: jax.Array | int | None = None,
+    method: str = "auto",
+    chunk_size: int | None = None,
+) -> optax.GradientTransformationExtraArgs:
+  """Keeps the top-``rank`` Fisher eigenpairs in the state; updates pass.
+
+  Every ``interval`` steps the eigenpairs are replaced by those of
+  :func:`fisher_optax.fisher.low_rank` (``batch=``) or
+  :func:`fisher_optax.fisher.low_rank_from_grads` (``per_example_grads=``,
+  empirical only). There is no averaging across refreshes: eigenvectors of
+  different estimates do not add.
+
+  Args:
+    apply_fn, likelihood, kind, interval, num_samples, key, method,
+      chunk_size: as in :func:`estimate_fisher_diag`.
+    rank: number of eigenpairs (static int ``>= 1``).
+
+  Returns:
+    An :class:`optax.GradientTransformationExtraArgs`; read the statistic
+    with :func:`get_fisher_low_rank`.
+
+  Example::
+
+    >>> import jax.numpy as jnp
+    >>> from fisher_optax import fisher
+    >>> tx = fisher.estimate_fisher_low_rank(rank=2)
+    >>> state = tx.init(jnp.zeros(3))
+    >>> g = jnp.array([[1.0, 0, 0], [0, 2.0, 0]])
+    >>> _, state = tx.update(g.mean(0), state, per_example_grads=g)
+    >>> state.eigvals
+    Array([2. , 0.5], dtype=float32)
+  """
+  rank = _validation.check_static_int("rank", rank, minimum=1)
+  likelihood = _check_common(apply_fn, likelihood, kind, interval, 0.0,
+                             num_samples)
+
+  def init_fn(params):
+    vecs = jax.tree.map(
+        lambda p: jnp.zeros((rank, *jnp.shape(p)), jnp.float32), params)
+    z = jnp.zeros((), jnp.int32)
+    return EstimateFisherLowRankState(z, jnp.zeros((rank,), jnp.float32),
+                                      vecs, z, z, _make_key(key))
+
+  def update_fn(updates, state, params=None, *, per_example_grads=None,
+                batch=None, **extra_args):
+    del extra_args
+    key_next, key_now = _split(state.key)
+    if per_example_grads is not None and kind != "empirical":
+      raise ValueError(f"kind={kind!r} needs batch=; per_example_grads= "
+                       "give the empirical Fisher only.")
+
+    def compute():
+      if per_example_grads is not None:
+        _validation.check_leading_axis(per_example_grads, updates,
+                                       what="per_example_grads")
+        stat = _estimators.low_rank_from_grads(per_example_grads, rank=rank)
+      elif batch is not None:
+        if apply_fn is None:
+          raise ValueError("batch= needs apply_fn and likelihood at "
+                           "construction; or pass per_example_grads=.")
+        if params is None:
+          _missing_params("estimate_fisher_low_rank")
+        stat = _estimators.low_rank(
+            apply_fn, params, batch, likelihood=likelihood, kind=kind,
+            rank=rank, num_samples=num_samples, key=key_now, method=method,
+            chunk_size=chunk_size)
+      else:
+        raise ValueError("estimate_fisher_low_rank needs the extra argument "
+                         "per_example_grads= or batch=.")
+      return (stat.eigvals.astype(jnp.float32),
+              jax.tree.map(lambda v: v.astype(jnp.float32), stat.eigvecs))
+
+    (vals, vecs), skipped = _refresh(
+        state.count, interval, compute, lambda: (state.eigvals, state.eigvecs),
+        _statistics.all_finite)
+    refreshed = (state.count % interval == 0) & (skipped == 0)
+    return updates, EstimateFisherLowRankState(
+        count=optax.safe_increment(state.count), eigvals=vals, eigvecs=vecs,
+        num_refreshes=state.num_refreshes + refreshed.astype(jnp.int32),
+        num_nonfinite=state.num_nonfinite + skipped, key=key_next)
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+# -- reading the statistic from a (chain) state -------------------------------
+
+
+def _find(state: Any, cls: type) -> Any:
+  found = [s for s in jax.tree.leaves(state, is_leaf=lambda s: isinstance(
+      s, cls)) if isinstance(s, cls)]
+  if not found:
+    raise ValueError(f"no {cls.__name__} in this optimizer state.")
+  if len(found) > 1:
+    raise ValueError(f"{len(found)} {cls.__name__}s in this optimizer state; "
+                     "index the chain state to pick one.")
+  return found[0]
+
+
+def get_fisher_diag(state: Any) -> PyTree:
+  """The diagonal Fisher kept by :func:`estimate_fisher_diag` in ``state``.
+
+  ``state`` may be the transform's own state or any state containing exactly
+  one :class:`EstimateFisherDiagState` (a chain, ``inject_hyperparams``).
+  """
+  return _find(state, EstimateFisherDiagState).diag
+
+
+def get_fisher_low_rank(state: Any) -> tuple[jax.Array, PyTree]:
+  """``(eigvals, eigvecs)`` kept by :func:`estimate_fisher_low_rank`."""
+  s = _find(state, EstimateFisherLowRankState)
+  return s.eigvals, s.eigvecs

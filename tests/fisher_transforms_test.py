@@ -1,0 +1,203 @@
+# Copyright 2026 The fisher_optax Authors. Licensed under the Apache License 2.0.
+"""Tests of the estimator transforms (``estimate_fisher_diag`` and friends)."""
+
+from __future__ import annotations
+
+import functools
+
+from absl.testing import absltest
+from absl.testing import parameterized
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from fisher_optax import fisher
+from tests import conformance
+from tests import fisher_testing as ft
+
+
+def _problem(n=6):
+  params = ft.mlp_params(jax.random.key(0))
+  x, y = ft.make_batch(jax.random.key(1), n, "categorical", jnp.float32)
+  return params, x, y
+
+
+def _grads(params, x, y):
+  def loss(p, ex):
+    return fisher.Categorical().nll(ft.mlp_apply(p, ex[0][None])[0], ex[1])
+
+  return fisher.per_example_grads(loss, params, (x, y))
+
+
+class EstimateFisherDiagTest(parameterized.TestCase):
+
+  def test_per_example_grads_extra(self):
+    params, x, y = _problem()
+    g = _grads(params, x, y)
+    updates = jax.tree.map(lambda a: jnp.mean(a, 0), g)
+    tx = fisher.estimate_fisher_diag()
+    state = tx.init(params)
+    out, state = jax.jit(tx.update)(updates, state, params,
+                                    per_example_grads=g, unknown_extra=1.0)
+    chex.assert_trees_all_equal(out, updates)
+    chex.assert_trees_all_close(
+        fisher.get_fisher_diag(state),
+        jax.tree.map(lambda a: jnp.mean(a**2, 0), g), rtol=1e-6)
+    self.assertEqual(int(state.count), 1)
+    self.assertEqual(int(state.num_refreshes), 1)
+
+  def test_batch_extra_in_a_chain(self):
+    params, x, y = _problem()
+    tx = optax.chain(
+        fisher.estimate_fisher_diag(ft.mlp_apply, fisher.Categorical(),
+                                    kind="mc", num_samples=2, key=3),
+        optax.sgd(0.1))
+    state = tx.init(params)
+    step = jax.jit(functools.partial(tx.update))
+    _, state = step(params, state, params, batch=(x, y))
+    _, key = jax.random.split(jax.random.key(3))  # the first step's key
+    ref = fisher.diagonal(ft.mlp_apply, params, (x, y),
+                          likelihood=fisher.Categorical(), kind="mc",
+                          num_samples=2, key=key)
+    chex.assert_trees_all_close(fisher.get_fisher_diag(state), ref.diag,
+                                rtol=1e-5, atol=1e-7)
+
+  def test_interval_and_decay(self):
+    params, x, y = _problem()
+    g1 = _grads(params, x, y)
+    g2 = jax.tree.map(lambda a: 2 * a, g1)
+    tx = fisher.estimate_fisher_diag(interval=2, decay=0.5)
+    state = tx.init(params)
+    upd = jax.tree.map(lambda a: a[0], g1)
+    step = jax.jit(tx.update)
+    _, state = step(upd, state, per_example_grads=g1)  # count 0: refresh
+    d1 = fisher.get_fisher_diag(state)
+    _, state = step(upd, state, per_example_grads=g2)  # count 1: keep
+    chex.assert_trees_all_close(fisher.get_fisher_diag(state), d1)
+    _, state = step(upd, state, per_example_grads=g2)  # count 2: EMA
+    chex.assert_trees_all_close(fisher.get_fisher_diag(state),
+                                jax.tree.map(lambda d: 2.5 * d, d1),
+                                rtol=1e-6)
+    self.assertEqual(int(state.num_refreshes), 2)
+
+  def test_non_finite_refresh_is_skipped_and_counted(self):
+    params, x, y = _problem()
+    g = _grads(params, x, y)
+    tx = fisher.estimate_fisher_diag()
+    state = tx.init(params)
+    upd = jax.tree.map(lambda a: a[0], g)
+    _, state = tx.update(upd, state, per_example_grads=g)
+    bad = jax.tree.map(lambda a: a.at[0].set(jnp.nan), g)
+    _, state2 = tx.update(upd, state, per_example_grads=bad)
+    chex.assert_trees_all_equal(fisher.get_fisher_diag(state2),
+                                fisher.get_fisher_diag(state))
+    self.assertEqual(int(state2.num_nonfinite), 1)
+    self.assertEqual(int(state2.num_refreshes), 1)
+
+  def test_init_abstract_and_map_params_and_inject(self):
+    params, x, y = _problem()
+    tx = fisher.estimate_fisher_diag(ft.mlp_apply, fisher.Categorical(),
+                                     kind="exact")
+    abstract = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype),
+                            params)
+    shapes = jax.eval_shape(tx.init, abstract)
+    chex.assert_trees_all_equal_shapes_and_dtypes(
+        shapes, jax.eval_shape(tx.init, params))
+    state = tx.init(params)
+    mapped = optax.tree.map_params(tx.init, lambda p: p * 0, state)
+    self.assertEqual(jax.tree.structure(mapped), jax.tree.structure(state))
+    inj = optax.inject_hyperparams(fisher.estimate_fisher_diag,
+                                   static_args=("apply_fn", "likelihood",
+                                                "kind", "num_samples"))(
+        apply_fn=ft.mlp_apply, likelihood=fisher.Categorical(), kind="exact",
+        decay=0.3)
+    istate = inj.init(params)
+    _, istate = jax.jit(inj.update)(params, istate, params, batch=(x, y))
+    _, state = jax.jit(tx.update)(params, state, params, batch=(x, y))
+    chex.assert_trees_all_close(fisher.get_fisher_diag(istate),
+                                fisher.get_fisher_diag(state), rtol=1e-6)
+
+  def test_bad_inputs(self):
+    params, x, y = _problem()
+    g = _grads(params, x, y)
+    upd = jax.tree.map(lambda a: a[0], g)
+    tx = fisher.estimate_fisher_diag()
+    state = tx.init(params)
+    with self.assertRaisesRegex(ValueError, "per_example_grads= or batch="):
+      tx.update(upd, state)
+    with self.assertRaisesRegex(ValueError, "per_example_grads"):
+      tx.update(upd, state, per_example_grads={"dense_0": g["dense_0"]})
+    with self.assertRaisesRegex(ValueError, "apply_fn"):
+      tx.update(upd, state, batch=(x, y))
+    with self.assertRaisesRegex(ValueError, "needs params"):
+      fisher.estimate_fisher_diag(ft.mlp_apply, fisher.Categorical()).update(
+          upd, state, batch=(x, y))
+    with self.assertRaisesRegex(ValueError, "needs the model"):
+      fisher.estimate_fisher_diag(kind="exact").update(
+          upd, state, per_example_grads=g)
+    with self.assertRaisesRegex(ValueError, "go together"):
+      fisher.estimate_fisher_diag(ft.mlp_apply)
+    with self.assertRaisesRegex(ValueError, "interval"):
+      fisher.estimate_fisher_diag(interval=0)
+    with self.assertRaisesRegex(ValueError, "decay"):
+      fisher.estimate_fisher_diag(decay=1.5)
+    with self.assertRaisesRegex(ValueError, "probabilistic"):
+      fisher.estimate_fisher_diag(ft.mlp_apply, lambda o, t: 0.0,
+                                  kind="exact")
+
+
+class EstimateFisherLowRankTest(absltest.TestCase):
+
+  def test_matches_low_rank_from_grads(self):
+    params, x, y = _problem()
+    g = _grads(params, x, y)
+    tx = fisher.estimate_fisher_low_rank(rank=3)
+    state = tx.init(params)
+    upd = jax.tree.map(lambda a: jnp.mean(a, 0), g)
+    _, state = jax.jit(tx.update)(upd, state, per_example_grads=g)
+    ref = fisher.low_rank_from_grads(g, rank=3)
+    vals, vecs = fisher.get_fisher_low_rank(state)
+    np.testing.assert_allclose(vals, ref.eigvals, rtol=1e-5)
+    chex.assert_trees_all_close(vecs, ref.eigvecs, atol=1e-5)
+    with self.assertRaisesRegex(TypeError, "rank"):
+      fisher.estimate_fisher_low_rank(rank=2.0)
+
+  def test_batch_extra(self):
+    params, x, y = _problem()
+    tx = fisher.estimate_fisher_low_rank(ft.mlp_apply, fisher.Categorical(),
+                                         rank=2, kind="exact")
+    state = tx.init(params)
+    _, state = jax.jit(tx.update)(params, state, params, batch=(x, y))
+    ref = fisher.low_rank(ft.mlp_apply, params, (x, y),
+                          likelihood=fisher.Categorical(), kind="exact",
+                          rank=2)
+    np.testing.assert_allclose(state.eigvals, ref.eigvals, rtol=1e-5)
+
+
+def _sgd_with_fisher(learning_rate, decay=0.0):
+  """A chain whose only job is to carry the estimator through the suite."""
+  return optax.chain(fisher.estimate_fisher_diag(decay=decay),
+                     optax.sgd(learning_rate))
+
+
+class EstimatorInChainConformanceTest(conformance.OptimizerConformance,
+                                      parameterized.TestCase):
+  FACTORY = staticmethod(_sgd_with_fisher)
+  KWARGS = {"learning_rate": 1e-2}
+  INJECTABLE = ("learning_rate", "decay")
+  CONVERGENCE_STEPS = {"parabola": 1000, "matrix_parabola": 1000,
+                       "mixed_tensors": 1000}
+  TARGET_KWARGS = {"parabola": {"learning_rate": 0.1},
+                   "matrix_parabola": {"learning_rate": 0.1},
+                   "mixed_tensors": {"learning_rate": 0.1}}
+
+  def extra_args(self, params, obj_fn):
+    # A batch of one example: the full gradient.
+    return {"per_example_grads": jax.tree.map(lambda g: g[None],
+                                              jax.grad(obj_fn)(params))}
+
+
+if __name__ == "__main__":
+  absltest.main()
