@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fisher_optax import _validation
+from fisher_optax import fisher as fisher_engine
 
 PyTree = Any
 MaskOrFn = PyTree | Callable[[PyTree], PyTree] | None
@@ -42,10 +43,7 @@ def _leaf_names(tree: PyTree) -> list[str]:
 
 def _unwrap_fisher(fisher: Any) -> PyTree:
   """Accepts a params-shaped tree or an engine ``DiagonalFisher``."""
-  from fisher_optax import fisher as fisher_engine  # pylint: disable=g-import-not-at-top
-
-  diag_cls = getattr(fisher_engine, "DiagonalFisher", None)
-  if diag_cls is not None and isinstance(fisher, diag_cls):
+  if isinstance(fisher, fisher_engine.DiagonalFisher):
     return fisher.diag
   return fisher
 
@@ -279,7 +277,9 @@ def fisher_merge_accumulator(
   _validation.check_choice("floor_mode", floor_mode, _FLOOR_MODES)
   _validation.check_positive("fisher_floor", fisher_floor, allow_zero=True)
   if not isinstance(normalize, bool):
-    raise TypeError(f"normalize must be a bool, got {type(normalize).__name__}.")
+    raise TypeError(
+        f"normalize must be a bool, got {type(normalize).__name__}."
+    )
 
   def _coeffs(params, fisher, weight, is_target):
     fisher = _unwrap_fisher(fisher)

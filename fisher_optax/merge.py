@@ -42,7 +42,10 @@ no arguments. It must return either
   is called first, so dropout is off.
 * a function ``apply_fn(params, inputs) -> outputs`` (e.g.
   ``lambda p, x: linen_module.apply({"params": p}, x)``), differentiated
-  with respect to every floating leaf of the checkpoint.
+  with respect to every floating leaf of the checkpoint;
+* or a pair ``(apply_fn, params)``, as :func:`fisher_optax.models.functional`
+  returns (``--model fisher_optax.models:digits_mlp``); the checkpoint must
+  have the leaves and shapes of ``params``.
 
 The inputs are ``--inputs-key`` (default ``x``) of the ``.npz`` file, the
 targets ``--targets-key`` (default ``y``; needed by ``--kind empirical``
@@ -402,11 +405,28 @@ def compute_fisher(
     if rest_loaded:
       nnx.replace_by_pure_dict(rest, _unflatten(rest_loaded))
     params = param_state
-    apply_fn = lambda p, inputs: nnx.merge(graphdef, p, rest)(inputs)  # pylint: disable=unnecessary-lambda-assignment
+
+    def apply_fn(p, inputs):
+      return nnx.merge(graphdef, p, rest)(inputs)
 
     def to_flat(diag):
       return _flat(nnx.to_pure_dict(diag))
   else:
+    if (isinstance(built, tuple) and len(built) == 2
+        and callable(built[0])):  # (apply_fn, params template)
+      template = _flat(built[1])
+      _check_leaves(template, flat_tree, ref_name=f"{model}'s params",
+                    name=params_path)
+      for k, ref in template.items():
+        if np.shape(flat_tree[k]) != np.shape(ref):
+          raise MergeInputError(
+              f"{params_path} leaf {k!r} has shape {np.shape(flat_tree[k])} "
+              f"but the model's has shape {np.shape(ref)}.")
+      built = built[0]
+    if not callable(built):
+      raise TypeError(
+          f"{model}() returned a {type(built).__name__}; expected an "
+          "nnx.Module, an apply_fn(params, inputs) or (apply_fn, params).")
     keys = [k for k, v in flat_tree.items() if _is_float(v)]
     leaves, treedef = jax.tree.flatten(tree)
     is_float = [_is_float(v) for v in leaves]

@@ -47,6 +47,12 @@ def make_apply_fn():
   return lambda p, x: jnp.tanh(x @ p["w"]) @ p["v"]
 
 
+def make_apply_fn_and_template():
+  """A ``(apply_fn, params)`` factory, as ``fisher_optax.models`` returns."""
+  return make_apply_fn(), {"w": np.zeros((4, 5), np.float32),
+                           "v": np.zeros((5, 3), np.float32)}
+
+
 def _params(seed):
   # The tree of nnx.to_pure_dict(nnx.state(_MLP(...))), built in numpy.
   rng = np.random.default_rng(seed)
@@ -343,6 +349,13 @@ class FisherCommandTest(absltest.TestCase):
     chex.assert_trees_all_close({"w": got["w"], "v": got["v"]},
                                 expected.diag, rtol=1e-5)
     np.testing.assert_array_equal(got["step"], np.zeros((), np.float32))
+    # The (apply_fn, params) form checks the checkpoint against the template.
+    code, err = _run(["fisher", "--model",
+                      f"{__name__}:make_apply_fn_and_template",
+                      "--params", ckpt, "--data", str(self.data),
+                      "--output", str(self.dir / "f2.msgpack")])
+    self.assertEqual(code, 1)
+    self.assertIn("has leaf 'step'", err)
 
   def test_fisher_errors(self):
     ckpt = _save(self.dir / "m.msgpack", {"hidden": {"kernel": np.ones(2)}})
