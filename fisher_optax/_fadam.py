@@ -52,9 +52,9 @@ def _debiased_b2(b2: Any, count: jax.Array) -> jax.Array:
 
 
 def _mean_square(x: jax.Array) -> jax.Array:
-  # A dot reads x directly; XLA:CPU materialises x**2 before a reduction.
-  flat = jnp.ravel(x)
-  return jnp.vdot(flat, flat) / flat.size
+  # A reduction, not a dot: a dot over sharded axes needs an explicit
+  # out_sharding under explicit-sharding meshes.
+  return jnp.mean(jnp.square(x))
 
 
 def scale_by_fadam(

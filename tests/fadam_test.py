@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from absl.testing import absltest
 from absl.testing import parameterized
 import chex
