@@ -44,6 +44,32 @@ class _Pass(NamedTuple):
   size: int  # local B
 
 
+def _explicit_axes() -> tuple[str, ...]:
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    return ()
+  return tuple(n for n, t in zip(mesh.axis_names, mesh.axis_types)
+               if t == jax.sharding.AxisType.Explicit)
+
+
+def _under_explicit_mesh(axis_name: str | None) -> bool:
+  return axis_name is None and bool(_explicit_axes())
+
+
+def _in_auto_axes(fn: Callable[..., Any], apply_fn: ApplyFn, params: PyTree,
+                  batch: Any, key: jax.Array | None, **kwargs) -> Any:
+  """Runs ``fn`` with the mesh's Explicit axes switched to Auto.
+
+  Batch contractions (sums over a sharded batch axis, Gram matrices) are
+  ambiguous for Explicit sharding; under Auto, XLA picks the all-reduces and
+  the replicated statistic comes back.
+  """
+  inner = lambda p, b, k: fn(apply_fn, p, b, key=k, **kwargs)
+  replicated = jax.sharding.PartitionSpec()
+  return jax.sharding.auto_axes(inner, out_sharding=replicated)(params, batch,
+                                                                key)
+
+
 def _psum(x: PyTree, axis_name: str | None) -> PyTree:
   if axis_name is None:
     return x
@@ -243,6 +269,11 @@ def diagonal(
     Kunstner et al, `Limitations of the empirical Fisher approximation for
     natural gradient descent <https://arxiv.org/abs/1905.12558>`_, 2019
   """
+  if _under_explicit_mesh(axis_name):
+    return _in_auto_axes(
+        diagonal, apply_fn, params, batch, key, likelihood=likelihood,
+        kind=kind, num_samples=num_samples, method=method,
+        chunk_size=chunk_size)
   ps, _ = _forward(apply_fn, params, batch, likelihood=likelihood, kind=kind,
                    num_samples=num_samples, key=key, method=method,
                    chunk_size=chunk_size, axis_name=axis_name)
@@ -284,6 +315,22 @@ def _stacked_pseudo_grads(apply_fn: ApplyFn, params: PyTree, inputs: PyTree,
                               (inputs, _batch_major(cot)), size, chunk_size)
   return jax.tree.map(
       lambda a: _f32(jnp.moveaxis(a, 1, 0).reshape(-1, *a.shape[2:])), g)
+
+
+def _gather_rows(stacked: PyTree, axis_name: str) -> PyTree:
+  """All devices' rows, device-invariant: each device writes its block into
+  zeros and a psum assembles them (an all_gather result would stay
+  "varying" for shard_map's replication check)."""
+  n_dev = jax.lax.axis_size(axis_name)
+  idx = jax.lax.axis_index(axis_name)
+
+  def leaf(a):
+    full = jnp.zeros((n_dev * a.shape[0], *a.shape[1:]), a.dtype)
+    start = (idx * a.shape[0],) + (0,) * (a.ndim - 1)
+    return jax.lax.psum(jax.lax.dynamic_update_slice(full, a, start),
+                        axis_name)
+
+  return jax.tree.map(leaf, stacked)
 
 
 def _top_k(gram: jax.Array, rank: int, count: jax.Array
@@ -364,9 +411,12 @@ def low_rank(
     them when ``per_leaf``.
 
   .. note::
-    Under ``axis_name`` the pseudo-gradients are all-gathered (``S*B x P``
-    over all devices) to form the global Gram matrix. Prefer ``jit`` with a
-    batch-sharded input (XLA then all-reduces only ``M x M``-sized blocks).
+    Under ``axis_name`` every device's pseudo-gradients are gathered (``S*B
+    x P`` over all devices) to form the global Gram matrix exactly; the same
+    holds for ``jit`` with a batch-sharded input, where XLA chooses the
+    collectives. Under an Explicit mesh the estimators run with the axes
+    switched to Auto (:func:`jax.sharding.auto_axes`) and return replicated
+    statistics.
 
   Example::
 
@@ -381,6 +431,11 @@ def low_rank(
     ((2,), (2, 3, 2))
   """
   rank = _validation.check_static_int("rank", rank, minimum=1)
+  if _under_explicit_mesh(axis_name):
+    return _in_auto_axes(
+        low_rank, apply_fn, params, batch, key, likelihood=likelihood,
+        kind=kind, num_samples=num_samples, method=method,
+        chunk_size=chunk_size, rank=rank, per_leaf=per_leaf)
   ps, _ = _forward(apply_fn, params, batch, likelihood=likelihood, kind=kind,
                    num_samples=num_samples, key=key, method=method,
                    chunk_size=chunk_size, axis_name=axis_name)
@@ -394,7 +449,7 @@ def low_rank(
     stacked = _stacked_pseudo_grads(apply_fn, ps.params, ps.inputs,
                                     ps.cotangents, ps.size, chunk_size)
     if axis_name is not None:
-      stacked = jax.lax.all_gather(stacked, axis_name, tiled=True)
+      stacked = _gather_rows(stacked, axis_name)
   if per_leaf:
     mean = (ps.mean_grad if ps.mean_grad is not None
             else jax.tree.map(lambda _: None, stacked))
@@ -492,6 +547,11 @@ def rank_one(
   """
   _validation.check_choice("direction", direction, ("mean", "top_eig"))
   _validation.check_choice("scale", scale, ("none", "optimal"))
+  if _under_explicit_mesh(axis_name):
+    return _in_auto_axes(
+        rank_one, apply_fn, params, batch, key, likelihood=likelihood,
+        kind=kind, num_samples=num_samples, method=method,
+        chunk_size=chunk_size, direction=direction, scale=scale)
   if direction == "top_eig":
     return low_rank(apply_fn, params, batch, likelihood=likelihood, kind=kind,
                     rank=1, num_samples=num_samples, key=key, method=method,
@@ -669,6 +729,11 @@ def kronecker(
   _validation.check_choice("estimator", estimator,
                            ("auto", "kfac", "shampoo"))
   num_iters = _validation.check_static_int("num_iters", num_iters)
+  if _under_explicit_mesh(axis_name):
+    return _in_auto_axes(
+        kronecker, apply_fn, params, batch, key, likelihood=likelihood,
+        kind=kind, num_samples=num_samples, method=method,
+        chunk_size=chunk_size, estimator=estimator, num_iters=num_iters)
   if estimator == "kfac" and method == "per_example":
     raise ValueError("estimator='kfac' needs layer statistics (method='auto' "
                      "or 'taps'); method='per_example' supports "
