@@ -1,0 +1,557 @@
+# Copyright 2026 The fisher_optax Authors. Licensed under the Apache License 2.0.
+"""Tests for FISMO (fisher_optax._fismo); spec fismo.md §7."""
+
+from __future__ import annotations
+
+import functools
+
+from absl.testing import absltest
+from absl.testing import parameterized
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import fisher_optax
+from fisher_optax import _linalg
+from tests import conformance
+
+DN = fisher_optax.FismoDimensionNumbers
+EXACT_NS = ((2.0, -1.5, 0.5), 24)  # convergent quintic: the exact polar.
+
+# -- a float64 NumPy re-implementation of Algorithm 1 (spec §1) ---------------
+
+
+def _np_inv_sqrt(a):
+  w, v = np.linalg.eigh(0.5 * (a + a.T))
+  return (v * w ** -0.5) @ v.T
+
+
+def _np_ns(x, coeffs, steps, eps=1e-8):
+  tr = x.shape[0] > x.shape[1]
+  x = x.T if tr else x
+  x = x / (np.linalg.norm(x) + eps)
+  for _ in range(steps):
+    a = x @ x.T
+    x = coeffs[0] * x + (coeffs[1] * a + coeffs[2] * a @ a) @ x
+  return x.T if tr else x
+
+
+def numpy_fismo(grads, *, beta, gamma, damping, factor_norm, coeffs, steps):
+  """Algorithm 1, refreshing roots every step; returns updates, P, Q."""
+  m, n = grads[0].shape
+  p, q, mom = np.eye(m), np.eye(n), np.zeros((m, n))
+  out = []
+  for t, g in enumerate(grads, start=1):
+    def ema(old, s, d):
+      if factor_norm == "paper":
+        target = s + damping * np.trace(old) / d * np.eye(d)
+      else:
+        target = (d * s / np.trace(s) + damping * np.eye(d)) / (1 + damping)
+      mixed = gamma * old + (1 - gamma) * target
+      new = d * mixed / np.trace(mixed)
+      return 0.5 * (new + new.T)
+    q_is = _np_inv_sqrt(q)
+    p = ema(p, g @ q_is @ q_is @ g.T / n, m)
+    p_is = _np_inv_sqrt(p)
+    q = ema(q, g.T @ p_is @ p_is @ g / m, n)
+    q_is = _np_inv_sqrt(q)
+    mom = beta * mom + (1 - beta) * (p_is @ g @ q_is)
+    mom_hat = mom / (1 - beta**t)
+    out.append((p_is @ _np_ns(mom_hat, coeffs, steps) @ q_is, p, q))
+  return out
+
+
+def _grads(seed, shape, num, scale=1.0):
+  keys = jax.random.split(jax.random.key(seed), num)
+  return [scale * jax.random.normal(k, shape) for k in keys]
+
+
+def _run(tx, params, grads_seq, extras_seq=None):
+  """Jitted updates over a gradient sequence; returns updates and states."""
+  update = jax.jit(tx.update)
+  state = tx.init(params)
+  ups, states = [], []
+  for i, g in enumerate(grads_seq):
+    kw = {} if extras_seq is None else extras_seq[i]
+    u, state = update(g, state, params, **kw)
+    ups.append(u)
+    states.append(state)
+  return ups, states
+
+
+def _kron_grads(seed, m, n, num, scale):
+  """G = P*^{1/2} Z Q*^{1/2}: batch gradients with a known Kronecker Fisher."""
+  rng = np.random.default_rng(seed)
+  def spd(d, cond):
+    u, _ = np.linalg.qr(rng.normal(size=(d, d)))
+    return (u * np.geomspace(cond, 1.0, d)) @ u.T
+  p_star, q_star = spd(m, 7.0), spd(n, 4.0)
+  ph = np.linalg.cholesky(p_star)
+  qh = np.linalg.cholesky(q_star)
+  z = rng.normal(size=(num, m, n))
+  g = scale * ph @ z @ qh.T
+  return jnp.asarray(g, jnp.float32), p_star, q_star
+
+
+def _cos(a, b):
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  return float(np.sum(a * b) / np.linalg.norm(a) / np.linalg.norm(b))
+
+
+@functools.lru_cache(maxsize=None)
+def _scan_runner(kw_items):
+  """A jitted scan of scale_by_fismo (interval 1), cached per settings."""
+  tx = fisher_optax.scale_by_fismo(precondition_interval=1, **dict(kw_items))
+
+  @jax.jit
+  def run(grads):
+    params = jnp.zeros(grads.shape[1:], grads.dtype)
+
+    def body(state, g):
+      u, state = tx.update(g, state, params)
+      return state, u
+
+    return jax.lax.scan(body, tx.init(params), grads)
+
+  return run
+
+
+class IsotropicMuonTest(parameterized.TestCase):
+  """With P = Q = I, FISMO is optax.contrib.muon (spec §7.1)."""
+
+  @parameterized.parameters(False, True)
+  def test_identity_factors_equal_muon(self, nesterov):
+    params = {"w": jnp.ones((5, 3)), "k": jnp.ones((3, 2, 4)),
+              "b": jnp.zeros((4,))}
+    dims = {"w": DN(), "k": DN(reduction_axis=(0, 1), output_axis=2),
+            "b": None}
+    grads = [jax.tree.map(lambda x, g=g: jnp.cos(x * g + jnp.arange(
+        x.size).reshape(x.shape)), params) for g in (0.3, 1.1, 2.0)]
+    ours = fisher_optax.fismo(3e-2, gamma=1.0, nesterov=nesterov,
+                              fismo_weight_dimension_numbers=dims)
+    ref = optax.contrib.muon(3e-2, nesterov=nesterov,
+                             muon_weight_dimension_numbers=dims)
+    u1, _ = _run(ours, params, grads)
+    u2, _ = _run(ref, params, grads)
+    chex.assert_trees_all_close(u1, u2, atol=1e-6, rtol=1e-5)
+
+  def test_huge_damping_is_muon(self):
+    params = {"w": jnp.ones((6, 4))}
+    grads = [{"w": g} for g in _grads(0, (6, 4), 3)]
+    ours = fisher_optax.scale_by_fismo(damping=1e7, gamma=0.5)
+    ref = optax.contrib.scale_by_muon(nesterov=False,
+                                      weight_dimension_numbers={"w": DN()})
+    u1, _ = _run(ours, params, grads)
+    u2, _ = _run(ref, params, grads)
+    chex.assert_trees_all_close(u1, u2, atol=1e-5)
+
+
+class AlgorithmOracleTest(parameterized.TestCase):
+  """Factor updates and steps equal the dense float64 formulas."""
+
+  @parameterized.parameters("pre_ema", "paper")
+  def test_matches_numpy_algorithm_1(self, factor_norm):
+    with jax.enable_x64(True):
+      grads = [np.asarray(g, np.float64) * 0.7
+               for g in _grads(1, (5, 4), 3)]
+      kw = dict(beta=0.9, gamma=0.8, damping=0.05, factor_norm=factor_norm)
+      want = numpy_fismo(grads, coeffs=_linalg.QUINTIC_NS_COEFFS, steps=5,
+                         **kw)
+      tx = fisher_optax.scale_by_fismo(precondition_interval=1,
+                                       root_method="eigh",
+                                       eigenvalue_floor=0.0, **kw)
+      params = jnp.zeros((5, 4), jnp.float64)
+      ups, states = _run(tx, params, [jnp.asarray(g) for g in grads])
+      for u, s, (wu, wp, wq) in zip(ups, states, want):
+        np.testing.assert_allclose(s.left_factor[0], wp, atol=1e-12)
+        np.testing.assert_allclose(s.right_factor[0], wq, atol=1e-12)
+        np.testing.assert_allclose(s.left_root[0], _np_inv_sqrt(wp),
+                                   atol=1e-10)
+        np.testing.assert_allclose(u, wu, atol=1e-9)
+
+  def test_trust_region_geometry_with_exact_polar(self):
+    """||P^1/2 D Q^1/2||_2 = 1 and <G, D> = ||P^-1/2 G Q^-1/2||_nuc (§7.2)."""
+    with jax.enable_x64(True):
+      coeffs, steps = EXACT_NS
+      tx = fisher_optax.scale_by_fismo(
+          beta=0.0, gamma=0.5, ns_coeffs=coeffs, ns_steps=steps,
+          precondition_interval=1, eigenvalue_floor=0.0, root_method="eigh")
+      grads = [jnp.asarray(g, jnp.float64) for g in _grads(2, (6, 4), 3)]
+      ups, states = _run(tx, jnp.zeros((6, 4), jnp.float64), grads)
+      d, s, g = np.asarray(ups[-1]), states[-1], np.asarray(grads[-1])
+      p, q = np.asarray(s.left_factor[0]), np.asarray(s.right_factor[0])
+      ph = np.linalg.inv(_np_inv_sqrt(p))
+      qh = np.linalg.inv(_np_inv_sqrt(q))
+      self.assertFalse(np.allclose(p, np.eye(6), atol=1e-2))
+      sv = np.linalg.svd(ph @ d @ qh, compute_uv=False)
+      np.testing.assert_allclose(sv, np.ones(4), atol=1e-8)
+      whitened = _np_inv_sqrt(p) @ g @ _np_inv_sqrt(q)
+      self.assertAlmostEqual(float(np.sum(g * d)),
+                             float(np.linalg.svd(whitened,
+                                                 compute_uv=False).sum()),
+                             places=8)
+
+  def test_identity_polar_gives_inverse_kronecker_step(self):
+    """ns_coeffs=(1,0,0) makes Polar(X) = X/|X|_F: D ∝ P^-1 G Q^-1 (§7.4)."""
+    with jax.enable_x64(True):
+      tx = fisher_optax.scale_by_fismo(
+          beta=0.0, ns_coeffs=(1.0, 0.0, 0.0), ns_steps=1, gamma=0.3,
+          precondition_interval=1, eigenvalue_floor=0.0, root_method="eigh")
+      grads = [jnp.asarray(g, jnp.float64) for g in _grads(3, (4, 5), 2)]
+      ups, states = _run(tx, jnp.zeros((4, 5), jnp.float64), grads)
+      p = np.asarray(states[-1].left_factor[0])
+      q = np.asarray(states[-1].right_factor[0])
+      g = np.asarray(grads[-1])
+      want = np.linalg.inv(p) @ g @ np.linalg.inv(q)
+      self.assertAlmostEqual(_cos(ups[-1], want), 1.0, places=10)
+
+  def test_orthogonal_equivariance_over_a_trajectory(self):
+    """W -> U W V^T maps every update to U D V^T (§7.8, eigh path)."""
+    with jax.enable_x64(True):
+      rng = np.random.default_rng(4)
+      u, _ = np.linalg.qr(rng.normal(size=(5, 5)))
+      v, _ = np.linalg.qr(rng.normal(size=(3, 3)))
+      tx = fisher_optax.scale_by_fismo(precondition_interval=2, gamma=0.7,
+                                       eigenvalue_floor=0.0,
+                                       root_method="eigh")
+      grads = [jnp.asarray(g, jnp.float64) for g in _grads(5, (5, 3), 4)]
+      params = jnp.zeros((5, 3), jnp.float64)
+      ups, _ = _run(tx, params, grads)
+      ups_rot, _ = _run(tx, params, [u @ g @ v.T for g in grads])
+      for a, b in zip(ups, ups_rot):
+        np.testing.assert_allclose(u @ np.asarray(a) @ v.T, b, atol=1e-9)
+
+
+class FactorTest(parameterized.TestCase):
+  """Scale invariance (A1), invariants and Kronecker recovery."""
+
+  def _factors_after(self, grads, **kw):
+    return _scan_runner(tuple(sorted(kw.items())))(grads)
+
+  def test_pre_ema_recovers_kronecker_structure_at_any_scale(self):
+    """Spec §7.6/§7.7: same preconditioner at scales 1, 1e-2, 1e-4."""
+    grads, p_star, q_star = _kron_grads(0, 6, 5, 250, 1.0)
+    results = []
+    for scale in (1.0, 1e-2, 1e-4):
+      state, ups = self._factors_after(scale * grads, gamma=0.98,
+                                       damping=1e-3)
+      p, q = state.left_factor[0], state.right_factor[0]
+      self.assertGreater(_cos(p, p_star), 0.98)
+      self.assertGreater(_cos(q, q_star), 0.98)
+      results.append((p, q, ups[-1]))
+    for p, q, u in results[1:]:
+      np.testing.assert_allclose(p, results[0][0], rtol=2e-3, atol=2e-3)
+      np.testing.assert_allclose(q, results[0][1], rtol=2e-3, atol=2e-3)
+      np.testing.assert_allclose(u, results[0][2], rtol=2e-2, atol=2e-3)
+
+  def test_paper_mode_is_scale_dependent(self):
+    """Spec A1: read literally, small gradients leave P at the identity."""
+    grads, p_star, _ = _kron_grads(0, 6, 5, 250, 1.0)
+    big, _ = self._factors_after(grads, gamma=0.98, damping=1e-3,
+                                 factor_norm="paper")
+    small, _ = self._factors_after(1e-2 * grads, gamma=0.98, damping=1e-3,
+                                   factor_norm="paper")
+    kappa = lambda a: float(np.linalg.cond(np.asarray(a[0], np.float64)))
+    self.assertGreater(_cos(big.left_factor[0], p_star), 0.95)
+    self.assertGreater(kappa(big.left_factor), 3.0)
+    self.assertLess(kappa(small.left_factor), 1.1)
+
+  @parameterized.parameters("pre_ema", "paper")
+  def test_factor_invariants(self, factor_norm):
+    """tr P = m, tr Q = n, symmetric, lambda_min >= floor, finite (§7.5)."""
+    damping = 0.1
+    grads = jnp.stack(_grads(6, (2, 6, 4), 6))
+    tx_kw = dict(damping=damping, gamma=0.5, factor_norm=factor_norm)
+    state, _ = self._factors_after(grads, weight_dimension_numbers=DN(1, 2),
+                                   **tx_kw)
+    for f, d in ((state.left_factor, 6), (state.right_factor, 4)):
+      f = np.asarray(f, np.float64)
+      np.testing.assert_allclose(np.trace(f, axis1=1, axis2=2), [d, d],
+                                 rtol=1e-5)
+      np.testing.assert_allclose(f, np.swapaxes(f, 1, 2), atol=1e-6)
+      if factor_norm == "pre_ema":
+        self.assertGreaterEqual(np.linalg.eigvalsh(f).min(),
+                                damping / (1 + damping) * (1 - 1e-4))
+      self.assertTrue(np.all(np.isfinite(f)))
+
+  def test_batch_axes_have_their_own_factors(self):
+    grads = jnp.stack(_grads(7, (3, 4, 5), 3))
+    state, ups = self._factors_after(grads,
+                                     weight_dimension_numbers=DN(1, 2))
+    for i in range(3):
+      s_i, u_i = self._factors_after(grads[:, i])
+      np.testing.assert_allclose(state.left_factor[i], s_i.left_factor[0],
+                                 atol=1e-5)
+      np.testing.assert_allclose(ups[:, i], u_i, atol=1e-5)
+
+  def test_zero_and_nonfinite_gradients_keep_the_state(self):
+    params = {"w": jnp.zeros((4, 3)), "b": jnp.zeros((3,))}
+    tx = fisher_optax.scale_by_fismo(precondition_interval=1)
+    grads = {"w": jax.random.normal(jax.random.key(0), (4, 3)),
+             "b": jnp.ones((3,))}
+    _, (state,) = _run(tx, params, [grads])
+    update = jax.jit(tx.update)
+    zero_u, zero_s = update(jax.tree.map(jnp.zeros_like, grads), state)
+    chex.assert_tree_all_finite((zero_u, zero_s))
+    chex.assert_trees_all_close(zero_s.left_factor, state.left_factor)
+    chex.assert_trees_all_close(zero_s.right_root, state.right_root)
+    bad = {"w": grads["w"].at[0, 0].set(jnp.nan),
+           "b": grads["b"].at[0].set(jnp.inf)}
+    nan_u, nan_s = update(bad, state)
+    self.assertTrue(bool(jnp.all(jnp.isnan(nan_u["w"]))))
+    chex.assert_tree_all_finite(nan_s)
+    chex.assert_trees_all_close(
+        nan_s._replace(count=state.count), state)
+
+
+class RootsTest(parameterized.TestCase):
+  """Cached roots, refresh schedule, root methods and whitening."""
+
+  def test_roots_refresh_exactly_on_schedule(self):
+    params = jnp.zeros((4, 3))
+    tx = fisher_optax.scale_by_fismo(precondition_interval=3,
+                                     eigenvalue_floor=0.0, gamma=0.5,
+                                     root_method="eigh")
+    _, states = _run(tx, params, _grads(8, (4, 3), 7))
+    for t, s in enumerate(states):
+      fresh = _linalg.matrix_inverse_root_eigh(s.left_factor, 2, floor=0.0)
+      if t % 3 == 0:
+        np.testing.assert_allclose(s.left_root, fresh, atol=1e-5)
+      else:
+        chex.assert_trees_all_equal(s.left_root, states[t - 1].left_root)
+        chex.assert_trees_all_equal(s.right_root, states[t - 1].right_root)
+        self.assertGreater(float(jnp.abs(s.left_root - fresh).max()), 1e-4)
+
+  def test_refresh_is_a_cond_on_the_count(self):
+    params = {"w": jnp.zeros((2, 4, 3))}
+    tx = fisher_optax.scale_by_fismo(precondition_interval=5,
+                                     root_method="eigh",
+                                     weight_dimension_numbers=DN(1, 2))
+    jaxpr = jax.make_jaxpr(tx.update)(params, tx.init(params), params)
+    top = [e.primitive.name for e in jaxpr.jaxpr.eqns]
+    self.assertIn("cond", top)
+    self.assertNotIn("eigh", top)
+    # The first refresh (count 0) equals refreshing every step.
+    grads = [{"w": g} for g in _grads(9, (2, 4, 3), 1)]
+    every = fisher_optax.scale_by_fismo(precondition_interval=1,
+                                        root_method="eigh",
+                                        weight_dimension_numbers=DN(1, 2))
+    chex.assert_trees_all_close(_run(tx, params, grads)[0],
+                                _run(every, params, grads)[0])
+
+  @parameterized.parameters("newton", "cholesky")
+  def test_root_methods_agree_in_original_space(self, method):
+    """The whitening/un-whitening round trip is root-independent (A3, A6)."""
+    params = jnp.zeros((5, 4))
+    grads = _grads(10, (5, 4), 6)
+    kw = dict(momentum_space="original", precondition_interval=2, gamma=0.6)
+    ref, _ = _run(fisher_optax.scale_by_fismo(root_method="eigh", **kw),
+                  params, grads)
+    ups, states = _run(
+        fisher_optax.scale_by_fismo(root_method=method, **kw), params, grads)
+    chex.assert_trees_all_close(ups, ref, atol=2e-4, rtol=2e-3)
+    s = states[4]  # a refresh step: the cached roots belong to its factors.
+    for f, w in ((s.left_factor, s.left_root), (s.right_factor,
+                                                 s.right_root)):
+      eye = np.broadcast_to(np.eye(f.shape[-1]), f.shape)
+      np.testing.assert_allclose(jnp.swapaxes(w, -1, -2) @ f @ w, eye,
+                                 atol=1e-3)
+
+  def test_newton_whitened_momentum_tracks_eigh(self):
+    params = jnp.zeros((5, 4))
+    grads = _grads(11, (5, 4), 5)
+    ref, _ = _run(fisher_optax.scale_by_fismo(precondition_interval=1,
+                                              root_method="eigh"),
+                  params, grads)
+    ups, _ = _run(fisher_optax.scale_by_fismo(
+        precondition_interval=1, root_method="newton"), params, grads)
+    for a, b in zip(ups, ref):
+      self.assertGreater(_cos(a, b), 0.999)
+
+
+class RoutingTest(parameterized.TestCase):
+  """Muon-style routing: reshapes, one-sided leaves, fallback, errors."""
+
+  def test_one_sided_and_max_precond_dim(self):
+    params = {"tall": jnp.zeros((9, 3)), "wide": jnp.zeros((2, 7)),
+              "sq": jnp.zeros((6, 5)), "v": jnp.zeros((3,))}
+    tx = fisher_optax.scale_by_fismo(max_precond_dim=5)
+    state = tx.init(params)
+    masked = optax.MaskedNode
+    self.assertIsInstance(state.left_factor["tall"], masked)
+    self.assertEqual(state.right_factor["tall"].shape, (1, 3, 3))
+    self.assertEqual(state.left_factor["wide"].shape, (1, 2, 2))
+    self.assertIsInstance(state.right_factor["wide"], masked)
+    self.assertIsInstance(state.left_factor["sq"], masked)  # 6 > 5
+    self.assertEqual(state.right_factor["sq"].shape, (1, 5, 5))
+    self.assertIsInstance(state.momentum["v"], masked)
+    grads = jax.tree.map(lambda x: jnp.cos(jnp.arange(x.size).reshape(
+        x.shape)), params)
+    ups, _ = _run(tx, params, [grads, grads])
+    chex.assert_tree_all_finite(ups)
+
+  def test_conv_reshape_and_fallback_configurable(self):
+    params = {"conv": jnp.zeros((2, 2, 3, 4)), "b": jnp.zeros((4,))}
+    dims = {"conv": DN(reduction_axis=(0, 1, 2), output_axis=3), "b": None}
+    tx = fisher_optax.scale_by_fismo(weight_dimension_numbers=dims,
+                                     fallback=optax.scale_by_sign(),
+                                     max_aspect_ratio=3)
+    state = tx.init(params)
+    self.assertEqual(state.left_factor["conv"].shape, (1, 12, 12))
+    self.assertEqual(state.right_factor["conv"].shape, (1, 4, 4))
+    grads = {"conv": jnp.ones((2, 2, 3, 4)), "b": jnp.array([1., -2, 0, 3])}
+    ups, _ = tx.update(grads, state, params)
+    np.testing.assert_array_equal(ups["b"], jnp.sign(grads["b"]))
+    self.assertEqual(ups["conv"].shape, (2, 2, 3, 4))
+
+  def test_routing_errors(self):
+    params = {"w": jnp.zeros((4, 3)), "b": jnp.zeros((3,))}
+    with self.assertRaisesRegex(ValueError, r"\['b'\].*rank >= 2"):
+      fisher_optax.scale_by_fismo(
+          weight_dimension_numbers={"w": DN(), "b": DN()}).init(params)
+    with self.assertRaisesRegex(ValueError, "disjoint"):
+      fisher_optax.scale_by_fismo(
+          weight_dimension_numbers={"w": DN(0, 0), "b": None}).init(params)
+    with self.assertRaisesRegex(ValueError, "out of range"):
+      fisher_optax.scale_by_fismo(
+          weight_dimension_numbers={"w": DN(0, 2), "b": None}).init(params)
+    with self.assertRaisesRegex(ValueError, "structure"):
+      fisher_optax.scale_by_fismo(
+          weight_dimension_numbers={"w": DN()}).init(params)
+    tx = fisher_optax.scale_by_fismo()
+    state = tx.init(params)
+    with self.assertRaisesRegex(ValueError, "do not match the FISMO state"):
+      tx.update({"w": params["w"]}, state)
+    with self.assertRaisesRegex(ValueError, "re-run init"):
+      tx.update({"w": jnp.zeros((5, 3)), "b": params["b"]}, state)
+
+  def test_hyperparameter_validation(self):
+    bad = [
+        (ValueError, "beta", dict(beta=1.5)),
+        (ValueError, "gamma", dict(gamma=-0.1)),
+        (ValueError, "damping", dict(damping=-1.0)),
+        (ValueError, "eigenvalue_floor", dict(eigenvalue_floor=-1.0)),
+        (TypeError, "ns_steps", dict(ns_steps=2.5)),
+        (TypeError, "max_precond_dim", dict(max_precond_dim=1e3)),
+        (ValueError, "precondition_interval", dict(precondition_interval=0)),
+        (TypeError, "precondition_interval", dict(precondition_interval=2.0)),
+        (ValueError, "root_method", dict(root_method="svd")),
+        (ValueError, "factor_norm", dict(factor_norm="post_ema")),
+        (ValueError, "momentum_space", dict(momentum_space="dual")),
+        (ValueError, "grafting", dict(grafting="adam")),
+        (ValueError, "cholesky", dict(root_method="cholesky")),
+        (ValueError, "ns_coeffs", dict(ns_coeffs=(1.0, 2.0))),
+    ]
+    for err, pattern, kw in bad:
+      with self.subTest(**{k: str(v) for k, v in kw.items()}):
+        with self.assertRaisesRegex(err, pattern):
+          fisher_optax.scale_by_fismo(**kw)
+    with self.assertRaisesRegex(ValueError, "learning_rate"):
+      fisher_optax.fismo(-1.0)
+
+
+class PerExampleTest(parameterized.TestCase):
+  """fisher_source="per_example" (beyond the paper, spec A7)."""
+
+  def test_statistic_is_mean_of_per_example_outer_products(self):
+    with jax.enable_x64(True):
+      peg = jax.random.normal(jax.random.key(3), (7, 4, 3), jnp.float64)
+      params = jnp.zeros((4, 3), jnp.float64)
+      tx = fisher_optax.scale_by_fismo(
+          gamma=0.0, damping=0.0, fisher_source="per_example",
+          precondition_interval=1, eigenvalue_floor=0.0)
+      _, state = tx.update(peg.mean(0), tx.init(params), params,
+                           per_example_grads=peg)
+      s = np.einsum("kmn,kpn->mp", peg, peg)
+      np.testing.assert_allclose(state.left_factor[0], 4 * s / np.trace(s),
+                                 atol=1e-12)
+      w = np.asarray(state.left_root[0])
+      s_q = np.einsum("kmn,mp,pq,kqr->nr", peg, w, w, peg)
+      np.testing.assert_allclose(state.right_factor[0],
+                                 3 * s_q / np.trace(s_q), atol=1e-12)
+
+  def test_per_example_errors_and_alias_masking(self):
+    params = {"w": jnp.zeros((4, 3)), "b": jnp.zeros((3,))}
+    tx = fisher_optax.scale_by_fismo(fisher_source="per_example")
+    state = tx.init(params)
+    with self.assertRaisesRegex(ValueError, "per_example_grads"):
+      tx.update(params, state)
+    with self.assertRaisesRegex(ValueError, "per_example_grads"):
+      tx.update(params, state, per_example_grads={"w": jnp.zeros((2, 4, 3)),
+                                                  "b": jnp.zeros((3, 3))})
+    alias = fisher_optax.fismo(1e-2, fisher_source="per_example")
+    peg = jax.tree.map(lambda x: jnp.ones((5,) + x.shape), params)
+    ups, _ = jax.jit(alias.update)(params, alias.init(params), params,
+                                   per_example_grads=peg)
+    chex.assert_tree_all_finite(ups)
+
+
+class IntegrationTest(parameterized.TestCase):
+  """inject_hyperparams, masked, nnx.Optimizer, bf16."""
+
+  def test_masked_and_injected(self):
+    params = {"w": jnp.ones((4, 3)), "v": jnp.ones((3, 3))}
+    grads = jax.tree.map(lambda x: jnp.cos(x + jnp.arange(x.size).reshape(
+        x.shape)), params)
+    tx = optax.masked(fisher_optax.scale_by_fismo(),
+                      {"w": True, "v": False})
+    ups, _ = jax.jit(tx.update)(grads, tx.init(params), params)
+    chex.assert_trees_all_equal(ups["v"], grads["v"])
+    direct, _ = fisher_optax.scale_by_fismo().update(
+        {"w": grads["w"]}, fisher_optax.scale_by_fismo().init(
+            {"w": params["w"]}))
+    chex.assert_trees_all_close(ups["w"], direct["w"], atol=1e-4)
+    injected = optax.inject_hyperparams(
+        fisher_optax.scale_by_fismo,
+        static_args=("ns_steps", "max_precond_dim", "max_aspect_ratio"))(
+            gamma=0.9, damping=0.1, precondition_interval=2)
+    plain = fisher_optax.scale_by_fismo(gamma=0.9, damping=0.1,
+                                        precondition_interval=2)
+    seq = [grads, jax.tree.map(lambda g: g * 0.5 + 0.1, grads), grads]
+    chex.assert_trees_all_close(_run(injected, params, seq)[0],
+                                _run(plain, params, seq)[0], atol=1e-4)
+
+  def test_nnx_optimizer(self):
+    from flax import nnx  # pylint: disable=g-import-not-at-top
+    model = nnx.Linear(4, 3, rngs=nnx.Rngs(0))
+    opt = nnx.Optimizer(model, fisher_optax.fismo(1e-2), wrt=nnx.Param)
+    x = jnp.ones((8, 4))
+
+    @nnx.jit
+    def step(model, opt):
+      loss, grads = nnx.value_and_grad(
+          lambda m: jnp.mean(jnp.square(m(x) - 1.0)))(model)
+      opt.update(model, grads)
+      return loss
+
+    losses = [float(step(model, opt)) for _ in range(5)]
+    self.assertLess(losses[-1], losses[0])
+
+  def test_bf16_params_float32_statistics(self):
+    params = {"w": jnp.ones((4, 3), jnp.bfloat16)}
+    tx = fisher_optax.fismo(1e-2)
+    state = tx.init(params)
+    grads = {"w": jnp.cos(jnp.arange(12.0)).reshape(4, 3).astype(
+        jnp.bfloat16)}
+    ups, state = jax.jit(tx.update)(grads, state, params)
+    self.assertEqual(ups["w"].dtype, jnp.bfloat16)
+    inner = state.inner_states["fismo"].inner_state[0]
+    self.assertEqual(inner.left_factor["w"].dtype, jnp.float32)
+    self.assertEqual(inner.momentum["w"].dtype, jnp.bfloat16)
+
+
+class FismoConformanceTest(conformance.OptimizerConformance,
+                           parameterized.TestCase):
+  FACTORY = staticmethod(fisher_optax.fismo)
+  KWARGS = {"learning_rate": 1e-2, "weight_decay": 1e-4,
+            "precondition_interval": 2}
+  INJECTABLE = ("learning_rate", "beta", "gamma", "damping", "weight_decay",
+                "precondition_interval")
+  STATIC_ARGS = ("ns_steps", "max_precond_dim", "max_aspect_ratio")
+  TARGET_KWARGS = {"rosenbrock": {"learning_rate": 3e-3}}
+
+
+if __name__ == "__main__":
+  absltest.main()
