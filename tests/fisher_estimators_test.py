@@ -50,24 +50,24 @@ def _stack_flat(stacked, k):
 class DiagonalTest(parameterized.TestCase):
 
   @parameterized.product(
-      family=ft.FAMILIES, kind=("empirical", "exact", "batch_squared"),
-      method=("auto", "per_example"))
-  def test_matches_dense_oracle(self, family, kind, method):
+      family=ft.FAMILIES, kind=("empirical", "exact", "batch_squared"))
+  def test_matches_dense_oracle(self, family, kind):
     with jax.enable_x64(True):
       apply_fn, params, x, y = _setup(family)
       dense = ft.dense_fisher(apply_fn, params, x, y, family=family,
                               kind=kind)
-      stat = jax.jit(functools.partial(
-          fisher.diagonal, apply_fn, likelihood=LIKELIHOODS[family](),
-          kind=kind, method=method, chunk_size=3))(params, (x, y))
-      chex.assert_trees_all_close(stat.diag,
-                                  ft.unravel_like(params, jnp.diag(dense)),
-                                  rtol=1e-10, atol=1e-12)
-      chex.assert_trees_all_close(
-          stat.mean_grad, ft.mean_grad_dense(apply_fn, params, x, y, family),
-          rtol=1e-10, atol=1e-12)
-      self.assertEqual(int(stat.count), N)
-      self.assertEqual(stat.kind, kind)
+      mean_grad = ft.mean_grad_dense(apply_fn, params, x, y, family)
+      for method in ("auto", "per_example"):
+        stat = _est(fisher.diagonal, apply_fn, params, (x, y),
+                    likelihood=LIKELIHOODS[family](), kind=kind,
+                    method=method, chunk_size=3)
+        chex.assert_trees_all_close(stat.diag,
+                                    ft.unravel_like(params, jnp.diag(dense)),
+                                    rtol=1e-10, atol=1e-12)
+        chex.assert_trees_all_close(stat.mean_grad, mean_grad, rtol=1e-10,
+                                    atol=1e-12)
+        self.assertEqual(int(stat.count), N)
+        self.assertEqual(stat.kind, kind)
 
   @parameterized.parameters(*ft.FAMILIES)
   def test_mc_matches_oracle_on_the_same_labels(self, family):
@@ -76,7 +76,7 @@ class DiagonalTest(parameterized.TestCase):
       lik = LIKELIHOODS[family]()
       key = jax.random.key(7)
       stat = _est(fisher.diagonal, apply_fn, params, (x, y), likelihood=lik,
-                             kind="mc", num_samples=3, key=key)
+                  kind="mc", num_samples=3, key=key)
       labels = lik.sample(key, apply_fn(params, x), 3)
       dense = ft.dense_fisher(apply_fn, params, x, labels, family=family,
                               kind="empirical_samples")
@@ -88,14 +88,14 @@ class DiagonalTest(parameterized.TestCase):
   def test_mc_converges_to_exact(self, family):
     with jax.enable_x64(True):
       apply_fn, params, x, y = _setup(family)
-      exact = ft.ravel(_est(fisher.diagonal, 
-          apply_fn, params, (x, y), likelihood=LIKELIHOODS[family](),
-          kind="exact").diag)
+      exact = ft.ravel(_est(
+          fisher.diagonal, apply_fn, params, (x, y),
+          likelihood=LIKELIHOODS[family](), kind="exact").diag)
 
       def rel_err(k):
         mc = _est(fisher.diagonal, apply_fn, params, (x, y),
-                             likelihood=LIKELIHOODS[family](), kind="mc",
-                             num_samples=k, key=jax.random.key(3))
+                  likelihood=LIKELIHOODS[family](), kind="mc",
+                  num_samples=k, key=jax.random.key(3))
         return float(jnp.linalg.norm(ft.ravel(mc.diag) - exact)
                      / jnp.linalg.norm(exact))
 
@@ -112,7 +112,7 @@ class DiagonalTest(parameterized.TestCase):
                 key=jax.random.key(0))
       auto = _est(fisher.diagonal, _scaled_mlp, params, (x, y), **kw)
       slow = _est(fisher.diagonal, _scaled_mlp, params, (x, y),
-                             method="per_example", chunk_size=2, **kw)
+                  method="per_example", chunk_size=2, **kw)
       chex.assert_trees_all_close(auto, slow, rtol=1e-10, atol=1e-14)
       with self.assertRaisesRegex(ValueError, r"\['scale'\]"):
         _est(fisher.diagonal, _scaled_mlp, params, (x, y), method="taps", **kw)
@@ -125,31 +125,31 @@ class DiagonalTest(parameterized.TestCase):
         return -jax.nn.log_softmax(out)[t]
 
       stat = _est(fisher.diagonal, apply_fn, params, (x, y), likelihood=ce,
-                             kind="empirical")
+                  kind="empirical")
       ref = _est(fisher.diagonal, apply_fn, params, (x, y),
-                            likelihood=fisher.Categorical(), kind="empirical")
+                 likelihood=fisher.Categorical(), kind="empirical")
       chex.assert_trees_all_close(stat, ref, rtol=1e-10)
       for kind in ("exact", "mc"):
         with self.assertRaisesRegex(ValueError, "probabilistic likelihood"):
-          _est(fisher.diagonal, apply_fn, params, (x, y), likelihood=ce, kind=kind,
-                          key=jax.random.key(0))
+          _est(fisher.diagonal, apply_fn, params, (x, y), likelihood=ce,
+               kind=kind, key=jax.random.key(0))
 
   def test_targets_none_for_exact(self):
     with jax.enable_x64(True):
       apply_fn, params, x, y = _setup("categorical")
       stat = _est(fisher.diagonal, apply_fn, params, (x, None),
-                             likelihood=fisher.Categorical(), kind="exact")
+                  likelihood=fisher.Categorical(), kind="exact")
       self.assertIsNone(stat.mean_grad)
       with self.assertRaisesRegex(ValueError, "needs targets"):
         _est(fisher.diagonal, apply_fn, params, (x, None),
-                        likelihood=fisher.Categorical(), kind="empirical")
+             likelihood=fisher.Categorical(), kind="empirical")
 
   def test_bf16_params(self):
     apply_fn, _, x, y = _setup("categorical")
     params = ft.mlp_params(jax.random.key(0), dtype=jnp.float32)
     x = x.astype(jnp.float32)
     ref = _est(fisher.diagonal, apply_fn, params, (x, y),
-                          likelihood=fisher.Categorical(), kind="exact")
+               likelihood=fisher.Categorical(), kind="exact")
     p16 = jax.tree.map(lambda a: a.astype(jnp.bfloat16), params)
     for method in ("auto", "per_example"):
       stat = jax.jit(functools.partial(
@@ -169,8 +169,8 @@ class DiagonalTest(parameterized.TestCase):
     @chex.assert_max_traces(n=1)
     def estimate(params, batch, key):
       return _est(fisher.diagonal, apply_fn, params, batch,
-                             likelihood=fisher.Categorical(), kind="mc",
-                             key=key, chunk_size=3)
+                  likelihood=fisher.Categorical(), kind="mc",
+                  key=key, chunk_size=3)
 
     estimate(params, (x, y), jax.random.key(0))
     estimate(jax.tree.map(lambda a: a + 1, params), (x + 1, y),
@@ -182,14 +182,54 @@ class DiagonalTest(parameterized.TestCase):
       x = x.at[2, 0].set(jnp.nan)
       for method in ("auto", "per_example"):
         stat = _est(fisher.diagonal, apply_fn, params, (x, y),
-                               likelihood=fisher.Categorical(),
-                               kind="empirical", method=method)
+                    likelihood=fisher.Categorical(),
+                    kind="empirical", method=method)
         self.assertFalse(bool(stat.is_finite()))
         self.assertEqual(int(stat.count), N)
       lr = _est(fisher.low_rank, apply_fn, params, (x, y),
-                           likelihood=fisher.Categorical(), kind="empirical",
-                           rank=2)
+                likelihood=fisher.Categorical(), kind="empirical",
+                rank=2)
       self.assertFalse(bool(lr.is_finite()))
+
+
+  def test_flax_linen_and_nnx_apply_fns(self):
+    from flax import linen as nn  # pylint: disable=g-import-not-at-top
+    from flax import nnx  # pylint: disable=g-import-not-at-top
+
+    class Linen(nn.Module):
+
+      @nn.compact
+      def __call__(self, ids):
+        h = nn.Embed(6, 4)(ids).reshape(ids.shape[0], -1)
+        return nn.Dense(3)(jnp.tanh(nn.Dense(5)(h)))
+
+    class Nnx(nnx.Module):
+
+      def __init__(self, rngs):
+        self.embed = nnx.Embed(6, 4, rngs=rngs)
+        self.hidden = nnx.Linear(8, 5, rngs=rngs)
+        self.out = nnx.Linear(5, 3, rngs=rngs)
+
+      def __call__(self, ids):
+        h = self.embed(ids).reshape(ids.shape[0], -1)
+        return self.out(jnp.tanh(self.hidden(h)))
+
+    ids = jax.random.randint(jax.random.key(0), (N, 2), 0, 6)
+    y = jax.random.randint(jax.random.key(1), (N,), 0, 3)
+    linen = Linen()
+    graphdef, state = nnx.split(Nnx(nnx.Rngs(0)))
+    models = {
+        "linen": (linen.apply, linen.init(jax.random.key(2), ids)),
+        "nnx": (lambda s, x: nnx.merge(graphdef, s)(x), state),
+    }
+    for name, (apply_fn, params) in models.items():
+      with self.subTest(name):
+        kw = dict(likelihood=fisher.Categorical(), kind="exact")
+        fast = _est(fisher.diagonal, apply_fn, params, (ids, y),
+                    method="taps", **kw)
+        slow = _est(fisher.diagonal, apply_fn, params, (ids, y),
+                    method="per_example", **kw)
+        chex.assert_trees_all_close(fast, slow, rtol=1e-5, atol=1e-7)
 
 
 class LowRankTest(parameterized.TestCase):
@@ -205,8 +245,8 @@ class LowRankTest(parameterized.TestCase):
       vals, vecs = ft.top_eig(dense, k)
       for method in ("auto", "per_example"):
         stat = _est(fisher.low_rank, apply_fn, params, (x, y),
-                               likelihood=LIKELIHOODS[family](), kind=kind,
-                               rank=k, method=method, chunk_size=3)
+                    likelihood=LIKELIHOODS[family](), kind=kind,
+                    rank=k, method=method, chunk_size=3)
         np.testing.assert_allclose(stat.eigvals, vals, rtol=1e-9, atol=1e-12)
         v = _stack_flat(stat.eigvecs, k)
         np.testing.assert_allclose(v @ v.T, np.eye(k), atol=1e-10)
@@ -216,8 +256,8 @@ class LowRankTest(parameterized.TestCase):
     with jax.enable_x64(True):
       apply_fn, params, x, y = _setup("categorical", n=2)
       stat = _est(fisher.low_rank, apply_fn, params, (x, y),
-                             likelihood=fisher.Categorical(),
-                             kind="empirical", rank=5)
+                  likelihood=fisher.Categorical(),
+                  kind="empirical", rank=5)
       self.assertEqual(stat.eigvals.shape, (5,))
       np.testing.assert_array_equal(stat.eigvals[2:], 0.0)
       np.testing.assert_array_equal(_stack_flat(stat.eigvecs, 5)[2:], 0.0)
@@ -228,13 +268,13 @@ class LowRankTest(parameterized.TestCase):
       apply_fn, params, x, _ = _setup("gaussian")
       y = apply_fn(params, x)  # Zero residuals: every gradient is zero.
       stat = _est(fisher.low_rank, apply_fn, params, (x, y),
-                             likelihood=fisher.Gaussian(), kind="empirical",
-                             rank=3)
+                  likelihood=fisher.Gaussian(), kind="empirical",
+                  rank=3)
       chex.assert_tree_all_finite(stat)
       np.testing.assert_array_equal(stat.eigvals, 0.0)
       one = _est(fisher.rank_one, apply_fn, params, (x, y),
-                            likelihood=fisher.Gaussian(), kind="empirical",
-                            scale="optimal")
+                 likelihood=fisher.Gaussian(), kind="empirical",
+                 scale="optimal")
       chex.assert_tree_all_finite(one)
       np.testing.assert_array_equal(one.eigvals, 0.0)
 
@@ -244,8 +284,8 @@ class LowRankTest(parameterized.TestCase):
       dense = ft.dense_fisher(apply_fn, params, x, y, family="categorical",
                               kind="exact")
       stats = _est(fisher.low_rank, apply_fn, params, (x, y),
-                              likelihood=fisher.Categorical(), kind="exact",
-                              rank=2, per_leaf=True)
+                   likelihood=fisher.Categorical(), kind="exact",
+                   rank=2, per_leaf=True)
       flat = jax.tree.leaves(
           stats, is_leaf=lambda s: isinstance(s, fisher.LowRankFisher))
       for stat, block in zip(flat, ft.leaf_blocks(params, dense)):
@@ -262,9 +302,9 @@ class LowRankTest(parameterized.TestCase):
         mu = ft.ravel(ft.mean_grad_dense(apply_fn, params, x, y,
                                          "categorical"))
         plain = _est(fisher.rank_one, apply_fn, params, (x, y), likelihood=lik,
-                                kind=kind)
+                     kind=kind)
         opt = _est(fisher.rank_one, apply_fn, params, (x, y), likelihood=lik,
-                              kind=kind, scale="optimal")
+                   kind=kind, scale="optimal")
         np.testing.assert_allclose(ft.ravel(plain.eigvecs),
                                    mu / jnp.linalg.norm(mu), rtol=1e-10)
         np.testing.assert_allclose(plain.eigvals, [mu @ mu], rtol=1e-10)
@@ -272,7 +312,7 @@ class LowRankTest(parameterized.TestCase):
         np.testing.assert_allclose(opt.eigvals, [c_star * (mu @ mu)],
                                    rtol=1e-10)
         top = _est(fisher.rank_one, apply_fn, params, (x, y), likelihood=lik,
-                              kind=kind, direction="top_eig")
+                   kind=kind, direction="top_eig")
         vals, _ = ft.top_eig(dense, 1)
         np.testing.assert_allclose(top.eigvals, vals, rtol=1e-10)
 
@@ -295,8 +335,8 @@ class KroneckerTest(parameterized.TestCase):
       dense = ft.dense_fisher(apply_fn, params, x, y, family="categorical",
                               kind=kind)
       stat = _est(fisher.kronecker, apply_fn, params, (x, y),
-                              likelihood=fisher.Categorical(), kind=kind,
-                              estimator="kfac")
+                  likelihood=fisher.Categorical(), kind=kind,
+                  estimator="kfac")
       self.assertEqual(stat.estimator, "kfac")
       for layer, (a, gamma) in self._kfac_oracle(params, x, dense).items():
         np.testing.assert_allclose(stat.left[layer]["kernel"], a, rtol=1e-10)
@@ -314,8 +354,8 @@ class KroneckerTest(parameterized.TestCase):
       block = ft.leaf_blocks(
           params, g.T @ g / N)[3]  # kernel_1 block, row-major vec
       one = _est(fisher.kronecker, apply_fn, params, (x, y),
-                             likelihood=fisher.Categorical(),
-                             kind="empirical", estimator="shampoo")
+                 likelihood=fisher.Categorical(),
+                 kind="empirical", estimator="shampoo")
       ggt = jnp.einsum("nij,nkj->ik", kernel, kernel) / N
       gtg = jnp.einsum("nij,nik->jk", kernel, kernel) / N
       np.testing.assert_allclose(one.left["dense_1"]["kernel"], ggt,
@@ -330,9 +370,9 @@ class KroneckerTest(parameterized.TestCase):
       u, s, vt = jnp.linalg.svd(rearranged)
       best = jnp.kron(s[0] * u[:, 0].reshape(m, m), vt[0].reshape(n, n))
       near = _est(fisher.kronecker, apply_fn, params, (x, y),
-                              likelihood=fisher.Categorical(),
-                              kind="empirical", estimator="shampoo",
-                              num_iters=20, chunk_size=3)
+                  likelihood=fisher.Categorical(),
+                  kind="empirical", estimator="shampoo",
+                  num_iters=20, chunk_size=3)
       approx = jnp.kron(near.left["dense_1"]["kernel"],
                         near.right["dense_1"]["kernel"])
       np.testing.assert_allclose(approx, best, atol=1e-8)
@@ -346,17 +386,17 @@ class KroneckerTest(parameterized.TestCase):
       _, params, x, y = _setup("categorical")
       params = dict(params, scale=jnp.linspace(0.5, 1.5, 5))
       stat = _est(fisher.kronecker, _scaled_mlp, params, (x, y),
-                              likelihood=fisher.Categorical(), kind="exact")
+                  likelihood=fisher.Categorical(), kind="exact")
       self.assertEqual(stat.estimator, "mixed")
       ref = _est(fisher.kronecker, _scaled_mlp, params, (x, y),
-                             likelihood=fisher.Categorical(), kind="exact",
-                             method="per_example", estimator="shampoo")
+                 likelihood=fisher.Categorical(), kind="exact",
+                 method="per_example", estimator="shampoo")
       np.testing.assert_allclose(stat.left["scale"], ref.left["scale"])
       np.testing.assert_allclose(stat.right["scale"], ref.right["scale"])
       with self.assertRaisesRegex(ValueError, "layer statistics"):
         _est(fisher.kronecker, _scaled_mlp, params, (x, y),
-                         likelihood=fisher.Categorical(), kind="exact",
-                         estimator="kfac")
+             likelihood=fisher.Categorical(), kind="exact",
+             estimator="kfac")
 
 
 class OperationsTest(parameterized.TestCase):
@@ -377,12 +417,10 @@ class OperationsTest(parameterized.TestCase):
     with jax.enable_x64(True):
       apply_fn, params, x, y = _setup("categorical")
       kw = dict(likelihood=fisher.Categorical(), kind="exact")
-      stat = {"diagonal": lambda: _est(fisher.diagonal, apply_fn, params, (x, y),
-                                                  **kw),
-              "low_rank": lambda: _est(fisher.low_rank, apply_fn, params, (x, y),
-                                                  rank=4, **kw),
-              "kronecker": lambda: _est(fisher.kronecker, apply_fn, params, (x, y),
-                                                    **kw)}[structure]()
+      fns = {"diagonal": functools.partial(fisher.diagonal),
+             "low_rank": functools.partial(fisher.low_rank, rank=4),
+             "kronecker": functools.partial(fisher.kronecker)}
+      stat = _est(fns[structure], apply_fn, params, (x, y), **kw)
       dense = self._dense_of(stat, params)
       v = ft.unravel_like(params, jax.random.normal(
           jax.random.key(5), (dense.shape[0],), jnp.float64))

@@ -111,7 +111,7 @@ def unravel_like(like: PyTree, flat: jax.Array) -> PyTree:
 
 def jacobians(apply_fn: Callable[..., jax.Array], params: PyTree,
               inputs: jax.Array) -> jax.Array:
-  """Per-example Jacobians ``(B, O, P)`` (outputs flattened, params ravelled)."""
+  """Per-example Jacobians ``(B, O, P)``: outputs flattened, params ravelled."""
   flat = ravel(params)
 
   def f(theta, x):

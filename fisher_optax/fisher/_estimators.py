@@ -154,7 +154,7 @@ def _pseudo_grad_chunk(apply_fn: ApplyFn, params: PyTree
   return lambda xs: jax.vmap(one)(*xs)
 
 
-# -- the layer-statistics path --------------------------------------------------
+# -- the layer-statistics path -------------------------------------------------
 
 
 def _use_taps(method: str) -> bool:
@@ -303,7 +303,7 @@ def diagonal(
   return _statistics.DiagonalFisher(diag, ps.mean_grad, ps.count, kind)
 
 
-# -- structure: low rank --------------------------------------------------------
+# -- structure: low rank -------------------------------------------------------
 
 
 def _stacked_pseudo_grads(apply_fn: ApplyFn, params: PyTree, inputs: PyTree,
@@ -581,7 +581,7 @@ def rank_one(
                                    ps.count, kind)
 
 
-# -- structure: Kronecker --------------------------------------------------------
+# -- structure: Kronecker ------------------------------------------------------
 
 
 def _as_matrix(g: jax.Array) -> jax.Array:
@@ -790,7 +790,7 @@ def _batch_squared_kron(mean_grad: PyTree, num_iters: int):
           jax.tree.map(lambda p: p[1], pairs, is_leaf=is_pair))
 
 
-# -- from given per-example gradients -------------------------------------------
+# -- from given per-example gradients ------------------------------------------
 
 
 def diagonal_from_grads(per_example_grads: PyTree, *,

@@ -15,8 +15,8 @@ so a kind is fully described by its output cotangents ``r_{s,n}``:
 - ``empirical``: one cotangent, ``r = d NLL(f_n, y_n) / d f_n`` (dataset label);
 - ``mc`` (``k`` samples): ``r_s = d NLL(f_n, yhat_s) / d f_n / sqrt(k)`` with
   ``yhat_s ~ p(. | f_n)`` (labels are constants, not differentiated);
-- ``exact``: ``r_s`` = column ``s`` of ``S_n`` with ``S_n S_n^T = Lambda_n``, the
-  closed-form Fisher of the output distribution w.r.t. ``f_n``;
+- ``exact``: ``r_s`` = column ``s`` of ``S_n`` with ``S_n S_n^T = Lambda_n``,
+  the closed-form Fisher of the output distribution w.r.t. ``f_n``;
 - ``batch_squared``: not per-example; the square of the mean gradient.
 
 Per-example shapes: every method takes ONE example's ``output`` (the model
@@ -62,7 +62,7 @@ class Likelihood:
     raise NotImplementedError
 
   def sqrt_fisher(self, output: jax.Array) -> jax.Array:
-    """Columns of ``S`` with ``S S^T = Lambda``: ``(num_columns, *output.shape)``."""
+    """Columns of ``S``, ``S S^T = Lambda``: ``(num_columns, *output.shape)``."""
     raise NotImplementedError
 
   def __repr__(self) -> str:
@@ -108,7 +108,8 @@ class Categorical(Likelihood):
 class Gaussian(Likelihood):
   """Gaussian with mean ``output`` and a fixed scalar ``sigma``.
 
-  ``nll = |y - f|^2 / (2 sigma^2)`` (constants dropped), ``Lambda = I / sigma^2``.
+  ``nll = |y - f|^2 / (2 sigma^2)`` (constants dropped) and
+  ``Lambda = I / sigma^2``.
   With ``sigma = 1`` the empirical Fisher is that of the squared error
   ``0.5 |y - f|^2``.
 

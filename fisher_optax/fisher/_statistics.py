@@ -136,7 +136,7 @@ LowRankFisher = _register(
 
 
 def matrix_shape(shape: tuple[int, ...]) -> tuple[int, int]:
-  """The matrix view of a leaf: ``(*s, n) -> (prod(s), n)``; ``(n,) -> (1, n)``."""
+  """A leaf's matrix view: ``(*s, n) -> (prod(s), n)``, ``(n,) -> (1, n)``."""
   if not shape:
     return (1, 1)
   return (math.prod(shape[:-1]), shape[-1])
