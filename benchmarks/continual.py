@@ -50,6 +50,11 @@ _SEEDS = flags.DEFINE_integer("seeds", 3, "number of seeds")
 _STEPS = flags.DEFINE_integer("steps", 300, "training steps per task")
 _TASKS = flags.DEFINE_integer("tasks", 5, "number of permuted tasks")
 _NAME = flags.DEFINE_string("name", "continual", "results file stem")
+_PART = flags.DEFINE_enum(
+    "part", "all", ["all", "ewc", "proj", "diffusion"],
+    "run one part (for parallel processes); merge with --report_only")
+_SEED_LIST = flags.DEFINE_list(
+    "seed_list", None, "run only these seeds (default: range(--seeds))")
 _REPORT_ONLY = flags.DEFINE_bool(
     "report_only", False, "rebuild the report from the saved raw results")
 
@@ -58,6 +63,7 @@ LR = 1e-3
 BATCHED_B = 128  # mini-batch size of the BATCHED (squared batch grad) Fisher
 MAX_RANK = 512   # protected directions per leaf (PhysGuard)
 N_SOURCE = 512   # source examples per task for the protected bases
+N_TOP_EIG = 256  # examples for the top-eigenvector (Gram) rank-1 Fisher
 
 # name -> (diagonal kind or None, rank-1 (direction, scale) or None, lambdas)
 EWC_METHODS: dict[str, tuple[Any, Any, tuple[float, ...]]] = {
@@ -71,7 +77,7 @@ EWC_METHODS: dict[str, tuple[Any, Any, tuple[float, ...]]] = {
                                    (1e2, 1e3, 1e4, 1e5, 1e6)),
     "rank-1 EWC, mean, c*": (None, ("mean", "optimal"),
                              (1e1, 1e2, 1e3, 1e4, 1e5)),
-    "rank-1 EWC, top eigvec": (None, ("top_eig", "none"),
+    "rank-1 EWC, top eigvec (256 ex.)": (None, ("top_eig", "none"),
                                (1e1, 1e2, 1e3, 1e4, 1e5)),
     "diag exact + rank-1 c*": ("exact", ("mean", "optimal"),
                                (1e0, 1e1, 1e2, 1e3, 1e4)),
@@ -164,9 +170,11 @@ class Runner:
         kwargs["diagonal"] = self.diagonal(p, x, y, diag_kind, key)
       if rank1 is not None:
         direction, scale = rank1
+        # The top eigenvector needs the N x N Gram: use N_TOP_EIG examples.
+        n = N_TOP_EIG if direction == "top_eig" else x.shape[0]
         kwargs["low_rank"] = fisher.rank_one(
-            self.apply_fn, p, (x, y), likelihood=self.lik, kind="empirical",
-            direction=direction, scale=scale)
+            self.apply_fn, p, (x[:n], y[:n]), likelihood=self.lik,
+            kind="empirical", direction=direction, scale=scale)
       anchor = fisher_optax.consolidate(optax.tree.get(s, "ewc_anchor"), p,
                                         **kwargs)
       return optax.tree.set(s, ewc_anchor=anchor)
@@ -335,18 +343,25 @@ def main(argv):
     ewc_methods = {k: (d, r, l[:2]) for k, (d, r, l) in EWC_METHODS.items()}
   t0 = time.time()
 
-  raw_path = common.RESULTS_DIR / f"{_NAME.value}_raw.pkl"
+  part = _PART.value
+  seed_list = ([int(s) for s in _SEED_LIST.value] if _SEED_LIST.value
+               else list(range(seeds)))
+  tag = part + ("" if _SEED_LIST.value is None else
+                "_s" + "_".join(map(str, seed_list)))
+  raw_path = common.RESULTS_DIR / f"{_NAME.value}_raw_{tag}.pkl"
   if _REPORT_ONLY.value:
-    with open(raw_path, "rb") as f:
-      raw = pickle.load(f)
-    report(**raw, small=small, t0=t0)
+    report(**merge_raw(_NAME.value), small=small, t0=t0)
     return
+  if part in ("proj", "diffusion"):
+    ewc_methods = {}
+  if part in ("ewc", "diffusion"):
+    proj_methods = {}
   results: dict[str, dict[str, Any]] = {}
   rank1_cls: list[dict[str, Any]] = []
   # One apply_fn (and Runner) for all seeds, so every jit compiles once.
   apply_fn, _ = models.digits_mlp(0, activation="relu")
   runner = Runner(apply_fn, steps)
-  for seed in range(seeds):
+  for seed in (seed_list if part != "diffusion" else []):
     tasks = permuted_digits(seed, n_tasks)
     _, params0 = models.digits_mlp(seed, activation="relu")
     for name, (diag_kind, rank1, lams) in ewc_methods.items():
@@ -389,14 +404,37 @@ def main(argv):
   diff_steps = 100 if small else 2000
   diff_n = 64 if small else 256
   diff_ts = (-1, 10, 250, 500, 750, 999)
-  diffusion = [diffusion_rank_oneness(0, diff_steps, diff_n, diff_ts)]
+  diffusion = []
+  if part in ("all", "diffusion"):
+    diffusion = [diffusion_rank_oneness(0, diff_steps, diff_n, diff_ts)]
   raw = dict(results=results, rank1_cls=rank1_cls, diffusion=diffusion,
              diff_settings=(diff_steps, diff_n, diff_ts), seeds=seeds,
-             steps=steps, n_tasks=n_tasks)
+             steps=steps, n_tasks=n_tasks, seed_list=seed_list)
   raw_path.parent.mkdir(parents=True, exist_ok=True)
   with open(raw_path, "wb") as f:  # lets --report_only rebuild the report
     pickle.dump(raw, f)
-  report(**raw, small=small, t0=t0)
+  if part == "all":
+    report(**merge_raw(_NAME.value), small=small, t0=t0)
+
+
+def merge_raw(name: str) -> dict[str, Any]:
+  """Merges the raw results of the parts (and seeds) run separately."""
+  merged: dict[str, Any] = {"results": {}, "rank1_cls": [], "diffusion": []}
+  for path in sorted(common.RESULTS_DIR.glob(f"{name}_raw_*.pkl")):
+    with open(path, "rb") as f:
+      raw = pickle.load(f)
+    for key in ("diff_settings", "steps", "n_tasks"):
+      merged[key] = raw[key]
+    for method, res in raw["results"].items():
+      entry = merged["results"].setdefault(
+          method, {"lams": res["lams"], "R": [], "seeds": []})
+      entry["R"].extend(res["R"])
+      entry["seeds"].extend(raw["seed_list"])
+    merged["rank1_cls"].extend(raw["rank1_cls"])
+    merged["diffusion"].extend(raw["diffusion"])
+  seeds = {len(r["R"]) for r in merged["results"].values()}
+  merged["seeds"] = max(seeds) if seeds else 0
+  return merged
 
 
 def report(*, results, rank1_cls, diffusion, diff_settings, seeds, steps,

@@ -16,6 +16,38 @@ for any number of tasks) and/or a :class:`LowRankEWC` (``K`` slots of one
 direction, one scale and one anchor projection each; ``K P + 2K`` numbers).
 :func:`consolidate` folds a new task into an anchor at fixed shapes, so the
 jitted training step never retraces when the task changes.
+
+Decisions (spec ``knowledge_preservation.md`` §7), each tested in
+``tests/ewc_test.py``:
+
+* **Scale.** ``R = lambda/2 D^T F D`` so ``grad R = lambda F D``; Avalanche and
+  the reference code have no ``1/2`` (``lambda_ours = 2 lambda_theirs``).
+  ``F`` is a *mean* over examples, so ``lambda`` does not grow with the data
+  size. ``F`` inherits the per-example loss reduction: a pixel-*mean* MSE
+  (diffusion) gives a Fisher ``1/D^2`` times that of a pixel-sum loss, and
+  ``lambda`` must be ``D^2`` larger. BATCHED Fisher (squared mini-batch
+  gradients, ``kind="batch_squared"`` per batch) is about ``F / b + mu mu^T``:
+  its best ``lambda`` is about ``b`` times larger.
+* **Rank-1.** The direction is the mean gradient, as in the paper (the top
+  eigenvector is available through ``fisher.rank_one(direction="top_eig")``
+  or ``fisher.low_rank(rank=1)``); the scale is none (paper ``rank1``), the
+  Frobenius-optimal ``c*`` (paper ``rank1_opt``) or the eigenvalue. Plain
+  ``rank1`` is kept although ``mu -> 0`` at a converged classifier, where its
+  curvature ``|mu|^2`` vanishes; with ``c*`` the curvature along ``mu`` is the
+  Rayleigh quotient ``mu^T F mu / |mu|^2``, which does not.
+  Diagonal plus low rank is allowed (no source does it).
+* **Low rank across tasks.** Fixed slots (default, exact: one slot per task
+  and direction) or re-compression to the top ``K`` eigenpairs of the sum.
+* **AlignGuard.** Its ``l_A sum_i s_i (u_i . D)^2`` term is this low-rank
+  penalty (``strength = 2 l_A``) with a Fisher on alignment data; its
+  diagonal ``l_T`` term is a diagonal anchor. The collision terms are not
+  provided: under an exact projector ``E_geo = 0``, and under a coordinate
+  mask both vanish, so they only matter when ``D_A`` and ``D_T`` are
+  separate parameters.
+* **Model mode.** Compute the Fisher with the model in evaluation mode (no
+  dropout, frozen batch-norm statistics): the engine assumes examples do not
+  interact. For LoRA, compute it on the LoRA factors you train (see
+  :func:`add_ewc_gradient`), not on the merged weight.
 """
 
 from __future__ import annotations
@@ -526,7 +558,7 @@ def add_ewc_gradient(
         optax.adam(1e-4))
     state = tx.init(params)
     # A rank-8 Fisher on alignment data: AlignGuard's l_A sum_i s_i (u_i.D)^2
-    # (the l_A / lambda ratio is the strength).
+    # is this penalty with strength = 2 l_A.
     stat = fisher_optax.fisher.low_rank(apply_fn, params, safety_batch,
                                         likelihood=fisher_optax.fisher.
                                         Categorical(), kind="mc", key=key,
