@@ -230,6 +230,31 @@ class FAdamPerExampleTest(parameterized.TestCase):
       for leaf_g, leaf_e in zip(g, e):
         np.testing.assert_allclose(leaf_g, leaf_e, rtol=1e-10, atol=1e-12)
 
+  def test_engine_diagonal_fisher(self):
+    """fisher=fisher_optax.fisher.diagonal(...) equals per_example_grads."""
+    from fisher_optax import fisher  # pylint: disable=g-import-not-at-top
+
+    rng = np.random.default_rng(2)
+    params = {"w": jnp.asarray(rng.normal(size=(4, 3)), jnp.float32),
+              "b": jnp.zeros((3,), jnp.float32)}
+    x = jnp.asarray(rng.normal(size=(6, 4)), jnp.float32)
+    y = jnp.asarray(rng.integers(0, 3, size=6), jnp.int32)
+    apply_fn = lambda p, xb: xb @ p["w"] + p["b"]
+
+    def nll(p, xi, yi):
+      return -jax.nn.log_softmax(apply_fn(p, xi))[yi]
+
+    pegs = jax.vmap(jax.grad(nll), in_axes=(None, 0, 0))(params, x, y)
+    grads = jax.tree.map(lambda g: g.mean(0), pegs)
+    stat = fisher.diagonal(apply_fn, params, (x, y),
+                           likelihood=fisher.Categorical(), kind="empirical")
+    tx = fisher_optax.fadam(1e-2, fisher_source="per_example")
+    u_stat, _ = jax.jit(tx.update)(grads, tx.init(params), params,
+                                   fisher=stat)
+    u_pegs, _ = jax.jit(tx.update)(grads, tx.init(params), params,
+                                   per_example_grads=pegs)
+    chex.assert_trees_all_close(u_stat, u_pegs, rtol=1e-5, atol=1e-7)
+
   def test_differs_from_batch_squared(self):
     theta0, pegs, grads, _ = _per_example_problem()
     params = [jnp.asarray(x, jnp.float32) for x in theta0]
@@ -319,7 +344,8 @@ class FAdamBehaviourTest(parameterized.TestCase):
       return tx.update(grads, tx.init(params), params)[0]
 
     full, none = run(), run(weight_decay=0.0)
-    for mask in ({"w": True, "b": False}, lambda p: {"w": True, "b": False}):
+    for mask in ({"w": True, "b": False}, lambda p: {"w": True, "b": False},
+                 {"w": jnp.array(True), "b": jnp.array(False)}):
       masked = run(weight_decay_mask=mask)
       chex.assert_trees_all_close(masked["w"], full["w"])
       chex.assert_trees_all_close(masked["b"], none["b"])
