@@ -457,6 +457,26 @@ class FromGradsTest(absltest.TestCase):
       np.testing.assert_allclose(lr.eigvals, vals, rtol=1e-9)
 
 
+  def test_diagonal_from_loss_is_chunked_sufficient_statistics(self):
+    with jax.enable_x64(True):
+      apply_fn, params, x, y = _setup("categorical")
+
+      def loss(p, ex):
+        return fisher.Categorical().nll(apply_fn(p, ex[0][None])[0], ex[1])
+
+      g = ft.per_example_grads_dense(apply_fn, params, x, y, "categorical")
+      for kind in ("empirical", "batch_squared"):
+        ref = fisher.diagonal_from_grads(ft.unravel_like(params, g),
+                                         kind=kind)
+        for chunk in (None, 3):
+          got = jax.jit(functools.partial(
+              fisher.diagonal_from_loss, loss, kind=kind, chunk_size=chunk))(
+                  params, (x, y))
+          chex.assert_trees_all_close(got, ref, rtol=1e-10, atol=1e-14)
+      with self.assertRaisesRegex(ValueError, "kind"):
+        fisher.diagonal_from_loss(loss, params, (x, y), kind="exact")
+
+
 class BadInputTest(absltest.TestCase):
 
   def setUp(self):

@@ -19,7 +19,9 @@ per-example loss ``likelihood=lambda out, y: ...`` defines no distribution,
 so it allows only ``empirical`` and ``batch_squared``.
 
 **Structures.** :func:`diagonal`, :func:`low_rank` (global or per leaf),
-:func:`rank_one`, :func:`kronecker`; each returns a registered pytree
+:func:`rank_one`, :func:`kronecker` (and, from a bare per-example loss or
+given per-example gradients, :func:`diagonal_from_loss`,
+:func:`diagonal_from_grads`, :func:`low_rank_from_grads`); each returns a registered pytree
 (:class:`DiagonalFisher`, :class:`LowRankFisher`, :class:`KroneckerFisher`)
 of float32 *means* with ``count``, ``kind`` and the mean loss gradient
 ``mean_grad`` from the same pass, with ``matvec``, ``quadratic_form`` and
@@ -55,6 +57,7 @@ Example::
 
 from fisher_optax.fisher._estimators import diagonal
 from fisher_optax.fisher._estimators import diagonal_from_grads
+from fisher_optax.fisher._estimators import diagonal_from_loss
 from fisher_optax.fisher._estimators import kronecker
 from fisher_optax.fisher._estimators import low_rank
 from fisher_optax.fisher._estimators import low_rank_from_grads
@@ -94,6 +97,7 @@ __all__ = [
     "LowRankFisher",
     "diagonal",
     "diagonal_from_grads",
+    "diagonal_from_loss",
     "estimate_fisher_diag",
     "estimate_fisher_low_rank",
     "get_fisher_diag",

@@ -828,6 +828,74 @@ def diagonal_from_grads(per_example_grads: PyTree, *,
   return _statistics.DiagonalFisher(diag, mean, count, kind)
 
 
+def diagonal_from_loss(
+    loss_fn: Callable[[PyTree, PyTree], jax.Array],
+    params: PyTree,
+    batch: PyTree,
+    *,
+    kind: str = "empirical",
+    chunk_size: int | None = None,
+    axis_name: str | None = None,
+) -> _statistics.DiagonalFisher:
+  """Batch sufficient statistics of a bare per-example loss.
+
+  .. math::
+
+    \bar g = \frac{1}{N}\sum_n g_n, \qquad
+    \operatorname{diag} F = \frac{1}{N}\sum_n g_n^{\odot 2}
+    \;(\texttt{empirical}) \text{ or } \bar g^{\odot 2}
+    \;(\texttt{batch\_squared}),
+
+  with ``g_n = grad loss_fn(params, example_n)``, accumulated chunk by chunk
+  (``lax.scan``), so memory grows with ``chunk_size``, never with ``B x P``
+  (the quantity ``optax.microbatching.micro_grad`` gives with MEAN
+  accumulation). A bare loss defines no distribution: only the two kinds
+  that need no likelihood are available.
+
+  Args:
+    loss_fn: ``loss_fn(params, example) -> scalar`` for ONE example.
+    params: the parameters.
+    batch: a pytree of arrays with a leading batch axis.
+    kind: ``"empirical" | "batch_squared"``.
+    chunk_size: examples per chunk (static int ``>= 1``).
+    axis_name: a ``shard_map`` axis the batch is split over.
+
+  Returns:
+    A :class:`DiagonalFisher` with ``mean_grad`` = ``bar g``.
+
+  Example::
+
+    >>> import jax.numpy as jnp
+    >>> from fisher_optax import fisher
+    >>> loss = lambda w, ex: 0.5 * (ex[0] @ w - ex[1]) ** 2
+    >>> x, y = jnp.eye(3), jnp.ones(3)
+    >>> fisher.diagonal_from_loss(loss, jnp.zeros(3), (x, y)).diag
+    Array([0.33333334, 0.33333334, 0.33333334], dtype=float32)
+  """
+  _validation.check_choice("kind", kind, ("empirical", "batch_squared"))
+  size = _per_example.check_batch_tree(batch)
+  chunk_size = _per_example.check_chunk_size(chunk_size)
+  if axis_name is not None:
+    params = jax.tree.map(
+        lambda p: jax.lax.pcast(p, axis_name, to="varying"), params)
+
+  def chunk_sums(examples):
+    g = _f32(jax.vmap(lambda ex: jax.grad(loss_fn)(params, ex))(examples))
+    return (jax.tree.map(lambda a: jnp.sum(a, 0), g),
+            jax.tree.map(lambda a: jnp.sum(jnp.square(a), 0), g))
+
+  sums, squares = _psum(
+      _per_example.reduce_chunks(chunk_sums, batch, size, chunk_size),
+      axis_name)
+  count = _psum(jnp.asarray(size, jnp.int32), axis_name)
+  mean = jax.tree.map(lambda s: s / count, sums)
+  if kind == "batch_squared":
+    diag = jax.tree.map(jnp.square, mean)
+  else:
+    diag = jax.tree.map(lambda s: s / count, squares)
+  return _statistics.DiagonalFisher(diag, mean, count, kind)
+
+
 def low_rank_from_grads(per_example_grads: PyTree, *, rank: int
                         ) -> _statistics.LowRankFisher:
   """Top-``rank`` empirical-Fisher eigenpairs from per-example gradients.

@@ -121,6 +121,16 @@ class FisherMultiDeviceTest(parameterized.TestCase):
         in_specs=P("data"), out_specs=P()))(g)
     chex.assert_trees_all_close(got, want, **TOL)
 
+    def loss(p, ex):
+      return fisher.Categorical().nll(ft.mlp_apply(p, ex[0][None])[0], ex[1])
+
+    from_loss = jax.jit(jax.shard_map(
+        lambda p, x, y: fisher.diagonal_from_loss(
+            loss, p, (x, y), chunk_size=1, axis_name="data"),
+        mesh=mesh, in_specs=(P(), P("data"), P("data")),
+        out_specs=P()))(params, x, y)
+    chex.assert_trees_all_close(from_loss, want, **TOL)
+
   @parameterized.parameters(
       *[(name, "auto") for name in tuple(ESTIMATORS) + ("diag_mc",)],
       *[(name, "explicit") for name in ("diag_exact_per_example", "low_rank",
