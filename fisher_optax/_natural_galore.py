@@ -82,11 +82,20 @@ def _all_finite(tree: PyTree) -> jax.Array:
 def _push_if_finite(
     window: PyTree, gram: jax.Array, g: PyTree, slot: jax.Array
 ) -> tuple[PyTree, jax.Array]:
-  """Ring-buffer push that leaves the window untouched on NaN/Inf input."""
-  new_window, new_gram = _linalg.ring_buffer_push(window, gram, g, slot)
+  """Ring-buffer push that leaves the window untouched on NaN/Inf input.
+
+  A non-finite ``g`` is replaced by the slot's current content, so only one
+  row is ever selected (not the whole window) and the Gram stays exact.
+  """
   ok = _all_finite(g)
-  keep = lambda new, old: jnp.where(ok, new, old)
-  return jax.tree.map(keep, new_window, window), keep(new_gram, gram)
+  g = jax.tree.map(
+      lambda w, x: jnp.where(ok, x.astype(w.dtype), w[slot]), window, g)
+  return _linalg.ring_buffer_push(window, gram, g, slot)
+
+
+def _stat_dtype(*dtypes: Any) -> jnp.dtype:
+  """float32, or wider when an input is wider (float64 oracles)."""
+  return jnp.dtype(jnp.result_type(jnp.float32, *dtypes))
 
 
 def _woodbury_apply(
@@ -98,10 +107,11 @@ def _woodbury_apply(
     scale: Any = 1.0,
     normalize_output: bool,
 ) -> PyTree:
-  """``(damping I + scale H^T H)^{-1} g`` in float32, cast back to ``g``."""
-  wide = jax.tree.map(lambda s: s.astype(jnp.float32), stacked)
-  g32 = jax.tree.map(lambda x: x.astype(jnp.float32), g)
-  factor = _linalg.woodbury_factor(gram.astype(jnp.float32), damping, scale)
+  """``(damping I + scale H^T H)^{-1} g`` in float32+, cast back to ``g``."""
+  dtype = _stat_dtype(gram.dtype, *jax.tree.leaves(g))
+  wide = jax.tree.map(lambda s: s.astype(dtype), stacked)
+  g32 = jax.tree.map(lambda x: x.astype(dtype), g)
+  factor = _linalg.woodbury_factor(gram.astype(dtype), damping, scale)
   out = _linalg.woodbury_solve(wide, factor, g32, normalized=normalize_output)
   return jax.tree.map(lambda o, x: o.astype(x.dtype), out, g)
 
@@ -113,8 +123,8 @@ class WoodburyFisherState(NamedTuple):
     count: number of updates so far (int32).
     window: ring buffer of the last ``history_size`` gradients, leaves
       ``(history_size, *shape)`` (zero-size leaves with per-example windows).
-    gram: cached Gram matrix of the window in float32: one ``(s, s)`` array
-      per leaf when block-diagonal, else a single ``(s, s)`` array.
+    gram: cached Gram matrix of the window in float32 (or wider): one
+      ``(s, s)`` array per leaf when block-diagonal, else a single one.
   """
 
   count: jax.Array
@@ -166,8 +176,8 @@ def scale_by_woodbury_fisher(
       directions the window has not seen) instead of :math:`F^{-1} g`.
     block_diagonal: one window solve per leaf (default) or one for the tree.
     window_source: ``"history"`` or ``"per_example"``.
-    window_dtype: dtype of the stored window (default float32); bfloat16
-      halves its memory. The Gram is always float32.
+    window_dtype: dtype of the stored window (default float32, float64 for
+      float64 params); bfloat16 halves its memory. The Gram is float32+.
 
   Returns:
     An :class:`optax.GradientTransformationExtraArgs`.
@@ -193,17 +203,19 @@ def scale_by_woodbury_fisher(
   s = _validation.check_static_int(
       "history_size", history_size, minimum=0 if per_example else 1)
   _validation.check_positive("damping", damping)
-  wdtype = jnp.dtype(window_dtype) if window_dtype is not None else (
-      jnp.dtype(jnp.float32))
 
   def init_fn(params: PyTree) -> WoodburyFisherState:
     n = 0 if per_example else s
+    wdtype = lambda p: (jnp.dtype(window_dtype) if window_dtype is not None
+                        else _stat_dtype(p.dtype))
     window = jax.tree.map(
-        lambda p: jnp.zeros((n,) + tuple(jnp.shape(p)), wdtype), params)
+        lambda p: jnp.zeros((n,) + tuple(jnp.shape(p)), wdtype(p)), params)
     if block_diagonal:
-      gram = jax.tree.map(lambda p: jnp.zeros((n, n), jnp.float32), params)
+      gram = jax.tree.map(
+          lambda p: jnp.zeros((n, n), _stat_dtype(wdtype(p))), params)
     else:
-      gram = jnp.zeros((n, n), jnp.float32)
+      gram = jnp.zeros(
+          (n, n), _stat_dtype(*[wdtype(p) for p in jax.tree.leaves(params)]))
     return WoodburyFisherState(
         count=jnp.zeros([], jnp.int32), window=window, gram=gram)
 
@@ -227,7 +239,8 @@ def scale_by_woodbury_fisher(
           per_example_grads, updates, what="per_example_grads")
       if batch == 0:
         raise ValueError("per_example_grads has an empty batch axis.")
-      f32 = lambda t: jax.tree.map(lambda x: x.astype(jnp.float32), t)
+      f32 = lambda t: jax.tree.map(
+          lambda x: x.astype(_stat_dtype(x.dtype)), t)
       if block_diagonal:
         out = jax.tree.map(
             lambda h, g: _woodbury_apply(
@@ -364,54 +377,67 @@ def _cholesky_qr(y: jax.Array, shift: Any = 0.0) -> jax.Array:
   return jax.scipy.linalg.solve_triangular(chol, y.T, lower=True).T
 
 
-def _orthonormalize(y: jax.Array, key: jax.Array) -> jax.Array:
-  """Orthonormal basis of ``range(Y)`` by shifted Cholesky-QR3.
+def _orthonormalize(y: jax.Array) -> jax.Array:
+  """Orthonormal basis of ``range(Y)``: shifted Cholesky-QR3, QR fallback.
 
-  ``Y`` is rescaled to unit Frobenius norm and a ``sqrt(eps)``-sized random
-  component keeps it full column rank, so a rank-deficient (or zero) ``Y``
-  still yields orthonormal columns instead of a failed Cholesky. The shift is
-  Fukaya et al's (2020) bound, which makes the first pass safe for condition
-  numbers up to ``1/eps``.
+  Cholesky-QR uses only a matmul, an ``l x l`` Cholesky and a triangular
+  solve, so a row-sharded ``Y`` is never gathered; the shift (Fukaya et al,
+  2020) makes it stable for condition numbers up to ``1/eps``. A
+  rank-deficient ``Y`` (a gradient of rank below ``l``) breaks it; only then,
+  under ``lax.cond``, Householder QR takes over.
   """
-  p, l = y.shape
+  l = y.shape[1]
   eps = jnp.finfo(y.dtype).eps
-  norm = jnp.sqrt(jnp.sum(jnp.square(y)))
-  y = y / jnp.maximum(norm, jnp.finfo(y.dtype).tiny)
-  y = y + (jnp.sqrt(eps) / math.sqrt(p * l)) * jax.random.normal(
-      key, y.shape, y.dtype)
-  shift = 11.0 * (p * l + l * (l + 1)) * eps * jnp.sum(jnp.square(y))
-  q = _cholesky_qr(y, shift)
-  return _cholesky_qr(_cholesky_qr(q))
+  y = y / jnp.maximum(jnp.max(jnp.abs(y)), jnp.finfo(y.dtype).tiny)
+  shift = 11.0 * (y.size + l * (l + 1)) * eps * jnp.sum(jnp.square(y))
+  q = _cholesky_qr(_cholesky_qr(_cholesky_qr(y, shift)))
+  err = jnp.max(jnp.abs(jnp.matmul(q.T, q, precision=_HIGHEST)
+                        - jnp.eye(l, dtype=q.dtype)))
+  # CholQR2 reaches O(eps) orthogonality when it works; anything looser
+  # means Y was (numerically) rank-deficient and the basis is noise.
+  ok = jnp.isfinite(err) & (err < 20 * l * eps)
+  return jax.lax.cond(ok, lambda: q, lambda: jnp.linalg.qr(y)[0])
 
 
 def _range_finder_basis(
-    mat: jax.Array, start: jax.Array, rank: int, power_iterations: int,
-    key: jax.Array,
+    mat: jax.Array, start: jax.Array, rank: int, power_iterations: int
 ) -> jax.Array:
   """Top-``rank`` left singular vectors of ``mat`` by subspace iteration.
 
   Args:
-    mat: ``(p, q)`` float32; its rows are the projected axis.
+    mat: ``(p, q)`` float32 or wider; its rows are the projected axis.
     start: ``(q, l)`` test matrix, ``l >= rank``.
     rank: number of vectors returned.
     power_iterations: extra ``mat mat^T`` applications.
-    key: randomness for :func:`_orthonormalize`.
 
   Returns:
     ``(p, rank)`` with orthonormal columns. Only matmuls, ``l x l``
     Choleskys and one ``l x l`` eigendecomposition touch the data, so a
     sharded ``mat`` is never gathered.
   """
-  keys = jax.random.split(key, power_iterations + 1)
-  q = _orthonormalize(jnp.matmul(mat, start, precision=_HIGHEST), keys[0])
-  for i in range(power_iterations):
+  q = _orthonormalize(jnp.matmul(mat, start, precision=_HIGHEST))
+  for _ in range(power_iterations):
     z = jnp.matmul(mat.T, q, precision=_HIGHEST)
-    q = _orthonormalize(jnp.matmul(mat, z, precision=_HIGHEST), keys[i + 1])
+    q = _orthonormalize(jnp.matmul(mat, z, precision=_HIGHEST))
   # Rayleigh-Ritz: rotate range(Q) onto the top singular directions.
   b = jnp.matmul(q.T, mat, precision=_HIGHEST)
   _, vecs = jnp.linalg.eigh(
       _linalg.symmetrize(jnp.matmul(b, b.T, precision=_HIGHEST)))
   return jnp.matmul(q, vecs[:, ::-1][:, :rank], precision=_HIGHEST)
+
+
+def _align_signs(new: jax.Array, old: jax.Array) -> jax.Array:
+  """Flips columns of ``new`` to agree with ``old`` (else: max entry > 0).
+
+  Singular vectors are defined up to sign, and the base optimizer's moments
+  survive a refresh, so an arbitrary flip scrambles them; the sign of an
+  eigensolver's output also depends on float noise (e.g. the sharding).
+  """
+  overlap = jnp.sum(new * old, axis=0)
+  rows = jnp.argmax(jnp.abs(new), axis=0)
+  peak = jnp.take_along_axis(new, rows[None, :], axis=0)[0]
+  sign = jnp.where(jnp.abs(overlap) > 1e-3, jnp.sign(overlap), jnp.sign(peak))
+  return new * jnp.where(sign == 0, 1.0, sign).astype(new.dtype)
 
 
 def _new_projector(
@@ -420,7 +446,7 @@ def _new_projector(
 ) -> jax.Array:
   """Refreshed projector; keeps ``old`` when the gradient is zero or NaN."""
   dtype = old.dtype
-  g32 = g2.astype(jnp.float32)
+  g32 = g2.astype(_stat_dtype(g2.dtype))
   r = plan.rank
   if method == "exact":
     u, _, vh = jnp.linalg.svd(g32, full_matrices=False)
@@ -429,12 +455,12 @@ def _new_projector(
     mat = g32 if plan.left else g32.T
     p, q = mat.shape
     width = min(r + _OVERSAMPLING, p, q)
-    k_start, k_iter = jax.random.split(key)
-    start = jax.random.normal(k_start, (q, width), jnp.float32)
+    start = jax.random.normal(key, (q, width), g32.dtype)
     if method == "subspace":
-      warm = jnp.matmul(mat.T, old.astype(jnp.float32), precision=_HIGHEST)
+      warm = jnp.matmul(mat.T, old.astype(g32.dtype), precision=_HIGHEST)
       start = start.at[:, :r].set(warm)
-    new = _range_finder_basis(mat, start, r, power_iterations, k_iter)
+    new = _range_finder_basis(mat, start, r, power_iterations)
+    new = _align_signs(new, old.astype(new.dtype))
   new = new.astype(dtype)
   ok = jnp.all(jnp.isfinite(g32)) & jnp.any(g32 != 0) & jnp.all(
       jnp.isfinite(new))
@@ -457,7 +483,8 @@ class NaturalGaLoreState(NamedTuple):
       optax's GaLore); ``(0, 0)`` for unprojected leaves.
     window: per projected leaf, the last ``history_size`` low-rank gradients,
       ``(history_size, *low_rank_shape)``; zero-size otherwise.
-    window_gram: per projected leaf, the float32 ``(s, s)`` Gram of its
+    window_gram: per projected leaf, the float32 (float64 for float64
+      params) ``(s, s)`` Gram of its
       window; zero-size otherwise.
     base_optimizer_state: the base optimizer's state over the low-rank
       gradients (full shape for unprojected leaves).
@@ -528,6 +555,10 @@ def scale_by_natural_galore(
     is ``eye``); a NaN gradient never enters the window. NaN still reaches
     the base optimizer and the updates, so ``optax.apply_if_finite`` sees it.
   * ``scale`` applies to projected leaves only, as in optax and GaLore.
+  * Inexact refreshes flip each new basis vector to agree in sign with the
+    old one, so kept moments stay meaningful and the result does not depend
+    on float noise such as the sharding. The exact SVD keeps LAPACK's signs,
+    as optax does, so ``history_size=0`` stays bit-identical to it.
 
   Beyond the paper: ``window_source="per_example"`` builds :math:`H` from this
   batch's projected ``per_example_grads`` (``F = \lambda I + \frac1B H
@@ -597,8 +628,6 @@ def scale_by_natural_galore(
       "window_at_refresh", window_at_refresh, _REFRESH_POLICIES)
   _validation.check_choice("window_source", window_source, _WINDOW_SOURCES)
   _validation.check_choice("svd_method", svd_method, _SVD_METHODS)
-  wdtype = jnp.dtype(window_dtype) if window_dtype is not None else (
-      jnp.dtype(jnp.float32))
   per_example = window_source == "per_example"
   windowed = s > 0 and not per_example
 
@@ -620,14 +649,16 @@ def scale_by_natural_galore(
     for p, plan in zip(leaves, plans(params)):
       if plan is None:
         projectors.append(jnp.zeros((0, 0), p.dtype))
-        windows.append(jnp.zeros((0,), wdtype))
+        windows.append(jnp.zeros((0,), _stat_dtype(p.dtype)))
         grams.append(jnp.zeros((0, 0), jnp.float32))
         proxies.append(jnp.zeros(jnp.shape(p), p.dtype))
         continue
       n = s if windowed else 0
+      wdtype = (jnp.dtype(window_dtype) if window_dtype is not None
+                else _stat_dtype(p.dtype))
       projectors.append(_identity_basis(plan.projector_shape, p.dtype))
       windows.append(jnp.zeros((n,) + plan.low_rank_shape, wdtype))
-      grams.append(jnp.zeros((n, n), jnp.float32))
+      grams.append(jnp.zeros((n, n), _stat_dtype(wdtype)))
       proxies.append(jnp.zeros(plan.low_rank_shape, p.dtype))
     unflat = lambda xs: jax.tree.unflatten(treedef, xs)
     return NaturalGaLoreState(
@@ -644,15 +675,16 @@ def scale_by_natural_galore(
     if window_at_refresh == "reset":
       return jnp.zeros_like(window), jnp.zeros_like(gram)
     # Rotate old-basis coordinates into the new basis: R = P_new^T P_old.
-    rot = jnp.matmul(new_p.astype(jnp.float32).T, old_p.astype(jnp.float32),
+    dtype = gram.dtype
+    rot = jnp.matmul(new_p.astype(dtype).T, old_p.astype(dtype),
                      precision=_HIGHEST)
-    w32 = window.astype(jnp.float32)
+    w32 = window.astype(dtype)
     if plan.left:
       w32 = jnp.einsum("ij,sjn->sin", rot, w32, precision=_HIGHEST)
     else:
       w32 = jnp.einsum("smj,ij->smi", w32, rot, precision=_HIGHEST)
     window = w32.astype(window.dtype)
-    return window, _linalg.tree_stacked_gram(window.astype(jnp.float32))
+    return window, _linalg.tree_stacked_gram(window.astype(dtype))
 
   def update_fn(
       updates: PyTree,
@@ -715,14 +747,14 @@ def scale_by_natural_galore(
               p_old, window, gram))
       lg = plan.project(p_new, g2)
       if windowed:
-        window, gram = _push_if_finite(
-            window, gram, lg.astype(jnp.float32), slot)
+        window, gram = _push_if_finite(window, gram, lg, slot)
         lg = _woodbury_apply(window, gram, lg, damping,
                              normalize_output=normalize_output)
       elif per_example and s > 0:
         pe2 = jax.vmap(plan.to_matrix)(pe)
         h = jax.vmap(lambda x, p_new=p_new, plan=plan: plan.project(
-            p_new, x.astype(p_new.dtype)))(pe2).astype(jnp.float32)
+            p_new, x.astype(p_new.dtype)))(pe2)
+        h = h.astype(_stat_dtype(h.dtype))
         lg = _woodbury_apply(h, _linalg.tree_stacked_gram(h), lg, damping,
                              scale=1.0 / batch,
                              normalize_output=normalize_output)

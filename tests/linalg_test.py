@@ -186,3 +186,27 @@ class MatrixRootsAndPolarTest(parameterized.TestCase):
 
 if __name__ == "__main__":
   absltest.main()
+
+
+class RingBufferPushTest(parameterized.TestCase):
+  """One-row push (Natural GaLore's window): cache equals a fresh Gram."""
+
+  @parameterized.parameters(jnp.float32, jnp.bfloat16)
+  def test_gram_is_exact_gram_of_stored_window(self, window_dtype):
+    m = 3
+    key = jax.random.key(0)
+    window = {"w": jnp.zeros((m, 4, 2), window_dtype),
+              "b": jnp.zeros((m, 3), window_dtype)}
+    gram = jnp.zeros((m, m), jnp.float32)
+    push = jax.jit(_linalg.ring_buffer_push)
+    for t in range(5):  # wraps around the ring
+      k1, k2 = jax.random.split(jax.random.fold_in(key, t))
+      x = {"w": jax.random.normal(k1, (4, 2)), "b": jax.random.normal(k2, (3,))}
+      window, gram = push(window, gram, x, t % m)
+      chex.assert_trees_all_equal(
+          jax.tree.map(lambda s: s[t % m], window),
+          jax.tree.map(lambda v: v.astype(window_dtype), x))
+      wide = jax.tree.map(lambda s: s.astype(jnp.float32), window)
+      chex.assert_trees_all_close(
+          gram, _linalg.tree_stacked_gram(wide), rtol=1e-6, atol=1e-6)
+      self.assertEqual(gram.dtype, jnp.float32)
