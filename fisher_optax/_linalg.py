@@ -588,3 +588,15 @@ def cholesky_whitening(
   chol = jnp.linalg.cholesky(a)
   linv = jax.scipy.linalg.solve_triangular(chol, eye, lower=True)
   return _mT(linv)
+
+
+def tril_inverse(chol: jax.Array) -> jax.Array:
+  """Returns ``L^{-1}`` for lower-triangular ``L`` (batched over leading axes).
+
+  Uses an LU-based inverse: on XLA:CPU, ``triangular_solve`` with a matrix
+  right-hand side is about 100x slower than ``jnp.linalg.inv`` at
+  ``128 x 128`` (measured with jax 0.10.2), which dominated M-FAC's blocked
+  factorization. For the well-conditioned damped factors used here the LU
+  inverse is as accurate; the result is re-triangularized.
+  """
+  return jnp.tril(jnp.linalg.inv(chol))

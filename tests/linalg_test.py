@@ -184,6 +184,21 @@ class MatrixRootsAndPolarTest(parameterized.TestCase):
       np.testing.assert_allclose(np.tril(w, -1), 0.0)
 
 
+class TrilInverseTest(parameterized.TestCase):
+  """The LU-based triangular inverse matches a float64 triangular solve."""
+
+  def test_matches_solve(self):
+    with jax.enable_x64(True):
+      a = jax.random.normal(jax.random.key(0), (3, 6, 6), jnp.float64)
+      chol = jnp.linalg.cholesky(a @ jnp.swapaxes(a, -1, -2) + jnp.eye(6))
+      inv = _linalg.tril_inverse(chol)
+      for c, i in zip(chol, inv):
+        np.testing.assert_allclose(
+            i, jax.scipy.linalg.solve_triangular(c, jnp.eye(6), lower=True),
+            rtol=1e-10, atol=1e-12)
+        np.testing.assert_array_equal(np.triu(np.asarray(i), 1), 0.0)
+
+
 if __name__ == "__main__":
   absltest.main()
 
