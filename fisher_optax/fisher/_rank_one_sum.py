@@ -52,7 +52,8 @@ class RankOneSumFisher:
       gradients, or ``(num_blocks, r, block_size)`` when blocked, with
       ``r = min(m, block_size)``.
     chol: ``L``, shape ``(m, m)`` or ``(num_blocks, r, r)``.
-    damping: ``lambda``, a scalar array.
+    damping: the damping of the stored form, a scalar array: ``lambda``, or
+      ``lambda / 2`` for compressed blocks (``m > block_size``).
     block_size: ``None`` or the static block size.
   """
 
@@ -222,6 +223,11 @@ class RankOneSumFisher:
     return (eye - cross) / self.damping
 
 
+def _whiten(stacked: PyTree, chol: jax.Array) -> PyTree:
+  """``Z = L^{-1} G`` as a stacked tree (see ``_linalg.tril_inverse``)."""
+  return _linalg.tree_stacked_combine(stacked, _linalg.tril_inverse(chol).T)
+
+
 def sum_of_rank_one(
     grads: PyTree,
     damping: float | jax.Array,
@@ -250,8 +256,10 @@ def sum_of_rank_one(
       blocks of this many consecutive entries of the flattened parameters
       (the last block is zero-padded) and each block is factored on its own,
       as in M-FAC's pruner. When ``m > block_size`` each block's gradients
-      are first compressed to ``B`` rows by a QR factorization (``G^T G =
-      R^T R``), so a block costs ``O(m B^2 + B^3)`` and stores ``B x B``.
+      are first compressed to ``B`` rows ``R`` (a Cholesky factor of
+      ``G^T G + (m lambda / 2) I``, paired with damping ``lambda / 2``, which
+      gives the same ``F``), so a block costs ``O(m B^2 + B^3)`` and stores
+      ``B x B`` numbers.
 
   Returns:
     A :class:`RankOneSumFisher` with ``ihvp``, ``inverse_diag``,
@@ -297,20 +305,26 @@ def sum_of_rank_one(
   if block_size is None:
     factor = _linalg.woodbury_factor(
         _linalg.tree_stacked_gram(grads), lam, 1.0 / m)
-    z = _linalg.woodbury_whiten(grads, factor)
-    return RankOneSumFisher(z, factor.chol, lam, None, treedef, shapes, m)
+    return RankOneSumFisher(_whiten(grads, factor.chol), factor.chol, lam,
+                            None, treedef, shapes, m)
   d = sum(math.prod(s) for s in shapes)
   nb = -(-d // block_size)
   blocks = jnp.swapaxes(_flat_blocks(grads, block_size, nb, (m,)), 0, 1)
 
+  compress = m > block_size
+  # Compressed blocks keep B rows R with R^T R = G^T G + (m lam / 2) I (a
+  # Cholesky, well conditioned), so that lam/2 I + R^T R / m is exactly F.
+  form_lam = lam / 2 if compress else lam
+
   def one_block(g):
-    if m > block_size:
-      # G^T G = R^T R: the B x B factor R replaces the m gradient rows, so
-      # the block costs O(m B^2 + B^3) instead of O(m^2 B + m^3).
-      g = jnp.linalg.qr(g, mode="r")
-    f = _linalg.woodbury_factor(_linalg.tree_stacked_gram(g), lam, 1.0 / m)
-    return _linalg.woodbury_whiten(g, f), f.chol
+    if compress:
+      h = jnp.matmul(g.T, g, precision=jax.lax.Precision.HIGHEST)
+      eye = jnp.eye(block_size, dtype=dtype)
+      g = jnp.linalg.cholesky(0.5 * (h + h.T) + (m * lam / 2) * eye).T
+    f = _linalg.woodbury_factor(_linalg.tree_stacked_gram(g), form_lam,
+                                1.0 / m)
+    return _whiten(g, f.chol), f.chol
 
   z, chol = jax.vmap(one_block)(blocks)
-  return RankOneSumFisher(z, chol, lam, block_size, treedef, shapes, m)
+  return RankOneSumFisher(z, chol, form_lam, block_size, treedef, shapes, m)
 
