@@ -121,7 +121,10 @@ def main(argv):
   n = jax.device_count()
   print(f"{n} {jax.default_backend()} device(s): "
         f"{[d.device_kind for d in jax.devices()][:4]}...")
-  mesh = jax.make_mesh((n,), ("data",))
+  # Auto axes: XLA's partitioner picks the intermediate shardings (Explicit
+  # axes would ask us to annotate the FSDP matmuls by hand).
+  mesh = jax.make_mesh((n,), ("data",),
+                       axis_types=(jax.sharding.AxisType.Auto,))
   with jax.set_mesh(mesh):
     run_on_mesh(mesh, n)
 
