@@ -49,6 +49,9 @@ _ROUNDS = flags.DEFINE_integer("rounds", 9, "Interleaved rounds (fast rows).")
 _SLOW_ROUNDS = flags.DEFINE_integer(
     "slow_rounds", 3, "Interleaved rounds for the per-example rows.")
 _CHUNK = flags.DEFINE_integer("chunk", 32, "Per-example path chunk size.")
+_BATCHES = flags.DEFINE_list("batches", ["32", "128", "512"],
+                              "Batch sizes (full run).")
+_MODELS = flags.DEFINE_list("models", ["mlp", "cnn"], "Models to run.")
 _OUT = flags.DEFINE_string("out_dir", None, "Results dir (default results/).")
 
 NAME = "fisher_engine"
@@ -186,23 +189,24 @@ def to_markdown(rows: list[dict[str, Any]], batches: list[int],
   out = []
   for model in sorted({r["model"] for r in rows}, reverse=True):
     sub = [r for r in rows if r["model"] == model]
+    batches_m = [b for b in batches if any(r["batch"] == b for r in sub)]
     frac = sub[0]["covered_fraction"]
     base = {r["batch"]: r["median_s"] for r in sub
             if r["estimator"] == "batch gradient"}
-    header = (["estimator / path"] + [f"B={b}" for b in batches]
-              + [f"temp MB @{b}" for b in batches])
+    header = (["estimator / path"] + [f"B={b}" for b in batches_m]
+              + [f"temp MB @{b}" for b in batches_m])
     table = []
     names = list(dict.fromkeys(r["estimator"] for r in sub))
     for name in names:
       by_b = {r["batch"]: r for r in sub if r["estimator"] == name}
       cells = []
-      for b in batches:
+      for b in batches_m:
         r = by_b[b]
         if name == "batch gradient":
           cells.append(f"{1e3 * base[b]:.2f} ms")
         else:
           cells.append(_fmt_ratio(r["ratio"]))
-      mems = [f"{by_b[b]['temp_mb']:.1f}" for b in batches]
+      mems = [f"{by_b[b]['temp_mb']:.1f}" for b in batches_m]
       table.append([name] + cells + mems)
     title = {"mlp": "MLP (NNX, relu): " + sub[0]["sizes"],
              "cnn": "small CNN (Linen: 2 convs + dense head)"}[model]
@@ -220,22 +224,25 @@ def to_markdown(rows: list[dict[str, Any]], batches: list[int],
 def main(argv):
   del argv
   small = _SMALL.value
-  batches = [8, 16] if small else [32, 128, 512]
+  batches = [8, 16] if small else [int(b) for b in _BATCHES.value]
   rounds = 2 if small else _ROUNDS.value
   slow_rounds = 1 if small else _SLOW_ROUNDS.value
   chunk = 4 if small else _CHUNK.value
   rows = []
-  for model_name in ("mlp", "cnn"):
+  for model_name in _MODELS.value:
     for b in batches:
       print(f"[{NAME}] {model_name} B={b}", flush=True)
       rows.extend(run_one(model_name, b, small, chunk, rounds, slow_rounds))
-  md = to_markdown(rows, batches, chunk)
+      # Written after every configuration, so a long run leaves its results.
+      done = [bb for bb in batches if any(r["batch"] == bb for r in rows)]
+      md = to_markdown(rows, done, chunk)
+      data = {"settings": {"small": small, "batches": batches,
+                           "rounds": rounds, "slow_rounds": slow_rounds,
+                           "chunk": chunk},
+              "rows": rows}
+      path = common.write_results(NAME + ("_small" if small else ""), data,
+                                  md, _OUT.value)
   print(md)
-  data = {"settings": {"small": small, "batches": batches, "rounds": rounds,
-                       "slow_rounds": slow_rounds, "chunk": chunk},
-          "rows": rows}
-  path = common.write_results(NAME + ("_small" if small else ""), data, md,
-                              _OUT.value)
   print(f"wrote {path}")
 
 
