@@ -219,8 +219,10 @@ def _merge_diagonal(
 ) -> DiagonalEWC:
   _check_params(fisher_diag, old.precision, "diagonal Fisher")
   theta = _to_stat(params)
+  # Non-finite or negative Fisher entries carry no usable curvature: 0.
   fdiag = jax.tree.map(
-      lambda f, p: jnp.maximum(jnp.asarray(f).astype(p.dtype), 0.0),
+      lambda f, p: jnp.nan_to_num(jnp.maximum(
+          jnp.asarray(f).astype(p.dtype), 0.0), nan=0.0, posinf=0.0),
       fisher_diag, old.precision)
   old_prec = jax.tree.map(lambda p: decay * p, old.precision)
   precision = jax.tree.map(jnp.add, old_prec, fdiag)
@@ -263,7 +265,15 @@ def _merge_low_rank(
         f"axis {sorted(sizes)}.")
   theta = _to_stat(params)
   new_vecs = jax.tree.map(lambda v, o: v.astype(o.dtype), eigvecs, old.vectors)
-  new_scales = jnp.maximum(eigvals, 0.0)
+  # A direction with a non-finite entry or eigenvalue is dropped (scale 0,
+  # zero vector) so that NaN never enters the state.
+  finite = jnp.isfinite(eigvals)
+  for v in jax.tree.leaves(new_vecs):
+    finite &= jnp.all(jnp.isfinite(v.reshape(k_new, -1)), axis=1)
+  new_vecs = jax.tree.map(
+      lambda v: jnp.where(finite.reshape((-1,) + (1,) * (v.ndim - 1)), v, 0.0),
+      new_vecs)
+  new_scales = jnp.where(finite, jnp.maximum(eigvals, 0.0), 0.0)
   new_proj = _linalg.tree_stacked_dot(new_vecs, theta).astype(
       old.scales.dtype)
   scales = decay * old.scales

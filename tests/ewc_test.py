@@ -20,7 +20,8 @@ def _params(seed, dtype=jnp.float64):
 
 
 def _positive_tree(seed, like):
-  keys = iter(jax.random.split(jax.random.key(seed), len(jax.tree.leaves(like))))
+  n = len(jax.tree.leaves(like))
+  keys = iter(jax.random.split(jax.random.key(seed), n))
   return jax.tree.map(
       lambda x: jnp.abs(jax.random.normal(next(keys), x.shape, x.dtype)), like)
 
@@ -76,7 +77,8 @@ class EWCPenaltyTest(parameterized.TestCase):
       d = ft.ravel(theta) - ft.ravel(theta_star)
       lam = 3.0
       np.testing.assert_allclose(
-          fisher_optax.ewc_penalty(theta, anchor, lam), 0.5 * lam * d @ dense @ d,
+          fisher_optax.ewc_penalty(theta, anchor, lam),
+          0.5 * lam * d @ dense @ d,
           rtol=1e-12)
       chex.assert_trees_all_close(
           jax.grad(fisher_optax.ewc_penalty)(theta, anchor, lam),
@@ -236,6 +238,18 @@ class ConsolidateTest(parameterized.TestCase):
       chex.assert_tree_all_finite(a)
       chex.assert_tree_all_finite(
           jax.grad(fisher_optax.ewc_penalty)(_params(2, jnp.float32), a, 1.0))
+
+  def test_non_finite_statistics_never_enter_the_state(self):
+    theta = {"a": jnp.ones(3), "b": jnp.ones((2, 2))}
+    bad = {"a": jnp.array([1.0, jnp.nan, jnp.inf]), "b": jnp.ones((2, 2))}
+    vecs = jax.tree.map(lambda x, t: jnp.stack([x, t]) / 3.0, bad, theta)
+    anchor = fisher_optax.consolidate(
+        fisher_optax.init_ewc_anchor(theta, rank=2), theta, diagonal=bad,
+        low_rank=(jnp.array([1.0, 2.0]), vecs))
+    chex.assert_tree_all_finite(anchor)
+    np.testing.assert_allclose(anchor.diagonal.precision["a"], [1.0, 0.0, 0.0])
+    # The NaN direction is dropped; the finite one is kept.
+    np.testing.assert_allclose(jnp.sort(anchor.low_rank.scales), [0.0, 2.0])
 
   def test_engine_statistics_plug_in(self):
     theta = _params(0, jnp.float32)

@@ -43,8 +43,8 @@ class ProtectedSubspaceTest(parameterized.TestCase):
         k = int(sub.rank[name])
         self.assertEqual(k, min(k_min, 8), name)
         u = _flat(sub.bases[name])
-        np.testing.assert_allclose(u @ u.T, np.diag([1.0] * k + [0.0] * (8 - k)),
-                                   atol=1e-10)
+        np.testing.assert_allclose(
+            u @ u.T, np.diag([1.0] * k + [0.0] * (8 - k)), atol=1e-10)
         # Same subspace as the dense top-k eigenvectors.
         v = vecs[:, :k]
         np.testing.assert_allclose(u[:k].T @ u[:k], v @ v.T, atol=1e-8)
@@ -59,7 +59,7 @@ class ProtectedSubspaceTest(parameterized.TestCase):
         sub.bases, jax.tree.map(lambda x: jnp.zeros((4,) + x.shape[1:]), g))
 
   def test_small_tensor_has_no_identity_columns(self):
-    """Unlike the reference code, a 2-entry leaf is not frozen coordinate-wise."""
+    """Unlike the reference code, a 2-entry leaf is not frozen by e_1, e_2."""
     g = {"s": jnp.stack([jnp.array([0.0, c]) for c in (1.0, -2.0, 3.0)])}
     sub = fisher_optax.protected_subspace(g, max_rank=4, tau=0.9)
     self.assertEqual(int(sub.rank["s"]), 1)
