@@ -18,7 +18,9 @@ class FismoShardedTest(absltest.TestCase):
     self.assertEqual(jax.device_count(), 8)
 
   def test_sharded_matches_single_device(self):
-    mesh = jax.make_mesh((4, 2), ("data", "model"))
+    # Auto axes: GSPMD propagates the shardings through the optimizer.
+    mesh = jax.make_mesh((4, 2), ("data", "model"),
+                         axis_types=(jax.sharding.AxisType.Auto,) * 2)
     rng = np.random.default_rng(0)
     params = {"w": jnp.asarray(rng.normal(size=(16, 8)), jnp.float32),
               "stack": jnp.asarray(rng.normal(size=(4, 8, 6)), jnp.float32),
