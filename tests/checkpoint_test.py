@@ -32,6 +32,7 @@ uninterrupted 6-step run (to 1e-7, in practice bitwise).
 
 from __future__ import annotations
 
+import functools
 import pathlib
 import tempfile
 from typing import Any, Callable
@@ -75,25 +76,36 @@ def _batch(step: int) -> tuple[jax.Array, jax.Array]:
           jax.random.randint(ky, (8,), 0, 3))
 
 
+# Anchors and subspaces are data a real restart would reload with the
+# checkpoint; they are computed once here (jitted: eager is slow).
+@functools.cache
+def _anchor() -> fisher_optax.EWCAnchor:
+  @jax.jit
+  def make(params, batch):
+    cat = fisher.Categorical()
+    diag = fisher.diagonal(_apply, params, batch, likelihood=cat,
+                           kind="exact")
+    r1 = fisher.rank_one(_apply, params, batch, likelihood=cat,
+                         kind="empirical", direction="mean", scale="optimal")
+    return fisher_optax.consolidate(
+        fisher_optax.init_ewc_anchor(params, diagonal=True, rank=1), params,
+        diagonal=diag, low_rank=r1)
+  return make(_init_params(), _batch(100))
+
+
 def _ewc_adam() -> optax.GradientTransformation:
-  params = _init_params()
-  batch = _batch(100)
-  cat = fisher.Categorical()
-  diag = fisher.diagonal(_apply, params, batch, likelihood=cat, kind="exact")
-  r1 = fisher.rank_one(_apply, params, batch, likelihood=cat,
-                       kind="empirical", direction="mean", scale="optimal")
-  anchor = fisher_optax.consolidate(
-      fisher_optax.init_ewc_anchor(params, diagonal=True, rank=1), params,
-      diagonal=diag, low_rank=r1)
-  return optax.chain(fisher_optax.add_ewc_gradient(0.5, anchor),
+  return optax.chain(fisher_optax.add_ewc_gradient(0.5, _anchor()),
                      optax.adam(1e-2))
 
 
+@functools.cache
 def _subspace() -> fisher_optax.ProtectedSubspace:
-  x, y = _batch(200)
-  g = fisher.per_example_grads(
-      lambda p, ex: _loss(p, ex[0][None], ex[1][None]), _init_params(), (x, y))
-  return fisher_optax.protected_subspace(g, max_rank=2, tau=0.99)
+  @jax.jit
+  def make(params, x, y):
+    g = fisher.per_example_grads(
+        lambda p, ex: _loss(p, ex[0][None], ex[1][None]), params, (x, y))
+    return fisher_optax.protected_subspace(g, max_rank=2, tau=0.99)
+  return make(_init_params(), *_batch(200))
 
 
 # Each factory is called afresh for the restored run: nothing is shared but
@@ -127,8 +139,15 @@ _TRANSFORMS: dict[str, Callable[[], optax.GradientTransformation]] = {
         fisher_optax.fadam(1e-2, fisher_source="per_example"), every_k=2),
     "multi_steps": lambda: optax.MultiSteps(fisher_optax.fadam(1e-2), 2),
 }
-# Extras each transform receives (default: all three).
-_EXTRAS = {"estimate_fisher_diag_mc": ("batch",)}
+# Extras each transform needs (default none); computing only these keeps
+# the compiled steps small.
+_EXTRAS = {
+    "fadam_per_example": ("per_example_grads",),
+    "estimate_fisher_diag": ("per_example_grads",),
+    "estimate_fisher_diag_mc": ("batch",),
+    "estimate_fisher_low_rank": ("per_example_grads",),
+    "accumulate_fisher": ("per_example_grads",),
+}
 
 
 def _step_fn(tx: optax.GradientTransformation, extras: tuple[str, ...]):
@@ -171,7 +190,7 @@ class CheckpointTest(parameterized.TestCase):
   @parameterized.named_parameters(*[(n, n) for n in _TRANSFORMS])
   def test_restore_resumes_exact_trajectory(self, name):
     factory = _TRANSFORMS[name]
-    extras = _EXTRAS.get(name, ("per_example_grads", "batch", "obj_fn"))
+    extras = _EXTRAS.get(name, ())
     params0 = _init_params()
     tx = factory()
     step = _step_fn(tx, extras)
@@ -218,6 +237,7 @@ class CheckpointTest(parameterized.TestCase):
 
   def test_merge_accumulator_state_resumes(self):
     acc = fisher_optax.fisher_merge_accumulator()
+    acc = acc._replace(init=jax.jit(acc.init), add=jax.jit(acc.add))
     models = [jax.tree.map(lambda p, i=i: p + 0.1 * i, _init_params())
               for i in range(4)]
     fishers = [jax.tree.map(lambda p, i=i: jnp.abs(p) + 0.01 * (i + 1), m)
