@@ -552,6 +552,10 @@ def scale_by_fismo(
       delta = delta * (fro(ortho) / jnp.maximum(fro(delta), 1e-30))
     delta = jnp.where(finite, delta, jnp.nan)
     mu_new = jnp.where(finite, mu_new, mu_prev)
+    if plan.left:
+      wp = jnp.where(finite, wp, wp_old)
+    if plan.right:
+      wq = jnp.where(finite, wq, wq_old)
     out = _from_matrix(delta, plan).astype(g.dtype)
     mu_out = _from_matrix(mu_new, plan).astype(mu.dtype)
     return out, mu_out, p_new, q_new, wp, wq

@@ -278,13 +278,13 @@ class FactorTest(parameterized.TestCase):
 
   def test_batch_axes_have_their_own_factors(self):
     grads = jnp.stack(_grads(7, (3, 4, 5), 3))
-    state, ups = self._factors_after(grads,
+    state, ups = self._factors_after(grads, root_method="eigh",
                                      weight_dimension_numbers=DN(1, 2))
     for i in range(3):
-      s_i, u_i = self._factors_after(grads[:, i])
+      s_i, u_i = self._factors_after(grads[:, i], root_method="eigh")
       np.testing.assert_allclose(state.left_factor[i], s_i.left_factor[0],
-                                 atol=1e-5)
-      np.testing.assert_allclose(ups[:, i], u_i, atol=1e-5)
+                                 atol=1e-4)
+      np.testing.assert_allclose(ups[:, i], u_i, atol=1e-4)
 
   def test_zero_and_nonfinite_gradients_keep_the_state(self):
     params = {"w": jnp.zeros((4, 3)), "b": jnp.zeros((3,))}
@@ -296,7 +296,8 @@ class FactorTest(parameterized.TestCase):
     zero_u, zero_s = update(jax.tree.map(jnp.zeros_like, grads), state)
     chex.assert_tree_all_finite((zero_u, zero_s))
     chex.assert_trees_all_close(zero_s.left_factor, state.left_factor)
-    chex.assert_trees_all_close(zero_s.right_root, state.right_root)
+    chex.assert_trees_all_close(zero_s.right_root, state.right_root,
+                                atol=1e-5)
     bad = {"w": grads["w"].at[0, 0].set(jnp.nan),
            "b": grads["b"].at[0].set(jnp.inf)}
     nan_u, nan_s = update(bad, state)
@@ -402,7 +403,7 @@ class RoutingTest(parameterized.TestCase):
     self.assertEqual(state.left_factor["conv"].shape, (1, 12, 12))
     self.assertEqual(state.right_factor["conv"].shape, (1, 4, 4))
     grads = {"conv": jnp.ones((2, 2, 3, 4)), "b": jnp.array([1., -2, 0, 3])}
-    ups, _ = tx.update(grads, state, params)
+    ups, _ = jax.jit(tx.update)(grads, state, params)
     np.testing.assert_array_equal(ups["b"], jnp.sign(grads["b"]))
     self.assertEqual(ups["conv"].shape, (2, 2, 3, 4))
 
@@ -462,8 +463,8 @@ class PerExampleTest(parameterized.TestCase):
       tx = fisher_optax.scale_by_fismo(
           gamma=0.0, damping=0.0, fisher_source="per_example",
           precondition_interval=1, eigenvalue_floor=0.0)
-      _, state = tx.update(peg.mean(0), tx.init(params), params,
-                           per_example_grads=peg)
+      _, state = jax.jit(tx.update)(peg.mean(0), tx.init(params), params,
+                                    per_example_grads=peg)
       s = np.einsum("kmn,kpn->mp", peg, peg)
       np.testing.assert_allclose(state.left_factor[0], 4 * s / np.trace(s),
                                  atol=1e-12)
@@ -499,7 +500,7 @@ class IntegrationTest(parameterized.TestCase):
                       {"w": True, "v": False})
     ups, _ = jax.jit(tx.update)(grads, tx.init(params), params)
     chex.assert_trees_all_equal(ups["v"], grads["v"])
-    direct, _ = fisher_optax.scale_by_fismo().update(
+    direct, _ = jax.jit(fisher_optax.scale_by_fismo().update)(
         {"w": grads["w"]}, fisher_optax.scale_by_fismo().init(
             {"w": params["w"]}))
     chex.assert_trees_all_close(ups["w"], direct["w"], atol=1e-4)
