@@ -8,7 +8,9 @@ benchmark's JSON numbers, followed by each benchmark's own tables and plots.
 
 Flags: ``--only fadam_quality,merging`` restricts the run (the report still
 aggregates everything that exists); ``--no_run`` (or ``--norun``) only
-aggregates the existing results. A benchmark whose results are missing shows
+aggregates the existing results. The headline table is also written to
+``benchmarks/results/report_headline.md`` (links rebased for the README).
+A benchmark whose results are missing shows
 as "not run". Full-size results are preferred; ``<name>_small`` results are
 used when no full-size ones exist and are labelled as such.
 """
@@ -332,6 +334,11 @@ def section(r: Result, status: str | None) -> str:
 def write_report(statuses: dict[str, str], path: pathlib.Path) -> str:
   names = benchmark_names()
   results = {n: load(n) for n in names}
+  table = headline(results)
+  # README-ready copy of the headline table (the README quotes it).
+  RESULTS.mkdir(parents=True, exist_ok=True)
+  (RESULTS / "report_headline.md").write_text(
+      table.replace("](#", "](benchmarks/REPORT.md#") + "\n")
   parts = [
       "# fisher_optax: paper claims at small scale",
       "",
@@ -347,7 +354,7 @@ def write_report(statuses: dict[str, str], path: pathlib.Path) -> str:
       "",
       "## Headline",
       "",
-      headline(results),
+      table,
       "",
       "| Benchmark | Results used |",
       "|---|---|",
