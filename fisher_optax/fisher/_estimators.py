@@ -42,6 +42,8 @@ class _Pass(NamedTuple):
   count: jax.Array  # global int32 N
   params: PyTree  # pcast to varying under axis_name
   size: int  # local B
+  layers: Any = None  # _taps.LayerGrads of the cotangents, on the layer path
+  covered: PyTree = None  # params-shaped Python bools, on the layer path
 
 
 def _explicit_axes() -> tuple[str, ...]:
@@ -92,8 +94,15 @@ def _check_apply_outputs(out: Any, size: int) -> None:
 def _forward(apply_fn: ApplyFn, params: PyTree, batch: Any, *,
              likelihood: Any, kind: str, num_samples: int,
              key: jax.Array | None, method: str, chunk_size: int | None,
-             axis_name: str | None) -> tuple[_Pass, _likelihoods.Likelihood]:
-  """Validates the arguments and runs the shared forward/backward pass."""
+             axis_name: str | None, layers: bool = False
+             ) -> tuple[_Pass, _likelihoods.Likelihood]:
+  """Validates the arguments and runs the shared forward/backward pass.
+
+  With ``layers``, the forward pass is recorded with taps on the dense and
+  embedding layers (:func:`_taps.record`): the mean gradient and the layer
+  ``delta`` then share one backward pass (``empirical``), or the ``delta``
+  of all ``S`` cotangents come from one more vmapped backward.
+  """
   likelihood = _likelihoods.as_likelihood(likelihood)
   _likelihoods.check_kind(likelihood, kind)
   _validation.check_choice("method", method, METHODS)
@@ -125,22 +134,32 @@ def _forward(apply_fn: ApplyFn, params: PyTree, batch: Any, *,
     if key is not None:
       key = jax.random.fold_in(key, jax.lax.axis_index(axis_name))
 
-  out, pull = jax.vjp(lambda p: apply_fn(p, inputs), params)
+  layers = layers and kind != "batch_squared"
+  if layers:
+    tape = _taps.record(apply_fn, params, inputs, axis_name=axis_name)
+    out = tape.outputs
+    pull = lambda r: tape.gradient(r)
+  else:
+    out, vjp = jax.vjp(lambda p: apply_fn(p, inputs), params)
+    pull = lambda r: (vjp(r)[0], None)
   _check_apply_outputs(out, size)
   cot = _likelihoods.output_cotangents(
       likelihood, kind, out, targets, key=key, num_samples=num_samples)
   count = _psum(jnp.asarray(size, jnp.int32), axis_name)
-  if targets is None:
-    mean_grad = None
-  else:
+  mean_grad, layer_grads = None, None
+  if targets is not None:
     if kind in ("empirical", "batch_squared"):
       r_emp = cot[0]
     else:
       r_emp = _likelihoods.output_cotangents(likelihood, "empirical", out,
                                              targets)[0]
-    sums = _f32(pull(r_emp)[0])
-    mean_grad = jax.tree.map(lambda s: s / count, _psum(sums, axis_name))
-  return _Pass(inputs, cot, mean_grad, count, params, size), likelihood
+    sums, layer_grads = pull(r_emp)
+    mean_grad = jax.tree.map(lambda s: s / count,
+                             _psum(_f32(sums), axis_name))
+  if layers and (kind != "empirical" or layer_grads is None):
+    layer_grads = tape.backward(cot)
+  return _Pass(inputs, cot, mean_grad, count, params, size, layer_grads,
+               tape.covered if layers else None), likelihood
 
 
 def _batch_major(cot: jax.Array) -> jax.Array:
@@ -276,16 +295,16 @@ def diagonal(
         chunk_size=chunk_size)
   ps, _ = _forward(apply_fn, params, batch, likelihood=likelihood, kind=kind,
                    num_samples=num_samples, key=key, method=method,
-                   chunk_size=chunk_size, axis_name=axis_name)
+                   chunk_size=chunk_size, axis_name=axis_name,
+                   layers=_use_taps(method))
   if kind == "batch_squared":
     diag = jax.tree.map(jnp.square, ps.mean_grad)
     return _statistics.DiagonalFisher(diag, ps.mean_grad, ps.count, kind)
 
   sums = None
   if _use_taps(method):
-    stats, covered = _taps.layer_statistics(
-        apply_fn, ps.params, ps.inputs, ps.cotangents, structure="diag",
-        chunk_size=chunk_size, axis_name=axis_name)
+    stats = ps.layers.statistics("diag", chunk_size=chunk_size)
+    covered = ps.covered
     _check_covered(covered, method)
     sub, rebuild = _split(ps.params, covered)
     if sub:
@@ -436,15 +455,17 @@ def low_rank(
         low_rank, apply_fn, params, batch, key, likelihood=likelihood,
         kind=kind, num_samples=num_samples, method=method,
         chunk_size=chunk_size, rank=rank, per_leaf=per_leaf)
+  use_layers = _use_taps(method) and not per_leaf and axis_name is None
   ps, _ = _forward(apply_fn, params, batch, likelihood=likelihood, kind=kind,
                    num_samples=num_samples, key=key, method=method,
-                   chunk_size=chunk_size, axis_name=axis_name)
+                   chunk_size=chunk_size, axis_name=axis_name,
+                   layers=use_layers)
   if kind == "batch_squared":
     stacked = jax.tree.map(lambda m: m[None], ps.mean_grad)
     count = jnp.ones((), jnp.int32)
   else:
     count = ps.count
-    if _use_taps(method) and not per_leaf and axis_name is None:
+    if use_layers:
       return _low_rank_taps(apply_fn, ps, rank, method, chunk_size, kind)
     stacked = _stacked_pseudo_grads(apply_fn, ps.params, ps.inputs,
                                     ps.cotangents, ps.size, chunk_size)
@@ -463,9 +484,8 @@ def low_rank(
 
 def _low_rank_taps(apply_fn, ps, rank, method, chunk_size, kind):
   """Global low rank with the Gram of covered leaves from layer statistics."""
-  gram, covered = _taps.layer_statistics(
-      apply_fn, ps.params, ps.inputs, ps.cotangents, structure="gram",
-      chunk_size=chunk_size)
+  gram = ps.layers.statistics("gram", chunk_size=chunk_size)
+  covered = ps.covered
   _check_covered(covered, method)
   sub, rebuild = _split(ps.params, covered)
   gram = _f32(gram)
@@ -476,8 +496,7 @@ def _low_rank_taps(apply_fn, ps, rank, method, chunk_size, kind):
         ps.size, chunk_size)
     gram = gram + _linalg.tree_stacked_gram(sub_stacked)
   vals, w = _top_k(gram, rank, ps.count)
-  tree, _ = _taps.combine(apply_fn, ps.params, ps.inputs, ps.cotangents,
-                          w.T, chunk_size=chunk_size)
+  tree = ps.layers.combine(w.T)
   if sub_stacked is not None:
     it = iter(_combine(sub_stacked, w))
     tree = jax.tree.map(lambda t, c: _f32(t) if c else next(it), tree,
@@ -738,24 +757,24 @@ def kronecker(
     raise ValueError("estimator='kfac' needs layer statistics (method='auto' "
                      "or 'taps'); method='per_example' supports "
                      "estimator='shampoo'.")
+  use_taps = estimator != "shampoo" and _use_taps(
+      "taps" if estimator == "kfac" else method)
   ps, _ = _forward(apply_fn, params, batch, likelihood=likelihood, kind=kind,
                    num_samples=num_samples, key=key, method=method,
-                   chunk_size=chunk_size, axis_name=axis_name)
+                   chunk_size=chunk_size, axis_name=axis_name,
+                   layers=use_taps)
   inputs, cot, size, count = ps.inputs, ps.cotangents, ps.size, ps.count
   if kind == "batch_squared":
     left, right = _batch_squared_kron(ps.mean_grad, num_iters)
     return _statistics.KroneckerFisher(left, right, ps.mean_grad, count, kind,
                                        "shampoo")
-  use_taps = estimator != "shampoo" and _use_taps(
-      "taps" if estimator == "kfac" else method)
   if not use_taps:
     left, right = _shampoo_factors(apply_fn, ps.params, inputs, cot, size,
                                    chunk_size, count, axis_name, num_iters)
     return _statistics.KroneckerFisher(left, right, ps.mean_grad, count, kind,
                                        "shampoo")
-  stats, covered = _taps.layer_statistics(
-      apply_fn, ps.params, inputs, cot, structure="kron",
-      chunk_size=chunk_size, axis_name=axis_name)
+  stats = ps.layers.statistics("kron", chunk_size=chunk_size)
+  covered = ps.covered
   _check_covered(covered, "taps" if estimator == "kfac" else method)
   stats = _psum(stats, axis_name)
   sub, rebuild = _split(ps.params, covered)
