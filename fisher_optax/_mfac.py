@@ -147,10 +147,13 @@ def scale_by_mfac(
     rows = jax.tree.map(lambda r, s: r.astype(s.dtype), rows, state.grads)
     finite = jnp.all(jnp.asarray(
         [jnp.all(jnp.isfinite(r)) for r in jax.tree.leaves(rows)], bool))
-    pushed, gram = _linalg.stacked_push_rows(
+    # A non-finite push rewrites the old rows: touches k rows, not the window.
+    slots = (state.index + jnp.arange(k, dtype=jnp.int32)) % m
+    rows = jax.tree.map(lambda r, s: jnp.where(finite, r, s[slots]), rows,
+                        state.grads)
+    window, gram = _linalg.stacked_push_rows(
         state.grads, state.gram, rows, state.index)
     keep = lambda new, old: jnp.where(finite, new, old)
-    window = jax.tree.map(keep, pushed, state.grads)
     gram = keep(gram, state.gram)
     index = keep((state.index + k) % m, state.index)
 
