@@ -98,7 +98,7 @@ def load(name: str) -> Result:
   return Result(name, None, None, None)
 
 
-# -- statistics ------------------------------------------------------------------
+# -- statistics -----------------------------------------------------------
 
 
 def mean_std(xs: list[float]) -> tuple[float, float]:
@@ -113,7 +113,7 @@ def fmt(xs: list[float], digits: int = 3) -> str:
   return f"{m:.{digits}f} ± {s:.{digits}f} (n={len(xs)})"
 
 
-# -- claims ----------------------------------------------------------------------
+# -- claims ---------------------------------------------------------------
 # Each claim reads one benchmark's JSON and returns (verdict, evidence). A
 # missing key raises and is reported as "results incomplete", never guessed.
 
@@ -217,8 +217,8 @@ def _merging(d):
     parts.append(f"{shift}: {m:+.3f} ± {sd:.3f}")
   n = len(d["e1_summary"])
   verdict = (REPRODUCED if wins == n else PARTIAL if wins else NOT_REPRODUCED)
-  return verdict, ("accuracy Fisher merge − tuned average: " + "; ".join(parts)
-                   + f" ({wins}/{n} shifts positive)")
+  return verdict, ("accuracy Fisher merge − tuned average: "
+                   + "; ".join(parts) + f" ({wins}/{n} shifts positive)")
 
 
 def _obs(d):

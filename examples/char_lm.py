@@ -168,7 +168,8 @@ def main(argv):
   fig.tight_layout()
   path = out / "char_lm.png"
   fig.savefig(path, dpi=120)
-  print(f"wrote {path} ({jax.device_count()} {jax.default_backend()} device(s))")
+  print(f"wrote {path} ({jax.device_count()} {jax.default_backend()} "
+        "device(s))")
 
 
 # %%

@@ -165,7 +165,8 @@ def main(argv):
   fig.tight_layout()
   path = out / "fisher_merging.png"
   fig.savefig(path, dpi=120)
-  print(f"wrote {path} ({jax.device_count()} {jax.default_backend()} device(s))")
+  print(f"wrote {path} ({jax.device_count()} {jax.default_backend()} "
+        "device(s))")
 
 
 # %%
