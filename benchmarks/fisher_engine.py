@@ -159,8 +159,9 @@ def run_one(model_name: str, batch: int, small: bool, chunk: int,
     rows[name] = {"model": model_name, "batch": batch, "estimator": name,
                   "temp_mb": mem / 2**20, "slow": slow,
                   "covered_fraction": covered / total,
-                  "sizes": "-".join(str(l.shape[-1]) for l in jax.tree.leaves(
-                      params) if l.ndim == 1) if model_name == "mlp" else "",
+                  "sizes": "-".join([str(in_shape[0])] + [
+                      str(l.shape[-1]) for l in jax.tree.leaves(params)
+                      if l.ndim == 1]) if model_name == "mlp" else "",
                   "num_params": total}
     if name not in skip:
       jitted[name] = functools.partial(jax.jit(fn), params, x, y, key)

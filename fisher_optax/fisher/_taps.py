@@ -634,8 +634,9 @@ class LayerGrads:
       per_pos = jnp.sum(summed ** 2, axis=0) / mult[..., None]
       return jnp.zeros(shape, delta.dtype).at[ids.reshape(-1)].add(
           per_pos.reshape(-1, shape[-1]))
-    if act.shape[1] == 1:
-      return jnp.einsum("ni,snj->ij", act[:, 0] ** 2, delta[:, :, 0] ** 2)
+    if act.shape[1] == 1:  # sum over samples first: one (d_in, B) matmul
+      d2 = jnp.sum(delta[:, :, 0] ** 2, axis=0)
+      return act[:, 0].T ** 2 @ d2
     # Weight sharing: no shortcut, chunked per-example products.
     num_s, b, t, d_out = delta.shape
     d_in = act.shape[-1]
@@ -722,8 +723,9 @@ class LayerGrads:
         wd = jnp.einsum("ksn,sntd->kntd", w, delta)
         val = jnp.zeros((k,) + shape, wd.dtype).at[:, act.reshape(-1)].add(
             wd.reshape(k, -1, shape[-1]))
-      else:
-        val = jnp.einsum("ksn,nti,sntj->kij", w, act, delta)
+      else:  # weight the deltas, then k matmuls over (n, t)
+        wd = jnp.einsum("ksn,sntj->kntj", w, delta)
+        val = jnp.einsum("nti,kntj->kij", act, wd)
       out[leaf] = val.reshape((k,) + shape)
     return self._unflatten(out)
 
