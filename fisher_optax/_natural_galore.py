@@ -583,7 +583,8 @@ def scale_by_natural_galore(
     normalize_output: return :math:`\lambda F^{-1} g`.
     window_dtype: stored window dtype (default float32; bfloat16 halves it).
     window_source: ``"history"`` or ``"per_example"`` (needs the
-      ``per_example_grads`` extra, leaves ``(B, *param_shape)``).
+      ``per_example_grads`` extra, leaves ``(B, *param_shape)``, e.g. from
+      :func:`fisher_optax.fisher.per_example_grads`).
     svd_method: ``"exact"``, ``"randomized"`` or ``"subspace"``.
     svd_power_iterations: power iterations of the inexact methods (static).
 
@@ -818,8 +819,10 @@ def natural_galore(
   The first eight arguments are ``optax.contrib.galore``'s, in its order,
   so replacing ``optax.contrib.galore`` by ``fisher_optax.natural_galore``
   is the whole change. Under ``optax.inject_hyperparams`` list ``rank``,
-  ``update_proj_gap``, ``history_size`` and ``svd_power_iterations`` in
-  ``static_args`` (and ``weight_dimension_numbers`` if it is a callable).
+  ``history_size`` and ``svd_power_iterations`` in ``static_args`` (and
+  ``weight_dimension_numbers`` if it is a callable); ``damping``, ``scale``,
+  ``update_proj_gap``, ``weight_decay`` and the learning rate may be
+  injected.
 
   Args:
     learning_rate: a float or an optax schedule.
