@@ -856,7 +856,7 @@ def diagonal_from_loss(
     chunk_size: int | None = None,
     axis_name: str | None = None,
 ) -> _statistics.DiagonalFisher:
-  """Batch sufficient statistics of a bare per-example loss.
+  r"""Batch sufficient statistics of a bare per-example loss.
 
   .. math::
 
