@@ -14,9 +14,10 @@
 # %% [markdown]
 # # Continual learning on split digits: EWC and protected subspaces
 #
-# Task A is digits 0-4, task B digits 5-9 (task-incremental: each task is
-# scored on its own five classes). After training on A we fine-tune on B and
-# watch task A's accuracy fall (the forgetting curve) under
+# Task A is digits 0-4, task B digits 5-9, both read out by one shared
+# five-way head (domain-incremental "split digits": B's 5-9 reuse A's labels
+# 0-4). After training on A we fine-tune on B and watch task A's accuracy
+# fall (the forgetting curve) under
 #
 # * plain fine-tuning,
 # * diagonal EWC with the empirical, sampled (Monte Carlo) and exact Fisher,
@@ -51,11 +52,12 @@ from fisher_optax import models  # noqa: E402
 
 import _notebook  # noqa: E402  (examples/_notebook.py)
 
-flags.DEFINE_integer("steps", 500, "Training steps per task.")
+flags.DEFINE_integer("steps", 300, "Training steps per task.")
 flags.DEFINE_integer("batch_size", 32, "Mini-batch size.")
 flags.DEFINE_integer("n_fisher", 512, "Task-A examples for the Fisher.")
-flags.DEFINE_float("ewc_strength", 100.0, "lambda of the diagonal EWC runs.")
-flags.DEFINE_float("rank1_strength", 1000.0, "lambda of the rank-1 EWC run.")
+flags.DEFINE_float("ewc_strength", 1e4, "lambda of the diagonal EWC runs.")
+flags.DEFINE_float("rank1_strength", 1e5, "lambda of the rank-1 EWC run.")
+flags.DEFINE_integer("max_rank", 512, "Protected directions per leaf.")
 flags.DEFINE_integer("seed", 0, "Seed of the split, the init and the batches.")
 flags.DEFINE_string("out_dir", "example_outputs", "Where plots are written.")
 flags.DEFINE_bool("small", False, "Tiny run (CI): few steps.")
@@ -64,9 +66,10 @@ FLAGS = flags.FLAGS
 TASKS = {"A": np.arange(0, 5), "B": np.arange(5, 10)}
 
 # %% [markdown]
-# ## Tasks and a task-aware model
-# One MLP with a 10-way head; a task sees only its own five logits (the
-# others are masked), both in its loss and in its Fisher.
+# ## Tasks
+# One MLP with a five-way head; task B's digits 5-9 get labels 0-4, so
+# learning B overwrites exactly what A needs (a task-incremental split with
+# separate heads barely forgets on digits).
 
 
 # %%
@@ -74,13 +77,8 @@ def split_task(data, classes):
   out = {}
   for split, (x, y) in data.items():
     keep = np.isin(y, classes)
-    out[split] = (x[keep], y[keep])
+    out[split] = (x[keep], y[keep] - classes.min())
   return out
-
-
-def task_apply(apply_fn, classes):
-  mask = jnp.full((10,), -1e9).at[jnp.asarray(classes)].set(0.0)
-  return lambda params, x: apply_fn(params, x) + mask
 
 
 def loss_fn(apply, params, x, y):
@@ -127,6 +125,15 @@ def train(apply, params, tx, data, steps, batch_size, seed, desc,
 # `lambda F (theta - theta_A)` to the gradient. PhysGuard's basis comes from
 # per-example gradients with labels sampled from the model (a true-Fisher
 # basis), `tau = 0.999`.
+#
+# What to expect (seed 0, default flags, one run): fine-tuning forgets 0.43 of
+# task A's accuracy, diagonal EWC with the exact Fisher 0.08, with the
+# empirical or sampled Fisher 0.38. The model fits task A perfectly, so its
+# sampled labels are the true ones (MC = empirical) and both vanish with the
+# loss, while the exact Fisher (an expectation over the predictive
+# distribution) does not. Rank-1 EWC and the protected subspace, built from
+# the same vanishing gradients, barely help here (0.42); see
+# `benchmarks/continual.py` for tuned strengths over seeds.
 
 
 # %%
@@ -158,7 +165,7 @@ def methods(apply_a, params_a, data_a, n_fisher, seed):
   g = fisher.per_example_grads(
       lambda p, ex: loss_fn(apply_a, p, ex[0][None], ex[1][None]),
       params_a, (x, y_model), chunk_size=128)
-  max_rank = 128
+  max_rank = min(FLAGS.max_rank, n_fisher)
   subspace = fisher_optax.protected_subspace(g, max_rank=max_rank, tau=0.999)
   out["protected subspace"] = fisher_optax.physguard(
       lr, max_rank=max_rank, subspace=subspace)
@@ -174,9 +181,8 @@ def main(argv):
   eval_every = 5 if small else 10
   data = datasets.load_digits(seed=FLAGS.seed)
   data_a, data_b = (split_task(data, c) for c in TASKS.values())
-  apply_fn, init = models.digits_mlp(FLAGS.seed)
-  apply_a = task_apply(apply_fn, TASKS["A"])
-  apply_b = task_apply(apply_fn, TASKS["B"])
+  apply_fn, init = models.digits_mlp(FLAGS.seed, sizes=(64, 128, 128, 5))
+  apply_a = apply_b = apply_fn
 
   params_a, _ = train(apply_a, init, optax.adam(1e-3), data_a, steps,
                       FLAGS.batch_size, FLAGS.seed, "task A")
