@@ -188,16 +188,21 @@ def _ng_quality(d):
 
 
 def _ng_memory(d):
-  rows = d["memory"]
   by = {}
-  for r in rows:
+  for r in d["memory"]:
     by.setdefault(r["config"], {})[r["optimizer"]] = r["state_bytes"]
-  cfg = next(c for c, v in by.items() if "adamw" in v and any(
-      "natural" in k for k in v))
-  ng = next(v for k, v in by[cfg].items() if "natural" in k)
-  ratio = ng / by[cfg]["adamw"]
-  return (REPRODUCED if ratio < 1 else NOT_REPRODUCED,
-          f"optimizer state Natural GaLore / AdamW = {ratio:.2f} ({cfg})")
+  ratios = {}
+  for cfg, v in by.items():
+    ng = [b for k, b in v.items() if "natural" in k]
+    if "adamw" in v and ng:
+      ratios[cfg] = ng[0] / v["adamw"]
+  if not ratios:
+    raise KeyError("no config with both adamw and natural_galore")
+  wins = sum(r < 1 for r in ratios.values())
+  verdict = (REPRODUCED if wins == len(ratios) else PARTIAL if wins
+             else NOT_REPRODUCED)
+  return verdict, ("optimizer state Natural GaLore / AdamW: " + "; ".join(
+      f"{r:.2f} ({c})" for c, r in ratios.items()))
 
 
 def _mfac(d):
