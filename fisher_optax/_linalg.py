@@ -188,11 +188,23 @@ def stacked_push_rows(
   if k > m:
     raise ValueError(f"cannot push {k} rows into a window of {m} rows.")
   slots = (jnp.asarray(index, jnp.int32) + jnp.arange(k, dtype=jnp.int32)) % m
-  stacked = jax.tree.map(
-      lambda s, r: s.at[slots].set(r.astype(s.dtype)), stacked, rows)
-  new = tree_stacked_gram(
-      jax.tree.map(lambda s: s[slots], stacked), stacked).astype(gram.dtype)
-  gram = gram.at[slots, :].set(new).at[:, slots].set(new.T)
+  stored = jax.tree.map(lambda s, r: r.astype(s.dtype), stacked, rows)
+
+  # Contract against the *old* window (window first: on XLA:CPU the
+  # (k, d) x (m, d)^T order of tree_stacked_gram transposes the window, and a
+  # product with the scattered window is not fused well) and patch the
+  # k x k block of the new rows afterwards.
+  def cross(s: jax.Array, r: jax.Array) -> jax.Array:
+    axes = tuple(range(1, s.ndim))
+    return jnp.tensordot(s, r, axes=(axes, axes), precision=_HIGHEST)
+
+  cols = sum(c.astype(gram.dtype) for c in jax.tree.leaves(
+      jax.tree.map(cross, stacked, stored)))  # (m, k)
+  block = sum(c.astype(gram.dtype) for c in jax.tree.leaves(
+      jax.tree.map(cross, stored, stored)))  # (k, k)
+  cols = cols.at[slots].set(block)
+  stacked = jax.tree.map(lambda s, r: s.at[slots].set(r), stacked, stored)
+  gram = gram.at[:, slots].set(cols).at[slots, :].set(cols.T)
   return stacked, gram
 
 
