@@ -20,8 +20,16 @@ rank-1 EWC paper claims the Fisher is nearly rank one at low SNR.
 
 Run from the repository root::
 
-  python -m benchmarks.continual            # full, ~10 min on 2 CPU cores
-  python -m benchmarks.continual --small    # seconds-long smoke run
+  python -m benchmarks.continual            # full run
+  python -m benchmarks.continual --small    # smoke run (1 seed, 3 tasks)
+
+The full run is about 12 methods x 3 seeds of 5 tasks and is dominated by
+XLA compilation on CPU. On a busy machine split it into processes and merge::
+
+  python -m benchmarks.continual --part ewc --seed_list 0   # ... 1, 2
+  python -m benchmarks.continual --part proj --seed_list 0  # ... 1, 2
+  python -m benchmarks.continual --part diffusion
+  python -m benchmarks.continual --report_only
 """
 
 from __future__ import annotations
