@@ -179,7 +179,7 @@ def check_destination(
   return fmt
 
 
-def _commit(tmp: pathlib.Path, path: pathlib.Path) -> None:
+def commit(tmp: pathlib.Path, path: pathlib.Path) -> None:
   """Moves a finished temporary output into place (the only visible step)."""
   if tmp.is_dir() and path.exists():
     # Directories cannot be swapped in one call: move the old one aside,
@@ -239,7 +239,7 @@ def save_tree(
       with ocp.StandardCheckpointer() as ckptr:
         ckptr.save(os.path.abspath(tmp), plain)
         ckptr.wait_until_finished()
-    _commit(tmp, path)
+    commit(tmp, path)
   finally:
     if tmp.is_dir():
       shutil.rmtree(tmp, ignore_errors=True)

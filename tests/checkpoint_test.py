@@ -1,29 +1,16 @@
 # Copyright 2026 The fisher_optax Authors. Licensed under the Apache License 2.0.
 """Orbax save/restore of every optimizer state, and exact resumption.
 
-The recipe under test (README "Checkpointing")::
+The recipe under test (README, "Flax, accumulation and checkpoints")::
 
-  import orbax.checkpoint as ocp
+  from fisher_optax import checkpoint
 
-  def save(path, tree):  # orbax refuses zero-size arrays: drop them
-    with ocp.StandardCheckpointer() as ckptr:
-      ckptr.save(path, jax.tree.map(lambda x: None if x.size == 0 else x,
-                                    tree))
-
-  def restore(path, target):  # target from jax.eval_shape
-    stripped = jax.tree.map(lambda s: None if s.size == 0 else s, target)
-    with ocp.StandardCheckpointer() as ckptr:
-      restored = ckptr.restore(path, stripped)
-    return jax.tree.map(
-        lambda s, r: jnp.zeros(s.shape, s.dtype) if s.size == 0 else r,
-        target, restored)
-
-  save(path, {"params": params, "opt_state": opt_state})
+  checkpoint.save(path, {"params": params, "opt_state": opt_state})
   # Later, in a fresh process: rebuild tx, restore against an abstract target
   # so NamedTuple states (and typed PRNG keys) come back as such.
   target = {"params": jax.eval_shape(init_params),
             "opt_state": jax.eval_shape(tx.init, params_like)}
-  restored = restore(path, target)
+  restored = checkpoint.restore(path, target)
 
 For each transform we train 3 steps, checkpoint, rebuild the transform and
 restore into it, train 3 more, and require the trajectory to equal an
@@ -47,6 +34,7 @@ import optax
 import orbax.checkpoint as ocp
 
 import fisher_optax
+from fisher_optax import checkpoint
 from fisher_optax import fisher
 from fisher_optax import flax as fo_flax
 
@@ -169,22 +157,6 @@ def _step_fn(tx: optax.GradientTransformation, extras: tuple[str, ...]):
   return step
 
 
-def save(path: pathlib.Path, tree: Any) -> None:
-  """Saves a pytree of arrays; orbax refuses zero-size arrays, so drop them."""
-  with ocp.StandardCheckpointer() as ckptr:
-    ckptr.save(path, jax.tree.map(lambda x: None if x.size == 0 else x, tree))
-
-
-def restore(path: pathlib.Path, target: Any) -> Any:
-  """Restores into ``target`` (from ``jax.eval_shape``), refilling empties."""
-  stripped = jax.tree.map(lambda s: None if s.size == 0 else s, target)
-  with ocp.StandardCheckpointer() as ckptr:
-    restored = ckptr.restore(path, stripped)
-  return jax.tree.map(
-      lambda s, r: jnp.zeros(s.shape, s.dtype) if s.size == 0 else r,
-      target, restored)
-
-
 class CheckpointTest(parameterized.TestCase):
 
   @parameterized.named_parameters(*[(n, n) for n in _TRANSFORMS])
@@ -200,14 +172,14 @@ class CheckpointTest(parameterized.TestCase):
       path = pathlib.Path(tmp) / "ckpt"
       for t in range(_STEPS):
         if t == _SPLIT:
-          save(path, {"params": params, "opt_state": state})
+          checkpoint.save(path, {"params": params, "opt_state": state})
         params, state = step(params, state, *_batch(t))
         reference.append(params)
       # A fresh transform and state, as in a new process.
       fresh_tx = factory()
       target = {"params": jax.eval_shape(_init_params),
                 "opt_state": jax.eval_shape(fresh_tx.init, params0)}
-      restored = restore(path, target)
+      restored = checkpoint.restore(path, target)
 
     chex.assert_trees_all_equal_structs(restored["opt_state"],
                                         target["opt_state"])
@@ -248,14 +220,42 @@ class CheckpointTest(parameterized.TestCase):
     state = acc.add(acc.init(models[0], fishers[0]), models[1], fishers[1])
     with tempfile.TemporaryDirectory() as tmp:
       path = pathlib.Path(tmp) / "acc"
-      save(path, state)
-      state = restore(path, jax.eval_shape(acc.init, models[0], fishers[0]))
+      checkpoint.save(path, state)
+      state = checkpoint.restore(
+          path, jax.eval_shape(acc.init, models[0], fishers[0]))
     for m, f in zip(models[2:], fishers[2:]):
       state = acc.add(state, m, f)
     chex.assert_trees_all_close(acc.finalize(state), acc.finalize(full),
                                 atol=1e-7, rtol=0)
     self.assertFalse(np.allclose(
         np.asarray(acc.finalize(full)["w1"]), np.asarray(models[0]["w1"])))
+
+
+class CheckpointModuleTest(absltest.TestCase):
+
+  def test_overwrite_and_atomicity(self):
+    tree = {"a": jnp.arange(3.0), "empty": jnp.zeros((0, 2))}
+    with tempfile.TemporaryDirectory() as tmp:
+      path = pathlib.Path(tmp) / "ckpt"
+      checkpoint.save(path, tree)
+      with self.assertRaisesRegex(FileExistsError, "overwrite"):
+        checkpoint.save(path, tree)
+      # A failing save (a leaf orbax cannot write) leaves the old checkpoint
+      # in place and no temporary directory behind.
+      with self.assertRaises(Exception):
+        checkpoint.save(path, {"a": object()}, overwrite=True)
+      self.assertEqual(sorted(p.name for p in pathlib.Path(tmp).iterdir()),
+                       ["ckpt"])
+      checkpoint.save(path, {"a": jnp.ones(3), "empty": jnp.zeros((0, 2))},
+                      overwrite=True)
+      back = checkpoint.restore(path, jax.eval_shape(lambda: tree))
+      chex.assert_trees_all_equal(back, {"a": jnp.ones(3),
+                                         "empty": jnp.zeros((0, 2))})
+
+  def test_missing_checkpoint(self):
+    with tempfile.TemporaryDirectory() as tmp:
+      with self.assertRaises(FileNotFoundError):
+        checkpoint.restore(pathlib.Path(tmp) / "nothing", {"a": jnp.ones(2)})
 
 
 if __name__ == "__main__":
