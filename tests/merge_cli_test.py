@@ -246,7 +246,7 @@ class MergeCliTest(parameterized.TestCase):
   @parameterized.parameters("merged.msgpack", "merged_dir")
   def test_crash_before_rename_leaves_no_output(self, name):
     out = self.dir / name
-    with mock.patch.object(_checkpoint_io, "_commit",
+    with mock.patch.object(_checkpoint_io, "commit",
                            side_effect=KeyboardInterrupt):
       with self.assertRaises(KeyboardInterrupt):
         merge.run(self._merge_args(out))
@@ -258,7 +258,7 @@ class MergeCliTest(parameterized.TestCase):
     out = self.dir / "merged.msgpack"
     self.assertEqual(_run(self._merge_args(out))[0], 0)
     before = out.read_bytes()
-    with mock.patch.object(_checkpoint_io, "_commit",
+    with mock.patch.object(_checkpoint_io, "commit",
                            side_effect=KeyboardInterrupt):
       with self.assertRaises(KeyboardInterrupt):
         merge.run(self._merge_args(out, self.model_files[1:],
