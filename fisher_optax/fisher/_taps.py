@@ -52,6 +52,12 @@ K-FAC factors use the "expand" convention (positions as examples):
 ``Gamma_sum = sum_{s,n,t} delta delta^T``,
 so that ``(A_sum / B) kron (Gamma_sum / B)`` is the exact block when ``T = 1``.
 
+**Sharding.** Under ``shard_map`` (any axis type) taps vary per device like
+their layer outputs, so statistics are local sums to ``psum``. A global-view
+``jit`` with a batch-sharded input works on ``Auto`` mesh axes; on
+``Explicit`` axes the batch contractions would need an ``out_sharding`` that
+this module does not pass yet (use ``shard_map`` there).
+
 **Assumptions.** The model is batch independent (output row ``n`` depends on
 input row ``n`` only: no BatchNorm in training mode), and an activation whose
 leading axis has the batch size carries the batch on that axis. Both hold for
@@ -637,19 +643,17 @@ class LayerGrads:
     if act.shape[1] == 1:  # sum over samples first: one (d_in, B) matmul
       d2 = jnp.sum(delta[:, :, 0] ** 2, axis=0)
       return act[:, 0].T ** 2 @ d2
-    # Weight sharing: no shortcut, chunked per-example products.
-    num_s, b, t, d_out = delta.shape
-    d_in = act.shape[-1]
-    rows = delta.reshape(num_s * b, t, d_out)
-    acts = jnp.broadcast_to(act, (num_s,) + act.shape).reshape(
-        num_s * b, t, d_in)
+    # Weight sharing: no shortcut, chunked per-example products. One pass
+    # per sample keeps the (possibly sharded) batch axis unmerged.
+    d_in, d_out = act.shape[-1], delta.shape[-1]
     chunk = chunk_size or max(1, _DEFAULT_CHUNK_ELEMENTS // (d_in * d_out))
 
     def part(a, d):
       g = jnp.einsum("cti,ctj->cij", a, d)
       return jnp.sum(g ** 2, axis=0)[None]
 
-    return jnp.sum(_chunk_map(part, [acts, rows], chunk), axis=0)
+    return sum(jnp.sum(_chunk_map(part, [act, delta[s]], chunk), axis=0)
+               for s in range(delta.shape[0]))
 
   def _kron(self, site_view, role, leaf, chunk_size):
     del chunk_size
