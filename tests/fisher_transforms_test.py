@@ -24,6 +24,7 @@ def _problem(n=6):
   return params, x, y
 
 
+@jax.jit  # Module-level: one compile for every test (same shapes).
 def _grads(params, x, y):
   def loss(p, ex):
     return fisher.Categorical().nll(ft.mlp_apply(p, ex[0][None])[0], ex[1])
@@ -58,9 +59,9 @@ class EstimateFisherDiagTest(parameterized.TestCase):
     step = jax.jit(functools.partial(tx.update))
     _, state = step(params, state, params, batch=(x, y))
     _, key = jax.random.split(jax.random.key(3))  # the first step's key
-    ref = fisher.diagonal(ft.mlp_apply, params, (x, y),
-                          likelihood=fisher.Categorical(), kind="mc",
-                          num_samples=2, key=key)
+    ref = jax.jit(lambda p, b, k: fisher.diagonal(
+        ft.mlp_apply, p, b, likelihood=fisher.Categorical(), kind="mc",
+        num_samples=2, key=k))(params, (x, y), key)
     chex.assert_trees_all_close(fisher.get_fisher_diag(state), ref.diag,
                                 rtol=1e-5, atol=1e-7)
 
@@ -88,9 +89,10 @@ class EstimateFisherDiagTest(parameterized.TestCase):
     tx = fisher.estimate_fisher_diag()
     state = tx.init(params)
     upd = jax.tree.map(lambda a: a[0], g)
-    _, state = tx.update(upd, state, per_example_grads=g)
+    update = jax.jit(tx.update)  # One compile for both calls.
+    _, state = update(upd, state, per_example_grads=g)
     bad = jax.tree.map(lambda a: a.at[0].set(jnp.nan), g)
-    _, state2 = tx.update(upd, state, per_example_grads=bad)
+    _, state2 = update(upd, state, per_example_grads=bad)
     chex.assert_trees_all_equal(fisher.get_fisher_diag(state2),
                                 fisher.get_fisher_diag(state))
     self.assertEqual(int(state2.num_nonfinite), 1)
@@ -114,8 +116,9 @@ class EstimateFisherDiagTest(parameterized.TestCase):
         apply_fn=ft.mlp_apply, likelihood=fisher.Categorical(), kind="exact",
         decay=0.3)
     istate = inj.init(params)
-    _, istate = jax.jit(inj.update)(params, istate, params, batch=(x, y))
-    _, state = jax.jit(tx.update)(params, state, params, batch=(x, y))
+    (_, istate), (_, state) = jax.jit(lambda s1, s2, p, b: (  # One compile.
+        inj.update(p, s1, p, batch=b), tx.update(p, s2, p, batch=b)))(
+            istate, state, params, (x, y))
     chex.assert_trees_all_close(fisher.get_fisher_diag(istate),
                                 fisher.get_fisher_diag(state), rtol=1e-6)
 
@@ -156,8 +159,9 @@ class EstimateFisherLowRankTest(absltest.TestCase):
     tx = fisher.estimate_fisher_low_rank(rank=3)
     state = tx.init(params)
     upd = jax.tree.map(lambda a: jnp.mean(a, 0), g)
-    _, state = jax.jit(tx.update)(upd, state, per_example_grads=g)
-    ref = fisher.low_rank_from_grads(g, rank=3)
+    (_, state), ref = jax.jit(lambda s, u, g: (  # One compile.
+        tx.update(u, s, per_example_grads=g),
+        fisher.low_rank_from_grads(g, rank=3)))(state, upd, g)
     vals, vecs = fisher.get_fisher_low_rank(state)
     np.testing.assert_allclose(vals, ref.eigvals, rtol=1e-5)
     chex.assert_trees_all_close(vecs, ref.eigvecs, atol=1e-5)
@@ -169,10 +173,10 @@ class EstimateFisherLowRankTest(absltest.TestCase):
     tx = fisher.estimate_fisher_low_rank(ft.mlp_apply, fisher.Categorical(),
                                          rank=2, kind="exact")
     state = tx.init(params)
-    _, state = jax.jit(tx.update)(params, state, params, batch=(x, y))
-    ref = fisher.low_rank(ft.mlp_apply, params, (x, y),
-                          likelihood=fisher.Categorical(), kind="exact",
-                          rank=2)
+    (_, state), ref = jax.jit(lambda s, p, b: (  # One compile.
+        tx.update(p, s, p, batch=b),
+        fisher.low_rank(ft.mlp_apply, p, b, likelihood=fisher.Categorical(),
+                        kind="exact", rank=2)))(state, params, (x, y))
     np.testing.assert_allclose(state.eigvals, ref.eigvals, rtol=1e-5)
 
 
