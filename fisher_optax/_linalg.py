@@ -194,9 +194,11 @@ def stacked_push_rows(
   # (k, d) x (m, d)^T order of tree_stacked_gram transposes the window, and a
   # product with the scattered window is not fused well) and patch the
   # k x k block of the new rows afterwards.
+  # Products accumulate in the Gram's dtype (exact for a bfloat16 window).
   def cross(s: jax.Array, r: jax.Array) -> jax.Array:
     axes = tuple(range(1, s.ndim))
-    return jnp.tensordot(s, r, axes=(axes, axes), precision=_HIGHEST)
+    return jnp.tensordot(s, r, axes=(axes, axes), precision=_HIGHEST,
+                         preferred_element_type=gram.dtype)
 
   cols = sum(c.astype(gram.dtype) for c in jax.tree.leaves(
       jax.tree.map(cross, stacked, stored)))  # (m, k)
@@ -208,34 +210,31 @@ def stacked_push_rows(
   return stacked, gram
 
 
-def ring_buffer_push(
-    stacked: PyTree, gram: jax.Array, x: PyTree, slot: jax.Array | int
-) -> tuple[PyTree, jax.Array]:
-  """Writes ``x`` into row ``slot`` of a stacked tree and updates its Gram.
+def stacked_push_rows_if_finite(
+    stacked: PyTree, gram: jax.Array, rows: PyTree, index: jax.Array | int
+) -> tuple[PyTree, jax.Array, jax.Array]:
+  """:func:`stacked_push_rows` that leaves the window untouched on NaN/Inf rows.
 
-  A windowed Fisher keeps its last ``m`` gradients as a ring buffer ``G``
-  plus the cached Gram ``G G^T``. Replacing one row changes one row and one
-  column of the Gram, so a step costs ``O(m d)`` instead of ``O(m^2 d)``.
-  The new row is computed from the *stored* value of ``x`` (after the cast
-  to the buffer's dtype), so the cache stays the exact Gram of the buffer
-  even for a bfloat16 window. Shared by Natural GaLore and M-FAC.
-
-  Args:
-    stacked: the buffer, leaves ``(m, *shape)``.
-    gram: its Gram matrix ``(m, m)`` (float32 or wider).
-    x: the new gradient, leaves ``shape``.
-    slot: the row to overwrite, usually ``count % m``.
+  Non-finite rows are replaced by the current content of their slots, so the
+  push still touches only ``k`` rows (never selects the whole window) and the
+  cached Gram stays the exact Gram of the buffer.
 
   Returns:
-    ``(new_stacked, new_gram)``.
+    ``(stacked, gram, pushed)`` with ``pushed`` a boolean scalar: False when
+    any new row was non-finite (the caller keeps its write index then).
   """
-  new_stacked = jax.tree.map(
-      lambda s, v: s.at[slot].set(v.astype(s.dtype)), stacked, x)
-  stored = jax.tree.map(lambda s: s[slot].astype(gram.dtype), new_stacked)
-  wide = jax.tree.map(lambda s: s.astype(gram.dtype), new_stacked)
-  row = tree_stacked_dot(wide, stored).astype(gram.dtype)
-  new_gram = gram.at[slot, :].set(row).at[:, slot].set(row)
-  return new_stacked, new_gram
+  leaves = jax.tree.leaves(rows)
+  if not leaves:
+    return stacked, gram, jnp.asarray(True)
+  finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(r)) for r in leaves]))
+  k = leaves[0].shape[0]
+  slots = (jnp.asarray(index, jnp.int32)
+           + jnp.arange(k, dtype=jnp.int32)) % gram.shape[0]
+  rows = jax.tree.map(
+      lambda r, s: jnp.where(finite, r.astype(s.dtype), s[slots]), rows,
+      stacked)
+  stacked, gram = stacked_push_rows(stacked, gram, rows, index)
+  return stacked, gram, finite
 
 
 def tree_stacked_eigh(

@@ -144,18 +144,10 @@ def scale_by_mfac(
     else:
       k = 1
       rows = jax.tree.map(lambda g: g[None], updates)
-    rows = jax.tree.map(lambda r, s: r.astype(s.dtype), rows, state.grads)
-    finite = jnp.all(jnp.asarray(
-        [jnp.all(jnp.isfinite(r)) for r in jax.tree.leaves(rows)], bool))
-    # A non-finite push rewrites the old rows: touches k rows, not the window.
-    slots = (state.index + jnp.arange(k, dtype=jnp.int32)) % m
-    rows = jax.tree.map(lambda r, s: jnp.where(finite, r, s[slots]), rows,
-                        state.grads)
-    window, gram = _linalg.stacked_push_rows(
+    # A non-finite push leaves the window (and the write index) unchanged.
+    window, gram, pushed = _linalg.stacked_push_rows_if_finite(
         state.grads, state.gram, rows, state.index)
-    keep = lambda new, old: jnp.where(finite, new, old)
-    gram = keep(gram, state.gram)
-    index = keep((state.index + k) % m, state.index)
+    index = jnp.where(pushed, (state.index + k) % m, state.index)
 
     lam = jnp.asarray(damping, gram.dtype)
     lam = jnp.maximum(lam, jnp.finfo(gram.dtype).eps * jnp.trace(gram))

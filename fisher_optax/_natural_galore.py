@@ -82,15 +82,10 @@ def _all_finite(tree: PyTree) -> jax.Array:
 def _push_if_finite(
     window: PyTree, gram: jax.Array, g: PyTree, slot: jax.Array
 ) -> tuple[PyTree, jax.Array]:
-  """Ring-buffer push that leaves the window untouched on NaN/Inf input.
-
-  A non-finite ``g`` is replaced by the slot's current content, so only one
-  row is ever selected (not the whole window) and the Gram stays exact.
-  """
-  ok = _all_finite(g)
-  g = jax.tree.map(
-      lambda w, x: jnp.where(ok, x.astype(w.dtype), w[slot]), window, g)
-  return _linalg.ring_buffer_push(window, gram, g, slot)
+  """Ring-buffer push of one gradient; a NaN/Inf ``g`` leaves the window as is."""
+  window, gram, _ = _linalg.stacked_push_rows_if_finite(
+      window, gram, jax.tree.map(lambda x: x[None], g), slot)
+  return window, gram
 
 
 def _stat_dtype(*dtypes: Any) -> jnp.dtype:
@@ -153,7 +148,7 @@ def scale_by_woodbury_fisher(
     (\lambda I_s + H^\top H)\, z = H^\top g,
 
   an ``s x s`` Cholesky solve. The Gram :math:`H^\top H` is cached and
-  updated one row per step (:func:`fisher_optax._linalg.ring_buffer_push`),
+  updated one row per step (:func:`fisher_optax._linalg.stacked_push_rows`),
   so a step costs about ``6 s d`` flops. Unfilled slots are zero and need no
   mask. With ``block_diagonal=True`` (the Natural GaLore choice) every leaf
   has its own window solve; otherwise one solve couples the whole tree (the

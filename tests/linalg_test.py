@@ -85,6 +85,87 @@ class TreeStackedEighTest(parameterized.TestCase):
     chex.assert_trees_all_equal(vecs, tree)
 
 
+class TrilInverseTest(parameterized.TestCase):
+  """The LU-based triangular inverse matches a float64 triangular solve."""
+
+  def test_matches_solve(self):
+    with jax.enable_x64(True):
+      a = jax.random.normal(jax.random.key(0), (3, 6, 6), jnp.float64)
+      chol = jnp.linalg.cholesky(a @ jnp.swapaxes(a, -1, -2) + jnp.eye(6))
+      inv = _linalg.tril_inverse(chol)
+      for c, i in zip(chol, inv):
+        np.testing.assert_allclose(
+            i, jax.scipy.linalg.solve_triangular(c, jnp.eye(6), lower=True),
+            rtol=1e-10, atol=1e-12)
+        np.testing.assert_array_equal(np.triu(np.asarray(i), 1), 0.0)
+
+
+if __name__ == "__main__":
+  absltest.main()
+
+
+class WoodburyTest(parameterized.TestCase):
+  """Woodbury solves of F = damping*I + scale*G^T G against dense float64."""
+
+  @parameterized.product(damping=(1e-3, 1.0), scale=(1.0, 0.25),
+                         zero_rows=(0, 2))
+  def test_solve_and_inverse_diag_match_dense(self, damping, scale,
+                                              zero_rows):
+    with jax.enable_x64(True):
+      rng = np.random.default_rng(0)
+      m, shapes = 6, {"a": (3, 4), "b": (5,)}
+      stacked = {k: rng.normal(size=(m, *s)) for k, s in shapes.items()}
+      for k in stacked:  # an unfilled ring-buffer tail contributes nothing
+        stacked[k][m - zero_rows:] = 0.0
+      x = {k: rng.normal(size=s) for k, s in shapes.items()}
+      stacked = jax.tree.map(jnp.asarray, stacked)
+      x = jax.tree.map(jnp.asarray, x)
+      g = np.concatenate([np.asarray(stacked[k]).reshape(m, -1)
+                          for k in sorted(shapes)], axis=1)
+      dense = damping * np.eye(g.shape[1]) + scale * g.T @ g
+      flat_x = np.concatenate([np.asarray(x[k]).ravel() for k in sorted(x)])
+      expected = np.linalg.solve(dense, flat_x)
+
+      factor = _linalg.woodbury_factor(_linalg.tree_stacked_gram(stacked),
+                                      damping, scale)
+      got = _linalg.woodbury_solve(stacked, factor, x)
+      flat_got = np.concatenate([np.asarray(got[k]).ravel()
+                                 for k in sorted(got)])
+      np.testing.assert_allclose(flat_got, expected, rtol=1e-9, atol=1e-12)
+      np.testing.assert_allclose(dense @ flat_got, flat_x, rtol=1e-9,
+                                 atol=1e-9)
+
+      normalized = _linalg.woodbury_solve(stacked, factor, x, normalized=True)
+      flat_norm = np.concatenate([np.asarray(normalized[k]).ravel()
+                                  for k in sorted(normalized)])
+      np.testing.assert_allclose(flat_norm, damping * expected, rtol=1e-9,
+                                 atol=1e-12)
+
+      diag = _linalg.woodbury_inverse_diag(stacked, factor)
+      flat_diag = np.concatenate([np.asarray(diag[k]).ravel()
+                                  for k in sorted(diag)])
+      np.testing.assert_allclose(flat_diag, np.diag(np.linalg.inv(dense)),
+                                 rtol=1e-9)
+
+  def test_stacked_algebra_matches_flat(self):
+    rng = np.random.default_rng(1)
+    stacked = {"a": jnp.asarray(rng.normal(size=(4, 2, 3)), jnp.float32),
+               "b": jnp.asarray(rng.normal(size=(4, 5)), jnp.float32)}
+    x = {"a": jnp.ones((2, 3)), "b": jnp.arange(5.0)}
+    g = np.concatenate([np.asarray(stacked["a"]).reshape(4, -1),
+                        np.asarray(stacked["b"])], axis=1)
+    fx = np.concatenate([np.ones(6), np.arange(5.0)])
+    np.testing.assert_allclose(_linalg.tree_stacked_dot(stacked, x), g @ fx,
+                               rtol=1e-5)
+    np.testing.assert_allclose(_linalg.tree_stacked_gram(stacked), g @ g.T,
+                               rtol=1e-5)
+    z = jnp.array([1.0, -2.0, 0.5, 3.0])
+    comb = _linalg.tree_stacked_combine(stacked, z)
+    np.testing.assert_allclose(
+        np.concatenate([np.asarray(comb["a"]).ravel(),
+                        np.asarray(comb["b"])]), np.asarray(z) @ g, rtol=1e-5)
+
+
 class MatrixRootsAndPolarTest(parameterized.TestCase):
   """Newton-Schulz polar factors and inverse roots (used by FISMO)."""
 
@@ -184,27 +265,9 @@ class MatrixRootsAndPolarTest(parameterized.TestCase):
       np.testing.assert_allclose(np.tril(w, -1), 0.0)
 
 
-class TrilInverseTest(parameterized.TestCase):
-  """The LU-based triangular inverse matches a float64 triangular solve."""
-
-  def test_matches_solve(self):
-    with jax.enable_x64(True):
-      a = jax.random.normal(jax.random.key(0), (3, 6, 6), jnp.float64)
-      chol = jnp.linalg.cholesky(a @ jnp.swapaxes(a, -1, -2) + jnp.eye(6))
-      inv = _linalg.tril_inverse(chol)
-      for c, i in zip(chol, inv):
-        np.testing.assert_allclose(
-            i, jax.scipy.linalg.solve_triangular(c, jnp.eye(6), lower=True),
-            rtol=1e-10, atol=1e-12)
-        np.testing.assert_array_equal(np.triu(np.asarray(i), 1), 0.0)
-
-
-if __name__ == "__main__":
-  absltest.main()
-
-
-class RingBufferPushTest(parameterized.TestCase):
-  """One-row push (Natural GaLore's window): cache equals a fresh Gram."""
+class PushIfFiniteTest(parameterized.TestCase):
+  """One-row pushes (Natural GaLore's window): the cache stays the exact Gram
+  of the stored (possibly bfloat16) window, and NaN rows change nothing."""
 
   @parameterized.parameters(jnp.float32, jnp.bfloat16)
   def test_gram_is_exact_gram_of_stored_window(self, window_dtype):
@@ -213,14 +276,22 @@ class RingBufferPushTest(parameterized.TestCase):
     window = {"w": jnp.zeros((m, 4, 2), window_dtype),
               "b": jnp.zeros((m, 3), window_dtype)}
     gram = jnp.zeros((m, m), jnp.float32)
-    push = jax.jit(_linalg.ring_buffer_push)
-    for t in range(5):  # wraps around the ring
+    push = jax.jit(_linalg.stacked_push_rows_if_finite)
+    for t in range(6):  # wraps around the ring; step 4 pushes a NaN
       k1, k2 = jax.random.split(jax.random.fold_in(key, t))
-      x = {"w": jax.random.normal(k1, (4, 2)), "b": jax.random.normal(k2, (3,))}
-      window, gram = push(window, gram, x, t % m)
-      chex.assert_trees_all_equal(
-          jax.tree.map(lambda s: s[t % m], window),
-          jax.tree.map(lambda v: v.astype(window_dtype), x))
+      x = {"w": jax.random.normal(k1, (1, 4, 2)),
+           "b": jax.random.normal(k2, (1, 3))}
+      if t == 4:
+        x["b"] = x["b"].at[0, 1].set(jnp.nan)
+      old = window
+      window, gram, pushed = push(window, gram, x, t % m)
+      self.assertEqual(bool(pushed), t != 4)
+      if t == 4:
+        chex.assert_trees_all_equal(window, old)
+      else:
+        chex.assert_trees_all_equal(
+            jax.tree.map(lambda s: s[t % m], window),
+            jax.tree.map(lambda v: v[0].astype(window_dtype), x))
       wide = jax.tree.map(lambda s: s.astype(jnp.float32), window)
       chex.assert_trees_all_close(
           gram, _linalg.tree_stacked_gram(wide), rtol=1e-6, atol=1e-6)
