@@ -237,49 +237,6 @@ def stacked_push_rows_if_finite(
   return stacked, gram, finite
 
 
-def tree_stacked_eigh(
-    stacked: PyTree, *, scale: jax.Array | float = 1.0,
-    rtol: float | None = None,
-) -> tuple[jax.Array, PyTree]:
-  """Eigenpairs of ``scale * G^T G`` from the ``m x m`` Gram ``G G^T``.
-
-  The nonzero spectrum of ``G^T G`` (``d x d``) equals that of ``G G^T``
-  (``m x m``); with ``G G^T q_i = l_i q_i`` the unit eigenvectors of
-  ``G^T G`` are ``v_i = G^T q_i / sqrt(l_i)``, orthonormal over the whole
-  tree. Eigenvalues below ``rtol * max(l)`` (round-off of the Gram) are set to
-  zero and their vectors to exactly zero, so rank-deficient or all-zero ``G``
-  never divides by zero.
-
-  Args:
-    stacked: ``G`` as a stacked tree with leading axis ``m``.
-    scale: ``c`` in ``c G^T G`` (e.g. ``1/N`` for a mean of outer products).
-    rtol: relative cut-off; default ``10 m eps`` of the Gram's dtype.
-
-  Returns:
-    ``(eigvals, eigvecs)``: ``eigvals`` ``(m,)`` in descending order (of
-    ``scale * G^T G``, clipped at zero) and ``eigvecs`` a stacked tree shaped
-    like ``stacked``.
-  """
-  gram = symmetrize(tree_stacked_gram(stacked))
-  m = gram.shape[0]
-  if rtol is None:
-    rtol = 10.0 * m * float(jnp.finfo(gram.dtype).eps)
-  evals, evecs = jnp.linalg.eigh(gram)
-  evals, evecs = evals[::-1], evecs[:, ::-1]
-  top = jnp.maximum(evals[0], 0.0)
-  keep = evals > rtol * top
-  safe = jnp.where(keep, evals, 1.0)
-  coeffs = jnp.where(keep, 1.0 / jnp.sqrt(safe), 0.0)[None, :] * evecs
-  # v_i = G^T q_i / sqrt(l_i), one stacked combination per eigenvector.
-  vecs = jax.tree.map(
-      lambda s: jnp.tensordot(coeffs.T.astype(s.dtype), s, axes=(1, 0),
-                              precision=_HIGHEST),
-      stacked,
-  )
-  evals = jnp.where(keep, evals, 0.0) * jnp.asarray(scale, gram.dtype)
-  return evals, vecs
-
-
 # -- Matrix functions for Kronecker-factored preconditioners (FISMO) ---------
 #
 # All functions below act on the last two axes and broadcast over leading

@@ -51,40 +51,6 @@ class StackedPushRowsTest(parameterized.TestCase):
           window, _linalg.tree_stacked_gram(window), rows, 0)
 
 
-class TreeStackedEighTest(parameterized.TestCase):
-  """Eigenpairs of G^T G through the Gram (used by EWC and PhysGuard)."""
-
-  @parameterized.parameters((3, 1.0), (6, 0.25), (20, 1.0))
-  def test_matches_dense_eigh(self, m, scale):
-    with jax.enable_x64(True):
-      k1, k2 = jax.random.split(jax.random.key(m))
-      tree = {"w": jax.random.normal(k1, (m, 3, 2), jnp.float64),
-              "b": jax.random.normal(k2, (m, 4), jnp.float64)}
-      evals, vecs = _linalg.tree_stacked_eigh(tree, scale=scale)
-      flat = np.concatenate([np.asarray(tree["b"]).reshape(m, -1),
-                             np.asarray(tree["w"]).reshape(m, -1)], axis=1)
-      vflat = np.concatenate([np.asarray(vecs["b"]).reshape(m, -1),
-                              np.asarray(vecs["w"]).reshape(m, -1)], axis=1)
-      dense = scale * flat.T @ flat
-      ref = np.sort(np.linalg.eigvalsh(dense))[::-1]
-      ref = np.pad(ref, (0, max(0, m - ref.size)))[:m]
-      np.testing.assert_allclose(evals, np.maximum(ref, 0.0), atol=1e-9)
-      rank = int(np.sum(np.asarray(evals) > 0))
-      self.assertEqual(rank, min(m, 10))
-      v = vflat[:rank]
-      np.testing.assert_allclose(v @ v.T, np.eye(rank), atol=1e-9)
-      np.testing.assert_allclose(
-          dense @ v.T, v.T * np.asarray(evals[:rank])[None], atol=1e-8)
-      # Directions beyond the rank are exactly zero, not NaN.
-      self.assertTrue(np.all(vflat[rank:] == 0.0))
-
-  def test_zero_gradients_give_zero_pairs(self):
-    tree = {"w": jnp.zeros((4, 3))}
-    evals, vecs = _linalg.tree_stacked_eigh(tree)
-    chex.assert_trees_all_equal(evals, jnp.zeros(4))
-    chex.assert_trees_all_equal(vecs, tree)
-
-
 class TrilInverseTest(parameterized.TestCase):
   """The LU-based triangular inverse matches a float64 triangular solve."""
 
