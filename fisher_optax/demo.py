@@ -101,9 +101,9 @@ def _nll(apply_fn, params, x, y) -> float:
 def part_optimizers(apply_fn, init, data, steps, batch_size, seed):
   hidden = lambda p: jax.tree.map(lambda x: x.ndim == 2, p)
   optimizers = {
-      "AdamW (optax)": optax.adamw(3e-3, weight_decay=1e-4),
-      "FAdam": fisher_optax.fadam(3e-3, weight_decay=1e-4),
-      "FISMO": fisher_optax.fismo(3e-3, adam_learning_rate=3e-3),
+      "AdamW (optax)": optax.adamw(3e-3, weight_decay=0.5),
+      "FAdam": fisher_optax.fadam(3e-3, weight_decay=0.1),
+      "FISMO": fisher_optax.fismo(1e-3, adam_learning_rate=3e-3),
       "Natural GaLore": fisher_optax.natural_galore(
           3e-3, rank=16, update_proj_gap=100, history_size=8, damping=1e-2),
       "M-FAC": optax.chain(
