@@ -132,20 +132,29 @@ class OptimizerConformance:
   # -- the checks ----------------------------------------------------------------
 
   def test_conformance_converges(self):
+    # Every target's scan in ONE jit: one compile instead of one per target.
+    problems, inits = {}, {}
     for name, steps in self.CONVERGENCE_STEPS.items():
+      init, final, obj = TARGETS[name](jnp.float32)
+      opt = self.make(**self.TARGET_KWARGS.get(name, {}))
+      state = opt.init(init)
+      state = optax.tree.map_params(opt, lambda v: v, state)
+      problems[name] = (self._step_fn(opt, obj), steps, final)
+      inits[name] = (init, state)
+
+    @jax.jit
+    def run(inits):
+      out = {}
+      for name, carry in inits.items():
+        step, steps, _ = problems[name]
+        out[name] = jax.lax.scan(lambda c, _, step=step: (step(*c), None),
+                                 carry, length=steps)[0][0]
+      return out
+
+    results = run(inits)
+    for name, params in results.items():
       with self.subTest(target=name):
-        init, final, obj = TARGETS[name](jnp.float32)
-        opt = self.make(**self.TARGET_KWARGS.get(name, {}))
-        state = opt.init(init)
-        state = optax.tree.map_params(opt, lambda v: v, state)
-        step = self._step_fn(opt, obj)
-
-        @jax.jit
-        def run(params, state):
-          return jax.lax.scan(lambda c, _: (step(*c), None), (params, state),
-                              length=steps)[0]
-
-        params, _ = run(init, state)
+        final = problems[name][2]
         chex.assert_tree_all_finite(params)
         chex.assert_trees_all_close(params, final, atol=self.CONVERGENCE_TOL,
                                     rtol=self.CONVERGENCE_TOL)
@@ -186,61 +195,87 @@ class OptimizerConformance:
     for name in self.INJECTABLE:
       self.assertIn(name, injected.init(params).hyperparams,
                     f"{name} is not injectable")
-    s1, s2 = jax.jit(opt.init)(params), jax.jit(injected.init)(params)
-    upd1 = jax.jit(functools.partial(opt.update, **extras))
-    upd2 = jax.jit(functools.partial(injected.update, **extras))
+    # One compile for both inits and one for both updates.
+    s1, s2 = jax.jit(lambda p: (opt.init(p), injected.init(p)))(params)
+
+    @jax.jit
+    def update_both(g, s1, s2, params):
+      return (opt.update(g, s1, params, **extras),
+              injected.update(g, s2, params, **extras))
+
     for g in grads_seq:
-      u1, s1 = upd1(g, s1, params)
-      u2, s2 = upd2(g, s2, params)
+      (u1, s1), (u2, s2) = update_both(g, s1, s2, params)
       chex.assert_trees_all_close(u1, u2, rtol=1e-5, atol=1e-6)
     chex.assert_trees_all_close(s2.inner_state, s1, rtol=1e-5, atol=1e-6)
 
   def test_conformance_preserves_dtype(self):
-    for dtype in (jnp.bfloat16, jnp.float32):
-      with self.subTest(dtype=jnp.dtype(dtype).name):
-        opt = self.make()
-        params = (jnp.array([1.0, 2.0, -3.0], dtype),
-                  jnp.arange(6.0, dtype=dtype).reshape(2, 3) - 2.0)
-        obj = lambda p: sum(jnp.sum(x.astype(jnp.float32) ** 2)
-                            for x in jax.tree.leaves(p))
-        step = jax.jit(self._step_fn(opt, obj))
-        state = opt.init(params)
-        for _ in range(2):
-          new_params, state = step(params, state)
-          chex.assert_trees_all_equal_dtypes(new_params, params)
-          params = new_params
+    dtypes = (jnp.bfloat16, jnp.float32)
+    opt = self.make()
+    obj = lambda p: sum(jnp.sum(x.astype(jnp.float32) ** 2)
+                        for x in jax.tree.leaves(p))
+    step = self._step_fn(opt, obj)
+    # Both dtypes in one jit: one compile.
+    step_all = jax.jit(lambda carries: [step(*c) for c in carries])
+    params = [(jnp.array([1.0, 2.0, -3.0], dtype),
+               jnp.arange(6.0, dtype=dtype).reshape(2, 3) - 2.0)
+              for dtype in dtypes]
+    carries = [(p, opt.init(p)) for p in params]
+    for _ in range(2):
+      new_carries = step_all(carries)
+      for dtype, (new_params, _), (old_params, _) in zip(
+          dtypes, new_carries, carries):
+        with self.subTest(dtype=jnp.dtype(dtype).name):
+          chex.assert_trees_all_equal_dtypes(new_params, old_params)
+      carries = new_carries
 
   def test_conformance_multisteps_first_ministep_is_zero(self):
-    for dtype in (jnp.bfloat16, jnp.float32):
-      with self.subTest(dtype=jnp.dtype(dtype).name):
-        obj = lambda p: jnp.sum(p.astype(jnp.float32) ** 2)
-        params = jnp.array([[1.0, 2.0], [-1.0, 0.5]], dtype)
-        inner = self.make()
+    dtypes = (jnp.bfloat16, jnp.float32)
+    obj = lambda p: jnp.sum(p.astype(jnp.float32) ** 2)
+    opt = optax.MultiSteps(self.make(), every_k_schedule=4)
+
+    @jax.jit
+    def first_ministep(all_params):  # Both dtypes: one compile.
+      out = []
+      for params in all_params:
         extras = self.extra_args(params, obj)
-        opt = optax.MultiSteps(inner, every_k_schedule=4)
-        state = jax.jit(opt.init)(params)
-        grads = jax.grad(obj)(params).astype(dtype)
-        updates, _ = jax.jit(functools.partial(opt.update, **extras))(
-            grads, state, params)
+        grads = jax.grad(obj)(params).astype(params.dtype)
+        out.append((opt.update(grads, opt.init(params), params,
+                               **extras)[0], grads))
+      return out
+
+    all_params = [jnp.array([[1.0, 2.0], [-1.0, 0.5]], dtype)
+                  for dtype in dtypes]
+    for dtype, (updates, grads) in zip(dtypes, first_ministep(all_params)):
+      with self.subTest(dtype=jnp.dtype(dtype).name):
         chex.assert_trees_all_equal(updates, jnp.zeros_like(grads))
 
   def test_conformance_state_stable_under_cond(self):
-    for dtype in self.STABLE_DTYPES:
-      with self.subTest(dtype=jnp.dtype(dtype).name):
-        with jax.enable_x64(dtype == jnp.float64):
+    # One compile for the dtypes that need no x64, one for float64.
+    groups = ([d for d in self.STABLE_DTYPES if d != jnp.float64],
+              [d for d in self.STABLE_DTYPES if d == jnp.float64])
+    for dtypes in groups:
+      if not dtypes:
+        continue
+      with jax.enable_x64(dtypes[0] == jnp.float64):
+        steps, carries, inits = [], [], []
+        for dtype in dtypes:
           init, _, obj = TARGETS["mixed_tensors"](dtype)
           opt = self.make()
-          step = self._step_fn(opt, obj)
+          steps.append(self._step_fn(opt, obj))
+          carries.append((init, opt.init(init)))
+          inits.append(init)
 
-          @jax.jit
-          def cond_step(params, state):
-            pred = jax.random.randint(jax.random.key(0), (), 0, 2) == 0
-            return jax.lax.cond(pred, step, lambda p, s: (p, s), params, state)
+        @jax.jit
+        def cond_step(carries, steps=steps):
+          pred = jax.random.randint(jax.random.key(0), (), 0, 2) == 0
+          return [jax.lax.cond(pred, step, lambda p, s: (p, s), *c)
+                  for step, c in zip(steps, carries)]
 
-          params, state = init, opt.init(init)
-          for _ in range(2):
-            params, state = cond_step(params, state)
-            chex.assert_trees_all_equal_dtypes(params, init)
+        for _ in range(2):
+          carries = cond_step(carries)
+          for dtype, (params, _), init in zip(dtypes, carries, inits):
+            with self.subTest(dtype=jnp.dtype(dtype).name):
+              chex.assert_trees_all_equal_dtypes(params, init)
 
   def test_conformance_learning_rate_schedule(self):
     init, _, obj = TARGETS["mixed_tensors"](jnp.float32)
