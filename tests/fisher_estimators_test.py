@@ -42,6 +42,22 @@ def _est(fn, apply_fn, params, batch, /, **kwargs):
   return jax.jit(functools.partial(fn, apply_fn, **kwargs))(params, batch)
 
 
+def _est_many(apply_fn, params, batch, calls, oracles=None):
+  """Runs several estimators (and dense oracles) in ONE jit compile.
+
+  ``calls`` maps a name to ``(estimator, kwargs)``; ``oracles`` maps a name
+  to a function ``(params, batch) -> array``. Returns a dict of results.
+  """
+  oracles = oracles or {}
+
+  @jax.jit
+  def run(params, batch):  # A list: the names need not be sortable.
+    return ([fn(apply_fn, params, batch, **kw) for fn, kw in calls.values()]
+            + [f(params, batch) for f in oracles.values()])
+
+  return dict(zip([*calls, *oracles], run(params, batch)))
+
+
 def _stack_flat(stacked, k):
   return jnp.stack([ft.ravel(jax.tree.map(lambda a, j=j: a[j], stacked))
                     for j in range(k)])
@@ -49,25 +65,35 @@ def _stack_flat(stacked, k):
 
 class DiagonalTest(parameterized.TestCase):
 
-  @parameterized.product(
-      family=ft.FAMILIES, kind=("empirical", "exact", "batch_squared"))
-  def test_matches_dense_oracle(self, family, kind):
+  @parameterized.parameters(*ft.FAMILIES)
+  def test_matches_dense_oracle(self, family):
+    """Every kind and path of one family: one compile, oracles included."""
+    kinds = ("empirical", "exact", "batch_squared")
+    methods = ("auto", "per_example")
     with jax.enable_x64(True):
       apply_fn, params, x, y = _setup(family)
-      dense = ft.dense_fisher(apply_fn, params, x, y, family=family,
-                              kind=kind)
-      mean_grad = ft.mean_grad_dense(apply_fn, params, x, y, family)
-      for method in ("auto", "per_example"):
-        stat = _est(fisher.diagonal, apply_fn, params, (x, y),
-                    likelihood=LIKELIHOODS[family](), kind=kind,
-                    method=method, chunk_size=3)
-        chex.assert_trees_all_close(stat.diag,
-                                    ft.unravel_like(params, jnp.diag(dense)),
-                                    rtol=1e-10, atol=1e-12)
-        chex.assert_trees_all_close(stat.mean_grad, mean_grad, rtol=1e-10,
-                                    atol=1e-12)
-        self.assertEqual(int(stat.count), N)
-        self.assertEqual(stat.kind, kind)
+      lik = LIKELIHOODS[family]()
+      calls = {(kind, method): (fisher.diagonal, dict(
+          likelihood=lik, kind=kind, method=method, chunk_size=3))
+               for kind in kinds for method in methods}
+      oracles = {kind: functools.partial(
+          lambda p, b, kind: ft.dense_fisher(apply_fn, p, b[0], b[1],
+                                             family=family, kind=kind),
+          kind=kind) for kind in kinds}
+      oracles["mean_grad"] = lambda p, b: ft.mean_grad_dense(
+          apply_fn, p, b[0], b[1], family)
+      out = _est_many(apply_fn, params, (x, y), calls, oracles)
+      for kind in kinds:
+        for method in methods:
+          with self.subTest(kind=kind, method=method):
+            stat = out[(kind, method)]
+            chex.assert_trees_all_close(
+                stat.diag, ft.unravel_like(params, jnp.diag(out[kind])),
+                rtol=1e-10, atol=1e-12)
+            chex.assert_trees_all_close(stat.mean_grad, out["mean_grad"],
+                                        rtol=1e-10, atol=1e-12)
+            self.assertEqual(int(stat.count), N)
+            self.assertEqual(stat.kind, kind)
 
   @parameterized.parameters(*ft.FAMILIES)
   def test_mc_matches_oracle_on_the_same_labels(self, family):
@@ -75,28 +101,34 @@ class DiagonalTest(parameterized.TestCase):
       apply_fn, params, x, y = _setup(family)
       lik = LIKELIHOODS[family]()
       key = jax.random.key(7)
-      stat = _est(fisher.diagonal, apply_fn, params, (x, y), likelihood=lik,
-                  kind="mc", num_samples=3, key=key)
-      labels = lik.sample(key, apply_fn(params, x), 3)
-      dense = ft.dense_fisher(apply_fn, params, x, labels, family=family,
-                              kind="empirical_samples")
-      chex.assert_trees_all_close(stat.diag,
-                                  ft.unravel_like(params, jnp.diag(dense)),
-                                  rtol=1e-10, atol=1e-12)
+
+      def oracle(p, b):
+        labels = lik.sample(key, apply_fn(p, b[0]), 3)
+        return ft.dense_fisher(apply_fn, p, b[0], labels, family=family,
+                               kind="empirical_samples")
+
+      out = _est_many(apply_fn, params, (x, y), {"mc": (fisher.diagonal, dict(
+          likelihood=lik, kind="mc", num_samples=3, key=key))},
+                      {"dense": oracle})
+      chex.assert_trees_all_close(
+          out["mc"].diag, ft.unravel_like(params, jnp.diag(out["dense"])),
+          rtol=1e-10, atol=1e-12)
 
   @parameterized.parameters("categorical", "heteroscedastic")
   def test_mc_converges_to_exact(self, family):
     with jax.enable_x64(True):
       apply_fn, params, x, y = _setup(family)
-      exact = ft.ravel(_est(
-          fisher.diagonal, apply_fn, params, (x, y),
-          likelihood=LIKELIHOODS[family](), kind="exact").diag)
+      lik = LIKELIHOODS[family]()
+      calls = {"exact": (fisher.diagonal, dict(likelihood=lik, kind="exact"))}
+      for k in (2, 4096):
+        calls[k] = (fisher.diagonal, dict(likelihood=lik, kind="mc",
+                                          num_samples=k,
+                                          key=jax.random.key(3)))
+      out = _est_many(apply_fn, params, (x, y), calls)
+      exact = ft.ravel(out["exact"].diag)
 
       def rel_err(k):
-        mc = _est(fisher.diagonal, apply_fn, params, (x, y),
-                  likelihood=LIKELIHOODS[family](), kind="mc",
-                  num_samples=k, key=jax.random.key(3))
-        return float(jnp.linalg.norm(ft.ravel(mc.diag) - exact)
+        return float(jnp.linalg.norm(ft.ravel(out[k].diag) - exact)
                      / jnp.linalg.norm(exact))
 
       few, many = rel_err(2), rel_err(4096)
@@ -110,10 +142,12 @@ class DiagonalTest(parameterized.TestCase):
       params = dict(params, scale=jnp.linspace(0.5, 1.5, 5))
       kw = dict(likelihood=fisher.Categorical(), kind="mc", num_samples=2,
                 key=jax.random.key(0))
-      auto = _est(fisher.diagonal, _scaled_mlp, params, (x, y), **kw)
-      slow = _est(fisher.diagonal, _scaled_mlp, params, (x, y),
-                  method="per_example", chunk_size=2, **kw)
-      chex.assert_trees_all_close(auto, slow, rtol=1e-10, atol=1e-14)
+      out = _est_many(_scaled_mlp, params, (x, y), {
+          "auto": (fisher.diagonal, kw),
+          "slow": (fisher.diagonal, dict(kw, method="per_example",
+                                         chunk_size=2))})
+      chex.assert_trees_all_close(out["auto"], out["slow"], rtol=1e-10,
+                                  atol=1e-14)
       with self.assertRaisesRegex(ValueError, r"\['scale'\]"):
         _est(fisher.diagonal, _scaled_mlp, params, (x, y), method="taps", **kw)
 
@@ -124,11 +158,11 @@ class DiagonalTest(parameterized.TestCase):
       def ce(out, t):
         return -jax.nn.log_softmax(out)[t]
 
-      stat = _est(fisher.diagonal, apply_fn, params, (x, y), likelihood=ce,
-                  kind="empirical")
-      ref = _est(fisher.diagonal, apply_fn, params, (x, y),
-                 likelihood=fisher.Categorical(), kind="empirical")
-      chex.assert_trees_all_close(stat, ref, rtol=1e-10)
+      out = _est_many(apply_fn, params, (x, y), {
+          "stat": (fisher.diagonal, dict(likelihood=ce, kind="empirical")),
+          "ref": (fisher.diagonal, dict(likelihood=fisher.Categorical(),
+                                        kind="empirical"))})
+      chex.assert_trees_all_close(out["stat"], out["ref"], rtol=1e-10)
       for kind in ("exact", "mc"):
         with self.assertRaisesRegex(ValueError, "probabilistic likelihood"):
           _est(fisher.diagonal, apply_fn, params, (x, y), likelihood=ce,
@@ -148,13 +182,19 @@ class DiagonalTest(parameterized.TestCase):
     apply_fn, _, x, y = _setup("categorical")
     params = ft.mlp_params(jax.random.key(0), dtype=jnp.float32)
     x = x.astype(jnp.float32)
-    ref = _est(fisher.diagonal, apply_fn, params, (x, y),
-               likelihood=fisher.Categorical(), kind="exact")
     p16 = jax.tree.map(lambda a: a.astype(jnp.bfloat16), params)
-    for method in ("auto", "per_example"):
-      stat = jax.jit(functools.partial(
-          fisher.diagonal, apply_fn, likelihood=fisher.Categorical(),
-          kind="exact", method=method))(p16, (x.astype(jnp.bfloat16), y))
+    methods = ("auto", "per_example")
+
+    @jax.jit
+    def run(params, p16, x, y):  # One compile: the f32 ref and both paths.
+      est = functools.partial(fisher.diagonal, apply_fn,
+                              likelihood=fisher.Categorical(), kind="exact")
+      return est(params, (x, y)), {m: est(p16, (x.astype(jnp.bfloat16), y),
+                                          method=m) for m in methods}
+
+    ref, stats = run(params, p16, x, y)
+    for method in methods:
+      stat = stats[method]
       chex.assert_trees_all_equal_dtypes(
           stat.diag, jax.tree.map(lambda a: a.astype(jnp.float32), params))
       chex.assert_tree_all_finite(stat.diag)
@@ -180,16 +220,16 @@ class DiagonalTest(parameterized.TestCase):
     with jax.enable_x64(True):
       apply_fn, params, x, y = _setup("categorical")
       x = x.at[2, 0].set(jnp.nan)
+      kw = dict(likelihood=fisher.Categorical(), kind="empirical")
+      calls = {m: (fisher.diagonal, dict(kw, method=m))
+               for m in ("auto", "per_example")}
+      calls["low_rank"] = (fisher.low_rank, dict(kw, rank=2))
+      out = _est_many(apply_fn, params, (x, y), calls)
       for method in ("auto", "per_example"):
-        stat = _est(fisher.diagonal, apply_fn, params, (x, y),
-                    likelihood=fisher.Categorical(),
-                    kind="empirical", method=method)
+        stat = out[method]
         self.assertFalse(bool(stat.is_finite()))
         self.assertEqual(int(stat.count), N)
-      lr = _est(fisher.low_rank, apply_fn, params, (x, y),
-                likelihood=fisher.Categorical(), kind="empirical",
-                rank=2)
-      self.assertFalse(bool(lr.is_finite()))
+      self.assertFalse(bool(out["low_rank"].is_finite()))
 
 
   def test_flax_linen_and_nnx_apply_fns(self):
@@ -219,38 +259,50 @@ class DiagonalTest(parameterized.TestCase):
     linen = Linen()
     graphdef, state = nnx.split(Nnx(nnx.Rngs(0)))
     models = {
-        "linen": (linen.apply, linen.init(jax.random.key(2), ids)),
+        "linen": (linen.apply, jax.jit(linen.init)(jax.random.key(2), ids)),
         "nnx": (lambda s, x: nnx.merge(graphdef, s)(x), state),
     }
     for name, (apply_fn, params) in models.items():
       with self.subTest(name):
         kw = dict(likelihood=fisher.Categorical(), kind="exact")
-        fast = _est(fisher.diagonal, apply_fn, params, (ids, y),
-                    method="taps", **kw)
-        slow = _est(fisher.diagonal, apply_fn, params, (ids, y),
-                    method="per_example", **kw)
-        chex.assert_trees_all_close(fast, slow, rtol=1e-5, atol=1e-7)
+        out = _est_many(apply_fn, params, (ids, y), {
+            "fast": (fisher.diagonal, dict(kw, method="taps")),
+            "slow": (fisher.diagonal, dict(kw, method="per_example"))})
+        chex.assert_trees_all_close(out["fast"], out["slow"], rtol=1e-5,
+                                    atol=1e-7)
 
 
 class LowRankTest(parameterized.TestCase):
 
-  @parameterized.product(family=("categorical", "heteroscedastic"),
-                         kind=("empirical", "exact", "batch_squared"))
-  def test_matches_dense_eigenpairs(self, family, kind):
+  @parameterized.parameters("categorical", "heteroscedastic")
+  def test_matches_dense_eigenpairs(self, family):
+    """Every kind and path of one family: one compile, oracles included."""
+    kinds = ("empirical", "exact", "batch_squared")
+    methods = ("auto", "per_example")
+    ranks = {kind: 1 if kind == "batch_squared" else 3 for kind in kinds}
     with jax.enable_x64(True):
       apply_fn, params, x, y = _setup(family)
-      dense = ft.dense_fisher(apply_fn, params, x, y, family=family,
-                              kind=kind)
-      k = 1 if kind == "batch_squared" else 3
-      vals, vecs = ft.top_eig(dense, k)
-      for method in ("auto", "per_example"):
-        stat = _est(fisher.low_rank, apply_fn, params, (x, y),
-                    likelihood=LIKELIHOODS[family](), kind=kind,
-                    rank=k, method=method, chunk_size=3)
-        np.testing.assert_allclose(stat.eigvals, vals, rtol=1e-9, atol=1e-12)
-        v = _stack_flat(stat.eigvecs, k)
-        np.testing.assert_allclose(v @ v.T, np.eye(k), atol=1e-10)
-        np.testing.assert_allclose(np.abs(v @ vecs.T), np.eye(k), atol=1e-8)
+      lik = LIKELIHOODS[family]()
+      calls = {(kind, method): (fisher.low_rank, dict(
+          likelihood=lik, kind=kind, rank=ranks[kind], method=method,
+          chunk_size=3)) for kind in kinds for method in methods}
+      oracles = {kind: functools.partial(
+          lambda p, b, kind: ft.dense_fisher(apply_fn, p, b[0], b[1],
+                                             family=family, kind=kind),
+          kind=kind) for kind in kinds}
+      out = _est_many(apply_fn, params, (x, y), calls, oracles)
+      for kind in kinds:
+        k = ranks[kind]
+        vals, vecs = ft.top_eig(out[kind], k)
+        for method in methods:
+          with self.subTest(kind=kind, method=method):
+            stat = out[(kind, method)]
+            np.testing.assert_allclose(stat.eigvals, vals, rtol=1e-9,
+                                       atol=1e-12)
+            v = _stack_flat(stat.eigvecs, k)
+            np.testing.assert_allclose(v @ v.T, np.eye(k), atol=1e-10)
+            np.testing.assert_allclose(np.abs(v @ vecs.T), np.eye(k),
+                                       atol=1e-8)
 
   def test_rank_larger_than_examples_pads_with_zeros(self):
     with jax.enable_x64(True):
@@ -267,14 +319,13 @@ class LowRankTest(parameterized.TestCase):
     with jax.enable_x64(True):
       apply_fn, params, x, _ = _setup("gaussian")
       y = apply_fn(params, x)  # Zero residuals: every gradient is zero.
-      stat = _est(fisher.low_rank, apply_fn, params, (x, y),
-                  likelihood=fisher.Gaussian(), kind="empirical",
-                  rank=3)
+      kw = dict(likelihood=fisher.Gaussian(), kind="empirical")
+      out = _est_many(apply_fn, params, (x, y), {
+          "stat": (fisher.low_rank, dict(kw, rank=3)),
+          "one": (fisher.rank_one, dict(kw, scale="optimal"))})
+      stat, one = out["stat"], out["one"]
       chex.assert_tree_all_finite(stat)
       np.testing.assert_array_equal(stat.eigvals, 0.0)
-      one = _est(fisher.rank_one, apply_fn, params, (x, y),
-                 likelihood=fisher.Gaussian(), kind="empirical",
-                 scale="optimal")
       chex.assert_tree_all_finite(one)
       np.testing.assert_array_equal(one.eigvals, 0.0)
 
@@ -296,23 +347,31 @@ class LowRankTest(parameterized.TestCase):
     with jax.enable_x64(True):
       apply_fn, params, x, y = _setup("categorical")
       lik = fisher.Categorical()
-      for kind in ("empirical", "exact"):
-        dense = ft.dense_fisher(apply_fn, params, x, y, family="categorical",
-                                kind=kind)
-        mu = ft.ravel(ft.mean_grad_dense(apply_fn, params, x, y,
-                                         "categorical"))
-        plain = _est(fisher.rank_one, apply_fn, params, (x, y), likelihood=lik,
-                     kind=kind)
-        opt = _est(fisher.rank_one, apply_fn, params, (x, y), likelihood=lik,
-                   kind=kind, scale="optimal")
+      kinds = ("empirical", "exact")
+      calls, oracles = {}, {}
+      for kind in kinds:
+        kw = dict(likelihood=lik, kind=kind)
+        calls[kind, "plain"] = (fisher.rank_one, kw)
+        calls[kind, "opt"] = (fisher.rank_one, dict(kw, scale="optimal"))
+        calls[kind, "top"] = (fisher.rank_one, dict(kw, direction="top_eig"))
+        oracles[kind] = functools.partial(
+            lambda p, b, kind: ft.dense_fisher(
+                apply_fn, p, b[0], b[1], family="categorical", kind=kind),
+            kind=kind)
+      oracles["mu"] = lambda p, b: ft.ravel(ft.mean_grad_dense(
+          apply_fn, p, b[0], b[1], "categorical"))
+      out = _est_many(apply_fn, params, (x, y), calls, oracles)
+      mu = out["mu"]
+      for kind in kinds:
+        dense = out[kind]
+        plain, opt = out[kind, "plain"], out[kind, "opt"]
         np.testing.assert_allclose(ft.ravel(plain.eigvecs),
                                    mu / jnp.linalg.norm(mu), rtol=1e-10)
         np.testing.assert_allclose(plain.eigvals, [mu @ mu], rtol=1e-10)
         c_star = (mu @ dense @ mu) / (mu @ mu) ** 2
         np.testing.assert_allclose(opt.eigvals, [c_star * (mu @ mu)],
                                    rtol=1e-10)
-        top = _est(fisher.rank_one, apply_fn, params, (x, y), likelihood=lik,
-                   kind=kind, direction="top_eig")
+        top = out[kind, "top"]
         vals, _ = ft.top_eig(dense, 1)
         np.testing.assert_allclose(top.eigvals, vals, rtol=1e-10)
 
@@ -328,23 +387,30 @@ class KroneckerTest(parameterized.TestCase):
         "dense_1": (h.T @ h / x.shape[0], blocks[2]),
     }
 
-  @parameterized.parameters("empirical", "exact")
-  def test_kfac_factors(self, kind):
+  def test_kfac_factors(self):
     with jax.enable_x64(True):
       apply_fn, params, x, y = _setup("categorical")
-      dense = ft.dense_fisher(apply_fn, params, x, y, family="categorical",
-                              kind=kind)
-      stat = _est(fisher.kronecker, apply_fn, params, (x, y),
-                  likelihood=fisher.Categorical(), kind=kind,
-                  estimator="kfac")
-      self.assertEqual(stat.estimator, "kfac")
-      for layer, (a, gamma) in self._kfac_oracle(params, x, dense).items():
-        np.testing.assert_allclose(stat.left[layer]["kernel"], a, rtol=1e-10)
-        np.testing.assert_allclose(stat.right[layer]["kernel"], gamma,
-                                   rtol=1e-10, atol=1e-14)
-        np.testing.assert_allclose(stat.right[layer]["bias"], gamma,
-                                   rtol=1e-10, atol=1e-14)
-        np.testing.assert_allclose(stat.left[layer]["bias"], [[1.0]])
+      kinds = ("empirical", "exact")
+      out = _est_many(
+          apply_fn, params, (x, y),
+          {(kind, "stat"): (fisher.kronecker, dict(
+              likelihood=fisher.Categorical(), kind=kind, estimator="kfac"))
+           for kind in kinds},
+          {kind: functools.partial(
+              lambda p, b, kind: ft.dense_fisher(
+                  apply_fn, p, b[0], b[1], family="categorical", kind=kind),
+              kind=kind) for kind in kinds})
+      for kind in kinds:
+        dense, stat = out[kind], out[kind, "stat"]
+        self.assertEqual(stat.estimator, "kfac")
+        for layer, (a, gamma) in self._kfac_oracle(params, x, dense).items():
+          np.testing.assert_allclose(stat.left[layer]["kernel"], a,
+                                     rtol=1e-10)
+          np.testing.assert_allclose(stat.right[layer]["kernel"], gamma,
+                                     rtol=1e-10, atol=1e-14)
+          np.testing.assert_allclose(stat.right[layer]["bias"], gamma,
+                                     rtol=1e-10, atol=1e-14)
+          np.testing.assert_allclose(stat.left[layer]["bias"], [[1.0]])
 
   def test_shampoo_factors_and_nearest_kronecker(self):
     with jax.enable_x64(True):
@@ -353,9 +419,12 @@ class KroneckerTest(parameterized.TestCase):
       kernel = ft.unravel_like(params, g)["dense_1"]["kernel"]  # (N, 5, 4)
       block = ft.leaf_blocks(
           params, g.T @ g / N)[3]  # kernel_1 block, row-major vec
-      one = _est(fisher.kronecker, apply_fn, params, (x, y),
-                 likelihood=fisher.Categorical(),
-                 kind="empirical", estimator="shampoo")
+      kw = dict(likelihood=fisher.Categorical(), kind="empirical",
+                estimator="shampoo")
+      out = _est_many(apply_fn, params, (x, y), {
+          "one": (fisher.kronecker, kw),
+          "near": (fisher.kronecker, dict(kw, num_iters=20, chunk_size=3))})
+      one, near = out["one"], out["near"]
       ggt = jnp.einsum("nij,nkj->ik", kernel, kernel) / N
       gtg = jnp.einsum("nij,nik->jk", kernel, kernel) / N
       np.testing.assert_allclose(one.left["dense_1"]["kernel"], ggt,
@@ -369,10 +438,6 @@ class KroneckerTest(parameterized.TestCase):
           m * m, n * n)
       u, s, vt = jnp.linalg.svd(rearranged)
       best = jnp.kron(s[0] * u[:, 0].reshape(m, m), vt[0].reshape(n, n))
-      near = _est(fisher.kronecker, apply_fn, params, (x, y),
-                  likelihood=fisher.Categorical(),
-                  kind="empirical", estimator="shampoo",
-                  num_iters=20, chunk_size=3)
       approx = jnp.kron(near.left["dense_1"]["kernel"],
                         near.right["dense_1"]["kernel"])
       np.testing.assert_allclose(approx, best, atol=1e-8)
@@ -385,12 +450,13 @@ class KroneckerTest(parameterized.TestCase):
     with jax.enable_x64(True):
       _, params, x, y = _setup("categorical")
       params = dict(params, scale=jnp.linspace(0.5, 1.5, 5))
-      stat = _est(fisher.kronecker, _scaled_mlp, params, (x, y),
-                  likelihood=fisher.Categorical(), kind="exact")
+      kw = dict(likelihood=fisher.Categorical(), kind="exact")
+      out = _est_many(_scaled_mlp, params, (x, y), {
+          "stat": (fisher.kronecker, kw),
+          "ref": (fisher.kronecker, dict(kw, method="per_example",
+                                         estimator="shampoo"))})
+      stat, ref = out["stat"], out["ref"]
       self.assertEqual(stat.estimator, "mixed")
-      ref = _est(fisher.kronecker, _scaled_mlp, params, (x, y),
-                 likelihood=fisher.Categorical(), kind="exact",
-                 method="per_example", estimator="shampoo")
       np.testing.assert_allclose(stat.left["scale"], ref.left["scale"])
       np.testing.assert_allclose(stat.right["scale"], ref.right["scale"])
       with self.assertRaisesRegex(ValueError, "layer statistics"):
@@ -425,12 +491,14 @@ class OperationsTest(parameterized.TestCase):
       v = ft.unravel_like(params, jax.random.normal(
           jax.random.key(5), (dense.shape[0],), jnp.float64))
       flat_v = ft.ravel(v)
-      np.testing.assert_allclose(ft.ravel(stat.matvec(v)), dense @ flat_v,
+      # The three operations in one compile (eagerly they are many ops).
+      matvec, quad, solved = jax.jit(lambda s, v: (
+          s.matvec(v), s.quadratic_form(v), s.solve(v, 0.3)))(stat, v)
+      np.testing.assert_allclose(ft.ravel(matvec), dense @ flat_v,
                                  rtol=1e-9, atol=1e-12)
-      np.testing.assert_allclose(stat.quadratic_form(v),
-                                 flat_v @ dense @ flat_v, rtol=1e-9)
+      np.testing.assert_allclose(quad, flat_v @ dense @ flat_v, rtol=1e-9)
       damped = dense + 0.3 * jnp.eye(dense.shape[0])
-      np.testing.assert_allclose(ft.ravel(stat.solve(v, 0.3)),
+      np.testing.assert_allclose(ft.ravel(solved),
                                  jnp.linalg.solve(damped, flat_v), rtol=1e-8,
                                  atol=1e-10)
       # Registered pytrees: jit, vmap and tree ops see the arrays only.
@@ -465,14 +533,17 @@ class FromGradsTest(absltest.TestCase):
         return fisher.Categorical().nll(apply_fn(p, ex[0][None])[0], ex[1])
 
       g = ft.per_example_grads_dense(apply_fn, params, x, y, "categorical")
-      for kind in ("empirical", "batch_squared"):
+      kinds, chunks = ("empirical", "batch_squared"), (None, 3)
+      names = [(kind, chunk) for kind in kinds for chunk in chunks]
+      got = dict(zip(names, jax.jit(lambda p, b: [  # One compile for all.
+          fisher.diagonal_from_loss(loss, p, b, kind=kind, chunk_size=chunk)
+          for kind, chunk in names])(params, (x, y))))
+      for kind in kinds:
         ref = fisher.diagonal_from_grads(ft.unravel_like(params, g),
                                          kind=kind)
-        for chunk in (None, 3):
-          got = jax.jit(functools.partial(
-              fisher.diagonal_from_loss, loss, kind=kind, chunk_size=chunk))(
-                  params, (x, y))
-          chex.assert_trees_all_close(got, ref, rtol=1e-10, atol=1e-14)
+        for chunk in chunks:
+          chex.assert_trees_all_close(got[kind, chunk], ref, rtol=1e-10,
+                                      atol=1e-14)
       with self.assertRaisesRegex(ValueError, "kind"):
         fisher.diagonal_from_loss(loss, params, (x, y), kind="exact")
 
@@ -541,16 +612,20 @@ class PerExampleGradsTest(absltest.TestCase):
         xi, yi = ex
         return fisher.Categorical().nll(apply_fn(p, xi[None])[0], yi)
 
-      full = fisher.per_example_grads(loss, params, (x, y))
+      chunks = (1, 2, 3, 7, 50)
+      # One compile: the unchunked grads and every chunk size.
+      full, chunked = jax.jit(lambda p, b: (
+          fisher.per_example_grads(loss, p, b),
+          {c: fisher.per_example_grads(loss, p, b, chunk_size=c)
+           for c in chunks}))(params, (x, y))
       chex.assert_tree_shape_prefix(full, (N,))
       oracle = ft.unravel_like(
           params, ft.per_example_grads_dense(apply_fn, params, x, y,
                                              "categorical"))
       chex.assert_trees_all_close(full, oracle, rtol=1e-10, atol=1e-14)
-      for chunk in (1, 2, 3, 7, 50):
-        chunked = jax.jit(functools.partial(
-            fisher.per_example_grads, loss, chunk_size=chunk))(params, (x, y))
-        chex.assert_trees_all_close(chunked, full, rtol=1e-12, atol=1e-15)
+      for chunk in chunks:
+        chex.assert_trees_all_close(chunked[chunk], full, rtol=1e-12,
+                                    atol=1e-15)
 
 
 if __name__ == "__main__":
