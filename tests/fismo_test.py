@@ -68,17 +68,36 @@ def _grads(seed, shape, num, scale=1.0):
   return [scale * jax.random.normal(k, shape) for k in keys]
 
 
-def _run(tx, params, grads_seq, extras_seq=None):
-  """Jitted updates over a gradient sequence; returns updates and states."""
-  update = jax.jit(tx.update)
-  state = tx.init(params)
-  ups, states = [], []
-  for i, g in enumerate(grads_seq):
-    kw = {} if extras_seq is None else extras_seq[i]
-    u, state = update(g, state, params, **kw)
-    ups.append(u)
-    states.append(state)
-  return ups, states
+def _run_many(txs, params, grads_seqs):
+  """Scans each transform over its gradients, all in ONE jit compile.
+
+  ``init`` runs inside the jit too (eagerly it compiles op by op). Returns,
+  per transform, the per-step updates and states as NumPy trees.
+  """
+  stacked = [jax.tree.map(lambda *g: jnp.stack(g), *seq) for seq in grads_seqs]
+
+  @jax.jit
+  def run(params, stacked):
+    out = []
+    for tx, grads in zip(txs, stacked):
+      def body(state, g, tx=tx):
+        u, state = tx.update(g, state, params)
+        return state, (u, state)
+      out.append(jax.lax.scan(body, tx.init(params), grads)[1])
+    return out
+
+  results = []
+  for seq, (ups, states) in zip(grads_seqs, run(params, stacked)):
+    ups, states = jax.tree.map(np.asarray, (ups, states))
+    unstack = lambda t: [jax.tree.map(lambda a, i=i: a[i], t)
+                         for i in range(len(seq))]
+    results.append((unstack(ups), unstack(states)))
+  return results
+
+
+def _run(tx, params, grads_seq):
+  """Updates over a gradient sequence (one compile); updates and states."""
+  return _run_many([tx], params, [grads_seq])[0]
 
 
 def _kron_grads(seed, m, n, num, scale):
@@ -121,21 +140,25 @@ def _scan_runner(kw_items):
 class IsotropicMuonTest(parameterized.TestCase):
   """With P = Q = I, FISMO is optax.contrib.muon (spec §7.1)."""
 
-  @parameterized.parameters(False, True)
-  def test_identity_factors_equal_muon(self, nesterov):
+  def test_identity_factors_equal_muon(self):
     params = {"w": jnp.ones((5, 3)), "k": jnp.ones((3, 2, 4)),
               "b": jnp.zeros((4,))}
     dims = {"w": DN(), "k": DN(reduction_axis=(0, 1), output_axis=2),
             "b": None}
     grads = [jax.tree.map(lambda x, g=g: jnp.cos(x * g + jnp.arange(
         x.size).reshape(x.shape)), params) for g in (0.3, 1.1, 2.0)]
-    ours = fisher_optax.fismo(3e-2, gamma=1.0, nesterov=nesterov,
-                              fismo_weight_dimension_numbers=dims)
-    ref = optax.contrib.muon(3e-2, nesterov=nesterov,
-                             muon_weight_dimension_numbers=dims)
-    u1, _ = _run(ours, params, grads)
-    u2, _ = _run(ref, params, grads)
-    chex.assert_trees_all_close(u1, u2, atol=1e-6, rtol=1e-5)
+    txs = []
+    for nesterov in (False, True):
+      txs += [fisher_optax.fismo(3e-2, gamma=1.0, nesterov=nesterov,
+                                 fismo_weight_dimension_numbers=dims),
+              optax.contrib.muon(3e-2, nesterov=nesterov,
+                                 muon_weight_dimension_numbers=dims)]
+    # Both nesterov settings, ours and Muon: one compile.
+    out = _run_many(txs, params, [grads] * 4)
+    for i, nesterov in enumerate((False, True)):
+      with self.subTest(nesterov=nesterov):
+        chex.assert_trees_all_close(out[2 * i][0], out[2 * i + 1][0],
+                                    atol=1e-6, rtol=1e-5)
 
   def test_huge_damping_is_muon(self):
     params = {"w": jnp.ones((6, 4))}
@@ -143,8 +166,7 @@ class IsotropicMuonTest(parameterized.TestCase):
     ours = fisher_optax.scale_by_fismo(damping=1e7, gamma=0.5)
     ref = optax.contrib.scale_by_muon(nesterov=False,
                                       weight_dimension_numbers={"w": DN()})
-    u1, _ = _run(ours, params, grads)
-    u2, _ = _run(ref, params, grads)
+    (u1, _), (u2, _) = _run_many([ours, ref], params, [grads, grads])
     chex.assert_trees_all_close(u1, u2, atol=1e-5)
 
 
@@ -218,8 +240,8 @@ class AlgorithmOracleTest(parameterized.TestCase):
                                        root_method="eigh")
       grads = [jnp.asarray(g, jnp.float64) for g in _grads(5, (5, 3), 4)]
       params = jnp.zeros((5, 3), jnp.float64)
-      ups, _ = _run(tx, params, grads)
-      ups_rot, _ = _run(tx, params, [u @ g @ v.T for g in grads])
+      (ups, _), (ups_rot, _) = _run_many(  # One compile for both.
+          [tx, tx], params, [grads, [u @ g @ v.T for g in grads]])
       for a, b in zip(ups, ups_rot):
         np.testing.assert_allclose(u @ np.asarray(a) @ v.T, b, atol=1e-9)
 
@@ -291,16 +313,18 @@ class FactorTest(parameterized.TestCase):
     tx = fisher_optax.scale_by_fismo(precondition_interval=1)
     grads = {"w": jax.random.normal(jax.random.key(0), (4, 3)),
              "b": jnp.ones((3,))}
-    _, (state,) = _run(tx, params, [grads])
-    update = jax.jit(tx.update)
-    zero_u, zero_s = update(jax.tree.map(jnp.zeros_like, grads), state)
+    zeros = jax.tree.map(jnp.zeros_like, grads)
+    bad = {"w": grads["w"].at[0, 0].set(jnp.nan),
+           "b": grads["b"].at[0].set(jnp.inf)}
+    # One compile: a real step, then a zero (or a non-finite) gradient.
+    (zero_ups, zero_states), (nan_ups, nan_states) = _run_many(
+        [tx, tx], params, [[grads, zeros], [grads, bad]])
+    state, zero_u, zero_s = zero_states[0], zero_ups[1], zero_states[1]
     chex.assert_tree_all_finite((zero_u, zero_s))
     chex.assert_trees_all_close(zero_s.left_factor, state.left_factor)
     chex.assert_trees_all_close(zero_s.right_root, state.right_root,
                                 atol=1e-5)
-    bad = {"w": grads["w"].at[0, 0].set(jnp.nan),
-           "b": grads["b"].at[0].set(jnp.inf)}
-    nan_u, nan_s = update(bad, state)
+    state, nan_u, nan_s = nan_states[0], nan_ups[1], nan_states[1]
     self.assertTrue(bool(jnp.all(jnp.isnan(nan_u["w"]))))
     chex.assert_tree_all_finite(nan_s)
     chex.assert_trees_all_close(
@@ -339,35 +363,36 @@ class RootsTest(parameterized.TestCase):
     every = fisher_optax.scale_by_fismo(precondition_interval=1,
                                         root_method="eigh",
                                         weight_dimension_numbers=DN(1, 2))
-    chex.assert_trees_all_close(_run(tx, params, grads)[0],
-                                _run(every, params, grads)[0])
+    (u_tx, _), (u_every, _) = _run_many([tx, every], params, [grads, grads])
+    chex.assert_trees_all_close(u_tx, u_every)
 
-  @parameterized.parameters("newton", "cholesky")
-  def test_root_methods_agree_in_original_space(self, method):
+  def test_root_methods_agree_in_original_space(self):
     """The whitening/un-whitening round trip is root-independent (A3, A6)."""
     params = jnp.zeros((5, 4))
     grads = _grads(10, (5, 4), 6)
     kw = dict(momentum_space="original", precondition_interval=2, gamma=0.6)
-    ref, _ = _run(fisher_optax.scale_by_fismo(root_method="eigh", **kw),
-                  params, grads)
-    ups, states = _run(
-        fisher_optax.scale_by_fismo(root_method=method, **kw), params, grads)
-    chex.assert_trees_all_close(ups, ref, atol=2e-4, rtol=2e-3)
-    s = states[4]  # a refresh step: the cached roots belong to its factors.
-    for f, w in ((s.left_factor, s.left_root), (s.right_factor,
-                                                 s.right_root)):
-      eye = np.broadcast_to(np.eye(f.shape[-1]), f.shape)
-      np.testing.assert_allclose(jnp.swapaxes(w, -1, -2) @ f @ w, eye,
-                                 atol=1e-3)
+    methods = ("eigh", "newton", "cholesky")
+    # The eigh reference and both methods: one compile.
+    runs = _run_many([fisher_optax.scale_by_fismo(root_method=m, **kw)
+                      for m in methods], params, [grads] * 3)
+    ref = runs[0][0]
+    for method, (ups, states) in zip(methods[1:], runs[1:]):
+      with self.subTest(method=method):
+        chex.assert_trees_all_close(ups, ref, atol=2e-4, rtol=2e-3)
+        s = states[4]  # a refresh step: its cached roots match its factors.
+        for f, w in ((s.left_factor, s.left_root), (s.right_factor,
+                                                     s.right_root)):
+          eye = np.broadcast_to(np.eye(f.shape[-1]), f.shape)
+          np.testing.assert_allclose(jnp.swapaxes(w, -1, -2) @ f @ w, eye,
+                                     atol=1e-3)
 
   def test_newton_whitened_momentum_tracks_eigh(self):
     params = jnp.zeros((5, 4))
     grads = _grads(11, (5, 4), 5)
-    ref, _ = _run(fisher_optax.scale_by_fismo(precondition_interval=1,
-                                              root_method="eigh"),
-                  params, grads)
-    ups, _ = _run(fisher_optax.scale_by_fismo(
-        precondition_interval=1, root_method="newton"), params, grads)
+    (ref, _), (ups, _) = _run_many(  # One compile for both.
+        [fisher_optax.scale_by_fismo(precondition_interval=1,
+                                     root_method=m)
+         for m in ("eigh", "newton")], params, [grads, grads])
     for a, b in zip(ups, ref):
       self.assertGreater(_cos(a, b), 0.999)
 
@@ -498,11 +523,12 @@ class IntegrationTest(parameterized.TestCase):
         x.shape)), params)
     tx = optax.masked(fisher_optax.scale_by_fismo(),
                       {"w": True, "v": False})
-    ups, _ = jax.jit(tx.update)(grads, tx.init(params), params)
+    alone = fisher_optax.scale_by_fismo()
+    ups, direct = jax.jit(lambda g, p: (  # One compile for both.
+        tx.update(g, tx.init(p), p)[0],
+        alone.update({"w": g["w"]}, alone.init({"w": p["w"]}))[0]))(
+            grads, params)
     chex.assert_trees_all_equal(ups["v"], grads["v"])
-    direct, _ = jax.jit(fisher_optax.scale_by_fismo().update)(
-        {"w": grads["w"]}, fisher_optax.scale_by_fismo().init(
-            {"w": params["w"]}))
     chex.assert_trees_all_close(ups["w"], direct["w"], atol=1e-4)
     # inject_hyperparams (a traced precondition_interval included) is
     # covered by FismoConformanceTest.test_conformance_inject_hyperparams.
