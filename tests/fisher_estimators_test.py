@@ -478,33 +478,38 @@ class OperationsTest(parameterized.TestCase):
                                              jax.tree.leaves(stat.right))]
     return jax.scipy.linalg.block_diag(*blocks)
 
-  @parameterized.parameters("diagonal", "low_rank", "kronecker")
-  def test_operations(self, structure):
+  def test_operations(self):
     with jax.enable_x64(True):
       apply_fn, params, x, y = _setup("categorical")
       kw = dict(likelihood=fisher.Categorical(), kind="exact")
-      fns = {"diagonal": functools.partial(fisher.diagonal),
-             "low_rank": functools.partial(fisher.low_rank, rank=4),
-             "kronecker": functools.partial(fisher.kronecker)}
-      stat = _est(fns[structure], apply_fn, params, (x, y), **kw)
-      dense = self._dense_of(stat, params)
+      # The three structures in one compile, their operations in another.
+      stats = _est_many(apply_fn, params, (x, y), {
+          "diagonal": (fisher.diagonal, kw),
+          "low_rank": (fisher.low_rank, dict(kw, rank=4)),
+          "kronecker": (fisher.kronecker, kw)})
+      size = ft.ravel(params).shape[0]
       v = ft.unravel_like(params, jax.random.normal(
-          jax.random.key(5), (dense.shape[0],), jnp.float64))
+          jax.random.key(5), (size,), jnp.float64))
       flat_v = ft.ravel(v)
-      # The three operations in one compile (eagerly they are many ops).
-      matvec, quad, solved = jax.jit(lambda s, v: (
-          s.matvec(v), s.quadratic_form(v), s.solve(v, 0.3)))(stat, v)
-      np.testing.assert_allclose(ft.ravel(matvec), dense @ flat_v,
-                                 rtol=1e-9, atol=1e-12)
-      np.testing.assert_allclose(quad, flat_v @ dense @ flat_v, rtol=1e-9)
-      damped = dense + 0.3 * jnp.eye(dense.shape[0])
-      np.testing.assert_allclose(ft.ravel(solved),
-                                 jnp.linalg.solve(damped, flat_v), rtol=1e-8,
-                                 atol=1e-10)
-      # Registered pytrees: jit, vmap and tree ops see the arrays only.
-      out = jax.jit(lambda s: s)(stat)
-      self.assertEqual(out.kind, "exact")
-      chex.assert_trees_all_close(out, stat)
+      ops = jax.jit(lambda stats, v: {
+          k: (s.matvec(v), s.quadratic_form(v), s.solve(v, 0.3))
+          for k, s in stats.items()})(stats, v)
+      for structure, stat in stats.items():
+        with self.subTest(structure=structure):
+          dense = self._dense_of(stat, params)
+          matvec, quad, solved = ops[structure]
+          np.testing.assert_allclose(ft.ravel(matvec), dense @ flat_v,
+                                     rtol=1e-9, atol=1e-12)
+          np.testing.assert_allclose(quad, flat_v @ dense @ flat_v,
+                                     rtol=1e-9)
+          damped = dense + 0.3 * jnp.eye(dense.shape[0])
+          np.testing.assert_allclose(ft.ravel(solved),
+                                     jnp.linalg.solve(damped, flat_v),
+                                     rtol=1e-8, atol=1e-10)
+          # Registered pytrees: jit, vmap and tree ops see the arrays only.
+          out = jax.jit(lambda s: s)(stat)
+          self.assertEqual(out.kind, "exact")
+          chex.assert_trees_all_close(out, stat)
 
 
 class FromGradsTest(absltest.TestCase):
@@ -514,13 +519,14 @@ class FromGradsTest(absltest.TestCase):
       apply_fn, params, x, y = _setup("categorical")
       g = ft.per_example_grads_dense(apply_fn, params, x, y, "categorical")
       grads = ft.unravel_like(params, g)
-      emp = fisher.diagonal_from_grads(grads)
+      emp, sq, lr = jax.jit(lambda g: (  # One compile, not many eager ops.
+          fisher.diagonal_from_grads(g),
+          fisher.diagonal_from_grads(g, kind="batch_squared"),
+          fisher.low_rank_from_grads(g, rank=3)))(grads)
       chex.assert_trees_all_close(
           emp.diag, ft.unravel_like(params, jnp.mean(g**2, 0)), rtol=1e-12)
-      sq = fisher.diagonal_from_grads(grads, kind="batch_squared")
       chex.assert_trees_all_close(
           sq.diag, ft.unravel_like(params, jnp.mean(g, 0) ** 2), rtol=1e-12)
-      lr = fisher.low_rank_from_grads(grads, rank=3)
       vals, _ = ft.top_eig(g.T @ g / N, 3)
       np.testing.assert_allclose(lr.eigvals, vals, rtol=1e-9)
 
