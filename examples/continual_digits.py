@@ -5,6 +5,8 @@
 #     text_representation:
 #       extension: .py
 #       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
 #   kernelspec:
 #     display_name: Python 3
 #     language: python
@@ -29,7 +31,7 @@
 #
 # On a GPU or TPU runtime, install the accelerator jax wheel first
 # (`pip install -U "jax[cuda12]"` or `"jax[tpu]"`); nothing else changes.
-# Run as a script: `python examples/continual_digits.py --out_dir /tmp/plots`.
+# Run as a script: `python examples/continual_digits.py --out_dir plots`.
 
 # %%
 import pathlib

@@ -23,7 +23,7 @@
 #
 # On a GPU or TPU runtime, install the accelerator jax wheel first
 # (`pip install -U "jax[cuda12]"` or `"jax[tpu]"`); nothing else changes.
-# Run as a script: `python examples/digits_optimizers.py --out_dir /tmp/plots`.
+# Run as a script: `python examples/digits_optimizers.py --out_dir plots`.
 
 # %%
 import os
