@@ -119,6 +119,11 @@ def _check_leaves(ref: dict[str, Any], other: dict[str, Any], *,
     raise MergeInputError(
         f"{name} has leaf {extra[0]!r}, absent from {ref_name}; "
         f"{len(extra)} extra in all.")
+  for k, r in ref.items():
+    if np.shape(other[k]) != np.shape(r):
+      raise MergeInputError(
+          f"{name} leaf {k!r} has shape {np.shape(other[k])} but "
+          f"{ref_name}'s has shape {np.shape(r)}.")
 
 
 def validate_model(ref: dict[str, Any], model: dict[str, Any], *,
@@ -127,10 +132,6 @@ def validate_model(ref: dict[str, Any], model: dict[str, Any], *,
   _check_leaves(ref, model, ref_name=ref_name, name=name)
   for k, r in ref.items():
     x = model[k]
-    if np.shape(x) != np.shape(r):
-      raise MergeInputError(
-          f"{name} leaf {k!r} has shape {np.shape(x)} but {ref_name}'s has "
-          f"shape {np.shape(r)}.")
     if np.asarray(x).dtype != np.asarray(r).dtype:
       raise MergeInputError(
           f"{name} leaf {k!r} has dtype {np.asarray(x).dtype} but "
@@ -145,10 +146,6 @@ def validate_fisher(ref: dict[str, Any], fisher: dict[str, Any], *,
   _check_leaves(ref, fisher, ref_name=ref_name, name=name)
   for k, r in ref.items():
     f = fisher[k]
-    if np.shape(f) != np.shape(r):
-      raise MergeInputError(
-          f"{name} leaf {k!r} has shape {np.shape(f)} but {ref_name}'s has "
-          f"shape {np.shape(r)}.")
     if not _is_float(r):
       continue  # Not merged; its Fisher is ignored.
     if not _is_float(f):
