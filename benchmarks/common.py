@@ -15,6 +15,7 @@ root: ``python -m benchmarks.<name>``). Conventions:
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Sequence
 import dataclasses
 import json
 import math
@@ -23,7 +24,7 @@ import pathlib
 import platform
 import statistics
 import time
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -47,7 +48,8 @@ char_transformer = models.char_transformer
 
 def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
   return optax.softmax_cross_entropy_with_integer_labels(
-      logits.astype(jnp.float32), labels).mean()
+    logits.astype(jnp.float32), labels
+  ).mean()
 
 
 def accuracy(logits: jax.Array, labels: jax.Array) -> jax.Array:
@@ -58,10 +60,10 @@ def accuracy(logits: jax.Array, labels: jax.Array) -> jax.Array:
 
 
 def make_train_step(
-    apply_fn: Callable[..., Any],
-    tx: optax.GradientTransformation,
-    loss: Callable[[jax.Array, jax.Array], jax.Array] = cross_entropy,
-    extra_args_fn: Callable[..., dict[str, Any]] | None = None,
+  apply_fn: Callable[..., Any],
+  tx: optax.GradientTransformation,
+  loss: Callable[[jax.Array, jax.Array], jax.Array] = cross_entropy,
+  extra_args_fn: Callable[..., dict[str, Any]] | None = None,
 ):
   """A jitted ``step(params, opt_state, batch) -> (params, opt_state, loss)``.
 
@@ -83,9 +85,13 @@ def make_train_step(
   return step
 
 
-def minibatches(x: np.ndarray, y: np.ndarray, batch_size: int, seed: int,
-                drop_last: bool = True) -> Iterable[tuple[np.ndarray,
-                                                          np.ndarray]]:
+def minibatches(
+  x: np.ndarray,
+  y: np.ndarray,
+  batch_size: int,
+  seed: int,
+  drop_last: bool = True,
+) -> Iterable[tuple[np.ndarray, np.ndarray]]:
   """Endless shuffled epochs of ``(x, y)`` mini-batches."""
   rng = np.random.default_rng(seed)
   n = len(x)
@@ -93,19 +99,28 @@ def minibatches(x: np.ndarray, y: np.ndarray, batch_size: int, seed: int,
     perm = rng.permutation(n)
     stop = n - batch_size + 1 if drop_last else n
     for i in range(0, stop, batch_size):
-      idx = perm[i:i + batch_size]
+      idx = perm[i : i + batch_size]
       yield x[idx], y[idx]
 
 
-def evaluate(apply_fn, params, x, y, batch_size: int = 512,
-             loss: Callable[[jax.Array, jax.Array], jax.Array] = cross_entropy
-             ) -> dict[str, float]:
+def evaluate(
+  apply_fn,
+  params,
+  x,
+  y,
+  batch_size: int = 512,
+  loss: Callable[[jax.Array, jax.Array], jax.Array] = cross_entropy,
+) -> dict[str, float]:
   """Mean loss and accuracy over a dataset, in batches."""
-  f = jax.jit(lambda p, a, b: (loss(apply_fn(p, a), b) * len(a),
-                               accuracy(apply_fn(p, a), b) * len(a)))
+  f = jax.jit(
+    lambda p, a, b: (
+      loss(apply_fn(p, a), b) * len(a),
+      accuracy(apply_fn(p, a), b) * len(a),
+    )
+  )
   tot_loss = tot_acc = 0.0
   for i in range(0, len(x), batch_size):
-    l, a = f(params, x[i:i + batch_size], y[i:i + batch_size])
+    l, a = f(params, x[i : i + batch_size], y[i : i + batch_size])
     tot_loss += float(l)
     tot_acc += float(a)
   return {"loss": tot_loss / len(x), "accuracy": tot_acc / len(x)}
@@ -116,13 +131,19 @@ def evaluate(apply_fn, params, x, y, batch_size: int = 512,
 
 def block(tree: PyTree) -> PyTree:
   return jax.tree.map(
-      lambda x: x.block_until_ready() if hasattr(x, "block_until_ready")
-      else x, tree)
+    lambda x: x.block_until_ready() if hasattr(x, "block_until_ready") else x,
+    tree,
+  )
 
 
-def time_ratios(fns: dict[str, Callable[[], Any]], baseline: str, *,
-                rounds: int = 15, inner: int = 3, warmup: int = 2
-                ) -> dict[str, dict[str, float]]:
+def time_ratios(
+  fns: dict[str, Callable[[], Any]],
+  baseline: str,
+  *,
+  rounds: int = 15,
+  inner: int = 3,
+  warmup: int = 2,
+) -> dict[str, dict[str, float]]:
   """Times zero-argument callables in interleaved rounds.
 
   Each round runs every function ``inner`` times (after ``warmup`` calls at
@@ -148,11 +169,11 @@ def time_ratios(fns: dict[str, Callable[[], Any]], baseline: str, *,
       per_round[name].append((time.perf_counter() - t0) / inner)
   base = per_round[baseline]
   return {
-      name: {
-          "median_s": statistics.median(ts),
-          "ratio": statistics.median(t / b for t, b in zip(ts, base)),
-      }
-      for name, ts in per_round.items()
+    name: {
+      "median_s": statistics.median(ts),
+      "ratio": statistics.median(t / b for t, b in zip(ts, base)),
+    }
+    for name, ts in per_round.items()
   }
 
 
@@ -167,8 +188,13 @@ def compiled_memory_bytes(fn: Callable[..., Any], *args, **kwargs) -> int:
 
 def tree_bytes(tree: PyTree) -> int:
   """Bytes of all array leaves (works on ShapeDtypeStructs too)."""
-  return int(sum(np.prod(x.shape) * jnp.dtype(x.dtype).itemsize
-                 for x in jax.tree.leaves(tree) if hasattr(x, "shape")))
+  return int(
+    sum(
+      np.prod(x.shape) * jnp.dtype(x.dtype).itemsize
+      for x in jax.tree.leaves(tree)
+      if hasattr(x, "shape")
+    )
+  )
 
 
 # -- statistics and reports ---------------------------------------------------
@@ -178,8 +204,7 @@ def mean_std(xs: Sequence[float]) -> tuple[float, float]:
   xs = [float(x) for x in xs]
   if not xs:
     return float("nan"), float("nan")
-  return (statistics.fmean(xs),
-          statistics.stdev(xs) if len(xs) > 1 else 0.0)
+  return (statistics.fmean(xs), statistics.stdev(xs) if len(xs) > 1 else 0.0)
 
 
 def fmt_mean_std(xs: Sequence[float], digits: int = 4) -> str:
@@ -187,8 +212,9 @@ def fmt_mean_std(xs: Sequence[float], digits: int = 4) -> str:
   return f"{m:.{digits}f} ± {s:.{digits}f}"
 
 
-def paired_difference(a: Sequence[float], b: Sequence[float]
-                      ) -> tuple[float, float]:
+def paired_difference(
+  a: Sequence[float], b: Sequence[float]
+) -> tuple[float, float]:
   """Mean and standard error of ``a - b`` over paired seeds."""
   d = np.asarray(a, float) - np.asarray(b, float)
   se = float(d.std(ddof=1) / math.sqrt(len(d))) if len(d) > 1 else float("nan")
@@ -196,8 +222,10 @@ def paired_difference(a: Sequence[float], b: Sequence[float]
 
 
 def markdown_table(header: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
-  lines = ["| " + " | ".join(header) + " |",
-           "|" + "|".join("---" for _ in header) + "|"]
+  lines = [
+    "| " + " | ".join(header) + " |",
+    "|" + "|".join("---" for _ in header) + "|",
+  ]
   for r in rows:
     lines.append("| " + " | ".join(str(c) for c in r) + " |")
   return "\n".join(lines)
@@ -206,13 +234,13 @@ def markdown_table(header: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
 def environment() -> dict[str, Any]:
   """What a reader needs to interpret the numbers."""
   return {
-      "jax": jax.__version__,
-      "optax": optax.__version__,
-      "backend": jax.default_backend(),
-      "devices": [str(d) for d in jax.devices()],
-      "cpu_count": os.cpu_count(),
-      "python": platform.python_version(),
-      "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    "jax": jax.__version__,
+    "optax": optax.__version__,
+    "backend": jax.default_backend(),
+    "devices": [str(d) for d in jax.devices()],
+    "cpu_count": os.cpu_count(),
+    "python": platform.python_version(),
+    "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
   }
 
 
@@ -226,14 +254,18 @@ def _jsonable(obj: Any) -> Any:
   raise TypeError(f"not JSON serialisable: {type(obj)}")
 
 
-def write_results(name: str, data: dict[str, Any], markdown: str,
-                  out_dir: str | os.PathLike[str] | None = None
-                  ) -> pathlib.Path:
+def write_results(
+  name: str,
+  data: dict[str, Any],
+  markdown: str,
+  out_dir: str | os.PathLike[str] | None = None,
+) -> pathlib.Path:
   """Writes ``<name>.json`` (data + environment) and ``<name>.md``."""
   out = pathlib.Path(out_dir) if out_dir else RESULTS_DIR
   out.mkdir(parents=True, exist_ok=True)
   payload = {"name": name, "environment": environment(), **data}
   (out / f"{name}.json").write_text(
-      json.dumps(payload, indent=2, default=_jsonable) + "\n")
+    json.dumps(payload, indent=2, default=_jsonable) + "\n"
+  )
   (out / f"{name}.md").write_text(markdown.rstrip() + "\n")
   return out / f"{name}.md"

@@ -47,11 +47,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from benchmarks import common
 import fisher_optax
 from fisher_optax import datasets
 from fisher_optax import fisher
 from fisher_optax import models
-from benchmarks import common
 
 _SMALL = flags.DEFINE_bool("small", False, "seconds-long smoke run")
 _SEEDS = flags.DEFINE_integer("seeds", 3, "number of seeds")
@@ -59,45 +59,74 @@ _STEPS = flags.DEFINE_integer("steps", 300, "training steps per task")
 _TASKS = flags.DEFINE_integer("tasks", 5, "number of permuted tasks")
 _NAME = flags.DEFINE_string("name", "continual", "results file stem")
 _PART = flags.DEFINE_enum(
-    "part", "all", ["all", "ewc", "proj", "diffusion"],
-    "run one part (for parallel processes); merge with --report_only")
+  "part",
+  "all",
+  ["all", "ewc", "proj", "diffusion"],
+  "run one part (for parallel processes); merge with --report_only",
+)
 _SEED_LIST = flags.DEFINE_list(
-    "seed_list", None, "run only these seeds (default: range(--seeds))")
+  "seed_list", None, "run only these seeds (default: range(--seeds))"
+)
 _REPORT_ONLY = flags.DEFINE_bool(
-    "report_only", False, "rebuild the report from the saved raw results")
+  "report_only", False, "rebuild the report from the saved raw results"
+)
 
 BATCH = 32
 LR = 1e-3
 BATCHED_B = 128  # mini-batch size of the BATCHED (squared batch grad) Fisher
-MAX_RANK = 512   # protected directions per leaf (PhysGuard)
-N_SOURCE = 512   # source examples per task for the protected bases
+MAX_RANK = 512  # protected directions per leaf (PhysGuard)
+N_SOURCE = 512  # source examples per task for the protected bases
 N_TOP_EIG = 256  # examples for the top-eigenvector (Gram) rank-1 Fisher
 
 # name -> (diagonal kind or None, rank-1 (direction, scale) or None, lambdas)
 EWC_METHODS: dict[str, tuple[Any, Any, tuple[float, ...]]] = {
-    "fine-tune": (None, None, (0.0,)),
-    "diag EWC, exact": ("exact", None, (1e0, 1e1, 1e2, 1e3, 1e4)),
-    "diag EWC, sampled (MC-1)": ("mc", None, (1e0, 1e1, 1e2, 1e3, 1e4)),
-    "diag EWC, empirical": ("empirical", None, (1e0, 1e1, 1e2, 1e3, 1e4)),
-    f"diag EWC, batched({BATCHED_B})": ("batched", None,
-                                       (1e2, 1e3, 1e4, 1e5, 1e6)),
-    "rank-1 EWC, mean, unscaled": (None, ("mean", "none"),
-                                   (1e2, 1e3, 1e4, 1e5, 1e6)),
-    "rank-1 EWC, mean, c*": (None, ("mean", "optimal"),
-                             (1e1, 1e2, 1e3, 1e4, 1e5)),
-    "rank-1 EWC, top eigvec (256 ex.)": (None, ("top_eig", "none"),
-                               (1e1, 1e2, 1e3, 1e4, 1e5)),
-    "diag exact + rank-1 c*": ("exact", ("mean", "optimal"),
-                               (1e0, 1e1, 1e2, 1e3, 1e4)),
+  "fine-tune": (None, None, (0.0,)),
+  "diag EWC, exact": ("exact", None, (1e0, 1e1, 1e2, 1e3, 1e4)),
+  "diag EWC, sampled (MC-1)": ("mc", None, (1e0, 1e1, 1e2, 1e3, 1e4)),
+  "diag EWC, empirical": ("empirical", None, (1e0, 1e1, 1e2, 1e3, 1e4)),
+  f"diag EWC, batched({BATCHED_B})": (
+    "batched",
+    None,
+    (1e2, 1e3, 1e4, 1e5, 1e6),
+  ),
+  "rank-1 EWC, mean, unscaled": (
+    None,
+    ("mean", "none"),
+    (1e2, 1e3, 1e4, 1e5, 1e6),
+  ),
+  "rank-1 EWC, mean, c*": (
+    None,
+    ("mean", "optimal"),
+    (1e1, 1e2, 1e3, 1e4, 1e5),
+  ),
+  "rank-1 EWC, top eigvec (256 ex.)": (
+    None,
+    ("top_eig", "none"),
+    (1e1, 1e2, 1e3, 1e4, 1e5),
+  ),
+  "diag exact + rank-1 c*": (
+    "exact",
+    ("mean", "optimal"),
+    (1e0, 1e1, 1e2, 1e3, 1e4),
+  ),
 }
 # name -> (placement, tau, labels)
 PROJECTION_METHODS: dict[str, tuple[str, float, str]] = {
-    "protected subspace, after Adam (tau .999, sampled y)": (
-        "after", 0.999, "sampled"),
-    "protected subspace, before Adam (tau .999, sampled y)": (
-        "before", 0.999, "sampled"),
-    "protected subspace, after Adam (tau .9, true y; paper)": (
-        "after", 0.9, "true"),
+  "protected subspace, after Adam (tau .999, sampled y)": (
+    "after",
+    0.999,
+    "sampled",
+  ),
+  "protected subspace, before Adam (tau .999, sampled y)": (
+    "before",
+    0.999,
+    "sampled",
+  ),
+  "protected subspace, after Adam (tau .9, true y; paper)": (
+    "after",
+    0.9,
+    "true",
+  ),
 }
 
 
@@ -111,8 +140,9 @@ def permuted_digits(seed: int, num_tasks: int) -> list[dict[str, Any]]:
 
 def forgetting(r: np.ndarray) -> float:
   t = r.shape[0]
-  return float(np.mean([r[:t - 1, i].max() - r[t - 1, i]
-                        for i in range(t - 1)]))
+  return float(
+    np.mean([r[: t - 1, i].max() - r[t - 1, i] for i in range(t - 1)])
+  )
 
 
 class Runner:
@@ -161,12 +191,22 @@ class Runner:
       xb = x[:n].reshape(-1, BATCHED_B, x.shape[1])
       yb = y[:n].reshape(-1, BATCHED_B)
       diags = jax.lax.map(
-          lambda b: fisher.diagonal(self.apply_fn, params, b,
-                                    likelihood=self.lik,
-                                    kind="batch_squared").diag, (xb, yb))
+        lambda b: (
+          fisher.diagonal(
+            self.apply_fn, params, b, likelihood=self.lik, kind="batch_squared"
+          ).diag
+        ),
+        (xb, yb),
+      )
       return jax.tree.map(lambda d: d.mean(0), diags)
-    return fisher.diagonal(self.apply_fn, params, (x, y), likelihood=self.lik,
-                           kind=kind, key=key if kind == "mc" else None).diag
+    return fisher.diagonal(
+      self.apply_fn,
+      params,
+      (x, y),
+      likelihood=self.lik,
+      kind=kind,
+      key=key if kind == "mc" else None,
+    ).diag
 
   @functools.partial(jax.jit, static_argnums=(0, 1, 2))
   def consolidate(self, diag_kind, rank1, params, state, x, y, key):
@@ -181,10 +221,17 @@ class Runner:
         # The top eigenvector needs the N x N Gram: use N_TOP_EIG examples.
         n = N_TOP_EIG if direction == "top_eig" else x.shape[0]
         kwargs["low_rank"] = fisher.rank_one(
-            self.apply_fn, p, (x[:n], y[:n]), likelihood=self.lik,
-            kind="empirical", direction=direction, scale=scale)
-      anchor = fisher_optax.consolidate(optax.tree.get(s, "ewc_anchor"), p,
-                                        **kwargs)
+          self.apply_fn,
+          p,
+          (x[:n], y[:n]),
+          likelihood=self.lik,
+          kind="empirical",
+          direction=direction,
+          scale=scale,
+        )
+      anchor = fisher_optax.consolidate(
+        optax.tree.get(s, "ewc_anchor"), p, **kwargs
+      )
       return optax.tree.set(s, ewc_anchor=anchor)
 
     return jax.vmap(one)(params, state)
@@ -202,8 +249,11 @@ class Runner:
         yy = y
       g = fisher.per_example_grads(self.one_loss, p, (x, yy), chunk_size=256)
       sub = fisher_optax.protected_subspace(
-          g, max_rank=MAX_RANK, tau=tau,
-          existing=optax.tree.get(s, "protected_subspace"))
+        g,
+        max_rank=MAX_RANK,
+        tau=tau,
+        existing=optax.tree.get(s, "protected_subspace"),
+      )
       return optax.tree.set(s, protected_subspace=sub)
 
     return jax.vmap(one)(params, state)
@@ -211,10 +261,17 @@ class Runner:
   @functools.partial(jax.jit, static_argnums=0)
   def rank_oneness(self, params, x, y):
     """Top eigenvalue / trace and |cos(mu, v_1)| of the empirical Fisher."""
-    top = fisher.low_rank(self.apply_fn, params, (x, y), likelihood=self.lik,
-                          kind="empirical", rank=1)
-    diag = fisher.diagonal(self.apply_fn, params, (x, y),
-                           likelihood=self.lik, kind="empirical")
+    top = fisher.low_rank(
+      self.apply_fn,
+      params,
+      (x, y),
+      likelihood=self.lik,
+      kind="empirical",
+      rank=1,
+    )
+    diag = fisher.diagonal(
+      self.apply_fn, params, (x, y), likelihood=self.lik, kind="empirical"
+    )
     return _rank_oneness(top, diag)
 
 
@@ -222,16 +279,20 @@ def _rank_oneness(top, diag):
   trace = sum(jnp.sum(d) for d in jax.tree.leaves(diag.diag))
   mu = diag.mean_grad
   v = jax.tree.map(lambda e: e[0], top.eigvecs)
-  dot = sum(jnp.vdot(a, b) for a, b in zip(jax.tree.leaves(mu),
-                                           jax.tree.leaves(v)))
+  dot = sum(
+    jnp.vdot(a, b) for a, b in zip(jax.tree.leaves(mu), jax.tree.leaves(v))
+  )
   norm = jnp.sqrt(sum(jnp.sum(a * a) for a in jax.tree.leaves(mu)))
-  return {"top_over_trace": top.eigvals[0] / trace,
-          "cos_mean_top": jnp.abs(dot) / jnp.maximum(norm, 1e-30),
-          "mean_sq_over_trace": norm ** 2 / trace}
+  return {
+    "top_over_trace": top.eigvals[0] / trace,
+    "cos_mean_top": jnp.abs(dot) / jnp.maximum(norm, 1e-30),
+    "mean_sq_over_trace": norm**2 / trace,
+  }
 
 
-def run_method(runner, tasks, params0, seed, steps, *, lams, tx_fn, end_fn,
-               probe=None):
+def run_method(
+  runner, tasks, params0, seed, steps, *, lams, tx_fn, end_fn, probe=None
+):
   """Trains the task sequence for every lambda; returns R on val and test."""
   n_tasks = len(tasks)
   lams = jnp.asarray(lams, jnp.float32)
@@ -246,8 +307,9 @@ def run_method(runner, tasks, params0, seed, steps, *, lams, tx_fn, end_fn,
     params, state = runner.train(tx_fn, params, state, lams, x, y, idx)
     for split in ("val", "test"):
       for i, other in enumerate(tasks):
-        r[split][:, t, i] = np.asarray(runner.accuracy(params, *map(
-            jnp.asarray, other[split])))
+        r[split][:, t, i] = np.asarray(
+          runner.accuracy(params, *map(jnp.asarray, other[split]))
+        )
     if probe is not None:
       probe(t, params, x, y)
     if t < n_tasks - 1 and end_fn is not None:
@@ -265,17 +327,18 @@ def cached_tx_fn(key, make):
   return _TX_CACHE[key]
 
 
-def diffusion_rank_oneness(seed: int, steps: int, n: int,
-                           ts: tuple[int, ...]) -> list[dict[str, float]]:
+def diffusion_rank_oneness(
+  seed: int, steps: int, n: int, ts: tuple[int, ...]
+) -> list[dict[str, float]]:
   """Rank-1-ness of a tiny DDPM eps-MLP's per-example-loss Fisher vs t."""
   data = datasets.load_digits(seed=seed, standardize=False)
   x = jnp.asarray(data["train"][0] / 8.0 - 1.0)  # pixels in [-1, 1]
   big_t = 1000
   betas = jnp.linspace(1e-4, 0.02, big_t)
   abar = jnp.cumprod(1.0 - betas)
-  apply_fn, params = models.functional(models.MLP(
-      (64 + 32, 256, 256, 64), activation="silu",
-      rngs=nnx.Rngs(seed)))
+  apply_fn, params = models.functional(
+    models.MLP((64 + 32, 256, 256, 64), activation="silu", rngs=nnx.Rngs(seed))
+  )
 
   def embed(t):
     freqs = jnp.exp(-jnp.log(1e4) * jnp.arange(16) / 16)
@@ -305,8 +368,10 @@ def diffusion_rank_oneness(seed: int, steps: int, n: int,
       g = jax.grad(loss)(p, x[i], t, eps)
       u, s = tx.update(g, s, p)
       return (optax.apply_updates(p, u), s), None
-    return jax.lax.scan(step, (p, tx.init(p)), jax.random.split(key, steps)
-                        )[0][0]
+
+    return jax.lax.scan(step, (p, tx.init(p)), jax.random.split(key, steps))[0][
+      0
+    ]
 
   params = train(params, jax.random.key(seed))
 
@@ -323,10 +388,10 @@ def diffusion_rank_oneness(seed: int, steps: int, n: int,
     else:
       t = jnp.full((n,), t_value)
     eps = jax.random.normal(k2, (n, 64))
-    g = fisher.per_example_grads(one_loss, params, (x0, t, eps),
-                                 chunk_size=128)
-    return _rank_oneness(fisher.low_rank_from_grads(g, rank=1),
-                         fisher.diagonal_from_grads(g))
+    g = fisher.per_example_grads(one_loss, params, (x0, t, eps), chunk_size=128)
+    return _rank_oneness(
+      fisher.low_rank_from_grads(g, rank=1), fisher.diagonal_from_grads(g)
+    )
 
   out = []
   for t_value in ts:
@@ -352,10 +417,14 @@ def main(argv):
   t0 = time.time()
 
   part = _PART.value
-  seed_list = ([int(s) for s in _SEED_LIST.value] if _SEED_LIST.value
-               else list(range(seeds)))
-  tag = part + ("" if _SEED_LIST.value is None else
-                "_s" + "_".join(map(str, seed_list)))
+  seed_list = (
+    [int(s) for s in _SEED_LIST.value]
+    if _SEED_LIST.value
+    else list(range(seeds))
+  )
+  tag = part + (
+    "" if _SEED_LIST.value is None else "_s" + "_".join(map(str, seed_list))
+  )
   raw_path = common.RESULTS_DIR / f"{_NAME.value}_raw_{tag}.pkl"
   if _REPORT_ONLY.value:
     report(**merge_raw(_NAME.value), small=small, t0=t0)
@@ -369,43 +438,68 @@ def main(argv):
   # One apply_fn (and Runner) for all seeds, so every jit compiles once.
   apply_fn, _ = models.digits_mlp(0, activation="relu")
   runner = Runner(apply_fn, steps)
-  for seed in (seed_list if part != "diffusion" else []):
+  for seed in seed_list if part != "diffusion" else []:
     tasks = permuted_digits(seed, n_tasks)
     _, params0 = models.digits_mlp(seed, activation="relu")
     for name, (diag_kind, rank1, lams) in ewc_methods.items():
       has_diag = diag_kind is not None or rank1 is None
       rank = (n_tasks - 1) if rank1 is not None else 0
-      tx_fn = cached_tx_fn(("ewc", has_diag, rank), lambda lam, d=has_diag,
-                           k=rank: optax.chain(
-                               fisher_optax.add_ewc_gradient(
-                                   lam, diagonal=d, rank=k), optax.adam(LR)))
+      tx_fn = cached_tx_fn(
+        ("ewc", has_diag, rank),
+        lambda lam, d=has_diag, k=rank: optax.chain(
+          fisher_optax.add_ewc_gradient(lam, diagonal=d, rank=k), optax.adam(LR)
+        ),
+      )
       end_fn, probe = None, None
       if lams != (0.0,):
+
         def end_fn(p, s, x, y, key, d_kind=diag_kind, rank1=rank1):
           return runner.consolidate(d_kind, rank1, p, s, x, y, key)
       else:
+
         def probe(t, p, x, y, seed=seed):
           # Rank-1-ness of the classifier's Fisher after each task (FT run).
           m = runner.rank_oneness(jax.tree.map(lambda a: a[0], p), x, y)
-          rank1_cls.append({"seed": seed, "task": t,
-                            **{k: float(v) for k, v in m.items()}})
+          rank1_cls.append(
+            {"seed": seed, "task": t, **{k: float(v) for k, v in m.items()}}
+          )
 
       ts = time.time()
-      r = run_method(runner, tasks, params0, seed, steps, lams=lams,
-                     tx_fn=tx_fn, end_fn=end_fn, probe=probe)
+      r = run_method(
+        runner,
+        tasks,
+        params0,
+        seed,
+        steps,
+        lams=lams,
+        tx_fn=tx_fn,
+        end_fn=end_fn,
+        probe=probe,
+      )
       results.setdefault(name, {"lams": list(lams), "R": []})["R"].append(r)
       print(f"seed {seed} {name}: {time.time() - ts:.1f}s", flush=True)
     for name, (placement, tau, labels) in proj_methods.items():
-      tx_fn = cached_tx_fn(("proj", placement), lambda lam, pl=placement:
-                           fisher_optax.physguard(LR, max_rank=MAX_RANK,
-                                                  placement=pl))
+      tx_fn = cached_tx_fn(
+        ("proj", placement),
+        lambda lam, pl=placement: fisher_optax.physguard(
+          LR, max_rank=MAX_RANK, placement=pl
+        ),
+      )
 
       def end_fn(p, s, x, y, key, labels=labels, tau=tau):
         return runner.protect(labels, tau, p, s, x, y, key)
 
       ts = time.time()
-      r = run_method(runner, tasks, params0, seed, steps, lams=(0.0,),
-                     tx_fn=tx_fn, end_fn=end_fn)
+      r = run_method(
+        runner,
+        tasks,
+        params0,
+        seed,
+        steps,
+        lams=(0.0,),
+        tx_fn=tx_fn,
+        end_fn=end_fn,
+      )
       results.setdefault(name, {"lams": [None], "R": []})["R"].append(r)
       print(f"seed {seed} {name}: {time.time() - ts:.1f}s", flush=True)
 
@@ -415,9 +509,16 @@ def main(argv):
   diffusion = []
   if part in ("all", "diffusion"):
     diffusion = [diffusion_rank_oneness(0, diff_steps, diff_n, diff_ts)]
-  raw = dict(results=results, rank1_cls=rank1_cls, diffusion=diffusion,
-             diff_settings=(diff_steps, diff_n, diff_ts), seeds=seeds,
-             steps=steps, n_tasks=n_tasks, seed_list=seed_list)
+  raw = dict(
+    results=results,
+    rank1_cls=rank1_cls,
+    diffusion=diffusion,
+    diff_settings=(diff_steps, diff_n, diff_ts),
+    seeds=seeds,
+    steps=steps,
+    n_tasks=n_tasks,
+    seed_list=seed_list,
+  )
   raw_path.parent.mkdir(parents=True, exist_ok=True)
   with open(raw_path, "wb") as f:  # lets --report_only rebuild the report
     pickle.dump(raw, f)
@@ -435,7 +536,8 @@ def merge_raw(name: str) -> dict[str, Any]:
       merged[key] = raw[key]
     for method, res in raw["results"].items():
       entry = merged["results"].setdefault(
-          method, {"lams": res["lams"], "R": [], "seeds": []})
+        method, {"lams": res["lams"], "R": [], "seeds": []}
+      )
       entry["R"].extend(res["R"])
       entry["seeds"].extend(raw["seed_list"])
     merged["rank1_cls"].extend(raw["rank1_cls"])
@@ -445,8 +547,18 @@ def merge_raw(name: str) -> dict[str, Any]:
   return merged
 
 
-def report(*, results, rank1_cls, diffusion, diff_settings, seeds, steps,
-           n_tasks, small, t0):
+def report(
+  *,
+  results,
+  rank1_cls,
+  diffusion,
+  diff_settings,
+  seeds,
+  steps,
+  n_tasks,
+  small,
+  t0,
+):
   """Selects lambda on validation and writes JSON, markdown and the plot."""
   diff_steps, diff_n, diff_ts = diff_settings
   # -- lambda on validation, numbers on test ----------------------------------
@@ -456,39 +568,52 @@ def report(*, results, rank1_cls, diffusion, diff_settings, seeds, steps,
     val_acc = rs["val"][:, :, -1, :].mean(-1).mean(0)  # per lambda
     best = int(np.argmax(val_acc))
     acc = rs["test"][:, best, -1, :].mean(-1)
-    fgt = np.array([forgetting(rs["test"][s, best])
-                    for s in range(rs["test"].shape[0])])
+    fgt = np.array(
+      [forgetting(rs["test"][s, best]) for s in range(rs["test"].shape[0])]
+    )
     lam = res["lams"][best]
     edge = len(res["lams"]) > 1 and best in (0, len(res["lams"]) - 1)
     summary[name] = {
-        "lambda": lam, "lambda_at_grid_edge": edge,
-        "val_acc_per_lambda": val_acc.tolist(),
-        "acc": acc.tolist(), "fgt": fgt.tolist(),
-        "R_test_mean": rs["test"][:, best].mean(0).tolist(),
+      "lambda": lam,
+      "lambda_at_grid_edge": edge,
+      "val_acc_per_lambda": val_acc.tolist(),
+      "acc": acc.tolist(),
+      "fgt": fgt.tolist(),
+      "R_test_mean": rs["test"][:, best].mean(0).tolist(),
     }
-    lam_txt = "-" if lam is None or lam == 0 else f"{lam:g}" + (
-        " (edge)" if edge else "")
-    rows.append((name, lam_txt, common.fmt_mean_std(acc, 3),
-                 common.fmt_mean_std(fgt, 3)))
+    lam_txt = (
+      "-"
+      if lam is None or lam == 0
+      else f"{lam:g}" + (" (edge)" if edge else "")
+    )
+    rows.append(
+      (name, lam_txt, common.fmt_mean_std(acc, 3), common.fmt_mean_std(fgt, 3))
+    )
 
   cls_rows = []
   for t in range(n_tasks):
     ms = [m for m in rank1_cls if m["task"] == t]
-    cls_rows.append((t, common.fmt_mean_std([m["top_over_trace"] for m in ms],
-                                            3),
-                     common.fmt_mean_std([m["cos_mean_top"] for m in ms], 3),
-                     common.fmt_mean_std(
-                         [m["mean_sq_over_trace"] for m in ms], 4)))
+    cls_rows.append(
+      (
+        t,
+        common.fmt_mean_std([m["top_over_trace"] for m in ms], 3),
+        common.fmt_mean_std([m["cos_mean_top"] for m in ms], 3),
+        common.fmt_mean_std([m["mean_sq_over_trace"] for m in ms], 4),
+      )
+    )
 
   diff_rows = []
   for j, t_value in enumerate(diff_ts):
     ms = [d[j] for d in diffusion]
-    diff_rows.append((
+    diff_rows.append(
+      (
         "U{0..999} per example" if t_value < 0 else t_value,
         "-" if t_value < 0 else f"{ms[0]['snr']:.2e}",
         common.fmt_mean_std([m["top_over_trace"] for m in ms], 3),
         common.fmt_mean_std([m["cos_mean_top"] for m in ms], 3),
-        common.fmt_mean_std([m["mean_sq_over_trace"] for m in ms], 4)))
+        common.fmt_mean_std([m["mean_sq_over_trace"] for m in ms], 4),
+      )
+    )
 
   plot_path = None
   try:
@@ -496,40 +621,54 @@ def report(*, results, rank1_cls, diffusion, diff_settings, seeds, steps,
   except ImportError:
     pass
 
-  md = [f"## Continual learning: permuted digits ({n_tasks} tasks, "
-        f"{seeds} seed(s), {steps} steps/task)",
-        "",
-        "MLP 64-128-128-10 ReLU, Adam 1e-3, batch 32. lambda picked per "
-        "method on validation ACC (mean over seeds), then test ACC / FGT "
-        "(mean ± std over seeds). `(edge)`: best lambda at the grid edge. "
-        "Penalty convention R = lambda/2 D^T F D (no 1/2 in Avalanche: "
-        "lambda_ours = 2 lambda_avalanche). Multi-task: separate penalties "
-        "(exact diagonal merge; one low-rank slot per task).",
-        "",
-        common.markdown_table(("method", "lambda", "ACC", "FGT"), rows),
-        "",
-        "### How rank-1 is the classifier's empirical Fisher "
-        "(after each task, fine-tuning run)",
-        "",
-        common.markdown_table(
-            ("after task", "lambda_1 / tr F", "abs cos(mu, v_1)",
-             "‖mu‖² / tr F"), cls_rows),
-        "",
-        f"### Tiny DDPM eps-MLP on digits ({diff_steps} steps, N={diff_n} "
-        "examples, per-example MSE loss)",
-        "",
-        common.markdown_table(
-            ("t", "SNR", "lambda_1 / tr F", "abs cos(mu, v_1)",
-             "‖mu‖² / tr F"), diff_rows),
-        ""]
+  md = [
+    f"## Continual learning: permuted digits ({n_tasks} tasks, "
+    f"{seeds} seed(s), {steps} steps/task)",
+    "",
+    "MLP 64-128-128-10 ReLU, Adam 1e-3, batch 32. lambda picked per "
+    "method on validation ACC (mean over seeds), then test ACC / FGT "
+    "(mean ± std over seeds). `(edge)`: best lambda at the grid edge. "
+    "Penalty convention R = lambda/2 D^T F D (no 1/2 in Avalanche: "
+    "lambda_ours = 2 lambda_avalanche). Multi-task: separate penalties "
+    "(exact diagonal merge; one low-rank slot per task).",
+    "",
+    common.markdown_table(("method", "lambda", "ACC", "FGT"), rows),
+    "",
+    "### How rank-1 is the classifier's empirical Fisher "
+    "(after each task, fine-tuning run)",
+    "",
+    common.markdown_table(
+      ("after task", "lambda_1 / tr F", "abs cos(mu, v_1)", "‖mu‖² / tr F"),
+      cls_rows,
+    ),
+    "",
+    f"### Tiny DDPM eps-MLP on digits ({diff_steps} steps, N={diff_n} "
+    "examples, per-example MSE loss)",
+    "",
+    common.markdown_table(
+      ("t", "SNR", "lambda_1 / tr F", "abs cos(mu, v_1)", "‖mu‖² / tr F"),
+      diff_rows,
+    ),
+    "",
+  ]
   if plot_path:
     md.append(f"![accuracy matrices]({plot_path.name})")
   md.append(f"\nTotal time: {time.time() - t0:.0f} s.")
-  data = {"settings": {"seeds": seeds, "steps": steps, "tasks": n_tasks,
-                       "batch": BATCH, "lr": LR, "max_rank": MAX_RANK,
-                       "batched_b": BATCHED_B, "small": small},
-          "methods": summary, "rank_oneness_classifier": rank1_cls,
-          "rank_oneness_diffusion": diffusion}
+  data = {
+    "settings": {
+      "seeds": seeds,
+      "steps": steps,
+      "tasks": n_tasks,
+      "batch": BATCH,
+      "lr": LR,
+      "max_rank": MAX_RANK,
+      "batched_b": BATCHED_B,
+      "small": small,
+    },
+    "methods": summary,
+    "rank_oneness_classifier": rank1_cls,
+    "rank_oneness_diffusion": diffusion,
+  }
   path = common.write_results(_NAME.value, data, "\n".join(md))
   print("\n".join(md))
   print(f"wrote {path}", flush=True)
@@ -537,8 +676,10 @@ def report(*, results, rank1_cls, diffusion, diff_settings, seeds, steps,
 
 def plot_matrices(summary, name):
   import matplotlib  # pylint: disable=g-import-not-at-top
+
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+
   names = list(summary)
   cols = 4
   rows = -(-len(names) // cols)
@@ -547,13 +688,20 @@ def plot_matrices(summary, name):
     r = np.asarray(summary[n]["R_test_mean"])
     ax.imshow(r, vmin=0, vmax=1, cmap="viridis")
     for (i, j), v in np.ndenumerate(r):
-      ax.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=6,
-              color="w" if v < 0.6 else "k")
+      ax.text(
+        j,
+        i,
+        f"{v:.2f}",
+        ha="center",
+        va="center",
+        fontsize=6,
+        color="w" if v < 0.6 else "k",
+      )
     ax.set_title(n, fontsize=7)
     ax.set_xlabel("eval task", fontsize=7)
     ax.set_ylabel("after task", fontsize=7)
     ax.tick_params(labelsize=6)
-  for ax in np.ravel(axes)[len(names):]:
+  for ax in np.ravel(axes)[len(names) :]:
     ax.axis("off")
   fig.tight_layout()
   path = common.RESULTS_DIR / f"{name}_accuracy_matrix.png"

@@ -20,11 +20,12 @@ number of runs). Run from the repository root::
 
 from __future__ import annotations
 
+from collections.abc import Callable
 import functools
 import itertools
 import math
 import time
-from typing import Any, Callable
+from typing import Any
 
 from absl import app
 from absl import flags
@@ -33,8 +34,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-import fisher_optax
 from benchmarks import common
+import fisher_optax
 from fisher_optax import datasets
 
 _SMALL = flags.DEFINE_bool("small", False, "2 epochs, 2x2 grid, 2 seeds.")
@@ -44,27 +45,44 @@ NAME = "fadam_quality"
 BATCH = 64
 
 # name -> (factory, lr grid, weight-decay grid, needs per-example grads)
-OPTIMIZERS: dict[str, tuple[Callable[..., Any], list[float], list[float],
-                            bool]] = {
-    "fadam": (fisher_optax.fadam, [3e-4, 1e-3, 3e-3, 1e-2],
-              [0.0, 1e-3, 1e-2, 1e-1], False),
-    "adamw": (optax.adamw, [3e-4, 1e-3, 3e-3, 1e-2],
-              [0.0, 1e-2, 1e-1, 5e-1], False),
-    "adam": (optax.adamw, [3e-4, 1e-3, 3e-3, 1e-2], [0.0], False),
-    "fadam (per-example Fisher)": (
-        functools.partial(fisher_optax.fadam, fisher_source="per_example"),
-        [1e-3, 3e-3, 1e-2, 3e-2], [0.0, 1e-3, 1e-2, 1e-1], True),
+OPTIMIZERS: dict[
+  str, tuple[Callable[..., Any], list[float], list[float], bool]
+] = {
+  "fadam": (
+    fisher_optax.fadam,
+    [3e-4, 1e-3, 3e-3, 1e-2],
+    [0.0, 1e-3, 1e-2, 1e-1],
+    False,
+  ),
+  "adamw": (
+    optax.adamw,
+    [3e-4, 1e-3, 3e-3, 1e-2],
+    [0.0, 1e-2, 1e-1, 5e-1],
+    False,
+  ),
+  "adam": (optax.adamw, [3e-4, 1e-3, 3e-3, 1e-2], [0.0], False),
+  "fadam (per-example Fisher)": (
+    functools.partial(fisher_optax.fadam, fisher_source="per_example"),
+    [1e-3, 3e-3, 1e-2, 3e-2],
+    [0.0, 1e-3, 1e-2, 1e-1],
+    True,
+  ),
 }
 
 
 class Trainer:
   """One compiled epoch per optimizer; hyperparameters live in the state."""
 
-  def __init__(self, factory: Callable[..., Any], per_example: bool,
-               data: dict[str, tuple[np.ndarray, np.ndarray]]):
+  def __init__(
+    self,
+    factory: Callable[..., Any],
+    per_example: bool,
+    data: dict[str, tuple[np.ndarray, np.ndarray]],
+  ):
     self.data = data
-    self.tx = optax.inject_hyperparams(factory)(learning_rate=1e-3,
-                                                weight_decay=0.0)
+    self.tx = optax.inject_hyperparams(factory)(
+      learning_rate=1e-3, weight_decay=0.0
+    )
     apply_fn, _ = common.digits_mlp(0)
     self.apply_fn = apply_fn
 
@@ -81,7 +99,8 @@ class Trainer:
       extras = {}
       if per_example:
         extras["per_example_grads"] = jax.vmap(
-            jax.grad(example_loss), in_axes=(None, 0, 0))(params, x, y)
+          jax.grad(example_loss), in_axes=(None, 0, 0)
+        )(params, x, y)
       updates, state = self.tx.update(grads, state, params, **extras)
       return (optax.apply_updates(params, updates), state), value
 
@@ -97,8 +116,7 @@ class Trainer:
 
     self.epoch, self.evaluate = epoch, evaluate
 
-  def run(self, lr: float, wd: float, seed: int, epochs: int
-          ) -> dict[str, Any]:
+  def run(self, lr: float, wd: float, seed: int, epochs: int) -> dict[str, Any]:
     _, params = common.digits_mlp(seed)
     state = self.tx.init(params)
     state.hyperparams["learning_rate"] = jnp.asarray(lr, jnp.float32)
@@ -109,8 +127,9 @@ class Trainer:
     train_curve, val_curve, all_losses = [], [], []
     for _ in range(epochs):
       xs, ys = zip(*itertools.islice(batches, steps))
-      params, state, losses = self.epoch(params, state, np.stack(xs),
-                                         np.stack(ys))
+      params, state, losses = self.epoch(
+        params, state, np.stack(xs), np.stack(ys)
+      )
       losses = np.asarray(losses)
       all_losses.append(losses)
       train_curve.append(float(losses.mean()))
@@ -119,17 +138,21 @@ class Trainer:
     val_nll = val_curve[-1]
     finite = math.isfinite(val_nll) and math.isfinite(float(test_nll))
     return {
-        "lr": lr, "weight_decay": wd, "seed": seed,
-        "val_nll": val_nll if finite else float("inf"),
-        "test_nll": float(test_nll) if finite else float("inf"),
-        "test_accuracy": float(test_acc),
-        "mean_train_loss": float(np.concatenate(all_losses).mean()),
-        "train_curve": train_curve, "val_curve": val_curve,
+      "lr": lr,
+      "weight_decay": wd,
+      "seed": seed,
+      "val_nll": val_nll if finite else float("inf"),
+      "test_nll": float(test_nll) if finite else float("inf"),
+      "test_accuracy": float(test_acc),
+      "mean_train_loss": float(np.concatenate(all_losses).mean()),
+      "train_curve": train_curve,
+      "val_curve": val_curve,
     }
 
 
 def plot_curves(finals: dict[str, list[dict[str, Any]]], path) -> None:
   import matplotlib  # pylint: disable=g-import-not-at-top
+
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
 
@@ -141,15 +164,16 @@ def plot_curves(finals: dict[str, list[dict[str, Any]]], path) -> None:
       mean, std = curves.mean(0), curves.std(0)
       ax.plot(epochs, mean, label=name)
       ax.fill_between(epochs, mean - std, mean + std, alpha=0.2)
-  for ax, title in zip(axes, ("training loss (epoch mean)",
-                              "validation NLL")):
+  for ax, title in zip(axes, ("training loss (epoch mean)", "validation NLL")):
     ax.set_yscale("log")
     ax.set_xlabel("epoch")
     ax.set_title(title)
     ax.grid(alpha=0.3)
   axes[1].legend()
-  fig.suptitle("digits MLP 64-128-128-10, best setting per optimizer, "
-               f"{len(next(iter(finals.values())))} seeds (mean ± std)")
+  fig.suptitle(
+    "digits MLP 64-128-128-10, best setting per optimizer, "
+    f"{len(next(iter(finals.values())))} seeds (mean ± std)"
+  )
   fig.tight_layout()
   fig.savefig(path, dpi=120)
   plt.close(fig)
@@ -171,71 +195,109 @@ def main(argv):
       del r["train_curve"], r["val_curve"]
     grids[name] = grid
     top = min(grid, key=lambda r: r["val_nll"])
-    best[name] = {"lr": top["lr"], "weight_decay": top["weight_decay"],
-                  "val_nll": top["val_nll"], "grid_runs": len(grid)}
-    finals[name] = [trainer.run(top["lr"], top["weight_decay"], s, epochs)
-                    for s in seeds]
-    print(f"{name}: best lr={top['lr']} wd={top['weight_decay']} "
-          f"val NLL {top['val_nll']:.4f}; test NLL "
-          f"{common.fmt_mean_std([r['test_nll'] for r in finals[name]])}")
+    best[name] = {
+      "lr": top["lr"],
+      "weight_decay": top["weight_decay"],
+      "val_nll": top["val_nll"],
+      "grid_runs": len(grid),
+    }
+    finals[name] = [
+      trainer.run(top["lr"], top["weight_decay"], s, epochs) for s in seeds
+    ]
+    print(
+      f"{name}: best lr={top['lr']} wd={top['weight_decay']} "
+      f"val NLL {top['val_nll']:.4f}; test NLL "
+      f"{common.fmt_mean_std([r['test_nll'] for r in finals[name]])}"
+    )
 
   rows = []
   for name, runs in finals.items():
-    rows.append([
-        name, f"{best[name]['lr']:g}", f"{best[name]['weight_decay']:g}",
+    rows.append(
+      [
+        name,
+        f"{best[name]['lr']:g}",
+        f"{best[name]['weight_decay']:g}",
         best[name]["grid_runs"],
         common.fmt_mean_std([r["test_nll"] for r in runs]),
         common.fmt_mean_std([r["test_accuracy"] for r in runs]),
         common.fmt_mean_std([r["mean_train_loss"] for r in runs]),
-    ])
+      ]
+    )
   table = common.markdown_table(
-      ["optimizer", "best lr", "best weight decay", "tuning runs",
-       "test NLL", "test accuracy", "mean train loss"], rows)
+    [
+      "optimizer",
+      "best lr",
+      "best weight decay",
+      "tuning runs",
+      "test NLL",
+      "test accuracy",
+      "mean train loss",
+    ],
+    rows,
+  )
   nll = {k: [r["test_nll"] for r in v] for k, v in finals.items()}
   _, adamw_std = common.mean_std(nll["adamw"])
   comparisons, lines = {}, []
   for name in ("fadam", "fadam (per-example Fisher)"):
     diff, se = common.paired_difference(nll[name], nll["adamw"])
-    mean_diff = common.mean_std(nll[name])[0] - common.mean_std(
-        nll["adamw"])[0]
-    verdict = ("matches or beats" if mean_diff <= adamw_std
-               else "does not match")
+    mean_diff = common.mean_std(nll[name])[0] - common.mean_std(nll["adamw"])[0]
+    verdict = "matches or beats" if mean_diff <= adamw_std else "does not match"
     comparisons[name] = {"mean": diff, "se": se, "verdict": verdict}
-    lines.append(f"- {name} - AdamW test NLL, paired by seed: {diff:+.4f} "
-                 f"± {se:.4f} (s.e.): {verdict} AdamW by the spec's "
-                 f"criterion (mean no worse than AdamW's by more than one "
-                 f"AdamW seed std, {adamw_std:.4f}).")
+    lines.append(
+      f"- {name} - AdamW test NLL, paired by seed: {diff:+.4f} "
+      f"± {se:.4f} (s.e.): {verdict} AdamW by the spec's "
+      f"criterion (mean no worse than AdamW's by more than one "
+      f"AdamW seed std, {adamw_std:.4f})."
+    )
   edges = []
   for name, (_, lrs, wds, _) in OPTIMIZERS.items():
     b = best[name]
     if b["lr"] in (lrs[0], lrs[-1]) or (
-        len(wds) > 1 and b["weight_decay"] in (wds[0], wds[-1])):
+      len(wds) > 1 and b["weight_decay"] in (wds[0], wds[-1])
+    ):
       edges.append(name)
   if edges and not small:
-    lines.append("- Best settings on an edge of their grid (a wider grid "
-                 "might help them): " + ", ".join(edges) + ".")
+    lines.append(
+      "- Best settings on an edge of their grid (a wider grid "
+      "might help them): " + ", ".join(edges) + "."
+    )
   suffix = "_small" if small else ""
   plot_name = f"{NAME}{suffix}.png"
   out_dir = common.RESULTS_DIR if _OUT.value is None else _OUT.value
   import pathlib  # pylint: disable=g-import-not-at-top
+
   pathlib.Path(out_dir).mkdir(parents=True, exist_ok=True)
   plot_curves(finals, pathlib.Path(out_dir) / plot_name)
   md = (
-      f"### FAdam vs AdamW on digits (spec §7; {len(seeds)} seeds, "
-      f"{epochs} epochs)\n\n{table}\n\n"
-      f"Mean ± std over seeds at the setting with the best validation NLL "
-      f"(seed 0) in each optimizer's grid; mean train loss is the mean "
-      f"over all training steps (lower = faster training).\n\n"
-      + "\n".join(lines) + f"\n\nLoss curves: `{plot_name}`.\n")
-  common.write_results(NAME + suffix, {
-      "protocol": {"epochs": epochs, "batch": BATCH, "seeds": seeds,
-                   "model": "MLP 64-128-128-10 gelu",
-                   "split": "stratified 60/20/20, seed 0, standardised",
-                   "tuning": "4x4 grid (lr x wd) on final val NLL, seed 0"},
-      "grids": grids, "best": best, "finals": finals,
-      "minus_adamw_test_nll": comparisons, "best_on_grid_edge": edges,
+    f"### FAdam vs AdamW on digits (spec §7; {len(seeds)} seeds, "
+    f"{epochs} epochs)\n\n{table}\n\n"
+    f"Mean ± std over seeds at the setting with the best validation NLL "
+    f"(seed 0) in each optimizer's grid; mean train loss is the mean "
+    f"over all training steps (lower = faster training).\n\n"
+    + "\n".join(lines)
+    + f"\n\nLoss curves: `{plot_name}`.\n"
+  )
+  common.write_results(
+    NAME + suffix,
+    {
+      "protocol": {
+        "epochs": epochs,
+        "batch": BATCH,
+        "seeds": seeds,
+        "model": "MLP 64-128-128-10 gelu",
+        "split": "stratified 60/20/20, seed 0, standardised",
+        "tuning": "4x4 grid (lr x wd) on final val NLL, seed 0",
+      },
+      "grids": grids,
+      "best": best,
+      "finals": finals,
+      "minus_adamw_test_nll": comparisons,
+      "best_on_grid_edge": edges,
       "wall_s": time.time() - t0,
-  }, md, out_dir=out_dir)
+    },
+    md,
+    out_dir=out_dir,
+  )
   print(md)
   print(f"wall {time.time() - t0:.0f}s")
 

@@ -28,8 +28,9 @@ root::
 
 from __future__ import annotations
 
+from collections.abc import Callable
 import functools
-from typing import Any, Callable
+from typing import Any
 
 from absl import app
 from absl import flags
@@ -47,10 +48,12 @@ from fisher_optax.fisher import _taps
 _SMALL = flags.DEFINE_bool("small", False, "Tiny models, few rounds (smoke).")
 _ROUNDS = flags.DEFINE_integer("rounds", 9, "Interleaved rounds (fast rows).")
 _SLOW_ROUNDS = flags.DEFINE_integer(
-    "slow_rounds", 3, "Interleaved rounds for the per-example rows.")
+  "slow_rounds", 3, "Interleaved rounds for the per-example rows."
+)
 _CHUNK = flags.DEFINE_integer("chunk", 32, "Per-example path chunk size.")
-_BATCHES = flags.DEFINE_list("batches", ["32", "128", "512"],
-                              "Batch sizes (full run).")
+_BATCHES = flags.DEFINE_list(
+  "batches", ["32", "128", "512"], "Batch sizes (full run)."
+)
 _MODELS = flags.DEFINE_list("models", ["mlp", "cnn"], "Models to run.")
 _OUT = flags.DEFINE_string("out_dir", None, "Results dir (default results/).")
 
@@ -75,7 +78,8 @@ def make_model(name: str, small: bool):
   if name == "mlp":
     sizes = (64, 64, 64, 10) if small else (784, 512, 512, 10)
     apply_fn, params = models.functional(
-        models.MLP(sizes, activation="relu", rngs=nnx.Rngs(0)))
+      models.MLP(sizes, activation="relu", rngs=nnx.Rngs(0))
+    )
     return apply_fn, params, (sizes[0],)
   side = 8 if small else 28
   model = SmallCNN(width=4 if small else 8)
@@ -89,20 +93,40 @@ def estimators(apply_fn, chunk: int) -> dict[str, tuple[Callable, bool]]:
 
   def diag(kind, method):
     return lambda p, x, y, k: fisher.diagonal(
-        apply_fn, p, (x, y), likelihood=cat, kind=kind, key=k, method=method,
-        chunk_size=chunk if method == "per_example" else None)
+      apply_fn,
+      p,
+      (x, y),
+      likelihood=cat,
+      kind=kind,
+      key=k,
+      method=method,
+      chunk_size=chunk if method == "per_example" else None,
+    )
 
   def kron(method):
     est = "auto" if method == "auto" else "shampoo"
     return lambda p, x, y, k: fisher.kronecker(
-        apply_fn, p, (x, y), likelihood=cat, kind="empirical",
-        estimator=est, method=method,
-        chunk_size=chunk if method == "per_example" else None)
+      apply_fn,
+      p,
+      (x, y),
+      likelihood=cat,
+      kind="empirical",
+      estimator=est,
+      method=method,
+      chunk_size=chunk if method == "per_example" else None,
+    )
 
   def low_rank(method):
     return lambda p, x, y, k: fisher.low_rank(
-        apply_fn, p, (x, y), likelihood=cat, kind="empirical", rank=8,
-        method=method, chunk_size=chunk if method == "per_example" else None)
+      apply_fn,
+      p,
+      (x, y),
+      likelihood=cat,
+      kind="empirical",
+      rank=8,
+      method=method,
+      chunk_size=chunk if method == "per_example" else None,
+    )
 
   def one_pass(p, x, y, k):
     del k
@@ -113,23 +137,28 @@ def estimators(apply_fn, chunk: int) -> dict[str, tuple[Callable, bool]]:
     return grad, lg.statistics("diag")
 
   return {
-      "diag empirical / auto": (diag("empirical", "auto"), False),
-      "diag mc-1 / auto": (diag("mc", "auto"), False),
-      "diag exact / auto": (diag("exact", "auto"), False),
-      "kron (K-FAC) / auto": (kron("auto"), False),
-      "top-8 low rank / auto": (low_rank("auto"), False),
-      "taps one pass (grad + diag emp.)": (one_pass, False),
-      "diag empirical / per_example": (diag("empirical", "per_example"),
-                                       True),
-      "diag mc-1 / per_example": (diag("mc", "per_example"), True),
-      "diag exact / per_example": (diag("exact", "per_example"), True),
-      "kron (Shampoo) / per_example": (kron("per_example"), True),
-      "top-8 low rank / per_example": (low_rank("per_example"), True),
+    "diag empirical / auto": (diag("empirical", "auto"), False),
+    "diag mc-1 / auto": (diag("mc", "auto"), False),
+    "diag exact / auto": (diag("exact", "auto"), False),
+    "kron (K-FAC) / auto": (kron("auto"), False),
+    "top-8 low rank / auto": (low_rank("auto"), False),
+    "taps one pass (grad + diag emp.)": (one_pass, False),
+    "diag empirical / per_example": (diag("empirical", "per_example"), True),
+    "diag mc-1 / per_example": (diag("mc", "per_example"), True),
+    "diag exact / per_example": (diag("exact", "per_example"), True),
+    "kron (Shampoo) / per_example": (kron("per_example"), True),
+    "top-8 low rank / per_example": (low_rank("per_example"), True),
   }
 
 
-def run_one(model_name: str, batch: int, small: bool, chunk: int,
-            rounds: int, slow_rounds: int) -> list[dict[str, Any]]:
+def run_one(
+  model_name: str,
+  batch: int,
+  small: bool,
+  chunk: int,
+  rounds: int,
+  slow_rounds: int,
+) -> list[dict[str, Any]]:
   apply_fn, params, in_shape = make_model(model_name, small)
   rng = np.random.default_rng(batch)
   x = jnp.asarray(rng.normal(size=(batch,) + in_shape), jnp.float32)
@@ -145,24 +174,38 @@ def run_one(model_name: str, batch: int, small: bool, chunk: int,
   # Per-example exact costs C backprops per example: too slow past B = 128.
   skip = set()
   if batch > 128 and not small:
-    skip = {"diag exact / per_example", "top-8 low rank / per_example",
-            "kron (Shampoo) / per_example"}
+    skip = {
+      "diag exact / per_example",
+      "top-8 low rank / per_example",
+      "kron (Shampoo) / per_example",
+    }
   coverage = _taps.coverage(apply_fn, params, x)
-  covered = sum(int(np.prod(l.shape)) for l, c in zip(
-      jax.tree.leaves(params), jax.tree.leaves(coverage)) if c)
+  covered = sum(
+    int(np.prod(l.shape))
+    for l, c in zip(jax.tree.leaves(params), jax.tree.leaves(coverage))
+    if c
+  )
   total = sum(int(np.prod(l.shape)) for l in jax.tree.leaves(params))
 
   rows: dict[str, dict[str, Any]] = {}
   jitted = {}
   for name, (fn, slow) in fns.items():
     mem = common.compiled_memory_bytes(fn, params, x, y, key)
-    rows[name] = {"model": model_name, "batch": batch, "estimator": name,
-                  "temp_mb": mem / 2**20, "slow": slow,
-                  "covered_fraction": covered / total,
-                  "sizes": "-".join([str(in_shape[0])] + [
-                      str(l.shape[-1]) for l in jax.tree.leaves(params)
-                      if l.ndim == 1]) if model_name == "mlp" else "",
-                  "num_params": total}
+    rows[name] = {
+      "model": model_name,
+      "batch": batch,
+      "estimator": name,
+      "temp_mb": mem / 2**20,
+      "slow": slow,
+      "covered_fraction": covered / total,
+      "sizes": "-".join(
+        [str(in_shape[0])]
+        + [str(l.shape[-1]) for l in jax.tree.leaves(params) if l.ndim == 1]
+      )
+      if model_name == "mlp"
+      else "",
+      "num_params": total,
+    }
     if name not in skip:
       jitted[name] = functools.partial(jax.jit(fn), params, x, y, key)
 
@@ -170,8 +213,9 @@ def run_one(model_name: str, batch: int, small: bool, chunk: int,
   slow = {k: f for k, f in jitted.items() if fns[k][1]}
   slow["batch gradient"] = jitted["batch gradient"]
   for group, nr, inner in ((fast, rounds, 3), (slow, slow_rounds, 1)):
-    res = common.time_ratios(group, "batch gradient", rounds=nr, inner=inner,
-                             warmup=1)
+    res = common.time_ratios(
+      group, "batch gradient", rounds=nr, inner=inner, warmup=1
+    )
     for k, v in res.items():
       if k == "batch gradient" and group is slow:
         continue
@@ -185,17 +229,24 @@ def _fmt_ratio(r):
   return "—" if r is None else (f"{r:.2f}x" if r < 20 else f"{r:.0f}x")
 
 
-def to_markdown(rows: list[dict[str, Any]], batches: list[int],
-                chunk: int) -> str:
+def to_markdown(
+  rows: list[dict[str, Any]], batches: list[int], chunk: int
+) -> str:
   out = []
   for model in sorted({r["model"] for r in rows}, reverse=True):
     sub = [r for r in rows if r["model"] == model]
     batches_m = [b for b in batches if any(r["batch"] == b for r in sub)]
     frac = sub[0]["covered_fraction"]
-    base = {r["batch"]: r["median_s"] for r in sub
-            if r["estimator"] == "batch gradient"}
-    header = (["estimator / path"] + [f"B={b}" for b in batches_m]
-              + [f"temp MB @{b}" for b in batches_m])
+    base = {
+      r["batch"]: r["median_s"]
+      for r in sub
+      if r["estimator"] == "batch gradient"
+    }
+    header = (
+      ["estimator / path"]
+      + [f"B={b}" for b in batches_m]
+      + [f"temp MB @{b}" for b in batches_m]
+    )
     table = []
     names = list(dict.fromkeys(r["estimator"] for r in sub))
     for name in names:
@@ -209,14 +260,18 @@ def to_markdown(rows: list[dict[str, Any]], batches: list[int],
           cells.append(_fmt_ratio(r["ratio"]))
       mems = [f"{by_b[b]['temp_mb']:.1f}" for b in batches_m]
       table.append([name] + cells + mems)
-    title = {"mlp": "MLP (NNX, relu): " + sub[0]["sizes"],
-             "cnn": "small CNN (Linen: 2 convs + dense head)"}[model]
-    out.append(f"### {title}\n\nParameters on the layer path: "
-               f"{100 * frac:.1f}% (the rest use the per-example path under "
-               f"`method=\"auto\"`). Per-example chunk: {chunk}. Ratios are "
-               "wall time / the jitted batch gradient in the same process "
-               "(median of within-round ratios); the batch-gradient row "
-               "gives its absolute median time.\n")
+    title = {
+      "mlp": "MLP (NNX, relu): " + sub[0]["sizes"],
+      "cnn": "small CNN (Linen: 2 convs + dense head)",
+    }[model]
+    out.append(
+      f"### {title}\n\nParameters on the layer path: "
+      f"{100 * frac:.1f}% (the rest use the per-example path under "
+      f'`method="auto"`). Per-example chunk: {chunk}. Ratios are '
+      "wall time / the jitted batch gradient in the same process "
+      "(median of within-round ratios); the batch-gradient row "
+      "gives its absolute median time.\n"
+    )
     out.append(common.markdown_table(header, table))
     out.append("")
   return "\n".join(out)
@@ -237,12 +292,19 @@ def main(argv):
       # Written after every configuration, so a long run leaves its results.
       done = [bb for bb in batches if any(r["batch"] == bb for r in rows)]
       md = to_markdown(rows, done, chunk)
-      data = {"settings": {"small": small, "batches": batches,
-                           "rounds": rounds, "slow_rounds": slow_rounds,
-                           "chunk": chunk},
-              "rows": rows}
-      path = common.write_results(NAME + ("_small" if small else ""), data,
-                                  md, _OUT.value)
+      data = {
+        "settings": {
+          "small": small,
+          "batches": batches,
+          "rounds": rounds,
+          "slow_rounds": slow_rounds,
+          "chunk": chunk,
+        },
+        "rows": rows,
+      }
+      path = common.write_results(
+        NAME + ("_small" if small else ""), data, md, _OUT.value
+      )
   print(md)
   print(f"wrote {path}")
 

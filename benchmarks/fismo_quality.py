@@ -17,8 +17,9 @@ themselves and embeddings, head, biases and norms to AdamW with a fixed lr
 
 from __future__ import annotations
 
+from collections.abc import Callable
 import time
-from typing import Any, Callable
+from typing import Any
 
 from absl import app
 from absl import flags
@@ -42,49 +43,63 @@ DN = optax.contrib.MuonDimensionNumbers
 # centred on their usual lrs; FISMO's on a one-seed digits pilot (validation
 # split), since its lr does not transfer from Muon (spec A5).
 GRIDS = {
-    "adamw": (1e-3, 3e-3, 1e-2),
-    "muon": (3e-3, 1e-2, 3e-2),
-    "fismo": (3e-4, 1e-3, 3e-3),
-    "fismo_graft": (1e-3, 3e-3, 1e-2),
+  "adamw": (1e-3, 3e-3, 1e-2),
+  "muon": (3e-3, 1e-2, 3e-2),
+  "fismo": (3e-4, 1e-3, 3e-3),
+  "fismo_graft": (1e-3, 3e-3, 1e-2),
 }
 
 
 def hidden_dims(params: Any, exclude: tuple[str, ...]) -> Any:
   """MuonDimensionNumbers for 2-D kernels, None elsewhere (and for exclude)."""
+
   def pick(path, x):
     names = [str(getattr(k, "key", getattr(k, "idx", k))) for k in path]
     if x.ndim != 2 or any(e in names for e in exclude):
       return None
     return DN()
+
   return jax.tree_util.tree_map_with_path(pick, params)
 
 
-_STATIC = {"muon": ("ns_steps", "nesterov"),
-           "fismo": ("ns_steps", "max_precond_dim", "max_aspect_ratio")}
+_STATIC = {
+  "muon": ("ns_steps", "nesterov"),
+  "fismo": ("ns_steps", "max_precond_dim", "max_aspect_ratio"),
+}
 
 
-def make_tx(arm: str, lr: float, dims: Any, adam_lr: float
-            ) -> optax.GradientTransformation:
+def make_tx(
+  arm: str, lr: float, dims: Any, adam_lr: float
+) -> optax.GradientTransformation:
   """The arm's optimizer with an injected (traced) learning rate."""
   if arm == "adamw":
     return optax.inject_hyperparams(optax.adamw)(lr, weight_decay=0.0)
   if arm == "muon":
     return optax.inject_hyperparams(
-        optax.contrib.muon, static_args=_STATIC["muon"])(
-            lr, nesterov=True, adam_learning_rate=adam_lr,
-            muon_weight_dimension_numbers=dims)
+      optax.contrib.muon, static_args=_STATIC["muon"]
+    )(
+      lr,
+      nesterov=True,
+      adam_learning_rate=adam_lr,
+      muon_weight_dimension_numbers=dims,
+    )
   grafting = "muon_norm" if arm == "fismo_graft" else "none"
   return optax.inject_hyperparams(
-      fisher_optax.fismo, static_args=_STATIC["fismo"])(
-          lr, adam_learning_rate=adam_lr, grafting=grafting,
-          fismo_weight_dimension_numbers=dims)
+    fisher_optax.fismo, static_args=_STATIC["fismo"]
+  )(
+    lr,
+    adam_learning_rate=adam_lr,
+    grafting=grafting,
+    fismo_weight_dimension_numbers=dims,
+  )
 
 
 class Trainer:
   """One compiled training scan per (task, arm); lr and seed are data."""
 
-  def __init__(self, apply_fn: Callable[..., Any], arm: str, dims: Any,
-               adam_lr: float):
+  def __init__(
+    self, apply_fn: Callable[..., Any], arm: str, dims: Any, adam_lr: float
+  ):
     self.arm, self.dims, self.adam_lr = arm, dims, adam_lr
     tx = make_tx(arm, 1.0, dims, adam_lr)
 
@@ -106,8 +121,9 @@ class Trainer:
 
     self._run = run
 
-  def __call__(self, params: Any, lr: float, xs: np.ndarray, ys: np.ndarray
-               ) -> tuple[Any, list[float], float]:
+  def __call__(
+    self, params: Any, lr: float, xs: np.ndarray, ys: np.ndarray
+  ) -> tuple[Any, list[float], float]:
     t0 = time.perf_counter()
     params, losses = self._run(params, lr, xs, ys)
     losses = np.asarray(losses, np.float64)
@@ -116,6 +132,7 @@ class Trainer:
 
 def _evaluator(apply_fn: Callable[..., Any]):
   """Jitted once per task: loss and accuracy over a whole (small) eval set."""
+
   @jax.jit
   def ev(params, x, y):
     logits = apply_fn(params, x)
@@ -133,16 +150,21 @@ def _stack(batches, steps: int) -> tuple[np.ndarray, np.ndarray]:
   return np.stack(xs), np.stack(ys)
 
 
-def _tune_and_run(trainer: Trainer, init_fn, grid, seeds: int, data_fn,
-                  tune_eval, final_eval) -> dict[str, Any]:
+def _tune_and_run(
+  trainer: Trainer, init_fn, grid, seeds: int, data_fn, tune_eval, final_eval
+) -> dict[str, Any]:
   tune = {}
   for lr in grid:
     params, _, _ = trainer(init_fn(100), lr, *data_fn(100))
     loss = tune_eval(params)
     tune[lr] = loss if np.isfinite(loss) else np.inf
   best = min(tune, key=tune.get)
-  finals: dict[str, list[Any]] = {"train_loss": [], "s_per_step": [],
-                                  "curves": [], "eval": []}
+  finals: dict[str, list[Any]] = {
+    "train_loss": [],
+    "s_per_step": [],
+    "curves": [],
+    "eval": [],
+  }
   for s in range(seeds):
     params, losses, sps = trainer(init_fn(s), best, *data_fn(s))
     finals["eval"].append(final_eval(params))
@@ -164,14 +186,22 @@ def run_digits(seeds: int, steps: int, small: bool) -> dict[str, Any]:
   for arm, grid in GRIDS.items():
     trainer = Trainer(apply_fn, arm, dims, adam_lr=1e-3)
     r = _tune_and_run(
-        trainer, init_fn, grid[:1] if small else grid, seeds, data_fn,
-        lambda p: evaluate(p, *data["val"])["loss"],
-        lambda p: evaluate(p, *data["test"]))
+      trainer,
+      init_fn,
+      grid[:1] if small else grid,
+      seeds,
+      data_fn,
+      lambda p: evaluate(p, *data["val"])["loss"],
+      lambda p: evaluate(p, *data["test"]),
+    )
     r["test_acc"] = [e["accuracy"] for e in r["eval"]]
     r["test_loss"] = [e["loss"] for e in r["eval"]]
     results[arm] = r
-    print(f"digits {arm}: lr={r['best_lr']} "
-          f"acc={common.fmt_mean_std(r['test_acc'])}", flush=True)
+    print(
+      f"digits {arm}: lr={r['best_lr']} "
+      f"acc={common.fmt_mean_std(r['test_acc'])}",
+      flush=True,
+    )
   return results
 
 
@@ -187,41 +217,52 @@ def run_charlm(seeds: int, steps: int, small: bool) -> dict[str, Any]:
   test_x, test_y = datasets.char_eval_windows(val_ids[half:], context, 128)
   apply_fn, params0 = common.char_transformer(len(vocab), seed=0, **model_kw)
   dims = hidden_dims(params0, exclude=("embed", "head"))
-  init_fn = lambda s: common.char_transformer(len(vocab), seed=s,
-                                              **model_kw)[1]
+  init_fn = lambda s: common.char_transformer(len(vocab), seed=s, **model_kw)[1]
   evaluate = _evaluator(apply_fn)
-  data_fn = lambda s: _stack(datasets.char_batches(train_ids, batch, context,
-                                                   seed=s), steps)
+  data_fn = lambda s: _stack(
+    datasets.char_batches(train_ids, batch, context, seed=s), steps
+  )
   results: dict[str, Any] = {}
   for arm, grid in GRIDS.items():
     trainer = Trainer(apply_fn, arm, dims, adam_lr=3e-3)
     r = _tune_and_run(
-        trainer, init_fn, grid[:1] if small else grid, seeds, data_fn,
-        lambda p: evaluate(p, tune_x, tune_y)["loss"],
-        lambda p: evaluate(p, test_x, test_y)["loss"])
+      trainer,
+      init_fn,
+      grid[:1] if small else grid,
+      seeds,
+      data_fn,
+      lambda p: evaluate(p, tune_x, tune_y)["loss"],
+      lambda p: evaluate(p, test_x, test_y)["loss"],
+    )
     r["val_loss"] = r["eval"]
     results[arm] = r
-    print(f"charlm {arm}: lr={r['best_lr']} "
-          f"val={common.fmt_mean_std(r['val_loss'])}", flush=True)
+    print(
+      f"charlm {arm}: lr={r['best_lr']} "
+      f"val={common.fmt_mean_std(r['val_loss'])}",
+      flush=True,
+    )
   return results
 
 
 def _plot(results: dict[str, Any], name: str) -> None:
   try:
     import matplotlib  # pylint: disable=g-import-not-at-top
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
   except ImportError:
     return
   tasks = [t for t in ("digits", "charlm") if t in results]
-  fig, axes = plt.subplots(1, len(tasks), figsize=(5 * len(tasks), 3.5),
-                           squeeze=False)
+  fig, axes = plt.subplots(
+    1, len(tasks), figsize=(5 * len(tasks), 3.5), squeeze=False
+  )
   for ax, task in zip(axes[0], tasks):
     for arm, r in results[task].items():
       curves = np.asarray(r["curves"], np.float64)
       k = 10  # moving average for readability
-      smooth = np.stack([np.convolve(c, np.ones(k) / k, mode="valid")
-                         for c in curves])
+      smooth = np.stack(
+        [np.convolve(c, np.ones(k) / k, mode="valid") for c in curves]
+      )
       mean, std = smooth.mean(0), smooth.std(0)
       x = np.arange(len(mean)) + k
       ax.plot(x, mean, label=f"{arm} (lr={r['best_lr']:g})")
@@ -240,11 +281,13 @@ def main(argv: Any) -> None:
   seeds = 2 if small else _SEEDS.value
   results, t0 = {}, time.perf_counter()
   if "digits" in _TASKS.value:
-    results["digits"] = run_digits(seeds, 30 if small else _DIGITS_STEPS.value,
-                                   small)
+    results["digits"] = run_digits(
+      seeds, 30 if small else _DIGITS_STEPS.value, small
+    )
   if "charlm" in _TASKS.value:
-    results["charlm"] = run_charlm(seeds, 20 if small else _LM_STEPS.value,
-                                   small)
+    results["charlm"] = run_charlm(
+      seeds, 20 if small else _LM_STEPS.value, small
+    )
   name = "fismo_quality_small" if small else "fismo_quality"
   md = ["## FISMO vs Muon vs AdamW", ""]
   if "digits" in results:
@@ -252,38 +295,76 @@ def main(argv: Any) -> None:
     base = results["digits"]["muon"]["test_acc"]
     for arm, r in results["digits"].items():
       diff, se = common.paired_difference(r["test_acc"], base)
-      rows.append([arm, f"{r['best_lr']:g}", common.fmt_mean_std(
-          r["test_acc"]), common.fmt_mean_std(r["test_loss"]),
-                   common.fmt_mean_std(r["train_loss"]),
-                   f"{diff:+.4f} ± {se:.4f}",
-                   f"{1e3 * np.median(r['s_per_step']):.1f}"])
-    md += [f"**Digits MLP** 64-128-128-10, batch 128, "
-           f"{30 if small else _DIGITS_STEPS.value} steps, {seeds} seeds "
-           "(test split; lr chosen on validation loss from 3 values per arm)",
-           "",
-           common.markdown_table(
-               ["arm", "lr", "test acc", "test loss", "final train loss",
-                "Δacc vs Muon (paired)", "ms/step"], rows), ""]
+      rows.append(
+        [
+          arm,
+          f"{r['best_lr']:g}",
+          common.fmt_mean_std(r["test_acc"]),
+          common.fmt_mean_std(r["test_loss"]),
+          common.fmt_mean_std(r["train_loss"]),
+          f"{diff:+.4f} ± {se:.4f}",
+          f"{1e3 * np.median(r['s_per_step']):.1f}",
+        ]
+      )
+    md += [
+      f"**Digits MLP** 64-128-128-10, batch 128, "
+      f"{30 if small else _DIGITS_STEPS.value} steps, {seeds} seeds "
+      "(test split; lr chosen on validation loss from 3 values per arm)",
+      "",
+      common.markdown_table(
+        [
+          "arm",
+          "lr",
+          "test acc",
+          "test loss",
+          "final train loss",
+          "Δacc vs Muon (paired)",
+          "ms/step",
+        ],
+        rows,
+      ),
+      "",
+    ]
   if "charlm" in results:
     rows = []
     base = results["charlm"]["muon"]["val_loss"]
     for arm, r in results["charlm"].items():
       diff, se = common.paired_difference(r["val_loss"], base)
-      rows.append([arm, f"{r['best_lr']:g}",
-                   common.fmt_mean_std(r["val_loss"]),
-                   common.fmt_mean_std(r["train_loss"]),
-                   f"{diff:+.4f} ± {se:.4f}",
-                   f"{1e3 * np.median(r['s_per_step']):.1f}"])
-    md += [f"**Char-level transformer LM** on `pydoc_data.topics` (d=64, 2 "
-           f"layers, {20 if small else _LM_STEPS.value} steps, {seeds} "
-           "seeds; held-out text loss in nats/char)", "",
-           common.markdown_table(
-               ["arm", "lr", "held-out loss", "final train loss",
-                "Δloss vs Muon (paired)", "ms/step"], rows), ""]
-  md.append(f"Total wall time {time.perf_counter() - t0:.0f} s "
-            f"({jax.default_backend()}, shared 2-core CPU).")
-  common.write_results(name, {"grids": GRIDS, "results": results},
-                       "\n".join(md))
+      rows.append(
+        [
+          arm,
+          f"{r['best_lr']:g}",
+          common.fmt_mean_std(r["val_loss"]),
+          common.fmt_mean_std(r["train_loss"]),
+          f"{diff:+.4f} ± {se:.4f}",
+          f"{1e3 * np.median(r['s_per_step']):.1f}",
+        ]
+      )
+    md += [
+      f"**Char-level transformer LM** on `pydoc_data.topics` (d=64, 2 "
+      f"layers, {20 if small else _LM_STEPS.value} steps, {seeds} "
+      "seeds; held-out text loss in nats/char)",
+      "",
+      common.markdown_table(
+        [
+          "arm",
+          "lr",
+          "held-out loss",
+          "final train loss",
+          "Δloss vs Muon (paired)",
+          "ms/step",
+        ],
+        rows,
+      ),
+      "",
+    ]
+  md.append(
+    f"Total wall time {time.perf_counter() - t0:.0f} s "
+    f"({jax.default_backend()}, shared 2-core CPU)."
+  )
+  common.write_results(
+    name, {"grids": GRIDS, "results": results}, "\n".join(md)
+  )
   _plot(results, name)
   print("\n".join(md))
 

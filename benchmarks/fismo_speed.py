@@ -30,16 +30,20 @@ _SMALL = flags.DEFINE_bool("small", False, "Tiny shapes, 2 rounds.")
 _M = flags.DEFINE_integer("m", 1024, "Rows of every leaf.")
 _NS = flags.DEFINE_list("n", ["1024", "4096"], "Columns of the leaves.")
 _ROUNDS = flags.DEFINE_integer("rounds", 5, "Interleaved timing rounds.")
-_INTERVALS = flags.DEFINE_list("intervals", ["1", "10", "20"],
-                               "precondition_interval values to report.")
-_ROOTS = flags.DEFINE_list("root_methods", ["eigh", "newton", "cholesky"],
-                           "Root methods to time.")
+_INTERVALS = flags.DEFINE_list(
+  "intervals", ["1", "10", "20"], "precondition_interval values to report."
+)
+_ROOTS = flags.DEFINE_list(
+  "root_methods", ["eigh", "newton", "cholesky"], "Root methods to time."
+)
 
 
 def _grads(shapes, seed):
   keys = jax.random.split(jax.random.key(seed), len(shapes))
-  return {f"w{i}": jax.random.normal(k, s) / s[0] ** 0.5
-          for i, (k, s) in enumerate(zip(keys, shapes))}
+  return {
+    f"w{i}": jax.random.normal(k, s) / s[0] ** 0.5
+    for i, (k, s) in enumerate(zip(keys, shapes))
+  }
 
 
 def main(argv: Any) -> None:
@@ -48,14 +52,19 @@ def main(argv: Any) -> None:
   ns = [128, 512] if _SMALL.value else [int(n) for n in _NS.value]
   rounds = 2 if _SMALL.value else _ROUNDS.value
   shapes = [(m, n) for n in ns]
-  params = {k: jnp.zeros(s) for k, s in zip(
-      [f"w{i}" for i in range(len(shapes))], shapes)}
+  params = {
+    k: jnp.zeros(s)
+    for k, s in zip([f"w{i}" for i in range(len(shapes))], shapes)
+  }
   grads = [_grads(shapes, s) for s in range(3)]
 
   # A standalone scale_by_muon needs the full tree of dimension numbers.
   muon = optax.contrib.scale_by_muon(
-      nesterov=False, weight_dimension_numbers=jax.tree.map(
-          lambda _: optax.contrib.MuonDimensionNumbers(), params))
+    nesterov=False,
+    weight_dimension_numbers=jax.tree.map(
+      lambda _: optax.contrib.MuonDimensionNumbers(), params
+    ),
+  )
   muon_update = jax.jit(muon.update)
   muon_state = muon.init(params)
 
@@ -73,19 +82,20 @@ def main(argv: Any) -> None:
       _, state = update(g, state)
     refresh_state = state
     _, cached_state = update(grads[2], state)  # count 3: uses cached roots.
-    fns[f"fismo_{method}_refresh"] = (
-        lambda u=update, s=refresh_state: u(grads[0], s)[0])
+    fns[f"fismo_{method}_refresh"] = lambda u=update, s=refresh_state: u(
+      grads[0], s
+    )[0]
     if method == "eigh":  # the cached step is the same for every method
       fns["fismo_cached"] = lambda u=update, s=cached_state: u(grads[0], s)[0]
       if "original" not in kw.get("momentum_space", ""):
-        tx_o = fisher_optax.scale_by_fismo(precondition_interval=2,
-                                           momentum_space="original")
+        tx_o = fisher_optax.scale_by_fismo(
+          precondition_interval=2, momentum_space="original"
+        )
         upd_o = jax.jit(tx_o.update)
         st = tx_o.init(params)
         for g in grads[:3]:
           _, st = upd_o(g, st)
-        fns["fismo_cached_original"] = (
-            lambda u=upd_o, s=st: u(grads[0], s)[0])
+        fns["fismo_cached_original"] = lambda u=upd_o, s=st: u(grads[0], s)[0]
 
   timings = common.time_ratios(fns, "muon", rounds=rounds, inner=1, warmup=1)
   cached = timings["fismo_cached"]["ratio"]
@@ -101,23 +111,26 @@ def main(argv: Any) -> None:
       amort_rows.append([method, k, f"{ratio:.2f}"])
 
   md = [
-      "## FISMO step time vs optax.contrib.muon",
-      "",
-      f"Leaves: {', '.join(f'{a}x{b}' for a, b in shapes)} (float32, jit, "
-      f"{jax.default_backend()}); {rounds} interleaved rounds, median of "
-      "per-round ratios. Defaults: two-sided for aspect ratio <= 2, else "
-      "the smaller side only.",
-      "",
-      common.markdown_table(["step", "median ms", "ratio vs Muon"], rows),
-      "",
-      "Amortised ratio at precondition_interval k: "
-      "((k-1) * cached + refresh) / k",
-      "",
-      common.markdown_table(["root_method", "k", "ratio vs Muon"],
-                            amort_rows),
+    "## FISMO step time vs optax.contrib.muon",
+    "",
+    f"Leaves: {', '.join(f'{a}x{b}' for a, b in shapes)} (float32, jit, "
+    f"{jax.default_backend()}); {rounds} interleaved rounds, median of "
+    "per-round ratios. Defaults: two-sided for aspect ratio <= 2, else "
+    "the smaller side only.",
+    "",
+    common.markdown_table(["step", "median ms", "ratio vs Muon"], rows),
+    "",
+    "Amortised ratio at precondition_interval k: "
+    "((k-1) * cached + refresh) / k",
+    "",
+    common.markdown_table(["root_method", "k", "ratio vs Muon"], amort_rows),
   ]
-  data = {"shapes": shapes, "rounds": rounds, "timings": timings,
-          "amortised_ratio": amortised}
+  data = {
+    "shapes": shapes,
+    "rounds": rounds,
+    "timings": timings,
+    "amortised_ratio": amortised,
+  }
   name = "fismo_speed_small" if _SMALL.value else "fismo_speed"
   path = common.write_results(name, data, "\n".join(md))
   print("\n".join(md))

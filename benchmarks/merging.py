@@ -35,8 +35,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-import fisher_optax
 from benchmarks import common
+import fisher_optax
 from fisher_optax import datasets
 from fisher_optax import fisher
 
@@ -45,12 +45,15 @@ _SEEDS = flags.DEFINE_integer("seeds", 5, "number of seeds for E1")
 _BASE_STEPS = flags.DEFINE_integer("base_steps", 2000, "base training steps")
 _FT_STEPS = flags.DEFINE_integer("ft_steps", 600, "fine-tuning steps")
 _PARAMS_M = flags.DEFINE_float(
-    "throughput_params_m", 100.0, "millions of parameters for throughput")
+  "throughput_params_m", 100.0, "millions of parameters for throughput"
+)
 _ROUNDS = flags.DEFINE_integer("rounds", 9, "timing rounds")
 _OUT_NAME = flags.DEFINE_string(
-    "out_name", None, "results file stem (default merging / merging_small)")
+  "out_name", None, "results file stem (default merging / merging_small)"
+)
 _SKIP_THROUGHPUT = flags.DEFINE_bool(
-    "skip_throughput", False, "run E1 only (e.g. for a sensitivity run)")
+  "skip_throughput", False, "run E1 only (e.g. for a sensitivity run)"
+)
 
 SHIFTS = ("transpose", "roll2")
 GRID = np.round(np.linspace(0.05, 0.95, 19), 2)
@@ -80,32 +83,42 @@ def train(apply_fn, params, x, y, steps, lr, seed):
 def run_e1(seed: int, kind: str, base_steps: int, ft_steps: int):
   data = datasets.load_digits(seed=seed, standardize=False)
   (xtr, ytr), (xva, yva), (xte, yte) = data["train"], data["val"], data["test"]
-  apply_fn, init = common.digits_mlp(seed, sizes=(64, 64, 10),
-                                     activation="tanh")
+  apply_fn, init = common.digits_mlp(
+    seed, sizes=(64, 64, 10), activation="tanh"
+  )
   base = train(apply_fn, init, xtr, ytr, base_steps, 3e-3, seed)
   xtr_s = shift(xtr, kind)
   finetuned = train(apply_fn, base, xtr_s, ytr, ft_steps, 1e-3, seed + 1)
 
   def fisher_of(params, x):
-    return fisher.diagonal(apply_fn, params, (jnp.asarray(x), None),
-                           likelihood=fisher.Categorical(),
-                           kind="exact").diag
+    return fisher.diagonal(
+      apply_fn,
+      params,
+      (jnp.asarray(x), None),
+      likelihood=fisher.Categorical(),
+      kind="exact",
+    ).diag
 
   fishers = [fisher_of(base, xtr), fisher_of(finetuned, xtr_s)]
   acc = jax.jit(lambda p, x, y: common.accuracy(apply_fn(p, x), y))
 
   def score(params, x, y):
-    return 0.5 * (float(acc(params, x, y))
-                  + float(acc(params, shift(x, kind), y)))
+    return 0.5 * (
+      float(acc(params, x, y)) + float(acc(params, shift(x, kind), y))
+    )
 
   candidates = np.stack([GRID, 1.0 - GRID], axis=1)
   models = [base, finetuned]
-  out = {"seed": seed, "shift": kind,
-         "base": score(base, xte, yte),
-         "finetuned": score(finetuned, xte, yte)}
+  out = {
+    "seed": seed,
+    "shift": kind,
+    "base": score(base, xte, yte),
+    "finetuned": score(finetuned, xte, yte),
+  }
   for name, f in (("average", None), ("fisher", fishers)):
     search = fisher_optax.search_merge_weights(
-        lambda p: score(p, xva, yva), models, f, candidates=candidates)
+      lambda p: score(p, xva, yva), models, f, candidates=candidates
+    )
     best = fisher_optax.fisher_merge(models, f, search.best_weights)
     half = fisher_optax.fisher_merge(models, f, np.array([0.5, 0.5]))
     out[name] = score(best, xte, yte)
@@ -122,16 +135,19 @@ def run_throughput(params_m: float, rounds: int):
   keys = iter(jax.random.split(jax.random.key(0), 4 * n_leaves))
 
   def tree(scale=1.0):
-    return {f"w{i}": scale * jax.random.normal(next(keys), shape)
-            for i in range(n_leaves)}
+    return {
+      f"w{i}": scale * jax.random.normal(next(keys), shape)
+      for i in range(n_leaves)
+    }
 
   models = [tree(), tree()]
   fishers = [jax.tree.map(jnp.abs, tree()), jax.tree.map(jnp.abs, tree())]
   weights = jnp.array([0.4, 0.6])
   n_params = sum(x.size for x in jax.tree.leaves(models[0]))
 
-  plain = jax.jit(lambda ms, w: jax.tree.map(
-      lambda a, b: w[0] * a + w[1] * b, *ms))
+  plain = jax.jit(
+    lambda ms, w: jax.tree.map(lambda a, b: w[0] * a + w[1] * b, *ms)
+  )
   fmerge = jax.jit(lambda ms, fs, w: fisher_optax.fisher_merge(ms, fs, w))
   iso = jax.jit(lambda ms, w: fisher_optax.fisher_merge(ms, None, w))
   acc = fisher_optax.fisher_merge_accumulator()
@@ -143,13 +159,14 @@ def run_throughput(params_m: float, rounds: int):
     return acc.finalize(state)
 
   fns = {
-      "plain_average": lambda: plain(models, weights),
-      "fisher_merge": lambda: fmerge(models, fishers, weights),
-      "fisher_merge_fishers_none": lambda: iso(models, weights),
-      "accumulator_streaming": streaming,
+    "plain_average": lambda: plain(models, weights),
+    "fisher_merge": lambda: fmerge(models, fishers, weights),
+    "fisher_merge_fishers_none": lambda: iso(models, weights),
+    "accumulator_streaming": streaming,
   }
-  timing = common.time_ratios(fns, "plain_average", rounds=rounds, inner=1,
-                              warmup=1)
+  timing = common.time_ratios(
+    fns, "plain_average", rounds=rounds, inner=1, warmup=1
+  )
   return {"params": n_params, "timing": timing}
 
 
@@ -171,54 +188,82 @@ def main(argv):
   thr = None if _SKIP_THROUGHPUT.value else run_throughput(params_m, rounds)
   print(thr, flush=True)
 
-  cols = ("base", "finetuned", "average_half", "fisher_half", "average",
-          "fisher")
+  cols = (
+    "base",
+    "finetuned",
+    "average_half",
+    "fisher_half",
+    "average",
+    "fisher",
+  )
   rows = []
   summary = {}
   for kind in SHIFTS:
     rs = [r for r in e1 if r["shift"] == kind]
     summary[kind] = {c: common.mean_std([r[c] for r in rs]) for c in cols}
-    diff = common.paired_difference([r["fisher"] for r in rs],
-                                    [r["average"] for r in rs])
+    diff = common.paired_difference(
+      [r["fisher"] for r in rs], [r["average"] for r in rs]
+    )
     summary[kind]["fisher_minus_average"] = diff
-    rows.append([kind, len(rs)]
-                + [common.fmt_mean_std([r[c] for r in rs], 3) for c in cols]
-                + [f"{diff[0]:+.3f} ± {diff[1]:.3f}"])
-  header = ("shift", "seeds", "base", "fine-tuned", "average (λ=0.5)",
-            "Fisher (λ=0.5)", "average (tuned λ)", "Fisher (tuned λ)",
-            "Fisher − average (paired, ± s.e.)")
+    rows.append(
+      [kind, len(rs)]
+      + [common.fmt_mean_std([r[c] for r in rs], 3) for c in cols]
+      + [f"{diff[0]:+.3f} ± {diff[1]:.3f}"]
+    )
+  header = (
+    "shift",
+    "seeds",
+    "base",
+    "fine-tuned",
+    "average (λ=0.5)",
+    "Fisher (λ=0.5)",
+    "average (tuned λ)",
+    "Fisher (tuned λ)",
+    "Fisher − average (paired, ± s.e.)",
+  )
   md_lines = [
-      "### Fisher merging (E1: robust fine-tuning on digits)",
-      "",
-      "Mean of clean and shifted test accuracy (mean ± std over seeds) of a "
-      "64-64-10 tanh MLP trained on clean digits and fine-tuned on a shifted "
-      "domain, merged with its base; λ is the base's weight, tuned on "
-      "validation over 0.05..0.95 (19 points). Exact Fishers on each model's "
-      f"own training data, floor 1e-6; {base_steps} base and {ft_steps} "
-      "fine-tuning Adam steps.",
-      "",
-      common.markdown_table(header, rows),
+    "### Fisher merging (E1: robust fine-tuning on digits)",
+    "",
+    "Mean of clean and shifted test accuracy (mean ± std over seeds) of a "
+    "64-64-10 tanh MLP trained on clean digits and fine-tuned on a shifted "
+    "domain, merged with its base; λ is the base's weight, tuned on "
+    "validation over 0.05..0.95 (19 points). Exact Fishers on each model's "
+    f"own training data, floor 1e-6; {base_steps} base and {ft_steps} "
+    "fine-tuning Adam steps.",
+    "",
+    common.markdown_table(header, rows),
   ]
   if thr is not None:
-    thr_rows = [[name, f"{v['ratio']:.2f}×", f"{v['median_s'] * 1e3:.0f} ms"]
-                for name, v in thr["timing"].items()]
+    thr_rows = [
+      [name, f"{v['ratio']:.2f}×", f"{v['median_s'] * 1e3:.0f} ms"]
+      for name, v in thr["timing"].items()
+    ]
     md_lines += [
-        "",
-        f"Merge throughput, two models of {thr['params'] / 1e6:.0f}M float32 "
-        "parameters on CPU (ratio of median times to a jitted plain weighted "
-        "average, interleaved rounds in one process):",
-        "",
-        common.markdown_table(("merge", "time ratio", "median time"), thr_rows),
+      "",
+      f"Merge throughput, two models of {thr['params'] / 1e6:.0f}M float32 "
+      "parameters on CPU (ratio of median times to a jitted plain weighted "
+      "average, interleaved rounds in one process):",
+      "",
+      common.markdown_table(("merge", "time ratio", "median time"), thr_rows),
     ]
   md = "\n".join(md_lines)
   name = _OUT_NAME.value or ("merging_small" if small else "merging")
   path = common.write_results(
-      name,
-      {"settings": {"seeds": seeds, "base_steps": base_steps,
-                    "ft_steps": ft_steps, "grid": GRID.tolist(),
-                    "rounds": rounds},
-       "e1": e1, "e1_summary": summary, "throughput": thr},
-      md)
+    name,
+    {
+      "settings": {
+        "seeds": seeds,
+        "base_steps": base_steps,
+        "ft_steps": ft_steps,
+        "grid": GRID.tolist(),
+        "rounds": rounds,
+      },
+      "e1": e1,
+      "e1_summary": summary,
+      "throughput": thr,
+    },
+    md,
+  )
   print(md)
   print(f"wrote {path}")
 

@@ -19,7 +19,6 @@ we fit the log-log slope over the sweep. Run from the repository root::
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 from absl import app
@@ -29,8 +28,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-import fisher_optax
 from benchmarks import common
+import fisher_optax
 from fisher_optax import fisher
 
 _SMALL = flags.DEFINE_bool("small", False, "Tiny sizes, few rounds (smoke).")
@@ -45,14 +44,18 @@ def make_params(d: int) -> dict[str, jax.Array]:
   """A matrix and a vector leaf, d parameters in all."""
   cols = 256
   rows = (d - cols) // cols
-  return {"kernel": jnp.zeros((rows, cols)), "bias": jnp.zeros((d - rows * cols,))}
+  return {
+    "kernel": jnp.zeros((rows, cols)),
+    "bias": jnp.zeros((d - rows * cols,)),
+  }
 
 
 def measure(d: int, m: int, rounds: int, inner: int) -> dict[str, Any]:
   params = make_params(d)
   key = jax.random.key(d + m)
   grads_seq = jax.tree.map(
-      lambda p: jax.random.normal(key, (m, *p.shape)), params)
+    lambda p: jax.random.normal(key, (m, *p.shape)), params
+  )
   g = jax.tree.map(lambda x: x[0], grads_seq)
 
   factor = jax.jit(lambda gs: fisher.sum_of_rank_one(gs, 1e-3))(grads_seq)
@@ -65,8 +68,9 @@ def measure(d: int, m: int, rounds: int, inner: int) -> dict[str, Any]:
   states = {"mfac": mfac.init(params), "adam": adam.init(params)}
   # Fill the window so every timed step replaces a real row.
   for i in range(m):
-    _, states["mfac"] = mfac_update(jax.tree.map(lambda x, i=i: x[i],
-                                                 grads_seq), states["mfac"])
+    _, states["mfac"] = mfac_update(
+      jax.tree.map(lambda x, i=i: x[i], grads_seq), states["mfac"]
+    )
 
   def run_mfac():
     u, states["mfac"] = mfac_update(g, states["mfac"])
@@ -77,12 +81,18 @@ def measure(d: int, m: int, rounds: int, inner: int) -> dict[str, Any]:
     return u
 
   res = common.time_ratios(
-      {"adam": run_adam, "mfac": run_mfac, "ihvp": lambda: ihvp(factor, g)},
-      baseline="adam", rounds=rounds, inner=inner)
+    {"adam": run_adam, "mfac": run_mfac, "ihvp": lambda: ihvp(factor, g)},
+    baseline="adam",
+    rounds=rounds,
+    inner=inner,
+  )
   state_bytes = common.tree_bytes(states["mfac"])
-  return {"d": d, "m": m, "mfac_state_bytes": state_bytes,
-          **{f"{k}_{q}": v[q] for k, v in res.items()
-             for q in ("median_s", "ratio")}}
+  return {
+    "d": d,
+    "m": m,
+    "mfac_state_bytes": state_bytes,
+    **{f"{k}_{q}": v[q] for k, v in res.items() for q in ("median_s", "ratio")},
+  }
 
 
 def slope(xs, ys) -> float:
@@ -93,13 +103,16 @@ def slope(xs, ys) -> float:
 def plot(d_rows, m_rows, path) -> bool:
   try:
     import matplotlib  # pylint: disable=g-import-not-at-top
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
   except ImportError:
     return False
   fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-  for rows, key, ax, label in ((d_rows, "d", axes[0], "d (m = 32)"),
-                               (m_rows, "m", axes[1], "m")):
+  for rows, key, ax, label in (
+    (d_rows, "d", axes[0], "d (m = 32)"),
+    (m_rows, "m", axes[1], "m"),
+  ):
     xs = [r[key] for r in rows]
     for name in ("ihvp", "mfac", "adam"):
       ax.loglog(xs, [r[f"{name}_median_s"] for r in rows], "o-", label=name)
@@ -131,38 +144,75 @@ def main(argv):
     print(m_rows[-1], flush=True)
 
   ds = [r["d"] for r in d_rows]
-  slopes = {name: slope(ds, [r[f"{name}_median_s"] for r in d_rows])
-            for name in ("ihvp", "mfac", "adam")}
+  slopes = {
+    name: slope(ds, [r[f"{name}_median_s"] for r in d_rows])
+    for name in ("ihvp", "mfac", "adam")
+  }
   ms = [r["m"] for r in m_rows]
-  m_slopes = {name: slope(ms, [r[f"{name}_median_s"] for r in m_rows])
-              for name in ("ihvp", "mfac")}
+  m_slopes = {
+    name: slope(ms, [r[f"{name}_median_s"] for r in m_rows])
+    for name in ("ihvp", "mfac")
+  }
   name = NAME + ("_small" if small else "")
-  plotted = plot(d_rows, m_rows, common.RESULTS_DIR / f"{name}.png"
-                 if _OUT.value is None else f"{_OUT.value}/{name}.png")
+  plotted = plot(
+    d_rows,
+    m_rows,
+    common.RESULTS_DIR / f"{name}.png"
+    if _OUT.value is None
+    else f"{_OUT.value}/{name}.png",
+  )
 
   fmt_ms = lambda s: f"{1e3 * s:.2f}"
-  rows = [[r["d"], r["m"], fmt_ms(r["ihvp_median_s"]),
-           fmt_ms(r["mfac_median_s"]), fmt_ms(r["adam_median_s"]),
-           f"{r['mfac_ratio']:.1f}x",
-           f"{r['mfac_state_bytes'] / 2**20:.1f}"] for r in d_rows + m_rows]
+  rows = [
+    [
+      r["d"],
+      r["m"],
+      fmt_ms(r["ihvp_median_s"]),
+      fmt_ms(r["mfac_median_s"]),
+      fmt_ms(r["adam_median_s"]),
+      f"{r['mfac_ratio']:.1f}x",
+      f"{r['mfac_state_bytes'] / 2**20:.1f}",
+    ]
+    for r in d_rows + m_rows
+  ]
   table = common.markdown_table(
-      ["d", "m", "ihvp (ms)", "M-FAC step (ms)", "adam step (ms)",
-       "M-FAC / adam", "M-FAC state (MiB)"], rows)
+    [
+      "d",
+      "m",
+      "ihvp (ms)",
+      "M-FAC step (ms)",
+      "adam step (ms)",
+      "M-FAC / adam",
+      "M-FAC state (MiB)",
+    ],
+    rows,
+  )
   at32 = [r for r in d_rows if r["m"] == 32]
   md = (
-      "### M-FAC cost scaling (CPU, medians of interleaved rounds)\n\n"
-      f"log-log slope in d at m = 32: ihvp {slopes['ihvp']:.2f}, M-FAC step "
-      f"{slopes['mfac']:.2f}, adam {slopes['adam']:.2f} (1.0 = linear). "
-      f"Slope in m at d = {d_for_m}: ihvp {m_slopes['ihvp']:.2f}, M-FAC step "
-      f"{m_slopes['mfac']:.2f}. M-FAC step / optax.adam step at m = 32: "
-      + ", ".join(f"{r['mfac_ratio']:.1f}x (d = {r['d']})" for r in at32)
-      + ". Absolute times are indicative only (shared 2-core machine).\n\n"
-      + table + "\n"
-      + (f"\n![scaling]({name}.png)\n" if plotted else ""))
+    "### M-FAC cost scaling (CPU, medians of interleaved rounds)\n\n"
+    f"log-log slope in d at m = 32: ihvp {slopes['ihvp']:.2f}, M-FAC step "
+    f"{slopes['mfac']:.2f}, adam {slopes['adam']:.2f} (1.0 = linear). "
+    f"Slope in m at d = {d_for_m}: ihvp {m_slopes['ihvp']:.2f}, M-FAC step "
+    f"{m_slopes['mfac']:.2f}. M-FAC step / optax.adam step at m = 32: "
+    + ", ".join(f"{r['mfac_ratio']:.1f}x (d = {r['d']})" for r in at32)
+    + ". Absolute times are indicative only (shared 2-core machine).\n\n"
+    + table
+    + "\n"
+    + (f"\n![scaling]({name}.png)\n" if plotted else "")
+  )
   path = common.write_results(
-      name, {"d_sweep": d_rows, "m_sweep": m_rows, "slopes_d": slopes,
-             "slopes_m": m_slopes, "rounds": rounds, "inner": inner}, md,
-      _OUT.value)
+    name,
+    {
+      "d_sweep": d_rows,
+      "m_sweep": m_rows,
+      "slopes_d": slopes,
+      "slopes_m": m_slopes,
+      "rounds": rounds,
+      "inner": inner,
+    },
+    md,
+    _OUT.value,
+  )
   print(md)
   print("wrote", path)
 

@@ -22,8 +22,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-import fisher_optax
 from benchmarks import common
+import fisher_optax
 
 _SMALL = flags.DEFINE_bool("small", False, "Tiny shapes, few rounds.")
 _RANK = flags.DEFINE_integer("rank", 64, "Projection rank for the timing.")
@@ -33,8 +33,9 @@ _ROUNDS = flags.DEFINE_integer("rounds", 15, "Interleaved timing rounds.")
 MB = 1e6
 
 
-def layer_stack(d: int, ffn: int, layers: int, vocab: int,
-                dtype=jnp.float32) -> dict[str, jax.ShapeDtypeStruct]:
+def layer_stack(
+  d: int, ffn: int, layers: int, vocab: int, dtype=jnp.float32
+) -> dict[str, jax.ShapeDtypeStruct]:
   """A LLaMA-like stack: q, k, v, o, gate, up, down per layer, embed, head."""
   shapes = {"embed": (vocab, d), "head": (d, vocab)}
   for i in range(layers):
@@ -77,89 +78,125 @@ def state_bytes(tx, params) -> int:
 
 def optimizers(rank: int, s: int, **kw):
   return {
-      "adamw": optax.adamw(1e-3),
-      "galore": optax.contrib.galore(1e-3, rank=rank, **kw),
-      "natural_galore": fisher_optax.natural_galore(
-          1e-3, rank=rank, history_size=s, **kw),
-      "natural_galore_ref_side": fisher_optax.natural_galore(
-          1e-3, rank=rank, history_size=s, projection_side="smaller", **kw),
-      "natural_galore_bf16_window": fisher_optax.natural_galore(
-          1e-3, rank=rank, history_size=s, window_dtype=jnp.bfloat16, **kw),
+    "adamw": optax.adamw(1e-3),
+    "galore": optax.contrib.galore(1e-3, rank=rank, **kw),
+    "natural_galore": fisher_optax.natural_galore(
+      1e-3, rank=rank, history_size=s, **kw
+    ),
+    "natural_galore_ref_side": fisher_optax.natural_galore(
+      1e-3, rank=rank, history_size=s, projection_side="smaller", **kw
+    ),
+    "natural_galore_bf16_window": fisher_optax.natural_galore(
+      1e-3, rank=rank, history_size=s, window_dtype=jnp.bfloat16, **kw
+    ),
   }
 
 
 def memory_table(small: bool) -> tuple[list[dict], str]:
   configs = [
-      # The spec §5 worked example: one 2048 x 5461 layer, r=512, s=20.
-      ("spec §5 layer 2048x5461, r=512, s=20",
-       {"w": jax.ShapeDtypeStruct((2048, 5461), jnp.float32)}, 512, 20),
-      # A 60M-class LLaMA stack (d=512, ffn=1376, 8 layers, 32k vocab),
-      # r=128 as in the paper's 60M run, s=8.
-      ("60M-class stack d=512, 8 layers, r=128, s=8",
-       layer_stack(512, 1376, 8, 32000), 128, 8),
+    # The spec §5 worked example: one 2048 x 5461 layer, r=512, s=20.
+    (
+      "spec §5 layer 2048x5461, r=512, s=20",
+      {"w": jax.ShapeDtypeStruct((2048, 5461), jnp.float32)},
+      512,
+      20,
+    ),
+    # A 60M-class LLaMA stack (d=512, ffn=1376, 8 layers, 32k vocab),
+    # r=128 as in the paper's 60M run, s=8.
+    (
+      "60M-class stack d=512, 8 layers, r=128, s=8",
+      layer_stack(512, 1376, 8, 32000),
+      128,
+      8,
+    ),
   ]
   if small:
-    configs = [("small stack d=64, 2 layers, r=8, s=4",
-                layer_stack(64, 172, 2, 256), 8, 4)]
+    configs = [
+      (
+        "small stack d=64, 2 layers, r=8, s=4",
+        layer_stack(64, 172, 2, 256),
+        8,
+        4,
+      )
+    ]
   rows, records = [], []
   for label, params, rank, s in configs:
     opts = optimizers(rank, s)
     expect = {
-        "adamw": formula_floats(params, rank, s, "adamw", "optax"),
-        "galore": formula_floats(params, rank, s, "galore", "optax"),
-        "natural_galore": formula_floats(params, rank, s, "ng", "optax"),
-        "natural_galore_ref_side": formula_floats(
-            params, rank, s, "ng", "ref"),
+      "adamw": formula_floats(params, rank, s, "adamw", "optax"),
+      "galore": formula_floats(params, rank, s, "galore", "optax"),
+      "natural_galore": formula_floats(params, rank, s, "ng", "optax"),
+      "natural_galore_ref_side": formula_floats(params, rank, s, "ng", "ref"),
     }
     for name, tx in opts.items():
       measured = state_bytes(tx, params)
       formula = expect.get(name)
-      records.append({"config": label, "optimizer": name,
-                      "state_bytes": measured,
-                      "formula_bytes": None if formula is None
-                      else 4 * formula})
-      rows.append([label, name, f"{measured / MB:.2f}",
-                   "-" if formula is None else f"{4 * formula / MB:.2f}"])
+      records.append(
+        {
+          "config": label,
+          "optimizer": name,
+          "state_bytes": measured,
+          "formula_bytes": None if formula is None else 4 * formula,
+        }
+      )
+      rows.append(
+        [
+          label,
+          name,
+          f"{measured / MB:.2f}",
+          "-" if formula is None else f"{4 * formula / MB:.2f}",
+        ]
+      )
   md = common.markdown_table(
-      ["config", "optimizer", "state MB (measured)", "MB (spec §5 formula)"],
-      rows)
+    ["config", "optimizer", "state MB (measured)", "MB (spec §5 formula)"], rows
+  )
   return records, md
 
 
-def speed_table(small: bool, rank: int, s: int, rounds: int
-                ) -> tuple[dict, str]:
+def speed_table(
+  small: bool, rank: int, s: int, rounds: int
+) -> tuple[dict, str]:
   if small:
     shapes, rank, rounds = layer_stack(64, 172, 1, 128), 8, 3
   else:
     shapes = layer_stack(256, 688, 1, 512)
   key = jax.random.key(0)
-  params = {k: jax.random.normal(jax.random.fold_in(key, i), v.shape)
-            for i, (k, v) in enumerate(shapes.items())}
+  params = {
+    k: jax.random.normal(jax.random.fold_in(key, i), v.shape)
+    for i, (k, v) in enumerate(shapes.items())
+  }
   grads = jax.tree.map(lambda p: 0.01 * p, params)
   kw = {"update_proj_gap": 200}
   txs = {
-      "galore": optax.contrib.galore(1e-3, rank=rank, **kw),
-      "natural_galore": fisher_optax.natural_galore(
-          1e-3, rank=rank, history_size=s, **kw),
-      "natural_galore_bf16_window": fisher_optax.natural_galore(
-          1e-3, rank=rank, history_size=s, window_dtype=jnp.bfloat16, **kw),
-      "natural_galore_subspace_svd": fisher_optax.natural_galore(
-          1e-3, rank=rank, history_size=s, svd_method="subspace", **kw),
-      "natural_galore_randomized_svd": fisher_optax.natural_galore(
-          1e-3, rank=rank, history_size=s, svd_method="randomized", **kw),
-      "natural_galore_per_example_B8": fisher_optax.natural_galore(
-          1e-3, rank=rank, window_source="per_example", **kw),
-      "adamw": optax.adamw(1e-3),
+    "galore": optax.contrib.galore(1e-3, rank=rank, **kw),
+    "natural_galore": fisher_optax.natural_galore(
+      1e-3, rank=rank, history_size=s, **kw
+    ),
+    "natural_galore_bf16_window": fisher_optax.natural_galore(
+      1e-3, rank=rank, history_size=s, window_dtype=jnp.bfloat16, **kw
+    ),
+    "natural_galore_subspace_svd": fisher_optax.natural_galore(
+      1e-3, rank=rank, history_size=s, svd_method="subspace", **kw
+    ),
+    "natural_galore_randomized_svd": fisher_optax.natural_galore(
+      1e-3, rank=rank, history_size=s, svd_method="randomized", **kw
+    ),
+    "natural_galore_per_example_B8": fisher_optax.natural_galore(
+      1e-3, rank=rank, window_source="per_example", **kw
+    ),
+    "adamw": optax.adamw(1e-3),
   }
-  pe = jax.tree.map(lambda g: jnp.stack([g * (1 + 0.1 * i) for i in range(8)]),
-                    grads)
+  pe = jax.tree.map(
+    lambda g: jnp.stack([g * (1 + 0.1 * i) for i in range(8)]), grads
+  )
   results = {}
   for phase in ("steady", "refresh"):
     fns = {}
     for name, tx in txs.items():
       extras = {"per_example_grads": pe} if "per_example" in name else {}
       step = lambda g, st, p, tx=tx, extras=extras: tx.update(
-          g, st, p, **extras)
+        g, st, p, **extras
+      )
       _, state = jax.jit(step)(grads, tx.init(params), params)  # count = 1
       if phase == "steady":
         # The state is donated, as in a real training loop, so the window's
@@ -177,30 +214,43 @@ def speed_table(small: bool, rank: int, s: int, rounds: int
         run = lambda upd=upd, st=state: upd(grads, st, params)
       fns[name] = run
     results[phase] = common.time_ratios(
-        fns, "galore", rounds=rounds if phase == "steady" else 2,
-        inner=3 if phase == "steady" else 1, warmup=2 if phase == "steady"
-        else 1)
+      fns,
+      "galore",
+      rounds=rounds if phase == "steady" else 2,
+      inner=3 if phase == "steady" else 1,
+      warmup=2 if phase == "steady" else 1,
+    )
   rows = []
   for name in txs:
-    rows.append([name] + [
+    rows.append(
+      [name]
+      + [
         f"{results[ph][name]['ratio']:.2f}x "
         f"({1e3 * results[ph][name]['median_s']:.2f} ms)"
-        for ph in ("steady", "refresh")])
+        for ph in ("steady", "refresh")
+      ]
+    )
   md = common.markdown_table(
-      ["optimizer", "update step vs galore", "refresh step (SVD) vs galore"],
-      rows)
-  return {"rank": rank, "history_size": s, "rounds": rounds,
-          "shapes": {k: v.shape for k, v in shapes.items()},
-          "timings": results}, md
+    ["optimizer", "update step vs galore", "refresh step (SVD) vs galore"], rows
+  )
+  return {
+    "rank": rank,
+    "history_size": s,
+    "rounds": rounds,
+    "shapes": {k: v.shape for k, v in shapes.items()},
+    "timings": results,
+  }, md
 
 
 def main(argv):
   del argv
   small = _SMALL.value
   mem_records, mem_md = memory_table(small)
-  speed, speed_md = speed_table(small, _RANK.value, _HISTORY.value,
-                                _ROUNDS.value)
-  md = "\n\n".join([
+  speed, speed_md = speed_table(
+    small, _RANK.value, _HISTORY.value, _ROUNDS.value
+  )
+  md = "\n\n".join(
+    [
       "## Natural GaLore: optimizer-state memory",
       "Bytes counted from the state pytree (`jax.eval_shape(tx.init)`), "
       "float32 params. Formulas (spec §5, plus the s x s Gram): AdamW 2mn; "
@@ -217,10 +267,12 @@ def main(argv):
       "absolute times indicative only). A refresh happens once every "
       "`update_proj_gap` (200) steps; the exact SVD dominates it.",
       speed_md,
-  ])
+    ]
+  )
   name = "natural_galore_memory_speed" + ("_small" if small else "")
   path = common.write_results(
-      name, {"memory": mem_records, "speed": speed, "small": small}, md)
+    name, {"memory": mem_records, "speed": speed, "small": small}, md
+  )
   print(md)
   print(f"wrote {path}")
 

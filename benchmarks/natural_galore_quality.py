@@ -27,16 +27,17 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-import fisher_optax
 from benchmarks import common
+import fisher_optax
 from fisher_optax import datasets
 
 _SMALL = flags.DEFINE_bool("small", False, "A seconds-long smoke run.")
 _SEEDS = flags.DEFINE_integer("seeds", 5, "Paired seeds.")
 _STEPS = flags.DEFINE_integer("steps", 400, "Training steps.")
 _EVAL_EVERY = flags.DEFINE_integer("eval_every", 100, "Evaluation period.")
-_TUNE_STEPS = flags.DEFINE_integer("tune_steps", 200,
-                                   "Steps of the learning-rate sweep.")
+_TUNE_STEPS = flags.DEFINE_integer(
+  "tune_steps", 200, "Steps of the learning-rate sweep."
+)
 _LRS = flags.DEFINE_list("lrs", ["1e-3", "3e-3", "1e-2"], "LR grid.")
 _RANK = flags.DEFINE_integer("rank", 8, "Projection rank.")
 _GAP = flags.DEFINE_integer("update_proj_gap", 100, "Refresh period T.")
@@ -54,8 +55,12 @@ def projected_dims(params):
 
   def pick(path, leaf):
     names = [str(getattr(k, "key", getattr(k, "idx", k))) for k in path]
-    if (leaf.ndim == 2 and len(names) >= 2 and names[-1] == "kernel"
-        and names[-2] in _PROJECTED):
+    if (
+      leaf.ndim == 2
+      and len(names) >= 2
+      and names[-1] == "kernel"
+      and names[-2] in _PROJECTED
+    ):
       return optax.contrib.GaLoreDimensionNumbers(0, 1)
     return None
 
@@ -68,16 +73,21 @@ def make_optimizers(rank, gap, history, damping):
   The learning rate is injected so that one compiled training chunk per
   optimizer serves every learning rate and seed.
   """
-  common_kw = dict(rank=rank, update_proj_gap=gap, scale=1.0,
-                   weight_dimension_numbers=projected_dims)
+  common_kw = dict(
+    rank=rank,
+    update_proj_gap=gap,
+    scale=1.0,
+    weight_dimension_numbers=projected_dims,
+  )
   galore_static = ("rank", "update_proj_gap", "weight_dimension_numbers")
   return {
-      "adamw": (optax.adamw, {"weight_decay": 0.0}, ()),
-      "galore": (optax.contrib.galore, common_kw, galore_static),
-      "natural_galore": (
-          fisher_optax.natural_galore,
-          dict(common_kw, history_size=history, damping=damping),
-          galore_static + ("history_size", "svd_power_iterations")),
+    "adamw": (optax.adamw, {"weight_decay": 0.0}, ()),
+    "galore": (optax.contrib.galore, common_kw, galore_static),
+    "natural_galore": (
+      fisher_optax.natural_galore,
+      dict(common_kw, history_size=history, damping=damping),
+      galore_static + ("history_size", "svd_power_iterations"),
+    ),
   }
 
 
@@ -86,7 +96,8 @@ class Trainer:
 
   def __init__(self, factory, kwargs, static_args, apply_fn, val, chunk):
     self.tx = optax.inject_hyperparams(factory, static_args=static_args)(
-        learning_rate=1e-3, **kwargs)
+      learning_rate=1e-3, **kwargs
+    )
     self.chunk = chunk
     tx = self.tx
 
@@ -100,6 +111,7 @@ class Trainer:
         g = jax.grad(loss)(p, *batch)
         u, s = tx.update(g, s, p)
         return (optax.apply_updates(p, u), s), None
+
       return jax.lax.scan(body, (params, state), (xb, yb))[0]
 
     self.run_chunk = run_chunk
@@ -109,12 +121,14 @@ class Trainer:
     """Trains ``steps`` steps; returns {step: val nats/char}."""
     state = self.tx.init(params)
     state.hyperparams["learning_rate"] = jnp.asarray(
-        lr, state.hyperparams["learning_rate"].dtype)
+      lr, state.hyperparams["learning_rate"].dtype
+    )
     curve = {}
     for start in range(0, steps, self.chunk):
       stop = start + self.chunk
-      params, state = self.run_chunk(params, state, xs[start:stop],
-                                     ys[start:stop])
+      params, state = self.run_chunk(
+        params, state, xs[start:stop], ys[start:stop]
+      )
       curve[stop] = float(self.val_loss(params))
     return curve
 
@@ -124,8 +138,12 @@ def main(argv):
   small = _SMALL.value
   ids, vocab = datasets.load_pydoc_topics()
   train_ids, val_ids = datasets.char_split(ids, 0.1)
-  cfg = {"vocab": len(vocab), "d": _D.value, "batch": _BATCH.value,
-         "context": _CONTEXT.value}
+  cfg = {
+    "vocab": len(vocab),
+    "d": _D.value,
+    "batch": _BATCH.value,
+    "context": _CONTEXT.value,
+  }
   steps, every, tune_steps = _STEPS.value, _EVAL_EVERY.value, _TUNE_STEPS.value
   seeds = list(range(1, _SEEDS.value + 1))
   lrs = [float(x) for x in _LRS.value]
@@ -138,22 +156,27 @@ def main(argv):
   val = (jnp.asarray(vx), jnp.asarray(vy))
   if steps % every or tune_steps % every:
     raise ValueError("steps and tune_steps must be multiples of eval_every.")
-  model_kw = dict(d=cfg["d"], heads=4, layers=2, ffn=4 * cfg["d"],
-                  context=cfg["context"])
+  model_kw = dict(
+    d=cfg["d"], heads=4, layers=2, ffn=4 * cfg["d"], context=cfg["context"]
+  )
   apply_fn, _ = common.char_transformer(cfg["vocab"], seed=0, **model_kw)
   init_params = lambda seed: common.char_transformer(
-      cfg["vocab"], seed=seed, **model_kw)[1]
+    cfg["vocab"], seed=seed, **model_kw
+  )[1]
 
   def data(seed, n):
-    batches = datasets.char_batches(train_ids, cfg["batch"], cfg["context"],
-                                    seed=seed)
+    batches = datasets.char_batches(
+      train_ids, cfg["batch"], cfg["context"], seed=seed
+    )
     xs, ys = zip(*(next(batches) for _ in range(n)))
     return jnp.asarray(np.stack(xs)), jnp.asarray(np.stack(ys))
 
   trainers = {
-      name: Trainer(factory, kwargs, static, apply_fn, val, every)
-      for name, (factory, kwargs, static) in make_optimizers(
-          _RANK.value, _GAP.value, _HISTORY.value, _DAMPING.value).items()}
+    name: Trainer(factory, kwargs, static, apply_fn, val, every)
+    for name, (factory, kwargs, static) in make_optimizers(
+      _RANK.value, _GAP.value, _HISTORY.value, _DAMPING.value
+    ).items()
+  }
   t0 = time.time()
 
   # 1. Learning-rate sweep on tuning seed 0 (not one of the paired seeds).
@@ -165,8 +188,10 @@ def main(argv):
       curve = trainer.train(init_params(0), lr, xs, ys, tune_steps)
       sweep[name][lr] = curve[tune_steps]
       print(f"sweep {name} lr={lr:g}: {curve[tune_steps]:.4f}", flush=True)
-  best = {name: min(res, key=lambda lr: (np.nan_to_num(res[lr], nan=1e9)))
-          for name, res in sweep.items()}
+  best = {
+    name: min(res, key=lambda lr: np.nan_to_num(res[lr], nan=1e9))
+    for name, res in sweep.items()
+  }
 
   # 2. Paired seeds at each optimizer's best learning rate.
   curves = {name: [] for name in trainers}
@@ -174,7 +199,8 @@ def main(argv):
     xs, ys = data(seed, steps)
     for name, trainer in trainers.items():
       curves[name].append(
-          trainer.train(init_params(seed), best[name], xs, ys, steps))
+        trainer.train(init_params(seed), best[name], xs, ys, steps)
+      )
       print(f"seed {seed} {name}: {curves[name][-1]}", flush=True)
   elapsed = time.time() - t0
   opts = trainers
@@ -182,12 +208,15 @@ def main(argv):
   eval_steps = sorted(curves["adamw"][0])
   rows = []
   for name in opts:
-    rows.append([name, f"{best[name]:g}"] + [
-        common.fmt_mean_std([c[s] for c in curves[name]], 3)
-        for s in eval_steps])
+    rows.append(
+      [name, f"{best[name]:g}"]
+      + [
+        common.fmt_mean_std([c[s] for c in curves[name]], 3) for s in eval_steps
+      ]
+    )
   table = common.markdown_table(
-      ["optimizer", "lr"] + [f"val nats/char @ {s}" for s in eval_steps],
-      rows)
+    ["optimizer", "lr"] + [f"val nats/char @ {s}" for s in eval_steps], rows
+  )
   diffs = {}
   drow = []
   for s in eval_steps:
@@ -197,15 +226,19 @@ def main(argv):
     diffs[s] = {"mean": mean, "se": se}
     drow.append(f"{mean:+.4f} ± {se:.4f}")
   diff_table = common.markdown_table(
-      ["paired GaLore − Natural GaLore"] + [f"@ {s}" for s in eval_steps],
-      [["nats/char (mean ± SE)"] + drow])
+    ["paired GaLore − Natural GaLore"] + [f"@ {s}" for s in eval_steps],
+    [["nats/char (mean ± SE)"] + drow],
+  )
   last = diffs[eval_steps[-1]]
-  verdict = ("Natural GaLore is better by more than 2 SE"
-             if last["mean"] > 2 * last["se"] else
-             "GaLore is better by more than 2 SE"
-             if last["mean"] < -2 * last["se"] else
-             "no difference beyond 2 SE")
-  md = "\n\n".join([
+  verdict = (
+    "Natural GaLore is better by more than 2 SE"
+    if last["mean"] > 2 * last["se"]
+    else "GaLore is better by more than 2 SE"
+    if last["mean"] < -2 * last["se"]
+    else "no difference beyond 2 SE"
+  )
+  md = "\n\n".join(
+    [
       "## Natural GaLore: char-level transformer on pydoc_data.topics",
       f"2-layer pre-RMSNorm transformer, d={cfg['d']}, 4 heads, FFN "
       f"{4 * cfg['d']}, context {cfg['context']}, batch {cfg['batch']}, "
@@ -221,14 +254,28 @@ def main(argv):
       f"At step {eval_steps[-1]}: {verdict} "
       f"(spec §6 pass criterion: mean > 2·SE). Wall time {elapsed:.0f} s "
       "on 2 shared CPU cores.",
-  ])
+    ]
+  )
   name = "natural_galore_quality" + ("_small" if small else "")
-  path = common.write_results(name, {
-      "config": cfg, "steps": steps, "seeds": seeds, "lrs": lrs,
-      "rank": _RANK.value, "update_proj_gap": _GAP.value,
-      "history_size": _HISTORY.value, "damping": _DAMPING.value,
-      "sweep": sweep, "best_lr": best, "curves": curves,
-      "paired_galore_minus_ng": diffs, "elapsed_s": elapsed}, md)
+  path = common.write_results(
+    name,
+    {
+      "config": cfg,
+      "steps": steps,
+      "seeds": seeds,
+      "lrs": lrs,
+      "rank": _RANK.value,
+      "update_proj_gap": _GAP.value,
+      "history_size": _HISTORY.value,
+      "damping": _DAMPING.value,
+      "sweep": sweep,
+      "best_lr": best,
+      "curves": curves,
+      "paired_galore_minus_ng": diffs,
+      "elapsed_s": elapsed,
+    },
+    md,
+  )
   _plot(curves, eval_steps, path.with_suffix(".png"))
   print(md)
   print(f"wrote {path}")
@@ -237,6 +284,7 @@ def main(argv):
 def _plot(curves, eval_steps, path):
   try:
     import matplotlib  # pylint: disable=g-import-not-at-top
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
   except ImportError:

@@ -31,8 +31,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-import fisher_optax
 from benchmarks import common
+import fisher_optax
 from fisher_optax import datasets
 from fisher_optax import fisher
 
@@ -45,8 +45,9 @@ SPARSITIES = (0.8, 0.9)
 
 
 def train(seed: int, data: dict[str, Any], steps: int):
-  apply_fn, params = common.digits_mlp(seed, sizes=(64, 64, 10),
-                                       activation="tanh")
+  apply_fn, params = common.digits_mlp(
+    seed, sizes=(64, 64, 10), activation="tanh"
+  )
   tx = optax.adam(3e-3)
   step = common.make_train_step(apply_fn, tx)
   state = tx.init(params)
@@ -84,11 +85,22 @@ def main(argv):
   seeds = 1 if small else _SEEDS.value
   steps_full = 2 if small else 16
   train_steps = 200 if small else 1500
-  settings = dict(block_size=128, num_grads=512, damping=1e-4,
-                  train_steps=train_steps, recompute_steps=steps_full,
-                  sparsities=SPARSITIES, seeds=seeds, small=small)
-  methods = ("magnitude", "obs_1", f"obs_{steps_full}",
-             f"obs_{steps_full}_group")
+  settings = dict(
+    block_size=128,
+    num_grads=512,
+    damping=1e-4,
+    train_steps=train_steps,
+    recompute_steps=steps_full,
+    sparsities=SPARSITIES,
+    seeds=seeds,
+    small=small,
+  )
+  methods = (
+    "magnitude",
+    "obs_1",
+    f"obs_{steps_full}",
+    f"obs_{steps_full}_group",
+  )
   acc = {(m, s): [] for m in methods for s in SPARSITIES}
   dense_acc, secs = [], {m: [] for m in methods}
   for seed in range(seeds):
@@ -101,24 +113,39 @@ def main(argv):
       for method in methods:
         t0 = time.perf_counter()
         if method == "magnitude":
-          res = fisher_optax.magnitude_prune(params, sparsity,
-                                             prunable=is_kernel)
+          res = fisher_optax.magnitude_prune(
+            params, sparsity, prunable=is_kernel
+          )
         else:
           res = fisher_optax.obs_prune(
-              params, grad_fn, sparsity, prunable=is_kernel,
-              steps=1 if method == "obs_1" else steps_full,
-              block_size=settings["block_size"], damping=settings["damping"],
-              update="group" if method.endswith("group") else "independent")
+            params,
+            grad_fn,
+            sparsity,
+            prunable=is_kernel,
+            steps=1 if method == "obs_1" else steps_full,
+            block_size=settings["block_size"],
+            damping=settings["damping"],
+            update="group" if method.endswith("group") else "independent",
+          )
         common.block(res.params)
         secs[method].append(time.perf_counter() - t0)
-        kernels = [m for m, k in zip(jax.tree.leaves(res.masks),
-                                     jax.tree.leaves(is_kernel(params))) if k]
+        kernels = [
+          m
+          for m, k in zip(
+            jax.tree.leaves(res.masks), jax.tree.leaves(is_kernel(params))
+          )
+          if k
+        ]
         achieved = 1.0 - sum(float(m.sum()) for m in kernels) / sum(
-            m.size for m in kernels)
+          m.size for m in kernels
+        )
         assert abs(achieved - sparsity) < 1e-3, achieved
         acc[(method, sparsity)].append(test(res.params))
-        print(f"seed {seed} sparsity {sparsity} {method}: "
-              f"{acc[(method, sparsity)][-1]:.4f}", flush=True)
+        print(
+          f"seed {seed} sparsity {sparsity} {method}: "
+          f"{acc[(method, sparsity)][-1]:.4f}",
+          flush=True,
+        )
 
   rows = [["dense (0%)", common.fmt_mean_std(dense_acc, 3), "", "", ""]]
   for sparsity in SPARSITIES:
@@ -126,23 +153,31 @@ def main(argv):
     for method in methods:
       row.append(common.fmt_mean_std(acc[(method, sparsity)], 3))
     rows.append(row)
-  header = ["sparsity", "magnitude", "OBS, 1 step",
-            f"OBS, {steps_full} steps", f"group OBS, {steps_full} steps"]
+  header = [
+    "sparsity",
+    "magnitude",
+    "OBS, 1 step",
+    f"OBS, {steps_full} steps",
+    f"group OBS, {steps_full} steps",
+  ]
   table = common.markdown_table(header, rows)
   md = (
-      f"### OBS pruning without retraining (digits MLP 64-64-10 tanh)\n\n"
-      f"Test accuracy, mean ± std over {seeds} seed(s); both kernels pruned "
-      f"globally, biases kept; M-FAC Fisher with blocks of "
-      f"{settings['block_size']}, {settings['num_grads']} per-example "
-      f"gradients per step, damping {settings['damping']}. Seconds per "
-      "pruning run (mean): "
-      + ", ".join(f"{m} {np.mean(v):.1f}" for m, v in secs.items())
-      + ".\n\n" + table + "\n")
+    f"### OBS pruning without retraining (digits MLP 64-64-10 tanh)\n\n"
+    f"Test accuracy, mean ± std over {seeds} seed(s); both kernels pruned "
+    f"globally, biases kept; M-FAC Fisher with blocks of "
+    f"{settings['block_size']}, {settings['num_grads']} per-example "
+    f"gradients per step, damping {settings['damping']}. Seconds per "
+    "pruning run (mean): "
+    + ", ".join(f"{m} {np.mean(v):.1f}" for m, v in secs.items())
+    + ".\n\n"
+    + table
+    + "\n"
+  )
   data_out = {
-      "settings": settings,
-      "dense_accuracy": dense_acc,
-      "accuracy": {f"{m}@{s}": v for (m, s), v in acc.items()},
-      "seconds": secs,
+    "settings": settings,
+    "dense_accuracy": dense_acc,
+    "accuracy": {f"{m}@{s}": v for (m, s), v in acc.items()},
+    "seconds": secs,
   }
   name = NAME + ("_small" if small else "")
   path = common.write_results(name, data_out, md, _OUT.value)

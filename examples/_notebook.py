@@ -9,10 +9,10 @@ directly, since ``app.run`` would try to parse the kernel's own arguments.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 import os
 import shlex
 import sys
-from typing import Callable
 
 from absl import app
 from absl import flags

@@ -37,16 +37,15 @@ import jax.numpy as jnp
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-from tqdm.auto import tqdm  # noqa: E402
+import _notebook
+import matplotlib.pyplot as plt
+import numpy as np
+import optax
+from tqdm.auto import tqdm
 
-import fisher_optax  # noqa: E402
-from fisher_optax import datasets  # noqa: E402
-from fisher_optax import models  # noqa: E402
-
-import _notebook  # noqa: E402  (examples/_notebook.py)
+import fisher_optax
+from fisher_optax import datasets
+from fisher_optax import models
 
 flags.DEFINE_integer("steps", 1000, "Training steps per optimizer.")
 flags.DEFINE_integer("batch_size", 32, "Sequences per batch.")
@@ -68,13 +67,11 @@ FLAGS = flags.FLAGS
 
 # %%
 def optimizers(steps: int) -> dict[str, optax.GradientTransformation]:
-  lr = optax.warmup_cosine_decay_schedule(0.0, 3e-3, max(1, steps // 10),
-                                          steps)
+  lr = optax.warmup_cosine_decay_schedule(0.0, 3e-3, max(1, steps // 10), steps)
   return {
-      "AdamW": optax.adamw(lr, weight_decay=1e-2),
-      "FAdam": fisher_optax.fadam(lr, weight_decay=1e-2),
-      "FISMO": fisher_optax.fismo(lr, adam_learning_rate=lr,
-                                  weight_decay=1e-2),
+    "AdamW": optax.adamw(lr, weight_decay=1e-2),
+    "FAdam": fisher_optax.fadam(lr, weight_decay=1e-2),
+    "FISMO": fisher_optax.fismo(lr, adam_learning_rate=lr, weight_decay=1e-2),
   }
 
 
@@ -113,11 +110,18 @@ def sample(model, vocab, prompt, length, context, key):
 
 def train(name, tx, vocab_size, train_ids, val, cfg):
   model = models.CharTransformer(
-      vocab_size, d=cfg["d"], heads=4, layers=cfg["layers"], ffn=4 * cfg["d"],
-      context=cfg["context"], rngs=nnx.Rngs(cfg["seed"]))
+    vocab_size,
+    d=cfg["d"],
+    heads=4,
+    layers=cfg["layers"],
+    ffn=4 * cfg["d"],
+    context=cfg["context"],
+    rngs=nnx.Rngs(cfg["seed"]),
+  )
   optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
-  batches = datasets.char_batches(train_ids, cfg["batch_size"],
-                                  cfg["context"], seed=cfg["seed"])
+  batches = datasets.char_batches(
+    train_ids, cfg["batch_size"], cfg["context"], seed=cfg["seed"]
+  )
   losses, val_bpc = [], []
   for t in tqdm(range(cfg["steps"]), desc=name, leave=False):
     x, y = next(batches)
@@ -132,18 +136,19 @@ def main(argv):
   del argv
   small = FLAGS.small
   cfg = {
-      "steps": 8 if small else FLAGS.steps,
-      "batch_size": 8 if small else FLAGS.batch_size,
-      "context": 16 if small else FLAGS.context,
-      "d": 16 if small else FLAGS.d_model,
-      "layers": 1 if small else FLAGS.layers,
-      "seed": FLAGS.seed,
+    "steps": 8 if small else FLAGS.steps,
+    "batch_size": 8 if small else FLAGS.batch_size,
+    "context": 16 if small else FLAGS.context,
+    "d": 16 if small else FLAGS.d_model,
+    "layers": 1 if small else FLAGS.layers,
+    "seed": FLAGS.seed,
   }
   cfg["eval_every"] = max(1, cfg["steps"] // 10)
   ids, vocab = datasets.load_pydoc_topics()
   train_ids, val_ids = datasets.char_split(ids)
-  val = datasets.char_eval_windows(val_ids, cfg["context"],
-                                   max_windows=16 if small else 256)
+  val = datasets.char_eval_windows(
+    val_ids, cfg["context"], max_windows=16 if small else 256
+  )
   print(f"{len(ids):,} characters, vocabulary {len(vocab)}")
 
   results = {}
@@ -152,8 +157,14 @@ def main(argv):
     print(f"{name:>6}: validation {results[name][2][-1, 1]:.3f} bits/char")
 
   best = min(results, key=lambda n: results[n][2][-1, 1])
-  text = sample(results[best][0], vocab, "The ", 12 if small else 200,
-                cfg["context"], jax.random.key(FLAGS.seed))
+  text = sample(
+    results[best][0],
+    vocab,
+    "The ",
+    12 if small else 200,
+    cfg["context"],
+    jax.random.key(FLAGS.seed),
+  )
   print(f"\nsample from the {best} model:\n{text}")
 
   out = pathlib.Path(FLAGS.out_dir)
@@ -161,8 +172,9 @@ def main(argv):
   fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.5))
   window = max(1, cfg["steps"] // 30)
   for name, (_, losses, val_bpc) in results.items():
-    ax1.plot(np.convolve(losses, np.ones(window) / window, mode="valid"),
-             label=name)
+    ax1.plot(
+      np.convolve(losses, np.ones(window) / window, mode="valid"), label=name
+    )
     ax2.plot(val_bpc[:, 0], val_bpc[:, 1], marker=".", label=name)
   ax1.set(xlabel="step", ylabel="train loss (nats, smoothed)")
   ax2.set(xlabel="step", ylabel="validation bits / char")
@@ -170,8 +182,9 @@ def main(argv):
   fig.tight_layout()
   path = out / "char_lm.png"
   fig.savefig(path, dpi=120)
-  print(f"wrote {path} ({jax.device_count()} {jax.default_backend()} "
-        "device(s))")
+  print(
+    f"wrote {path} ({jax.device_count()} {jax.default_backend()} device(s))"
+  )
 
 
 # %%

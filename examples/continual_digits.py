@@ -42,17 +42,16 @@ import jax.numpy as jnp
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-from tqdm.auto import tqdm  # noqa: E402
+import _notebook
+import matplotlib.pyplot as plt
+import numpy as np
+import optax
+from tqdm.auto import tqdm
 
-import fisher_optax  # noqa: E402
-from fisher_optax import datasets  # noqa: E402
-from fisher_optax import fisher  # noqa: E402
-from fisher_optax import models  # noqa: E402
-
-import _notebook  # noqa: E402  (examples/_notebook.py)
+import fisher_optax
+from fisher_optax import datasets
+from fisher_optax import fisher
+from fisher_optax import models
 
 flags.DEFINE_integer("steps", 300, "Training steps per task.")
 flags.DEFINE_integer("batch_size", 32, "Mini-batch size.")
@@ -85,7 +84,8 @@ def split_task(data, classes):
 
 def loss_fn(apply, params, x, y):
   return optax.softmax_cross_entropy_with_integer_labels(
-      apply(params, x), y).mean()
+    apply(params, x), y
+  ).mean()
 
 
 def accuracy(apply, params, x, y):
@@ -99,8 +99,18 @@ def accuracy(apply, params, x, y):
 
 
 # %%
-def train(apply, params, tx, data, steps, batch_size, seed, desc,
-          eval_fn=None, eval_every=10):
+def train(
+  apply,
+  params,
+  tx,
+  data,
+  steps,
+  batch_size,
+  seed,
+  desc,
+  eval_fn=None,
+  eval_every=10,
+):
   @jax.jit
   def step(p, s, x, y):
     grads = jax.grad(lambda q: loss_fn(apply, q, x, y))(p)
@@ -145,32 +155,54 @@ def methods(apply_a, params_a, data_a, n_fisher, seed):
   lr = 1e-3
   out = {"fine-tune": optax.adam(lr)}
   for kind in ("empirical", "mc", "exact"):
-    diag = fisher.diagonal(apply_a, params_a, (x, y), likelihood=cat,
-                           kind=kind, key=jax.random.key(seed))
+    diag = fisher.diagonal(
+      apply_a,
+      params_a,
+      (x, y),
+      likelihood=cat,
+      kind=kind,
+      key=jax.random.key(seed),
+    )
     anchor = fisher_optax.consolidate(
-        fisher_optax.init_ewc_anchor(params_a, diagonal=True), params_a,
-        diagonal=diag)
+      fisher_optax.init_ewc_anchor(params_a, diagonal=True),
+      params_a,
+      diagonal=diag,
+    )
     out[f"diag EWC ({kind})"] = optax.chain(
-        fisher_optax.add_ewc_gradient(FLAGS.ewc_strength, anchor),
-        optax.adam(lr))
-  r1 = fisher.rank_one(apply_a, params_a, (x, y), likelihood=cat,
-                       kind="empirical", direction="mean", scale="optimal")
+      fisher_optax.add_ewc_gradient(FLAGS.ewc_strength, anchor), optax.adam(lr)
+    )
+  r1 = fisher.rank_one(
+    apply_a,
+    params_a,
+    (x, y),
+    likelihood=cat,
+    kind="empirical",
+    direction="mean",
+    scale="optimal",
+  )
   anchor = fisher_optax.consolidate(
-      fisher_optax.init_ewc_anchor(params_a, diagonal=False, rank=1),
-      params_a, low_rank=r1)
+    fisher_optax.init_ewc_anchor(params_a, diagonal=False, rank=1),
+    params_a,
+    low_rank=r1,
+  )
   out["rank-1 EWC (c*)"] = optax.chain(
-      fisher_optax.add_ewc_gradient(FLAGS.rank1_strength, anchor),
-      optax.adam(lr))
+    fisher_optax.add_ewc_gradient(FLAGS.rank1_strength, anchor), optax.adam(lr)
+  )
   # Labels sampled from the model: the basis spans the true Fisher's range.
-  y_model = jax.random.categorical(jax.random.key(seed + 1),
-                                   apply_a(params_a, x))
+  y_model = jax.random.categorical(
+    jax.random.key(seed + 1), apply_a(params_a, x)
+  )
   g = fisher.per_example_grads(
-      lambda p, ex: loss_fn(apply_a, p, ex[0][None], ex[1][None]),
-      params_a, (x, y_model), chunk_size=128)
+    lambda p, ex: loss_fn(apply_a, p, ex[0][None], ex[1][None]),
+    params_a,
+    (x, y_model),
+    chunk_size=128,
+  )
   max_rank = min(FLAGS.max_rank, n_fisher)
   subspace = fisher_optax.protected_subspace(g, max_rank=max_rank, tau=0.999)
   out["protected subspace"] = fisher_optax.physguard(
-      lr, max_rank=max_rank, subspace=subspace)
+    lr, max_rank=max_rank, subspace=subspace
+  )
   return out
 
 
@@ -186,31 +218,59 @@ def main(argv):
   apply_fn, init = models.digits_mlp(FLAGS.seed, sizes=(64, 128, 128, 5))
   apply_a = apply_b = apply_fn
 
-  params_a, _ = train(apply_a, init, optax.adam(1e-3), data_a, steps,
-                      FLAGS.batch_size, FLAGS.seed, "task A")
+  params_a, _ = train(
+    apply_a,
+    init,
+    optax.adam(1e-3),
+    data_a,
+    steps,
+    FLAGS.batch_size,
+    FLAGS.seed,
+    "task A",
+  )
   acc_a0 = accuracy(apply_a, params_a, *data_a["test"])
   print(f"after task A: task-A test accuracy {acc_a0:.3f}")
 
-  eval_a = jax.jit(lambda p: jnp.mean(
-      jnp.argmax(apply_a(p, data_a["test"][0]), -1) == data_a["test"][1]))
+  eval_a = jax.jit(
+    lambda p: jnp.mean(
+      jnp.argmax(apply_a(p, data_a["test"][0]), -1) == data_a["test"][1]
+    )
+  )
   curves, finals = {}, {}
-  for name, tx in methods(apply_a, params_a, data_a, n_fisher,
-                          FLAGS.seed).items():
+  for name, tx in methods(
+    apply_a, params_a, data_a, n_fisher, FLAGS.seed
+  ).items():
     params_b, curves[name] = train(
-        apply_b, params_a, tx, data_b, steps, FLAGS.batch_size,
-        FLAGS.seed + 1, name, eval_fn=eval_a, eval_every=eval_every)
-    finals[name] = (accuracy(apply_a, params_b, *data_a["test"]),
-                    accuracy(apply_b, params_b, *data_b["test"]))
-    print(f"{name:>22}: task A {finals[name][0]:.3f} (forgot "
-          f"{acc_a0 - finals[name][0]:+.3f})  task B {finals[name][1]:.3f}")
+      apply_b,
+      params_a,
+      tx,
+      data_b,
+      steps,
+      FLAGS.batch_size,
+      FLAGS.seed + 1,
+      name,
+      eval_fn=eval_a,
+      eval_every=eval_every,
+    )
+    finals[name] = (
+      accuracy(apply_a, params_b, *data_a["test"]),
+      accuracy(apply_b, params_b, *data_b["test"]),
+    )
+    print(
+      f"{name:>22}: task A {finals[name][0]:.3f} (forgot "
+      f"{acc_a0 - finals[name][0]:+.3f})  task B {finals[name][1]:.3f}"
+    )
 
   out = pathlib.Path(FLAGS.out_dir)
   out.mkdir(parents=True, exist_ok=True)
   fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4))
   for name, curve in curves.items():
     ax1.plot(np.arange(len(curve)) * eval_every, curve, label=name)
-  ax1.set(xlabel="steps on task B", ylabel="task-A test accuracy",
-          title="forgetting curves")
+  ax1.set(
+    xlabel="steps on task B",
+    ylabel="task-A test accuracy",
+    title="forgetting curves",
+  )
   ax1.legend(fontsize=8)
   names = list(finals)
   pos = np.arange(len(names))
@@ -222,8 +282,9 @@ def main(argv):
   fig.tight_layout()
   path = out / "continual_digits.png"
   fig.savefig(path, dpi=120)
-  print(f"wrote {path} ({jax.device_count()} {jax.default_backend()} "
-        "device(s))")
+  print(
+    f"wrote {path} ({jax.device_count()} {jax.default_backend()} device(s))"
+  )
 
 
 # %%

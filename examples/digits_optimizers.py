@@ -26,7 +26,6 @@
 # Run as a script: `python examples/digits_optimizers.py --out_dir plots`.
 
 # %%
-import os
 import pathlib
 
 from absl import flags
@@ -36,16 +35,15 @@ import jax.numpy as jnp
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-from tqdm.auto import tqdm  # noqa: E402
+import _notebook
+import matplotlib.pyplot as plt
+import numpy as np
+import optax
+from tqdm.auto import tqdm
 
-import fisher_optax  # noqa: E402
-from fisher_optax import datasets  # noqa: E402
-from fisher_optax import models  # noqa: E402
-
-import _notebook  # noqa: E402  (examples/_notebook.py)
+import fisher_optax
+from fisher_optax import datasets
+from fisher_optax import models
 
 flags.DEFINE_integer("steps", 600, "Training steps per optimizer.")
 flags.DEFINE_integer("batch_size", 64, "Mini-batch size.")
@@ -66,11 +64,12 @@ FLAGS = flags.FLAGS
 # %%
 def optimizers() -> dict[str, optax.GradientTransformation]:
   return {
-      "AdamW": optax.adamw(3e-3, weight_decay=0.5),
-      "FAdam": fisher_optax.fadam(3e-3, weight_decay=0.1),
-      "FISMO": fisher_optax.fismo(1e-3, adam_learning_rate=3e-3),
-      "Natural GaLore": fisher_optax.natural_galore(
-          3e-3, rank=16, update_proj_gap=100, history_size=8, damping=1e-2),
+    "AdamW": optax.adamw(3e-3, weight_decay=0.5),
+    "FAdam": fisher_optax.fadam(3e-3, weight_decay=0.1),
+    "FISMO": fisher_optax.fismo(1e-3, adam_learning_rate=3e-3),
+    "Natural GaLore": fisher_optax.natural_galore(
+      3e-3, rank=16, update_proj_gap=100, history_size=8, damping=1e-2
+    ),
   }
 
 
@@ -112,8 +111,10 @@ def main(argv):
   results = {}
   for name, tx in optimizers().items():
     results[name] = train(name, tx, data, steps, FLAGS.batch_size, FLAGS.seed)
-    print(f"{name:>15}: final train loss {results[name][0][-10:].mean():.4f}"
-          f"  test accuracy {results[name][1]:.3f}")
+    print(
+      f"{name:>15}: final train loss {results[name][0][-10:].mean():.4f}"
+      f"  test accuracy {results[name][1]:.3f}"
+    )
 
   out = pathlib.Path(FLAGS.out_dir)
   out.mkdir(parents=True, exist_ok=True)
@@ -130,7 +131,9 @@ def main(argv):
   fig.tight_layout()
   path = out / "digits_optimizers.png"
   fig.savefig(path, dpi=120)
-  print(f"wrote {path} ({jax.device_count()} {jax.default_backend()} device(s))")
+  print(
+    f"wrote {path} ({jax.device_count()} {jax.default_backend()} device(s))"
+  )
 
 
 # %%

@@ -40,20 +40,20 @@ import jax.numpy as jnp
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-from tqdm.auto import tqdm  # noqa: E402
+import _notebook
+import matplotlib.pyplot as plt
+import numpy as np
+import optax
+from tqdm.auto import tqdm
 
-import fisher_optax  # noqa: E402
-from fisher_optax import datasets  # noqa: E402
-from fisher_optax import fisher  # noqa: E402
-from fisher_optax import models  # noqa: E402
+import fisher_optax
+from fisher_optax import datasets
+from fisher_optax import fisher
+from fisher_optax import models
 
-import _notebook  # noqa: E402  (examples/_notebook.py)
-
-flags.DEFINE_integer("steps", 500, "Training steps of the base and of the "
-                     "fine-tuning.")
+flags.DEFINE_integer(
+  "steps", 500, "Training steps of the base and of the fine-tuning."
+)
 flags.DEFINE_integer("batch_size", 64, "Mini-batch size.")
 flags.DEFINE_integer("n_fisher", 512, "Examples per Fisher estimate.")
 flags.DEFINE_integer("num_weights", 21, "Points of the weight sweep.")
@@ -78,8 +78,11 @@ def train(apply_fn, params, data, steps, batch_size, seed, desc):
 
   @jax.jit
   def step(p, s, x, y):
-    grads = jax.grad(lambda q: optax.softmax_cross_entropy_with_integer_labels(
-        apply_fn(q, x), y).mean())(p)
+    grads = jax.grad(
+      lambda q: optax.softmax_cross_entropy_with_integer_labels(
+        apply_fn(q, x), y
+      ).mean()
+    )(p)
     updates, s = tx.update(grads, s, p)
     return optax.apply_updates(p, updates), s
 
@@ -113,43 +116,70 @@ def main(argv):
   data_b = permuted(data_a, FLAGS.seed)
   apply_fn, init = models.digits_mlp(FLAGS.seed)
 
-  base = train(apply_fn, init, data_a, steps, FLAGS.batch_size, FLAGS.seed,
-               "base (task A)")
-  tuned = train(apply_fn, base, data_b, steps, FLAGS.batch_size,
-                FLAGS.seed + 1, "fine-tune (task B)")
+  base = train(
+    apply_fn, init, data_a, steps, FLAGS.batch_size, FLAGS.seed, "base (task A)"
+  )
+  tuned = train(
+    apply_fn,
+    base,
+    data_b,
+    steps,
+    FLAGS.batch_size,
+    FLAGS.seed + 1,
+    "fine-tune (task B)",
+  )
   fishers = [
-      fisher.diagonal(apply_fn, p, tuple(a[:n_fisher] for a in d["train"]),
-                      likelihood=fisher.Categorical(), kind="exact").diag
-      for p, d in ((base, data_a), (tuned, data_b))
+    fisher.diagonal(
+      apply_fn,
+      p,
+      tuple(a[:n_fisher] for a in d["train"]),
+      likelihood=fisher.Categorical(),
+      kind="exact",
+    ).diag
+    for p, d in ((base, data_a), (tuned, data_b))
   ]
 
   def scores(params, split):
-    return (accuracy(apply_fn, params, *data_a[split]),
-            accuracy(apply_fn, params, *data_b[split]))
+    return (
+      accuracy(apply_fn, params, *data_a[split]),
+      accuracy(apply_fn, params, *data_b[split]),
+    )
 
   merge = fisher_optax.fisher_merge
   weights = np.linspace(0.0, 1.0, num_weights)
   sweep = {"plain average": [], "Fisher merging": []}
   for w in tqdm(weights, desc="weight sweep", leave=False):
     ws = jnp.asarray([w, 1.0 - w])
-    sweep["plain average"].append(scores(merge([base, tuned], None, ws),
-                                         "test"))
-    sweep["Fisher merging"].append(scores(merge([base, tuned], fishers, ws),
-                                          "test"))
+    sweep["plain average"].append(
+      scores(merge([base, tuned], None, ws), "test")
+    )
+    sweep["Fisher merging"].append(
+      scores(merge([base, tuned], fishers, ws), "test")
+    )
 
-  print(f"base:  task A {scores(base, 'test')[0]:.3f}  "
-        f"task B {scores(base, 'test')[1]:.3f}")
-  print(f"tuned: task A {scores(tuned, 'test')[0]:.3f}  "
-        f"task B {scores(tuned, 'test')[1]:.3f}")
+  print(
+    f"base:  task A {scores(base, 'test')[0]:.3f}  "
+    f"task B {scores(base, 'test')[1]:.3f}"
+  )
+  print(
+    f"tuned: task A {scores(tuned, 'test')[0]:.3f}  "
+    f"task B {scores(tuned, 'test')[1]:.3f}"
+  )
   for name, fs in (("plain average", None), ("Fisher merging", fishers)):
     search = fisher_optax.search_merge_weights(
-        lambda p: np.mean(scores(p, "val")), [base, tuned], fs,
-        num_points=num_weights)
+      lambda p: np.mean(scores(p, "val")),
+      [base, tuned],
+      fs,
+      num_points=num_weights,
+    )
     w = float(np.asarray(search.best_weights)[0])
-    a, b = scores(fisher_optax.fisher_merge([base, tuned], fs,
-                                            search.best_weights), "test")
-    print(f"{name:>15}: weight on base {w:.2f} (chosen on val)  "
-          f"task A {a:.3f}  task B {b:.3f}  mean {(a + b) / 2:.3f}")
+    a, b = scores(
+      fisher_optax.fisher_merge([base, tuned], fs, search.best_weights), "test"
+    )
+    print(
+      f"{name:>15}: weight on base {w:.2f} (chosen on val)  "
+      f"task A {a:.3f}  task B {b:.3f}  mean {(a + b) / 2:.3f}"
+    )
 
   out = pathlib.Path(FLAGS.out_dir)
   out.mkdir(parents=True, exist_ok=True)
@@ -159,16 +189,18 @@ def main(argv):
     axes[0].plot(weights, acc[:, 0], style, label=name)
     axes[1].plot(weights, acc[:, 1], style, label=name)
     axes[2].plot(weights, acc.mean(1), style, label=name)
-  for ax, title in zip(axes, ("task A (base)", "task B (fine-tuned)",
-                              "mean of both")):
+  for ax, title in zip(
+    axes, ("task A (base)", "task B (fine-tuned)", "mean of both")
+  ):
     ax.set(title=title, xlabel="weight on the base model")
   axes[0].set(ylabel="test accuracy")
   axes[2].legend()
   fig.tight_layout()
   path = out / "fisher_merging.png"
   fig.savefig(path, dpi=120)
-  print(f"wrote {path} ({jax.device_count()} {jax.default_backend()} "
-        "device(s))")
+  print(
+    f"wrote {path} ({jax.device_count()} {jax.default_backend()} device(s))"
+  )
 
 
 # %%

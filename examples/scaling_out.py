@@ -41,24 +41,27 @@ from jax.sharding import PartitionSpec as P
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-from tqdm.auto import tqdm  # noqa: E402
+import _notebook
+import matplotlib.pyplot as plt
+import numpy as np
+import optax
+from tqdm.auto import tqdm
 
-import fisher_optax  # noqa: E402
-from fisher_optax import datasets  # noqa: E402
-from fisher_optax import fisher  # noqa: E402
-from fisher_optax import models  # noqa: E402
-
-import _notebook  # noqa: E402  (examples/_notebook.py)
+import fisher_optax
+from fisher_optax import datasets
+from fisher_optax import fisher
+from fisher_optax import models
 
 flags.DEFINE_integer("steps", 300, "Training steps.")
 flags.DEFINE_integer("per_device_batch", 16, "Examples per device per step.")
-flags.DEFINE_integer("cpu_devices", 8, "Host devices to ask for on CPU (0: "
-                     "leave JAX's default).")
-flags.DEFINE_bool("shard_params", False, "Shard parameters (FSDP style) "
-                  "instead of replicating them.")
+flags.DEFINE_integer(
+  "cpu_devices", 8, "Host devices to ask for on CPU (0: leave JAX's default)."
+)
+flags.DEFINE_bool(
+  "shard_params",
+  False,
+  "Shard parameters (FSDP style) instead of replicating them.",
+)
 flags.DEFINE_integer("seed", 0, "Seed of the split, the init and the batches.")
 flags.DEFINE_string("out_dir", "example_outputs", "Where plots are written.")
 flags.DEFINE_bool("small", False, "Tiny run (CI): few steps.")
@@ -74,7 +77,8 @@ FLAGS = flags.FLAGS
 # %%
 def request_cpu_devices(n: int) -> None:
   if n and "xla_force_host_platform_device_count" not in os.environ.get(
-      "XLA_FLAGS", ""):
+    "XLA_FLAGS", ""
+  ):
     try:
       jax.config.update("jax_num_cpu_devices", n)
     except RuntimeError as e:  # JAX already started (e.g. a reused kernel).
@@ -100,7 +104,8 @@ def param_spec(leaf, n: int, shard: bool) -> P:
 def make_fns(apply_fn, tx):
   def loss_fn(params, x, y):
     return optax.softmax_cross_entropy_with_integer_labels(
-        apply_fn(params, x), y).mean()
+      apply_fn(params, x), y
+    ).mean()
 
   @jax.jit
   def step(params, state, x, y):
@@ -110,8 +115,9 @@ def make_fns(apply_fn, tx):
 
   @jax.jit
   def fisher_diag(params, x, y):
-    return fisher.diagonal(apply_fn, params, (x, y),
-                           likelihood=fisher.Categorical(), kind="exact").diag
+    return fisher.diagonal(
+      apply_fn, params, (x, y), likelihood=fisher.Categorical(), kind="exact"
+    ).diag
 
   return step, fisher_diag
 
@@ -121,12 +127,15 @@ def main(argv):
   del argv
   request_cpu_devices(FLAGS.cpu_devices)
   n = jax.device_count()
-  print(f"{n} {jax.default_backend()} device(s): "
-        f"{[d.device_kind for d in jax.devices()][:4]}...")
+  print(
+    f"{n} {jax.default_backend()} device(s): "
+    f"{[d.device_kind for d in jax.devices()][:4]}..."
+  )
   # Auto axes: XLA's partitioner picks the intermediate shardings (Explicit
   # axes would ask us to annotate the FSDP matmuls by hand).
-  mesh = jax.make_mesh((n,), ("data",),
-                       axis_types=(jax.sharding.AxisType.Auto,))
+  mesh = jax.make_mesh(
+    (n,), ("data",), axis_types=(jax.sharding.AxisType.Auto,)
+  )
   with jax.set_mesh(mesh):
     run_on_mesh(mesh, n)
 
@@ -139,8 +148,9 @@ def run_on_mesh(mesh, n):
   data = datasets.load_digits(seed=FLAGS.seed)
   apply_fn, params = models.digits_mlp(FLAGS.seed)
   specs = jax.tree.map(lambda p: param_spec(p, n, FLAGS.shard_params), params)
-  params = jax.tree.map(lambda p, s: jax.device_put(p, NamedSharding(mesh, s)),
-                        params, specs)
+  params = jax.tree.map(
+    lambda p, s: jax.device_put(p, NamedSharding(mesh, s)), params, specs
+  )
   tx = fisher_optax.fadam(3e-3, weight_decay=1e-4)
   state = tx.init(params)  # optimizer state follows the param shardings
   step, fisher_diag = make_fns(apply_fn, tx)
@@ -157,8 +167,10 @@ def run_on_mesh(mesh, n):
     losses.append(float(loss))
   seconds = time.perf_counter() - start
   kernel = params["layers"][0]["kernel"]
-  print(f"{steps} steps of global batch {batch} in {seconds:.1f} s; "
-        f"first kernel sharding: {kernel.sharding.spec}")
+  print(
+    f"{steps} steps of global batch {batch} in {seconds:.1f} s; "
+    f"first kernel sharding: {kernel.sharding.spec}"
+  )
 
   # The Fisher of the trained model over a batch sharded across devices,
   # checked against the same estimate from unsharded (one-device) inputs.
@@ -168,29 +180,44 @@ def run_on_mesh(mesh, n):
   diag = fisher_diag(params, xs, ys)
   local = jax.device_get(params)
   ref = fisher_diag(local, x[:n_fisher], y[:n_fisher])
-  err = max(float(jnp.max(jnp.abs(a - b)) / (jnp.max(jnp.abs(b)) + 1e-30))
-            for a, b in zip(jax.tree.leaves(jax.device_get(diag)),
-                            jax.tree.leaves(ref)))
-  print(f"exact diagonal Fisher over {n_fisher} examples on {n} device(s); "
-        f"max relative difference to one device: {err:.2e}")
-  acc = float(jnp.mean(jnp.argmax(apply_fn(local, data["test"][0]), -1)
-                       == data["test"][1]))
+  err = max(
+    float(jnp.max(jnp.abs(a - b)) / (jnp.max(jnp.abs(b)) + 1e-30))
+    for a, b in zip(jax.tree.leaves(jax.device_get(diag)), jax.tree.leaves(ref))
+  )
+  print(
+    f"exact diagonal Fisher over {n_fisher} examples on {n} device(s); "
+    f"max relative difference to one device: {err:.2e}"
+  )
+  acc = float(
+    jnp.mean(
+      jnp.argmax(apply_fn(local, data["test"][0]), -1) == data["test"][1]
+    )
+  )
   print(f"test accuracy {acc:.3f}")
 
   out = pathlib.Path(FLAGS.out_dir)
   out.mkdir(parents=True, exist_ok=True)
   fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.5))
   ax1.plot(losses)
-  ax1.set(xlabel="step", ylabel="train loss", yscale="log",
-          title=f"FAdam, batch sharded over {n} device(s)")
-  names = [jax.tree_util.keystr(k) for k, _ in
-           jax.tree_util.tree_leaves_with_path(diag)]
-  ax2.bar(range(len(names)),
-          [float(jnp.mean(v)) for v in jax.tree.leaves(diag)])
-  ax2.set_xticks(range(len(names)), names, rotation=60, ha="right",
-                 fontsize=6)
-  ax2.set(ylabel="mean diagonal Fisher", yscale="log",
-          title="Fisher per parameter leaf")
+  ax1.set(
+    xlabel="step",
+    ylabel="train loss",
+    yscale="log",
+    title=f"FAdam, batch sharded over {n} device(s)",
+  )
+  names = [
+    jax.tree_util.keystr(k)
+    for k, _ in jax.tree_util.tree_leaves_with_path(diag)
+  ]
+  ax2.bar(
+    range(len(names)), [float(jnp.mean(v)) for v in jax.tree.leaves(diag)]
+  )
+  ax2.set_xticks(range(len(names)), names, rotation=60, ha="right", fontsize=6)
+  ax2.set(
+    ylabel="mean diagonal Fisher",
+    yscale="log",
+    title="Fisher per parameter leaf",
+  )
   fig.tight_layout()
   path = out / "scaling_out.png"
   fig.savefig(path, dpi=120)

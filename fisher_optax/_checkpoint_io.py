@@ -15,8 +15,8 @@ import os
 import pathlib
 import shutil
 import tempfile
-import uuid
 from typing import Any
+import uuid
 
 import jax
 import numpy as np
@@ -30,8 +30,16 @@ FORMATS = (MSGPACK, ORBAX)
 _MSGPACK_SUFFIXES = (".msgpack",)
 # Files present in an orbax checkpoint directory (any of them suffices).
 _ORBAX_MARKERS = ("_CHECKPOINT_METADATA", "_METADATA", "manifest.ocdbt")
-_PICKLE_SUFFIXES = (".pkl", ".pickle", ".pt", ".pth", ".bin", ".ckpt", ".npy",
-                    ".joblib")
+_PICKLE_SUFFIXES = (
+  ".pkl",
+  ".pickle",
+  ".pt",
+  ".pth",
+  ".bin",
+  ".ckpt",
+  ".npy",
+  ".joblib",
+)
 
 
 class CheckpointFormatError(ValueError):
@@ -39,8 +47,10 @@ class CheckpointFormatError(ValueError):
 
 
 def _supported() -> str:
-  return ("supported formats: a flax msgpack file ('*.msgpack') or an orbax "
-          "checkpoint directory")
+  return (
+    "supported formats: a flax msgpack file ('*.msgpack') or an orbax "
+    "checkpoint directory"
+  )
 
 
 def detect_format(path: str | os.PathLike[str]) -> str:
@@ -63,16 +73,19 @@ def detect_format(path: str | os.PathLike[str]) -> str:
     if any((p / m).exists() for m in _ORBAX_MARKERS):
       return ORBAX
     raise CheckpointFormatError(
-        f"{str(p)!r} is a directory but not an orbax checkpoint (none of "
-        f"{', '.join(_ORBAX_MARKERS)} inside); {_supported()}.")
+      f"{str(p)!r} is a directory but not an orbax checkpoint (none of "
+      f"{', '.join(_ORBAX_MARKERS)} inside); {_supported()}."
+    )
   if p.suffix.lower() in _MSGPACK_SUFFIXES:
     return MSGPACK
   if p.suffix.lower() in _PICKLE_SUFFIXES:
     raise CheckpointFormatError(
-        f"Refusing {str(p)!r}: {p.suffix!r} files may be pickles, which can "
-        f"run arbitrary code when loaded and are never read; {_supported()}.")
+      f"Refusing {str(p)!r}: {p.suffix!r} files may be pickles, which can "
+      f"run arbitrary code when loaded and are never read; {_supported()}."
+    )
   raise CheckpointFormatError(
-      f"Unknown checkpoint format for {str(p)!r}; {_supported()}.")
+    f"Unknown checkpoint format for {str(p)!r}; {_supported()}."
+  )
 
 
 def output_format(path: str | os.PathLike[str], fmt: str | None = None) -> str:
@@ -84,7 +97,8 @@ def output_format(path: str | os.PathLike[str], fmt: str | None = None) -> str:
   if fmt is not None:
     if fmt not in FORMATS:
       raise CheckpointFormatError(
-          f"Unknown output format {fmt!r}; {_supported()}.")
+        f"Unknown output format {fmt!r}; {_supported()}."
+      )
     return fmt
   p = pathlib.Path(path)
   if p.suffix.lower() in _MSGPACK_SUFFIXES:
@@ -92,9 +106,10 @@ def output_format(path: str | os.PathLike[str], fmt: str | None = None) -> str:
   if not p.suffix or p.is_dir():
     return ORBAX
   raise CheckpointFormatError(
-      f"Cannot infer the output format of {str(p)!r} from its suffix; name "
-      f"it '*.msgpack' or give a path without a suffix for an orbax "
-      f"directory ({_supported()}).")
+    f"Cannot infer the output format of {str(p)!r} from its suffix; name "
+    f"it '*.msgpack' or give a path without a suffix for an orbax "
+    f"directory ({_supported()})."
+  )
 
 
 def _to_numpy(tree: PyTree) -> PyTree:
@@ -124,11 +139,12 @@ def load_tree(path: str | os.PathLike[str]) -> PyTree:
       tree = serialization.msgpack_restore(data)
     except Exception as e:  # msgpack raises several unrelated types.
       raise CheckpointFormatError(
-          f"{str(path)!r} is not a valid flax msgpack file: {e}") from e
+        f"{str(path)!r} is not a valid flax msgpack file: {e}"
+      ) from e
     if not isinstance(tree, dict):
       raise CheckpointFormatError(
-          f"{str(path)!r} holds a {type(tree).__name__}, not a tree of "
-          "arrays.")
+        f"{str(path)!r} holds a {type(tree).__name__}, not a tree of arrays."
+      )
     return _to_numpy(tree)
   import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
 
@@ -150,24 +166,29 @@ def _check_destination(path: pathlib.Path, fmt: str, overwrite: bool) -> None:
   if not path.exists():
     if not path.parent.is_dir():
       raise FileNotFoundError(
-          f"The output directory {str(path.parent)!r} does not exist.")
+        f"The output directory {str(path.parent)!r} does not exist."
+      )
     return
   if not overwrite:
     raise FileExistsError(
-        f"{str(path)!r} exists; pass overwrite=True (--overwrite) to replace "
-        "it.")
+      f"{str(path)!r} exists; pass overwrite=True (--overwrite) to replace it."
+    )
   if fmt == MSGPACK and path.is_dir():
     raise FileExistsError(
-        f"{str(path)!r} is a directory; refusing to replace it with a file.")
+      f"{str(path)!r} is a directory; refusing to replace it with a file."
+    )
   if fmt == ORBAX and not path.is_dir():
     raise FileExistsError(
-        f"{str(path)!r} is a file; refusing to replace it with an orbax "
-        "directory.")
+      f"{str(path)!r} is a file; refusing to replace it with an orbax "
+      "directory."
+    )
 
 
 def check_destination(
-    path: str | os.PathLike[str], fmt: str | None = None, *,
-    overwrite: bool = False,
+  path: str | os.PathLike[str],
+  fmt: str | None = None,
+  *,
+  overwrite: bool = False,
 ) -> str:
   """Checks that ``path`` can be written (before doing any expensive work).
 
@@ -197,11 +218,11 @@ def commit(tmp: pathlib.Path, path: pathlib.Path) -> None:
 
 
 def save_tree(
-    path: str | os.PathLike[str],
-    tree: PyTree,
-    *,
-    fmt: str | None = None,
-    overwrite: bool = False,
+  path: str | os.PathLike[str],
+  tree: PyTree,
+  *,
+  fmt: str | None = None,
+  overwrite: bool = False,
 ) -> str:
   """Writes a tree atomically as flax msgpack or an orbax checkpoint.
 

@@ -146,8 +146,8 @@ def _scalar_dtype(params: PyTree) -> Any:
 
 def _to_stat(tree: PyTree) -> PyTree:
   return jax.tree.map(
-      lambda x: jnp.asarray(x).astype(_stat_dtype(jnp.asarray(x).dtype)),
-      tree)
+    lambda x: jnp.asarray(x).astype(_stat_dtype(jnp.asarray(x).dtype)), tree
+  )
 
 
 def _diag_of(fisher: Any) -> PyTree:
@@ -160,18 +160,21 @@ def _low_rank_of(fisher: Any) -> tuple[jax.Array, PyTree]:
   if isinstance(fisher, tuple) and len(fisher) == 2:
     return fisher
   raise TypeError(
-      "low_rank must be a LowRankFisher (with .eigvals and .eigvecs) or an "
-      f"(eigvals, eigvecs) pair, got {type(fisher).__name__}.")
+    "low_rank must be a LowRankFisher (with .eigvals and .eigvecs) or an "
+    f"(eigvals, eigvecs) pair, got {type(fisher).__name__}."
+  )
 
 
 def _check_params(params: PyTree, like: PyTree, what: str) -> None:
   _validation.check_same_structure(
-      like, params, what=what, reference_name="the anchor's params")
+    like, params, what=what, reference_name="the anchor's params"
+  )
   for p, q in zip(jax.tree.leaves(like), jax.tree.leaves(params)):
     if jnp.shape(p) != jnp.shape(q):
       raise ValueError(
-          f"{what} leaf shape {jnp.shape(q)} does not match the anchor's "
-          f"{jnp.shape(p)}.")
+        f"{what} leaf shape {jnp.shape(q)} does not match the anchor's "
+        f"{jnp.shape(p)}."
+      )
 
 
 def _low_rank_size(low_rank: LowRankEWC) -> int:
@@ -182,7 +185,7 @@ def _low_rank_size(low_rank: LowRankEWC) -> int:
 
 
 def init_ewc_anchor(
-    params: PyTree, *, diagonal: bool = True, rank: int = 0
+  params: PyTree, *, diagonal: bool = True, rank: int = 0
 ) -> EWCAnchor:
   """An empty :class:`EWCAnchor` (zero Fisher) with fixed shapes.
 
@@ -198,32 +201,42 @@ def init_ewc_anchor(
   if not diagonal and rank == 0:
     raise ValueError("an EWC anchor needs diagonal=True or rank > 0.")
   zeros = lambda shape_prefix: jax.tree.map(
-      lambda p: jnp.zeros(shape_prefix + tuple(p.shape),
-                          _stat_dtype(p.dtype)), params)
+    lambda p: jnp.zeros(shape_prefix + tuple(p.shape), _stat_dtype(p.dtype)),
+    params,
+  )
   sdtype = _scalar_dtype(params)
   diag = None
   if diagonal:
-    diag = DiagonalEWC(precision=zeros(()), anchor=zeros(()),
-                       residual=jnp.zeros([], sdtype))
+    diag = DiagonalEWC(
+      precision=zeros(()), anchor=zeros(()), residual=jnp.zeros([], sdtype)
+    )
   low = None
   if rank:
-    low = LowRankEWC(vectors=zeros((rank,)),
-                     scales=jnp.zeros([rank], sdtype),
-                     anchor_proj=jnp.zeros([rank], sdtype))
+    low = LowRankEWC(
+      vectors=zeros((rank,)),
+      scales=jnp.zeros([rank], sdtype),
+      anchor_proj=jnp.zeros([rank], sdtype),
+    )
   return EWCAnchor(diagonal=diag, low_rank=low)
 
 
 def _merge_diagonal(
-    old: DiagonalEWC, params: PyTree, fisher_diag: PyTree, decay: Any,
-    mode: str,
+  old: DiagonalEWC,
+  params: PyTree,
+  fisher_diag: PyTree,
+  decay: Any,
+  mode: str,
 ) -> DiagonalEWC:
   _check_params(fisher_diag, old.precision, "diagonal Fisher")
   theta = _to_stat(params)
   # Non-finite or negative Fisher entries carry no usable curvature: 0.
   fdiag = jax.tree.map(
-      lambda f, p: jnp.nan_to_num(jnp.maximum(
-          jnp.asarray(f).astype(p.dtype), 0.0), nan=0.0, posinf=0.0),
-      fisher_diag, old.precision)
+    lambda f, p: jnp.nan_to_num(
+      jnp.maximum(jnp.asarray(f).astype(p.dtype), 0.0), nan=0.0, posinf=0.0
+    ),
+    fisher_diag,
+    old.precision,
+  )
   old_prec = jax.tree.map(lambda p: decay * p, old.precision)
   precision = jax.tree.map(jnp.add, old_prec, fdiag)
   if mode == "online":
@@ -238,31 +251,45 @@ def _merge_diagonal(
     return jnp.where(tot > 0, a / jnp.where(tot > 0, tot, 1.0), 0.0)
 
   w = jax.tree.map(weight, old_prec, fdiag)
-  anchor = jax.tree.map(lambda wi, m, t: t + wi * (m - t), w, old.anchor,
-                        theta)
-  gaps = jax.tree.leaves(jax.tree.map(
-      lambda wi, b, m, t: jnp.sum(wi * b * jnp.square(m - t)), w, fdiag,
-      old.anchor, theta))
+  anchor = jax.tree.map(lambda wi, m, t: t + wi * (m - t), w, old.anchor, theta)
+  gaps = jax.tree.leaves(
+    jax.tree.map(
+      lambda wi, b, m, t: jnp.sum(wi * b * jnp.square(m - t)),
+      w,
+      fdiag,
+      old.anchor,
+      theta,
+    )
+  )
   residual = decay * old.residual + sum(
-      g.astype(old.residual.dtype) for g in gaps)
+    g.astype(old.residual.dtype) for g in gaps
+  )
   return DiagonalEWC(precision, anchor, residual)
 
 
 def _merge_low_rank(
-    old: LowRankEWC, params: PyTree, eigvals: jax.Array, eigvecs: PyTree,
-    decay: Any, mode: str, update: str,
+  old: LowRankEWC,
+  params: PyTree,
+  eigvals: jax.Array,
+  eigvecs: PyTree,
+  decay: Any,
+  mode: str,
+  update: str,
 ) -> LowRankEWC:
   k_slots = _low_rank_size(old)
   _validation.check_leading_axis(
-      eigvecs, jax.tree.map(lambda v: v[0], old.vectors),
-      what="low-rank Fisher eigvecs")
+    eigvecs,
+    jax.tree.map(lambda v: v[0], old.vectors),
+    what="low-rank Fisher eigvecs",
+  )
   eigvals = jnp.atleast_1d(jnp.asarray(eigvals)).astype(old.scales.dtype)
   k_new = eigvals.shape[0]
   sizes = {v.shape[0] for v in jax.tree.leaves(eigvecs)}
   if sizes and sizes != {k_new}:
     raise ValueError(
-        f"low-rank Fisher has {k_new} eigenvalues but eigvecs with leading "
-        f"axis {sorted(sizes)}.")
+      f"low-rank Fisher has {k_new} eigenvalues but eigvecs with leading "
+      f"axis {sorted(sizes)}."
+    )
   theta = _to_stat(params)
   new_vecs = jax.tree.map(lambda v, o: v.astype(o.dtype), eigvecs, old.vectors)
   # A direction with a non-finite entry or eigenvalue is dropped (scale 0,
@@ -271,11 +298,11 @@ def _merge_low_rank(
   for v in jax.tree.leaves(new_vecs):
     finite &= jnp.all(jnp.isfinite(v.reshape(k_new, -1)), axis=1)
   new_vecs = jax.tree.map(
-      lambda v: jnp.where(finite.reshape((-1,) + (1,) * (v.ndim - 1)), v, 0.0),
-      new_vecs)
+    lambda v: jnp.where(finite.reshape((-1,) + (1,) * (v.ndim - 1)), v, 0.0),
+    new_vecs,
+  )
   new_scales = jnp.where(finite, jnp.maximum(eigvals, 0.0), 0.0)
-  new_proj = _linalg.tree_stacked_dot(new_vecs, theta).astype(
-      old.scales.dtype)
+  new_proj = _linalg.tree_stacked_dot(new_vecs, theta).astype(old.scales.dtype)
   scales = decay * old.scales
   proj = old.anchor_proj
   if mode == "online":
@@ -284,26 +311,36 @@ def _merge_low_rank(
   if update == "slots":
     if k_new > k_slots:
       raise ValueError(
-          f"cannot store {k_new} new directions in {k_slots} low-rank slots; "
-          "use more slots (rank=) or low_rank_update='compress'.")
+        f"cannot store {k_new} new directions in {k_slots} low-rank slots; "
+        "use more slots (rank=) or low_rank_update='compress'."
+      )
     # Overwrite the weakest slots; empty slots (scale 0) go first.
     slots = jnp.argsort(scales, stable=True)[:k_new]
-    vectors = jax.tree.map(lambda o, n: o.at[slots].set(n), old.vectors,
-                           new_vecs)
-    return LowRankEWC(vectors, scales.at[slots].set(new_scales),
-                      proj.at[slots].set(new_proj))
+    vectors = jax.tree.map(
+      lambda o, n: o.at[slots].set(n), old.vectors, new_vecs
+    )
+    return LowRankEWC(
+      vectors, scales.at[slots].set(new_scales), proj.at[slots].set(new_proj)
+    )
 
   # "compress": top-K eigenpairs of M = sum_j s_j u_j u_j^T over old and new
   # slots, through the (K + k) x (K + k) Gram of the sqrt(s_j) u_j; the linear
   # term b = sum_j s_j a_j u_j is kept by a_i' = v_i . b / l_i (exact when
   # nothing is truncated).
-  all_vecs = jax.tree.map(lambda o, n: jnp.concatenate([o, n]), old.vectors,
-                          new_vecs)
+  all_vecs = jax.tree.map(
+    lambda o, n: jnp.concatenate([o, n]), old.vectors, new_vecs
+  )
   all_scales = jnp.concatenate([scales, new_scales])
   all_proj = jnp.concatenate([proj, new_proj])
   weighted = jax.tree.map(
-      lambda v: v * jnp.sqrt(all_scales).astype(v.dtype).reshape(
-          (-1,) + (1,) * (v.ndim - 1)), all_vecs)
+    lambda v: (
+      v
+      * jnp.sqrt(all_scales)
+      .astype(v.dtype)
+      .reshape((-1,) + (1,) * (v.ndim - 1))
+    ),
+    all_vecs,
+  )
   # The engine's Gram-matrix eigensolver returns eigenpairs of W^T W / m.
   m = all_scales.shape[0]
   top = fisher.low_rank_from_grads(weighted, rank=k_slots)  # m > k_slots
@@ -314,19 +351,21 @@ def _merge_low_rank(
   safe = jnp.where(evals > 0, evals, 1.0)
   anchor_proj = jnp.where(evals > 0, vb / safe, 0.0)
   return LowRankEWC(
-      jax.tree.map(lambda v, o: v.astype(o.dtype), evecs, old.vectors),
-      evals.astype(old.scales.dtype), anchor_proj.astype(old.scales.dtype))
+    jax.tree.map(lambda v, o: v.astype(o.dtype), evecs, old.vectors),
+    evals.astype(old.scales.dtype),
+    anchor_proj.astype(old.scales.dtype),
+  )
 
 
 def consolidate(
-    anchor: EWCAnchor,
-    params: PyTree,
-    *,
-    diagonal: Any = None,
-    low_rank: Any = None,
-    decay: float | jax.Array = 1.0,
-    mode: str = "separate",
-    low_rank_update: str = "slots",
+  anchor: EWCAnchor,
+  params: PyTree,
+  *,
+  diagonal: Any = None,
+  low_rank: Any = None,
+  decay: float | jax.Array = 1.0,
+  mode: str = "separate",
+  low_rank_update: str = "slots",
 ) -> EWCAnchor:
   """Folds a finished task (anchor ``params``, Fisher) into an EWC anchor.
 
@@ -383,43 +422,59 @@ def consolidate(
     opt_state = optax.tree.set(opt_state, ewc_anchor=anchor)
   """
   _validation.check_choice("mode", mode, _MODES)
-  _validation.check_choice("low_rank_update", low_rank_update,
-                           _LOW_RANK_UPDATES)
+  _validation.check_choice(
+    "low_rank_update", low_rank_update, _LOW_RANK_UPDATES
+  )
   _validation.check_in_unit_interval("decay", decay, closed_right=True)
   if not isinstance(anchor, EWCAnchor):
     raise TypeError(
-        f"anchor must be an EWCAnchor, got {type(anchor).__name__}.")
+      f"anchor must be an EWCAnchor, got {type(anchor).__name__}."
+    )
   if (diagonal is None) != (anchor.diagonal is None):
     raise ValueError(
-        "diagonal= must be given exactly when the anchor has a diagonal part "
-        f"(anchor.diagonal is {'None' if anchor.diagonal is None else 'set'}).")
+      "diagonal= must be given exactly when the anchor has a diagonal part "
+      f"(anchor.diagonal is {'None' if anchor.diagonal is None else 'set'})."
+    )
   if (low_rank is None) != (anchor.low_rank is None):
     raise ValueError(
-        "low_rank= must be given exactly when the anchor has low-rank slots "
-        f"(anchor.low_rank is {'None' if anchor.low_rank is None else 'set'}).")
-  like = (anchor.diagonal.precision if anchor.diagonal is not None
-          else jax.tree.map(lambda v: v[0], anchor.low_rank.vectors))
+      "low_rank= must be given exactly when the anchor has low-rank slots "
+      f"(anchor.low_rank is {'None' if anchor.low_rank is None else 'set'})."
+    )
+  like = (
+    anchor.diagonal.precision
+    if anchor.diagonal is not None
+    else jax.tree.map(lambda v: v[0], anchor.low_rank.vectors)
+  )
   _check_params(params, like, "params")
   diag = None if diagonal is None else _diag_of(diagonal)
   low = None if low_rank is None else tuple(_low_rank_of(low_rank))
   if diag is not None:
     _check_params(diag, anchor.diagonal.precision, "diagonal Fisher")
-  return _consolidate(anchor, params, diag, low, decay, mode=mode,
-                      low_rank_update=low_rank_update)
+  return _consolidate(
+    anchor, params, diag, low, decay, mode=mode, low_rank_update=low_rank_update
+  )
 
 
 @jax.jit(static_argnames=("mode", "low_rank_update"))
-def _consolidate(anchor: EWCAnchor, params: PyTree, diag: PyTree | None,
-                 low: tuple[jax.Array, PyTree] | None, decay: Any, *,
-                 mode: str, low_rank_update: str) -> EWCAnchor:
+def _consolidate(
+  anchor: EWCAnchor,
+  params: PyTree,
+  diag: PyTree | None,
+  low: tuple[jax.Array, PyTree] | None,
+  decay: Any,
+  *,
+  mode: str,
+  low_rank_update: str,
+) -> EWCAnchor:
   # Compiled once per shape: eager dispatch of the merge is slow on CPU.
   new_diag = anchor.diagonal
   if new_diag is not None:
     new_diag = _merge_diagonal(new_diag, params, diag, decay, mode)
   new_low = anchor.low_rank
   if new_low is not None:
-    new_low = _merge_low_rank(new_low, params, low[0], low[1], decay, mode,
-                              low_rank_update)
+    new_low = _merge_low_rank(
+      new_low, params, low[0], low[1], decay, mode, low_rank_update
+    )
   return EWCAnchor(diagonal=new_diag, low_rank=new_low)
 
 
@@ -440,22 +495,30 @@ def ewc_gradient(params: PyTree, anchor: EWCAnchor) -> PyTree:
   if anchor.diagonal is not None:
     d = anchor.diagonal
     _check_params(params, d.precision, "params")
-    terms.append(jax.tree.map(
+    terms.append(
+      jax.tree.map(
         lambda pr, m, p: pr * (p.astype(pr.dtype) - m),
-        d.precision, d.anchor, params))
+        d.precision,
+        d.anchor,
+        params,
+      )
+    )
   if anchor.low_rank is not None:
     lr = anchor.low_rank
-    residual = _linalg.tree_stacked_dot(lr.vectors, _to_stat(params)).astype(
-        lr.scales.dtype) - lr.anchor_proj
-    terms.append(_linalg.tree_stacked_combine(lr.vectors,
-                                              lr.scales * residual))
+    residual = (
+      _linalg.tree_stacked_dot(lr.vectors, _to_stat(params)).astype(
+        lr.scales.dtype
+      )
+      - lr.anchor_proj
+    )
+    terms.append(_linalg.tree_stacked_combine(lr.vectors, lr.scales * residual))
   if len(terms) == 1:
     return terms[0]
   return jax.tree.map(jnp.add, *terms)
 
 
 def ewc_penalty(
-    params: PyTree, anchor: EWCAnchor, strength: float | jax.Array
+  params: PyTree, anchor: EWCAnchor, strength: float | jax.Array
 ) -> jax.Array:
   """The EWC penalty in loss form, for users who add it to their loss.
 
@@ -491,13 +554,20 @@ def ewc_penalty(
     d = anchor.diagonal
     _check_params(params, d.precision, "params")
     sq = jax.tree.map(
-        lambda pr, m, p: jnp.sum(pr * jnp.square(p.astype(pr.dtype) - m)),
-        d.precision, d.anchor, params)
+      lambda pr, m, p: jnp.sum(pr * jnp.square(p.astype(pr.dtype) - m)),
+      d.precision,
+      d.anchor,
+      params,
+    )
     total.append(sum(jax.tree.leaves(sq)) + d.residual)
   if anchor.low_rank is not None:
     lr = anchor.low_rank
-    residual = _linalg.tree_stacked_dot(lr.vectors, _to_stat(params)).astype(
-        lr.scales.dtype) - lr.anchor_proj
+    residual = (
+      _linalg.tree_stacked_dot(lr.vectors, _to_stat(params)).astype(
+        lr.scales.dtype
+      )
+      - lr.anchor_proj
+    )
     total.append(jnp.sum(lr.scales * jnp.square(residual)))
   return 0.5 * strength * sum(total)
 
@@ -506,11 +576,11 @@ def ewc_penalty(
 
 
 def add_ewc_gradient(
-    strength: float | jax.Array,
-    anchor: EWCAnchor | None = None,
-    *,
-    diagonal: bool = True,
-    rank: int = 0,
+  strength: float | jax.Array,
+  anchor: EWCAnchor | None = None,
+  *,
+  diagonal: bool = True,
+  rank: int = 0,
 ) -> optax.GradientTransformationExtraArgs:
   """Adds the gradient of the EWC penalty, ``lambda F (theta - theta*)``.
 
@@ -595,28 +665,30 @@ def add_ewc_gradient(
   rank = _validation.check_static_int("rank", rank)
   if anchor is not None and not isinstance(anchor, EWCAnchor):
     raise TypeError(
-        f"anchor must be an EWCAnchor, got {type(anchor).__name__}.")
+      f"anchor must be an EWCAnchor, got {type(anchor).__name__}."
+    )
 
   def init_fn(params: PyTree) -> AddEWCGradientState:
     if anchor is None:
       start = init_ewc_anchor(params, diagonal=diagonal, rank=rank)
     else:
       start = anchor
-    return AddEWCGradientState(count=jnp.zeros([], jnp.int32),
-                               ewc_anchor=start)
+    return AddEWCGradientState(count=jnp.zeros([], jnp.int32), ewc_anchor=start)
 
   def update_fn(updates, state, params=None, **extra_args):
     del extra_args
     if params is None:
       raise ValueError(
-          "add_ewc_gradient needs params: call update(updates, state, "
-          "params).")
+        "add_ewc_gradient needs params: call update(updates, state, params)."
+      )
     grad = ewc_gradient(params, state.ewc_anchor)
     updates = jax.tree.map(
-        lambda u, g: (u.astype(g.dtype) + strength * g).astype(u.dtype),
-        updates, grad)
+      lambda u, g: (u.astype(g.dtype) + strength * g).astype(u.dtype),
+      updates,
+      grad,
+    )
     return updates, AddEWCGradientState(
-        count=optax.safe_increment(state.count),
-        ewc_anchor=state.ewc_anchor)
+      count=optax.safe_increment(state.count), ewc_anchor=state.ewc_anchor
+    )
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)

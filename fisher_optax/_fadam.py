@@ -3,7 +3,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple, Optional, Union
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -13,8 +14,8 @@ import optax
 from fisher_optax import _validation
 
 PyTree = Any
-ScalarOrSchedule = Union[float, jax.Array, optax.Schedule]
-MaskOrFn = Optional[Union[PyTree, Callable[[PyTree], PyTree]]]
+ScalarOrSchedule = float | jax.Array | optax.Schedule
+MaskOrFn = PyTree | Callable[[PyTree], PyTree] | None
 
 _EPS_MODES = ("paper", "v3")
 _FISHER_SOURCES = ("batch_squared", "per_example")
@@ -35,7 +36,7 @@ class FAdamState(NamedTuple):
   fim: optax.Updates
 
 
-def _state_dtype(leaf: Any, override: Optional[jnp.dtype]) -> jnp.dtype:
+def _state_dtype(leaf: Any, override: jnp.dtype | None) -> jnp.dtype:
   # Statistics default to at least float32, also for bf16/f16 params.
   if override is not None:
     return override
@@ -58,19 +59,19 @@ def _mean_square(x: jax.Array) -> jax.Array:
 
 
 def scale_by_fadam(
-    b1: float = 0.9,
-    b2: float = 0.999,
-    eps: float = 1e-8,
-    eps2: float = 1e-2,
-    clip: float = 1.0,
-    p: float = 0.5,
-    weight_decay: float = 0.1,
-    weight_decay_mask: MaskOrFn = None,
-    mu_dtype: Optional[jax.typing.DTypeLike] = None,
-    fim_dtype: Optional[jax.typing.DTypeLike] = None,
-    *,
-    eps_mode: str = "paper",
-    fisher_source: str = "batch_squared",
+  b1: float = 0.9,
+  b2: float = 0.999,
+  eps: float = 1e-8,
+  eps2: float = 1e-2,
+  clip: float = 1.0,
+  p: float = 0.5,
+  weight_decay: float = 0.1,
+  weight_decay_mask: MaskOrFn = None,
+  mu_dtype: jax.typing.DTypeLike | None = None,
+  fim_dtype: jax.typing.DTypeLike | None = None,
+  *,
+  eps_mode: str = "paper",
+  fisher_source: str = "batch_squared",
 ) -> optax.GradientTransformationExtraArgs:
   r"""Rescales updates by the FAdam rule (Fisher Adam), before the lr.
 
@@ -203,19 +204,21 @@ def scale_by_fadam(
   def init_fn(params: optax.Params) -> FAdamState:
     # zeros_like keeps a concrete input's sharding.
     mu = jax.tree.map(
-        lambda x: jnp.zeros_like(x, _state_dtype(x, mu_dtype)), params)
+      lambda x: jnp.zeros_like(x, _state_dtype(x, mu_dtype)), params
+    )
     fim = jax.tree.map(
-        lambda x: jnp.zeros_like(x, _state_dtype(x, fim_dtype)), params)
+      lambda x: jnp.zeros_like(x, _state_dtype(x, fim_dtype)), params
+    )
     return FAdamState(count=jnp.zeros([], jnp.int32), mu=mu, fim=fim)
 
   def update_fn(
-      updates: optax.Updates,
-      state: FAdamState,
-      params: Optional[optax.Params] = None,
-      *,
-      per_example_grads: Optional[PyTree] = None,
-      fisher: Optional[Any] = None,
-      **extra_args: Any,
+    updates: optax.Updates,
+    state: FAdamState,
+    params: optax.Params | None = None,
+    *,
+    per_example_grads: PyTree | None = None,
+    fisher: Any | None = None,
+    **extra_args: Any,
   ) -> tuple[optax.Updates, FAdamState]:
     del extra_args
     treedef = jax.tree.structure(updates)
@@ -225,13 +228,18 @@ def scale_by_fadam(
     decay_mask = _decay_mask(weight_decay_mask, updates, params, no_decay)
     if params is None and any(m is not False for m in decay_mask):
       raise ValueError(
-          "scale_by_fadam applies a Fisher-preconditioned weight decay and "
-          "needs the current params: call update(updates, state, params), or "
-          "set weight_decay=0.")
-    thetas = ([None] * n_leaves if params is None
-              else _flatten_like(params, updates, "params"))
-    sq_stats = _fisher_statistic(fisher_source, updates, per_example_grads,
-                                 fisher)
+        "scale_by_fadam applies a Fisher-preconditioned weight decay and "
+        "needs the current params: call update(updates, state, params), or "
+        "set weight_decay=0."
+      )
+    thetas = (
+      [None] * n_leaves
+      if params is None
+      else _flatten_like(params, updates, "params")
+    )
+    sq_stats = _fisher_statistic(
+      fisher_source, updates, per_example_grads, fisher
+    )
 
     count_inc = optax.safe_increment(state.count)
     b2_hat = _debiased_b2(b2, count_inc)
@@ -247,15 +255,16 @@ def scale_by_fadam(
       return jnp.maximum(term, jnp.finfo(cd).tiny)
 
     def denominator(f: jax.Array, eps_term: jax.Array) -> jax.Array:
-      return (jnp.sqrt(f) if sqrt_p else f ** jnp.asarray(p, f.dtype)
-              ) + eps_term
+      return (
+        jnp.sqrt(f) if sqrt_p else f ** jnp.asarray(p, f.dtype)
+      ) + eps_term
 
     # Pass 1: per-leaf scalars (RMS of g, n and w). The clips become scalar
     # coefficients, so pass 2 fuses into one sweep over each leaf.
     leaves, finite = [], []
     for g, f_old, theta, mask, sq in zip(
-        grads, treedef.flatten_up_to(state.fim), thetas, decay_mask,
-        sq_stats):
+      grads, treedef.flatten_up_to(state.fim), thetas, decay_mask, sq_stats
+    ):
       if jnp.size(g) == 0:  # Nothing to precondition; avoid mean([]) = NaN.
         leaves.append(None)
         continue
@@ -285,8 +294,12 @@ def scale_by_fadam(
     ok = jnp.all(jnp.stack(finite)) if finite else jnp.array(True)
     outs, mus, fims = [], [], []
     for g, leaf, m_old, f_old, theta in zip(
-        grads, leaves, treedef.flatten_up_to(state.mu),
-        treedef.flatten_up_to(state.fim), thetas):
+      grads,
+      leaves,
+      treedef.flatten_up_to(state.mu),
+      treedef.flatten_up_to(state.fim),
+      thetas,
+    ):
       if leaf is None:
         outs.append(g)
         mus.append(m_old)
@@ -295,11 +308,13 @@ def scale_by_fadam(
       g32, sq, bh, eps_term, coef_n, coef_w = leaf
       cd = g32.dtype
       zero = jnp.zeros((), cd)
-      f = (jnp.where(ok, bh, 1.0) * f_old.astype(cd)
-           + jnp.where(ok, 1.0 - bh, zero) * jnp.where(ok, sq, zero))
+      f = jnp.where(ok, bh, 1.0) * f_old.astype(cd) + jnp.where(
+        ok, 1.0 - bh, zero
+      ) * jnp.where(ok, sq, zero)
       d = denominator(f, jnp.where(ok, eps_term, 1.0).astype(cd))
-      m = (jnp.where(ok, b1, 1.0) * m_old.astype(cd)
-           + jnp.where(ok, coef_n, zero) * (jnp.where(ok, g32, zero) / d))
+      m = jnp.where(ok, b1, 1.0) * m_old.astype(cd) + jnp.where(
+        ok, coef_n, zero
+      ) * (jnp.where(ok, g32, zero) / d)
       out = m if coef_w is None else m + coef_w * (jnp.asarray(theta, cd) / d)
       out = jnp.where(ok, out, jnp.nan)
       outs.append(out.astype(jnp.result_type(g)))
@@ -307,26 +322,27 @@ def scale_by_fadam(
       fims.append(f.astype(f_old.dtype))
     count = jnp.where(ok, count_inc, state.count)
     return treedef.unflatten(outs), FAdamState(
-        count=count, mu=treedef.unflatten(mus), fim=treedef.unflatten(fims))
+      count=count, mu=treedef.unflatten(mus), fim=treedef.unflatten(fims)
+    )
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
 def fadam(
-    learning_rate: ScalarOrSchedule,
-    b1: float = 0.9,
-    b2: float = 0.999,
-    eps: float = 1e-8,
-    eps2: float = 1e-2,
-    clip: float = 1.0,
-    p: float = 0.5,
-    weight_decay: float = 0.1,
-    weight_decay_mask: MaskOrFn = None,
-    mu_dtype: Optional[jax.typing.DTypeLike] = None,
-    fim_dtype: Optional[jax.typing.DTypeLike] = None,
-    *,
-    eps_mode: str = "paper",
-    fisher_source: str = "batch_squared",
+  learning_rate: ScalarOrSchedule,
+  b1: float = 0.9,
+  b2: float = 0.999,
+  eps: float = 1e-8,
+  eps2: float = 1e-2,
+  clip: float = 1.0,
+  p: float = 0.5,
+  weight_decay: float = 0.1,
+  weight_decay_mask: MaskOrFn = None,
+  mu_dtype: jax.typing.DTypeLike | None = None,
+  fim_dtype: jax.typing.DTypeLike | None = None,
+  *,
+  eps_mode: str = "paper",
+  fisher_source: str = "batch_squared",
 ) -> optax.GradientTransformationExtraArgs:
   r"""FAdam (Fisher Adam): natural gradient with a diagonal empirical Fisher.
 
@@ -385,19 +401,28 @@ def fadam(
   """
   _validation.check_learning_rate(learning_rate)
   return optax.chain(
-      scale_by_fadam(
-          b1=b1, b2=b2, eps=eps, eps2=eps2, clip=clip, p=p,
-          weight_decay=weight_decay, weight_decay_mask=weight_decay_mask,
-          mu_dtype=mu_dtype, fim_dtype=fim_dtype, eps_mode=eps_mode,
-          fisher_source=fisher_source),
-      optax.scale_by_learning_rate(learning_rate),
+    scale_by_fadam(
+      b1=b1,
+      b2=b2,
+      eps=eps,
+      eps2=eps2,
+      clip=clip,
+      p=p,
+      weight_decay=weight_decay,
+      weight_decay_mask=weight_decay_mask,
+      mu_dtype=mu_dtype,
+      fim_dtype=fim_dtype,
+      eps_mode=eps_mode,
+      fisher_source=fisher_source,
+    ),
+    optax.scale_by_learning_rate(learning_rate),
   )
 
 
 # -- helpers -------------------------------------------------------------------
 
 
-def _canonical_float_dtype(name: str, dtype: Any) -> Optional[jnp.dtype]:
+def _canonical_float_dtype(name: str, dtype: Any) -> jnp.dtype | None:
   if dtype is None:
     return None
   try:
@@ -415,13 +440,15 @@ def _flatten_like(tree: PyTree, like: PyTree, what: str) -> list[Any]:
   for leaf, ref in zip(leaves, jax.tree.leaves(like)):
     if jnp.shape(leaf) != jnp.shape(ref):
       raise ValueError(
-          f"{what} leaves must have the updates' shapes, got {jnp.shape(leaf)}"
-          f" where the updates have {jnp.shape(ref)}.")
+        f"{what} leaves must have the updates' shapes, got {jnp.shape(leaf)}"
+        f" where the updates have {jnp.shape(ref)}."
+      )
   return leaves
 
 
-def _decay_mask(mask: MaskOrFn, updates: PyTree, params: Optional[PyTree],
-                no_decay: bool) -> list[Any]:
+def _decay_mask(
+  mask: MaskOrFn, updates: PyTree, params: PyTree | None, no_decay: bool
+) -> list[Any]:
   """Per-leaf decay flags: False, True or a traced bool."""
   n = len(jax.tree.leaves(updates))
   if no_decay:
@@ -431,38 +458,53 @@ def _decay_mask(mask: MaskOrFn, updates: PyTree, params: Optional[PyTree],
   if callable(mask):
     if params is None:
       raise ValueError(
-          "a callable weight_decay_mask needs params: call "
-          "update(updates, state, params).")
+        "a callable weight_decay_mask needs params: call "
+        "update(updates, state, params)."
+      )
     mask = mask(params)
   _validation.check_same_structure(updates, mask, what="weight_decay_mask")
-  return [bool(m) if isinstance(m, (bool, int, np.bool_)) else m
-          for m in jax.tree.leaves(mask)]
+  return [
+    bool(m) if isinstance(m, (bool, int, np.bool_)) else m
+    for m in jax.tree.leaves(mask)
+  ]
 
 
-def _fisher_statistic(source: str, updates: PyTree,
-                      per_example_grads: Optional[PyTree],
-                      fisher: Optional[Any]) -> list[Any]:
+def _fisher_statistic(
+  source: str,
+  updates: PyTree,
+  per_example_grads: PyTree | None,
+  fisher: Any | None,
+) -> list[Any]:
   """Per-leaf instantaneous Fisher diagonal, or None for g^2."""
   n = len(jax.tree.leaves(updates))
   if source == "batch_squared":
     return [None] * n
   if per_example_grads is not None and fisher is not None:
     raise ValueError(
-        "fisher_source='per_example' got both per_example_grads and fisher; "
-        "pass only one.")
+      "fisher_source='per_example' got both per_example_grads and fisher; "
+      "pass only one."
+    )
   if per_example_grads is not None:
     batch = _validation.check_leading_axis(
-        per_example_grads, updates, what="per_example_grads")
+      per_example_grads, updates, what="per_example_grads"
+    )
     if batch == 0:
       raise ValueError("per_example_grads has an empty batch axis.")
-    return [jnp.mean(jnp.square(jnp.asarray(
-        x, jnp.promote_types(jnp.result_type(x), jnp.float32))), axis=0)
-            for x in jax.tree.leaves(per_example_grads)]
+    return [
+      jnp.mean(
+        jnp.square(
+          jnp.asarray(x, jnp.promote_types(jnp.result_type(x), jnp.float32))
+        ),
+        axis=0,
+      )
+      for x in jax.tree.leaves(per_example_grads)
+    ]
   if fisher is not None:
     diag = getattr(fisher, "diag", fisher)
     return _flatten_like(diag, updates, "fisher.diag")
   raise ValueError(
-      "fisher_source='per_example' needs a per_example_grads=... (the "
-      "updates' tree with a leading batch axis) or fisher=... (a "
-      "fisher_optax.fisher.DiagonalFisher or its .diag) extra argument in "
-      "update().")
+    "fisher_source='per_example' needs a per_example_grads=... (the "
+    "updates' tree with a leading batch axis) or fisher=... (a "
+    "fisher_optax.fisher.DiagonalFisher or its .diag) extra argument in "
+    "update()."
+  )

@@ -13,8 +13,9 @@ batch axes, an Adam fallback) mirrors :func:`optax.contrib.muon`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 import math
-from typing import Any, Callable, Literal, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -27,7 +28,8 @@ from fisher_optax import _validation
 PyTree = Any
 FismoDimensionNumbers = MuonDimensionNumbers
 WeightDimNumOrFn = (
-    MuonDimensionNumbers | PyTree | Callable[[PyTree], PyTree] | None)
+  MuonDimensionNumbers | PyTree | Callable[[PyTree], PyTree] | None
+)
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 _FACTOR_NORMS = ("pre_ema", "paper")
@@ -76,34 +78,44 @@ def _is_dim_leaf(x: Any) -> bool:
   return x is None or isinstance(x, MuonDimensionNumbers)
 
 
-def _normalize_axes(ndim: int, dim_nums: MuonDimensionNumbers
-                    ) -> tuple[tuple[int, ...], tuple[int, ...]]:
+def _normalize_axes(
+  ndim: int, dim_nums: MuonDimensionNumbers
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
   as_tuple = lambda a: (a,) if isinstance(a, int) else tuple(a)
   red = tuple(ax % ndim for ax in as_tuple(dim_nums.reduction_axis))
   out = tuple(ax % ndim for ax in as_tuple(dim_nums.output_axis))
   return red, out
 
 
-def _check_leaf_dims(name: str, shape: tuple[int, ...],
-                     dim_nums: MuonDimensionNumbers) -> None:
+def _check_leaf_dims(
+  name: str, shape: tuple[int, ...], dim_nums: MuonDimensionNumbers
+) -> None:
   ndim = len(shape)
   if ndim < 2:
     raise ValueError(
-        f"FISMO cannot route leaf {name} with shape {shape}: a leaf given "
-        "dimension numbers must have rank >= 2. Give it None to send it to "
-        "the fallback optimizer.")
+      f"FISMO cannot route leaf {name} with shape {shape}: a leaf given "
+      "dimension numbers must have rank >= 2. Give it None to send it to "
+      "the fallback optimizer."
+    )
   as_tuple = lambda a: (a,) if isinstance(a, int) else tuple(a)
   axes = as_tuple(dim_nums.reduction_axis) + as_tuple(dim_nums.output_axis)
   if any(not -ndim <= ax < ndim for ax in axes):
     raise ValueError(
-        f"Dimension numbers {dim_nums} for leaf {name} are out of range for "
-        f"shape {shape}.")
+      f"Dimension numbers {dim_nums} for leaf {name} are out of range for "
+      f"shape {shape}."
+    )
   red, out = _normalize_axes(ndim, dim_nums)
-  if (not red or not out or set(red) & set(out) or len(set(red)) != len(red)
-      or len(set(out)) != len(out)):
+  if (
+    not red
+    or not out
+    or set(red) & set(out)
+    or len(set(red)) != len(red)
+    or len(set(out)) != len(out)
+  ):
     raise ValueError(
-        f"Dimension numbers {dim_nums} for leaf {name} (shape {shape}) must "
-        "name non-empty, disjoint reduction and output axes.")
+      f"Dimension numbers {dim_nums} for leaf {name} (shape {shape}) must "
+      "name non-empty, disjoint reduction and output axes."
+    )
 
 
 def resolve_dimension_numbers(spec: WeightDimNumOrFn, tree: PyTree) -> PyTree:
@@ -124,25 +136,31 @@ def resolve_dimension_numbers(spec: WeightDimNumOrFn, tree: PyTree) -> PyTree:
   """
   if spec is None:
     return jax.tree.map(
-        lambda x: MuonDimensionNumbers() if jnp.ndim(x) == 2 else None, tree)
+      lambda x: MuonDimensionNumbers() if jnp.ndim(x) == 2 else None, tree
+    )
   if isinstance(spec, MuonDimensionNumbers):
     return jax.tree.map(lambda x: spec if jnp.ndim(x) >= 2 else None, tree)
   if callable(spec):
     spec = spec(tree)
   try:
     resolved = jax.tree.map(
-        lambda d, sub: jax.tree.map(lambda _: d, sub), spec, tree,
-        is_leaf=_is_dim_leaf)
+      lambda d, sub: jax.tree.map(lambda _: d, sub),
+      spec,
+      tree,
+      is_leaf=_is_dim_leaf,
+    )
   except (ValueError, TypeError) as e:
     raise ValueError(
-        "weight_dimension_numbers must be a tree of MuonDimensionNumbers/None "
-        "with the structure of (a prefix of) the params.\n"
-        f"  params: {jax.tree.structure(tree)}\n"
-        f"  weight_dimension_numbers: "
-        f"{jax.tree.structure(spec, is_leaf=_is_dim_leaf)}") from e
+      "weight_dimension_numbers must be a tree of MuonDimensionNumbers/None "
+      "with the structure of (a prefix of) the params.\n"
+      f"  params: {jax.tree.structure(tree)}\n"
+      f"  weight_dimension_numbers: "
+      f"{jax.tree.structure(spec, is_leaf=_is_dim_leaf)}"
+    ) from e
   for (path, leaf), dn in zip(
-      jax.tree_util.tree_flatten_with_path(tree)[0],
-      jax.tree.structure(tree).flatten_up_to(resolved)):
+    jax.tree_util.tree_flatten_with_path(tree)[0],
+    jax.tree.structure(tree).flatten_up_to(resolved),
+  ):
     if dn is not None:
       _check_leaf_dims(jax.tree_util.keystr(path), jnp.shape(leaf), dn)
   return resolved
@@ -158,8 +176,12 @@ class _Plan(NamedTuple):
   right: bool
 
 
-def _plan(shape: tuple[int, ...], dim_nums: MuonDimensionNumbers,
-          max_precond_dim: int, max_aspect_ratio: int) -> _Plan:
+def _plan(
+  shape: tuple[int, ...],
+  dim_nums: MuonDimensionNumbers,
+  max_precond_dim: int,
+  max_aspect_ratio: int,
+) -> _Plan:
   ndim = len(shape)
   red, out = _normalize_axes(ndim, dim_nums)
   batch = tuple(a for a in range(ndim) if a not in red + out)
@@ -169,9 +191,13 @@ def _plan(shape: tuple[int, ...], dim_nums: MuonDimensionNumbers,
   left, right = m <= max_precond_dim, n <= max_precond_dim
   if max(m, n) > max_aspect_ratio * min(m, n):  # very rectangular: small side
     left, right = left and m <= n, right and n < m
-  return _Plan(transpose=transpose, flat_shape=(size(batch), m, n),
-               unflat_shape=tuple(shape[a] for a in transpose),
-               left=left, right=right)
+  return _Plan(
+    transpose=transpose,
+    flat_shape=(size(batch), m, n),
+    unflat_shape=tuple(shape[a] for a in transpose),
+    left=left,
+    right=right,
+  )
 
 
 def _to_matrix(x: jax.Array, plan: _Plan) -> jax.Array:
@@ -179,8 +205,9 @@ def _to_matrix(x: jax.Array, plan: _Plan) -> jax.Array:
 
 
 def _from_matrix(x: jax.Array, plan: _Plan) -> jax.Array:
-  inverse = tuple(sorted(range(len(plan.transpose)),
-                         key=lambda i: plan.transpose[i]))
+  inverse = tuple(
+    sorted(range(len(plan.transpose)), key=lambda i: plan.transpose[i])
+  )
   return x.reshape(plan.unflat_shape).transpose(inverse)
 
 
@@ -203,45 +230,46 @@ def _trace(a: jax.Array) -> jax.Array:
   return jnp.trace(a, axis1=-2, axis2=-1)[..., None, None]
 
 
-def _skip_nonfinite(inner: optax.GradientTransformation
-                    ) -> optax.GradientTransformationExtraArgs:
+def _skip_nonfinite(
+  inner: optax.GradientTransformation,
+) -> optax.GradientTransformationExtraArgs:
   """Keeps ``inner``'s old state when the updates it sees are not finite."""
   inner = optax.with_extra_args_support(inner)
 
   def update_fn(updates, state, params=None, **extra_args):
-    new_updates, new_state = inner.update(updates, state, params,
-                                          **extra_args)
+    new_updates, new_state = inner.update(updates, state, params, **extra_args)
     finite = jnp.array(True)
     for leaf in jax.tree.leaves(updates):
       finite &= jnp.all(jnp.isfinite(leaf))
-    new_state = jax.tree.map(lambda n, o: jnp.where(finite, n, o), new_state,
-                             state)
+    new_state = jax.tree.map(
+      lambda n, o: jnp.where(finite, n, o), new_state, state
+    )
     return new_updates, new_state
 
   return optax.GradientTransformationExtraArgs(inner.init, update_fn)
 
 
 def scale_by_fismo(
-    beta: float | jax.Array = 0.95,
-    gamma: float | jax.Array = 0.95,
-    damping: float | jax.Array = 0.1,
-    ns_coeffs: Any = _linalg.QUINTIC_NS_COEFFS,
-    ns_steps: int = 5,
-    eps: float | jax.Array = 1e-8,
-    mu_dtype: Any = None,
-    *,
-    nesterov: bool = False,
-    precondition_interval: int | jax.Array = 10,
-    root_method: Literal["eigh", "newton", "cholesky"] = "newton",
-    factor_norm: Literal["pre_ema", "paper"] = "pre_ema",
-    momentum_space: Literal["whitened", "original"] = "whitened",
-    grafting: Literal["none", "muon_norm"] = "none",
-    max_precond_dim: int = 4096,
-    max_aspect_ratio: int = 2,
-    eigenvalue_floor: float | jax.Array = 1e-6,
-    fisher_source: Literal["batch", "per_example"] = "batch",
-    weight_dimension_numbers: WeightDimNumOrFn = None,
-    fallback: optax.GradientTransformation | None = None,
+  beta: float | jax.Array = 0.95,
+  gamma: float | jax.Array = 0.95,
+  damping: float | jax.Array = 0.1,
+  ns_coeffs: Any = _linalg.QUINTIC_NS_COEFFS,
+  ns_steps: int = 5,
+  eps: float | jax.Array = 1e-8,
+  mu_dtype: Any = None,
+  *,
+  nesterov: bool = False,
+  precondition_interval: int | jax.Array = 10,
+  root_method: Literal["eigh", "newton", "cholesky"] = "newton",
+  factor_norm: Literal["pre_ema", "paper"] = "pre_ema",
+  momentum_space: Literal["whitened", "original"] = "whitened",
+  grafting: Literal["none", "muon_norm"] = "none",
+  max_precond_dim: int = 4096,
+  max_aspect_ratio: int = 2,
+  eigenvalue_floor: float | jax.Array = 1e-6,
+  fisher_source: Literal["batch", "per_example"] = "batch",
+  weight_dimension_numbers: WeightDimNumOrFn = None,
+  fallback: optax.GradientTransformation | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Rescales updates by FISMO: Muon in a Kronecker-factored Fisher metric.
 
@@ -379,20 +407,27 @@ def scale_by_fismo(
   _validation.check_in_unit_interval("gamma", gamma, closed_right=True)
   _validation.check_positive("damping", damping, allow_zero=True)
   _validation.check_positive("eps", eps, allow_zero=True)
-  _validation.check_positive("eigenvalue_floor", eigenvalue_floor,
-                             allow_zero=True)
+  _validation.check_positive(
+    "eigenvalue_floor", eigenvalue_floor, allow_zero=True
+  )
   ns_steps = _validation.check_static_int("ns_steps", ns_steps, minimum=1)
   max_precond_dim = _validation.check_static_int(
-      "max_precond_dim", max_precond_dim, minimum=0)
+    "max_precond_dim", max_precond_dim, minimum=0
+  )
   max_aspect_ratio = _validation.check_static_int(
-      "max_aspect_ratio", max_aspect_ratio, minimum=1)
+    "max_aspect_ratio", max_aspect_ratio, minimum=1
+  )
   if isinstance(precondition_interval, bool) or not isinstance(
-      precondition_interval, (int, jax.Array)):
-    raise TypeError("precondition_interval must be an int, got "
-                    f"{type(precondition_interval).__name__}.")
+    precondition_interval, (int, jax.Array)
+  ):
+    raise TypeError(
+      "precondition_interval must be an int, got "
+      f"{type(precondition_interval).__name__}."
+    )
   if isinstance(precondition_interval, int) and precondition_interval < 1:
     raise ValueError(
-        f"precondition_interval must be >= 1, got {precondition_interval}.")
+      f"precondition_interval must be >= 1, got {precondition_interval}."
+    )
   _validation.check_choice("root_method", root_method, _ROOT_METHODS)
   _validation.check_choice("factor_norm", factor_norm, _FACTOR_NORMS)
   _validation.check_choice("momentum_space", momentum_space, _MOMENTUM_SPACES)
@@ -400,15 +435,18 @@ def scale_by_fismo(
   _validation.check_choice("fisher_source", fisher_source, _FISHER_SOURCES)
   if root_method == "cholesky" and momentum_space != "original":
     raise ValueError(
-        'root_method="cholesky" gives a triangular whitening, under which '
-        'whitened momentum is not meaningful: use momentum_space="original".')
+      'root_method="cholesky" gives a triangular whitening, under which '
+      'whitened momentum is not meaningful: use momentum_space="original".'
+    )
   coeffs = jnp.asarray(ns_coeffs)
   if coeffs.ndim not in (1, 2) or coeffs.shape[-1] != 3:
     raise ValueError(
-        f"ns_coeffs must have shape (3,) or (k, 3), got {coeffs.shape}.")
+      f"ns_coeffs must have shape (3,) or (k, 3), got {coeffs.shape}."
+    )
   mu_dtype = None if mu_dtype is None else jnp.dtype(mu_dtype)
   fallback_tx = _skip_nonfinite(
-      optax.scale_by_adam() if fallback is None else fallback)
+    optax.scale_by_adam() if fallback is None else fallback
+  )
   masked = optax.MaskedNode()
 
   def plans(tree):
@@ -416,14 +454,17 @@ def scale_by_fismo(
     treedef = jax.tree.structure(tree)
     leaves = treedef.flatten_up_to(tree)
     plan_list = [
-        None if d is None else _plan(tuple(jnp.shape(x)), d, max_precond_dim,
-                                     max_aspect_ratio)
-        for x, d in zip(leaves, treedef.flatten_up_to(dims))]
+      None
+      if d is None
+      else _plan(tuple(jnp.shape(x)), d, max_precond_dim, max_aspect_ratio)
+      for x, d in zip(leaves, treedef.flatten_up_to(dims))
+    ]
     return treedef, leaves, plan_list
 
   def fallback_view(treedef, leaves, plan_list):
     return treedef.unflatten(
-        [x if p is None else masked for x, p in zip(leaves, plan_list)])
+      [x if p is None else masked for x, p in zip(leaves, plan_list)]
+    )
 
   def init_fn(params: optax.Params) -> FismoState:
     treedef, leaves, plan_list = plans(params)
@@ -442,10 +483,14 @@ def scale_by_fismo(
       rr.append(_eye_like(b, n, sd) if p.right else masked)
     unflat = treedef.unflatten
     return FismoState(
-        count=jnp.zeros([], jnp.int32), momentum=unflat(mom),
-        left_factor=unflat(lf), right_factor=unflat(rf),
-        left_root=unflat(lr), right_root=unflat(rr),
-        fallback=fallback_tx.init(fallback_view(treedef, leaves, plan_list)))
+      count=jnp.zeros([], jnp.int32),
+      momentum=unflat(mom),
+      left_factor=unflat(lf),
+      right_factor=unflat(rf),
+      left_root=unflat(lr),
+      right_root=unflat(rr),
+      fallback=fallback_tx.init(fallback_view(treedef, leaves, plan_list)),
+    )
 
   def ema_factor(old, stat, d):
     eye = jnp.eye(d, dtype=old.dtype)
@@ -465,21 +510,24 @@ def scale_by_fismo(
 
   def inverse_root(factor, old_root):
     if root_method == "eigh":
-      root = _linalg.matrix_inverse_root_eigh(factor, 2,
-                                              floor=eigenvalue_floor)
+      root = _linalg.matrix_inverse_root_eigh(factor, 2, floor=eigenvalue_floor)
       ok = jnp.ones(factor.shape[:-2], bool)
     elif root_method == "newton":
       res = _linalg.matrix_inverse_root_newton(
-          factor, 2, init=_linalg.symmetrize(old_root), floor=eigenvalue_floor,
-          max_iters=_NEWTON_MAX_ITERS, tol=_NEWTON_TOL)
+        factor,
+        2,
+        init=_linalg.symmetrize(old_root),
+        floor=eigenvalue_floor,
+        max_iters=_NEWTON_MAX_ITERS,
+        tol=_NEWTON_TOL,
+      )
       root = res.root
       ok = res.error < _NEWTON_MAX_ERROR
     else:
       root = _linalg.cholesky_whitening(factor, floor=eigenvalue_floor)
       ok = jnp.ones(factor.shape[:-2], bool)
     ok &= jnp.all(jnp.isfinite(root), axis=(-2, -1))
-    return jnp.where(ok[..., None, None], root.astype(old_root.dtype),
-                     old_root)
+    return jnp.where(ok[..., None, None], root.astype(old_root.dtype), old_root)
 
   def statistic(x, per_example, side_dim, left):
     # x: (b, m, n) already whitened on the other side; per_example: (B, b, m,
@@ -487,14 +535,18 @@ def scale_by_fismo(
     if per_example is None:
       outer = _mm(x, _mT(x)) if left else _mm(_mT(x), x)
       return outer / side_dim
-    outer = (jnp.einsum("kbmn,kbpn->bmp", per_example, per_example,
-                        precision=_HIGHEST) if left else
-             jnp.einsum("kbmn,kbmp->bnp", per_example, per_example,
-                        precision=_HIGHEST))
+    outer = (
+      jnp.einsum("kbmn,kbpn->bmp", per_example, per_example, precision=_HIGHEST)
+      if left
+      else jnp.einsum(
+        "kbmn,kbmp->bnp", per_example, per_example, precision=_HIGHEST
+      )
+    )
     return outer / (side_dim * per_example.shape[0])
 
-  def leaf_update(g, plan, mu, p_old, q_old, wp_old, wq_old, peg, count,
-                  refresh):
+  def leaf_update(
+    g, plan, mu, p_old, q_old, wp_old, wq_old, peg, count, refresh
+  ):
     _, m, n = plan.flat_shape
     sd = _stat_dtype(g.dtype)
     gm = _to_matrix(g, plan).astype(sd)
@@ -511,15 +563,17 @@ def scale_by_fismo(
       ype = None if pe is None else (_mm(pe, wq_old) if plan.right else pe)
       p_new = ema_factor(p_old, statistic(y, ype, n, True), m)
       p_new = jnp.where(finite, p_new, p_old)
-      wp = jax.lax.cond(refresh, lambda: inverse_root(p_new, wp_old),
-                        lambda: wp_old)
+      wp = jax.lax.cond(
+        refresh, lambda: inverse_root(p_new, wp_old), lambda: wp_old
+      )
     z = _mm(_mT(wp), gm) if plan.left else gm
     if plan.right:
       zpe = None if pe is None else (_mm(_mT(wp), pe) if plan.left else pe)
       q_new = ema_factor(q_old, statistic(z, zpe, m, False), n)
       q_new = jnp.where(finite, q_new, q_old)
-      wq = jax.lax.cond(refresh, lambda: inverse_root(q_new, wq_old),
-                        lambda: wq_old)
+      wq = jax.lax.cond(
+        refresh, lambda: inverse_root(q_new, wq_old), lambda: wq_old
+      )
 
     def whiten(x):
       if plan.left:
@@ -533,9 +587,9 @@ def scale_by_fismo(
     mu_prev = _to_matrix(mu, plan).astype(sd)
     mu_new = (1.0 - beta) * x + beta * mu_prev  # optax's update_moment order.
     if nesterov:
-      mu_hat = (beta * optax.tree.bias_correction(
-          mu_new, beta, optax.safe_increment(count))
-                + (1.0 - beta) * optax.tree.bias_correction(x, beta, count))
+      mu_hat = beta * optax.tree.bias_correction(
+        mu_new, beta, optax.safe_increment(count)
+      ) + (1.0 - beta) * optax.tree.bias_correction(x, beta, count)
     else:
       mu_hat = optax.tree.bias_correction(mu_new, beta, count)
     if momentum_space == "original":
@@ -547,8 +601,9 @@ def scale_by_fismo(
     if plan.right:
       delta = jnp.matmul(delta, _mT(wq))
     if grafting == "muon_norm":
-      fro = lambda a: jnp.sqrt(jnp.sum(jnp.square(a), axis=(-2, -1),
-                                       keepdims=True))
+      fro = lambda a: jnp.sqrt(
+        jnp.sum(jnp.square(a), axis=(-2, -1), keepdims=True)
+      )
       delta = delta * (fro(ortho) / jnp.maximum(fro(delta), 1e-30))
     delta = jnp.where(finite, delta, jnp.nan)
     mu_new = jnp.where(finite, mu_new, mu_prev)
@@ -560,31 +615,43 @@ def scale_by_fismo(
     mu_out = _from_matrix(mu_new, plan).astype(mu.dtype)
     return out, mu_out, p_new, q_new, wp, wq
 
-  def update_fn(updates: optax.Updates, state: FismoState,
-                params: optax.Params | None = None, *,
-                per_example_grads: optax.Updates | None = None,
-                **extra_args: Any) -> tuple[optax.Updates, FismoState]:
+  def update_fn(
+    updates: optax.Updates,
+    state: FismoState,
+    params: optax.Params | None = None,
+    *,
+    per_example_grads: optax.Updates | None = None,
+    **extra_args: Any,
+  ) -> tuple[optax.Updates, FismoState]:
     del params, extra_args
     treedef, leaves, plan_list = plans(updates)
     if fisher_source == "per_example":
       if per_example_grads is None:
         raise ValueError(
-            'fisher_source="per_example" needs the per_example_grads extra '
-            "argument (updates' tree with a leading batch axis).")
-      _validation.check_leading_axis(per_example_grads, updates,
-                                     what="per_example_grads")
+          'fisher_source="per_example" needs the per_example_grads extra '
+          "argument (updates' tree with a leading batch axis)."
+        )
+      _validation.check_leading_axis(
+        per_example_grads, updates, what="per_example_grads"
+      )
       pegs = treedef.flatten_up_to(per_example_grads)
     else:
       pegs = [None] * len(leaves)
-    fields = (state.momentum, state.left_factor, state.right_factor,
-              state.left_root, state.right_root)
+    fields = (
+      state.momentum,
+      state.left_factor,
+      state.right_factor,
+      state.left_root,
+      state.right_root,
+    )
     try:
       flat_fields = [treedef.flatten_up_to(f) for f in fields]
     except (ValueError, TypeError) as e:
       raise ValueError(
-          "updates do not match the FISMO state built by init (different "
-          f"tree structure).\n  updates: {treedef}\n  state.momentum: "
-          f"{jax.tree.structure(state.momentum)}") from e
+        "updates do not match the FISMO state built by init (different "
+        f"tree structure).\n  updates: {treedef}\n  state.momentum: "
+        f"{jax.tree.structure(state.momentum)}"
+      ) from e
     count_inc = optax.safe_increment(state.count)
     refresh = (state.count % precondition_interval) == 0
     outs = {k: [] for k in ("upd", "mu", "p", "q", "wp", "wq")}
@@ -597,31 +664,40 @@ def scale_by_fismo(
         continue
       if jnp.shape(mu) != jnp.shape(g):
         raise ValueError(
-            f"FISMO state for a leaf of shape {jnp.shape(g)} was built for "
-            f"shape {jnp.shape(mu)}; re-run init on the current params.")
-      res = leaf_update(g, plan, mu, p, q, wp, wq, pegs[i], count_inc,
-                        refresh)
+          f"FISMO state for a leaf of shape {jnp.shape(g)} was built for "
+          f"shape {jnp.shape(mu)}; re-run init on the current params."
+        )
+      res = leaf_update(g, plan, mu, p, q, wp, wq, pegs[i], count_inc, refresh)
       for k, v in zip(("upd", "mu", "p", "q", "wp", "wq"), res):
         outs[k].append(v)
     fb_updates, fb_state = fallback_tx.update(
-        fallback_view(treedef, leaves, plan_list), state.fallback, None)
+      fallback_view(treedef, leaves, plan_list), state.fallback, None
+    )
     fb_leaves = treedef.flatten_up_to(fb_updates)
-    new_updates = treedef.unflatten([
+    new_updates = treedef.unflatten(
+      [
         f if p is None else u
-        for u, f, p in zip(outs["upd"], fb_leaves, plan_list)])
+        for u, f, p in zip(outs["upd"], fb_leaves, plan_list)
+      ]
+    )
     unflat = treedef.unflatten
     return new_updates, FismoState(
-        count=count_inc, momentum=unflat(outs["mu"]),
-        left_factor=unflat(outs["p"]), right_factor=unflat(outs["q"]),
-        left_root=unflat(outs["wp"]), right_root=unflat(outs["wq"]),
-        fallback=fb_state)
+      count=count_inc,
+      momentum=unflat(outs["mu"]),
+      left_factor=unflat(outs["p"]),
+      right_factor=unflat(outs["q"]),
+      left_root=unflat(outs["wp"]),
+      right_root=unflat(outs["wq"]),
+      fallback=fb_state,
+    )
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-def _scale_by_shape(weight_dimension_numbers: WeightDimNumOrFn,
-                    consistent_rms: float | jax.Array | None
-                    ) -> optax.GradientTransformation:
+def _scale_by_shape(
+  weight_dimension_numbers: WeightDimNumOrFn,
+  consistent_rms: float | jax.Array | None,
+) -> optax.GradientTransformation:
   """Muon's width scaling, with FISMO's routing (optax.contrib.muon's)."""
 
   def update_fn(updates, state, params=None):
@@ -646,34 +722,34 @@ def _scale_by_shape(weight_dimension_numbers: WeightDimNumOrFn,
 
 
 def fismo(
-    learning_rate: optax.ScalarOrSchedule,
-    beta: float | jax.Array = 0.95,
-    gamma: float | jax.Array = 0.95,
-    damping: float | jax.Array = 0.1,
-    ns_coeffs: Any = _linalg.QUINTIC_NS_COEFFS,
-    ns_steps: int = 5,
-    eps: float | jax.Array = 1e-8,
-    weight_decay: float | jax.Array = 0.0,
-    weight_decay_mask: Any = None,
-    mu_dtype: Any = None,
-    *,
-    nesterov: bool = False,
-    precondition_interval: int | jax.Array = 10,
-    root_method: Literal["eigh", "newton", "cholesky"] = "newton",
-    factor_norm: Literal["pre_ema", "paper"] = "pre_ema",
-    momentum_space: Literal["whitened", "original"] = "whitened",
-    grafting: Literal["none", "muon_norm"] = "none",
-    max_precond_dim: int = 4096,
-    max_aspect_ratio: int = 2,
-    eigenvalue_floor: float | jax.Array = 1e-6,
-    fisher_source: Literal["batch", "per_example"] = "batch",
-    adam_b1: float | jax.Array = 0.9,
-    adam_b2: float | jax.Array = 0.999,
-    adam_eps_root: float | jax.Array = 0.0,
-    adam_weight_decay: float | jax.Array = 0.0,
-    adam_learning_rate: optax.ScalarOrSchedule | None = None,
-    fismo_weight_dimension_numbers: WeightDimNumOrFn = None,
-    consistent_rms: float | jax.Array | None = None,
+  learning_rate: optax.ScalarOrSchedule,
+  beta: float | jax.Array = 0.95,
+  gamma: float | jax.Array = 0.95,
+  damping: float | jax.Array = 0.1,
+  ns_coeffs: Any = _linalg.QUINTIC_NS_COEFFS,
+  ns_steps: int = 5,
+  eps: float | jax.Array = 1e-8,
+  weight_decay: float | jax.Array = 0.0,
+  weight_decay_mask: Any = None,
+  mu_dtype: Any = None,
+  *,
+  nesterov: bool = False,
+  precondition_interval: int | jax.Array = 10,
+  root_method: Literal["eigh", "newton", "cholesky"] = "newton",
+  factor_norm: Literal["pre_ema", "paper"] = "pre_ema",
+  momentum_space: Literal["whitened", "original"] = "whitened",
+  grafting: Literal["none", "muon_norm"] = "none",
+  max_precond_dim: int = 4096,
+  max_aspect_ratio: int = 2,
+  eigenvalue_floor: float | jax.Array = 1e-6,
+  fisher_source: Literal["batch", "per_example"] = "batch",
+  adam_b1: float | jax.Array = 0.9,
+  adam_b2: float | jax.Array = 0.999,
+  adam_eps_root: float | jax.Array = 0.0,
+  adam_weight_decay: float | jax.Array = 0.0,
+  adam_learning_rate: optax.ScalarOrSchedule | None = None,
+  fismo_weight_dimension_numbers: WeightDimNumOrFn = None,
+  consistent_rms: float | jax.Array | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   r"""FISMO: Fisher-structured momentum orthogonalisation, built like muon().
 
@@ -753,33 +829,48 @@ def fismo(
 
   def param_labels(params):
     dims = resolve_dimension_numbers(dims_spec, params)
-    return jax.tree.map(lambda x, d: "adam" if d is None else "fismo", params,
-                        dims)
+    return jax.tree.map(
+      lambda x, d: "adam" if d is None else "fismo", params, dims
+    )
 
   return optax.partition(
-      transforms={
-          "fismo": optax.chain(
-              scale_by_fismo(
-                  beta=beta, gamma=gamma, damping=damping,
-                  ns_coeffs=ns_coeffs, ns_steps=ns_steps, eps=eps,
-                  mu_dtype=mu_dtype, nesterov=nesterov,
-                  precondition_interval=precondition_interval,
-                  root_method=root_method, factor_norm=factor_norm,
-                  momentum_space=momentum_space, grafting=grafting,
-                  max_precond_dim=max_precond_dim,
-                  max_aspect_ratio=max_aspect_ratio,
-                  eigenvalue_floor=eigenvalue_floor,
-                  fisher_source=fisher_source,
-                  weight_dimension_numbers=dims_spec),
-              _scale_by_shape(dims_spec, consistent_rms),
-              optax.add_decayed_weights(weight_decay, weight_decay_mask),
-              optax.scale_by_learning_rate(learning_rate),
-          ),
-          "adam": optax.adamw(
-              learning_rate=adam_learning_rate, b1=adam_b1, b2=adam_b2,
-              eps=eps, eps_root=adam_eps_root, weight_decay=adam_weight_decay,
-              mu_dtype=mu_dtype, nesterov=nesterov),
-      },
-      param_labels=param_labels,
-      mask_compatible_extra_args=True,
+    transforms={
+      "fismo": optax.chain(
+        scale_by_fismo(
+          beta=beta,
+          gamma=gamma,
+          damping=damping,
+          ns_coeffs=ns_coeffs,
+          ns_steps=ns_steps,
+          eps=eps,
+          mu_dtype=mu_dtype,
+          nesterov=nesterov,
+          precondition_interval=precondition_interval,
+          root_method=root_method,
+          factor_norm=factor_norm,
+          momentum_space=momentum_space,
+          grafting=grafting,
+          max_precond_dim=max_precond_dim,
+          max_aspect_ratio=max_aspect_ratio,
+          eigenvalue_floor=eigenvalue_floor,
+          fisher_source=fisher_source,
+          weight_dimension_numbers=dims_spec,
+        ),
+        _scale_by_shape(dims_spec, consistent_rms),
+        optax.add_decayed_weights(weight_decay, weight_decay_mask),
+        optax.scale_by_learning_rate(learning_rate),
+      ),
+      "adam": optax.adamw(
+        learning_rate=adam_learning_rate,
+        b1=adam_b1,
+        b2=adam_b2,
+        eps=eps,
+        eps_root=adam_eps_root,
+        weight_decay=adam_weight_decay,
+        mu_dtype=mu_dtype,
+        nesterov=nesterov,
+      ),
+    },
+    param_labels=param_labels,
+    mask_compatible_extra_args=True,
   )

@@ -25,15 +25,15 @@ def _check_matrix(name: str, x: Any, shape: tuple[int, ...] | None = None):
   if jnp.ndim(x) != 2:
     raise ValueError(f"{name} must be a matrix, got shape {jnp.shape(x)}.")
   if shape is not None and jnp.shape(x) != shape:
-    raise ValueError(
-        f"{name} must have shape {shape}, got {jnp.shape(x)}.")
+    raise ValueError(f"{name} must have shape {shape}, got {jnp.shape(x)}.")
 
 
 def _check_rank(rank: Any, w: jax.Array) -> int:
   rank = _validation.check_static_int("rank", rank, minimum=1)
   if rank > min(w.shape):
     raise ValueError(
-        f"rank must be <= min{tuple(w.shape)} = {min(w.shape)}, got {rank}.")
+      f"rank must be <= min{tuple(w.shape)} = {min(w.shape)}, got {rank}."
+    )
   return rank
 
 
@@ -47,14 +47,14 @@ def _truncated(wt: jax.Array, rank: int, split: str):
 
 
 def fisher_weighted_svd(
-    w: jax.Array,
-    fisher_diag: jax.Array,
-    rank: int,
-    *,
-    weight_axis: str = "in",
-    two_sided: bool = False,
-    eps: float = 1e-5,
-    split: str = "left",
+  w: jax.Array,
+  fisher_diag: jax.Array,
+  rank: int,
+  *,
+  weight_axis: str = "in",
+  two_sided: bool = False,
+  eps: float = 1e-5,
+  split: str = "left",
 ) -> tuple[jax.Array, jax.Array]:
   """Fisher-weighted SVD (FWSVD) of a dense kernel from its diagonal Fisher.
 
@@ -127,25 +127,27 @@ def fisher_weighted_svd(
   cols = cols if use_cols else jnp.ones_like(cols)
   a, b = _truncated(rows[:, None] * wf * cols[None, :], rank, split)
   return (a / rows[:, None]).astype(w.dtype), (b / cols[None, :]).astype(
-      w.dtype)
+    w.dtype
+  )
 
 
 def _damped_cholesky(x: jax.Array, damping: Any) -> jax.Array:
   x = 0.5 * (x + x.T)
   # Damping relative to the mean eigenvalue, so it is scale-free.
-  shift = damping * jnp.maximum(jnp.trace(x) / x.shape[0],
-                                jnp.finfo(x.dtype).tiny)
+  shift = damping * jnp.maximum(
+    jnp.trace(x) / x.shape[0], jnp.finfo(x.dtype).tiny
+  )
   return jnp.linalg.cholesky(x + shift * jnp.eye(x.shape[0], dtype=x.dtype))
 
 
 def generalized_fwsvd(
-    w: jax.Array,
-    left: jax.Array,
-    right: jax.Array,
-    rank: int,
-    *,
-    damping: float = 1e-6,
-    split: str = "left",
+  w: jax.Array,
+  left: jax.Array,
+  right: jax.Array,
+  rank: int,
+  *,
+  damping: float = 1e-6,
+  split: str = "left",
 ) -> tuple[jax.Array, jax.Array]:
   """Generalized FWSVD: the optimal low-rank ``W`` under a Kronecker Fisher.
 
@@ -210,8 +212,11 @@ def generalized_fwsvd(
   dtype = jnp.promote_types(w.dtype, jnp.float32)
   la = _damped_cholesky(jnp.asarray(left, dtype), damping)
   lb = _damped_cholesky(jnp.asarray(right, dtype), damping)
-  wt = jnp.matmul(jnp.matmul(la.T, w.astype(dtype), precision=_HIGHEST), lb,
-                  precision=_HIGHEST)
+  wt = jnp.matmul(
+    jnp.matmul(la.T, w.astype(dtype), precision=_HIGHEST),
+    lb,
+    precision=_HIGHEST,
+  )
   u, v = _truncated(wt, rank, split)
   # a = L_A^{-T} u,  b = v L_B^{-1}  (triangular solves, no inverses).
   a = jax.scipy.linalg.solve_triangular(la, u, lower=True, trans=1)

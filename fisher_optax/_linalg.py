@@ -35,8 +35,10 @@ _HIGHEST = jax.lax.Precision.HIGHEST
 def _leaf_dot(stacked_leaf: jax.Array, x_leaf: jax.Array) -> jax.Array:
   axes = tuple(range(1, stacked_leaf.ndim))
   return jnp.tensordot(
-      stacked_leaf, x_leaf, axes=(axes, tuple(range(x_leaf.ndim))),
-      precision=_HIGHEST,
+    stacked_leaf,
+    x_leaf,
+    axes=(axes, tuple(range(x_leaf.ndim))),
+    precision=_HIGHEST,
   )
 
 
@@ -51,9 +53,10 @@ def tree_stacked_dot(stacked: PyTree, x: PyTree) -> jax.Array:
 def tree_stacked_combine(stacked: PyTree, z: jax.Array) -> PyTree:
   """Returns ``G^T z``: the tree ``sum_k z[k] * G[k]``."""
   return jax.tree.map(
-      lambda s: jnp.tensordot(z.astype(s.dtype), s, axes=(0, 0),
-                              precision=_HIGHEST),
-      stacked,
+    lambda s: jnp.tensordot(
+      z.astype(s.dtype), s, axes=(0, 0), precision=_HIGHEST
+    ),
+    stacked,
   )
 
 
@@ -86,7 +89,7 @@ class WoodburyFactor(NamedTuple):
 
 
 def woodbury_factor(
-    gram: jax.Array, damping: jax.Array | float, scale: jax.Array | float = 1.0
+  gram: jax.Array, damping: jax.Array | float, scale: jax.Array | float = 1.0
 ) -> WoodburyFactor:
   """Factors ``F = damping * I + scale * G^T G`` given ``gram = G G^T``.
 
@@ -108,13 +111,16 @@ def woodbury_factor(
 
 def _tri_solve(chol: jax.Array, b: jax.Array, *, transpose: bool) -> jax.Array:
   return jax.scipy.linalg.solve_triangular(
-      chol, b, lower=True, trans=1 if transpose else 0
+    chol, b, lower=True, trans=1 if transpose else 0
   )
 
 
 def woodbury_solve(
-    stacked: PyTree, factor: WoodburyFactor, x: PyTree, *,
-    normalized: bool = False,
+  stacked: PyTree,
+  factor: WoodburyFactor,
+  x: PyTree,
+  *,
+  normalized: bool = False,
 ) -> PyTree:
   """Returns ``F^{-1} x`` (or ``damping * F^{-1} x`` when ``normalized``).
 
@@ -122,8 +128,9 @@ def woodbury_solve(
   solves.
   """
   gx = tree_stacked_dot(stacked, x).astype(factor.chol.dtype)
-  w = _tri_solve(factor.chol, _tri_solve(factor.chol, gx, transpose=False),
-                 transpose=True)
+  w = _tri_solve(
+    factor.chol, _tri_solve(factor.chol, gx, transpose=False), transpose=True
+  )
   correction = tree_stacked_combine(stacked, w)
   out = jax.tree.map(lambda a, b: a - b.astype(a.dtype), x, correction)
   if normalized:
@@ -135,9 +142,10 @@ def woodbury_whiten(stacked: PyTree, factor: WoodburyFactor) -> PyTree:
   """Returns ``Z = L^{-1} G`` as a stacked tree (``F^{-1} = (I - Z^T Z)/lambda``)."""
   linv = tril_inverse(factor.chol)
   return jax.tree.map(
-      lambda s: jnp.tensordot(linv.astype(s.dtype), s, axes=(1, 0),
-                              precision=_HIGHEST),
-      stacked,
+    lambda s: jnp.tensordot(
+      linv.astype(s.dtype), s, axes=(1, 0), precision=_HIGHEST
+    ),
+    stacked,
   )
 
 
@@ -145,9 +153,10 @@ def woodbury_inverse_diag(stacked: PyTree, factor: WoodburyFactor) -> PyTree:
   """Returns the diagonal of ``F^{-1}`` as a tree shaped like one slice."""
   z = woodbury_whiten(stacked, factor)
   return jax.tree.map(
-      lambda zl: (1.0 - jnp.sum(jnp.square(zl), axis=0))
-      / factor.damping.astype(zl.dtype),
-      z,
+    lambda zl: (
+      (1.0 - jnp.sum(jnp.square(zl), axis=0)) / factor.damping.astype(zl.dtype)
+    ),
+    z,
   )
 
 
@@ -157,7 +166,7 @@ def symmetrize(a: jax.Array) -> jax.Array:
 
 
 def stacked_push_rows(
-    stacked: PyTree, gram: jax.Array, rows: PyTree, index: jax.Array | int
+  stacked: PyTree, gram: jax.Array, rows: PyTree, index: jax.Array | int
 ) -> tuple[PyTree, jax.Array]:
   """Writes ``k`` rows into a ring buffer of ``m`` rows and refreshes its Gram.
 
@@ -195,13 +204,22 @@ def stacked_push_rows(
   # Products accumulate in the Gram's dtype (exact for a bfloat16 window).
   def cross(s: jax.Array, r: jax.Array) -> jax.Array:
     axes = tuple(range(1, s.ndim))
-    return jnp.tensordot(s, r, axes=(axes, axes), precision=_HIGHEST,
-                         preferred_element_type=gram.dtype)
+    return jnp.tensordot(
+      s,
+      r,
+      axes=(axes, axes),
+      precision=_HIGHEST,
+      preferred_element_type=gram.dtype,
+    )
 
-  cols = sum(c.astype(gram.dtype) for c in jax.tree.leaves(
-      jax.tree.map(cross, stacked, stored)))  # (m, k)
-  block = sum(c.astype(gram.dtype) for c in jax.tree.leaves(
-      jax.tree.map(cross, stored, stored)))  # (k, k)
+  cols = sum(
+    c.astype(gram.dtype)
+    for c in jax.tree.leaves(jax.tree.map(cross, stacked, stored))
+  )  # (m, k)
+  block = sum(
+    c.astype(gram.dtype)
+    for c in jax.tree.leaves(jax.tree.map(cross, stored, stored))
+  )  # (k, k)
   cols = cols.at[slots].set(block)
   stacked = jax.tree.map(lambda s, r: s.at[slots].set(r), stacked, stored)
   gram = gram.at[:, slots].set(cols).at[slots, :].set(cols.T)
@@ -209,7 +227,7 @@ def stacked_push_rows(
 
 
 def stacked_push_rows_if_finite(
-    stacked: PyTree, gram: jax.Array, rows: PyTree, index: jax.Array | int
+  stacked: PyTree, gram: jax.Array, rows: PyTree, index: jax.Array | int
 ) -> tuple[PyTree, jax.Array, jax.Array]:
   """:func:`stacked_push_rows` that leaves the window untouched on NaN/Inf rows.
 
@@ -226,11 +244,12 @@ def stacked_push_rows_if_finite(
     return stacked, gram, jnp.asarray(True)
   finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(r)) for r in leaves]))
   k = leaves[0].shape[0]
-  slots = (jnp.asarray(index, jnp.int32)
-           + jnp.arange(k, dtype=jnp.int32)) % gram.shape[0]
+  slots = (
+    jnp.asarray(index, jnp.int32) + jnp.arange(k, dtype=jnp.int32)
+  ) % gram.shape[0]
   rows = jax.tree.map(
-      lambda r, s: jnp.where(finite, r.astype(s.dtype), s[slots]), rows,
-      stacked)
+    lambda r, s: jnp.where(finite, r.astype(s.dtype), s[slots]), rows, stacked
+  )
   stacked, gram = stacked_push_rows(stacked, gram, rows, index)
   return stacked, gram, finite
 
@@ -259,10 +278,10 @@ def _batched_eye(a: jax.Array, dtype: Any = None) -> jax.Array:
 
 
 def newton_schulz_polar(
-    x: jax.Array,
-    coeffs: Any = QUINTIC_NS_COEFFS,
-    steps: int = 5,
-    eps: float | jax.Array = 1e-8,
+  x: jax.Array,
+  coeffs: Any = QUINTIC_NS_COEFFS,
+  steps: int = 5,
+  eps: float | jax.Array = 1e-8,
 ) -> jax.Array:
   r"""Approximates the polar factor :math:`U V^\top` of ``x`` by Newton-Schulz.
 
@@ -307,8 +326,9 @@ def newton_schulz_polar(
   coeff_arr = jnp.asarray(coeffs)
   if coeff_arr.ndim not in (1, 2) or coeff_arr.shape[-1] != 3:
     raise ValueError(
-        f"Newton-Schulz coefficients must have shape (3,) or (k, 3), got "
-        f"{coeff_arr.shape}.")
+      f"Newton-Schulz coefficients must have shape (3,) or (k, 3), got "
+      f"{coeff_arr.shape}."
+    )
   if x.ndim < 2:
     raise ValueError(f"newton_schulz_polar needs a matrix, got {x.shape}.")
   transposed = x.shape[-2] > x.shape[-1]
@@ -317,8 +337,11 @@ def newton_schulz_polar(
   norm = jnp.linalg.norm(x, ord="fro", axis=(-2, -1), keepdims=True)
   x = x / (norm + eps)
   coeff_arr = coeff_arr.astype(x.dtype)
-  schedule = ([coeff_arr[i] for i in range(coeff_arr.shape[0])]
-              if coeff_arr.ndim == 2 else [coeff_arr] * steps)
+  schedule = (
+    [coeff_arr[i] for i in range(coeff_arr.shape[0])]
+    if coeff_arr.ndim == 2
+    else [coeff_arr] * steps
+  )
   for abc in schedule:
     gram = x @ _mT(x)
     poly = abc[1] * gram + abc[2] * gram @ gram  # (c A) A, as optax.
@@ -333,7 +356,7 @@ def _floor_eigenvalues(evals: jax.Array, floor: Any) -> jax.Array:
 
 
 def matrix_inverse_root_eigh(
-    a: jax.Array, p: int = 2, *, floor: float | jax.Array = 1e-6
+  a: jax.Array, p: int = 2, *, floor: float | jax.Array = 1e-6
 ) -> jax.Array:
   r"""Returns the symmetric :math:`A^{-1/p}` of SPD matrices via ``eigh``.
 
@@ -386,8 +409,7 @@ def _power_iteration_max_eig(a: jax.Array, iters: int) -> jax.Array:
 
   v = jax.lax.fori_loop(0, iters, body, v)
   av = jnp.einsum("...ij,...j->...i", a, v, precision=_HIGHEST)
-  return jnp.sum(v * av, axis=-1) / jnp.maximum(jnp.sum(v * v, axis=-1),
-                                                1e-30)
+  return jnp.sum(v * av, axis=-1) / jnp.maximum(jnp.sum(v * v, axis=-1), 1e-30)
 
 
 class NewtonRootResult(NamedTuple):
@@ -405,14 +427,14 @@ class NewtonRootResult(NamedTuple):
 
 
 def matrix_inverse_root_newton(
-    a: jax.Array,
-    p: int = 2,
-    *,
-    init: jax.Array | None = None,
-    floor: float | jax.Array = 1e-6,
-    max_iters: int = 30,
-    tol: float = 1e-4,
-    power_iters: int = 10,
+  a: jax.Array,
+  p: int = 2,
+  *,
+  init: jax.Array | None = None,
+  floor: float | jax.Array = 1e-6,
+  max_iters: int = 30,
+  tol: float = 1e-4,
+  power_iters: int = 10,
 ) -> NewtonRootResult:
   r"""Matrix inverse p-th root by a coupled Newton iteration (matmuls only).
 
@@ -513,7 +535,8 @@ def matrix_inverse_root_newton(
     return i + 1, m, h, error(m)
 
   i, m, h, err = jax.lax.while_loop(
-      cond, body, (jnp.zeros([], jnp.int32), m0, h0, error(m0)))
+    cond, body, (jnp.zeros([], jnp.int32), m0, h0, error(m0))
+  )
   del m
   if init is None:
     h = symmetrize(h)
@@ -521,7 +544,7 @@ def matrix_inverse_root_newton(
 
 
 def cholesky_whitening(
-    a: jax.Array, *, floor: float | jax.Array = 1e-6
+  a: jax.Array, *, floor: float | jax.Array = 1e-6
 ) -> jax.Array:
   r"""Returns the whitening factor :math:`W = L^{-\top}` of SPD ``a``.
 

@@ -49,29 +49,29 @@ def _unwrap_fisher(fisher: Any) -> PyTree:
 
 
 def _check_like(
-    reference: PyTree,
-    other: PyTree,
-    *,
-    what: str,
-    reference_name: str,
-    check_dtype: bool,
+  reference: PyTree,
+  other: PyTree,
+  *,
+  what: str,
+  reference_name: str,
+  check_dtype: bool,
 ) -> None:
   """Same structure and per-leaf shapes (and dtypes), naming the leaf."""
   _validation.check_same_structure(
-      reference, other, what=what, reference_name=reference_name
+    reference, other, what=what, reference_name=reference_name
   )
   for name, ref, leaf in zip(
-      _leaf_names(reference), jax.tree.leaves(reference), jax.tree.leaves(other)
+    _leaf_names(reference), jax.tree.leaves(reference), jax.tree.leaves(other)
   ):
     if jnp.shape(ref) != jnp.shape(leaf):
       raise ValueError(
-          f"{what}{name} has shape {jnp.shape(leaf)} but {reference_name}"
-          f"{name} has shape {jnp.shape(ref)}."
+        f"{what}{name} has shape {jnp.shape(leaf)} but {reference_name}"
+        f"{name} has shape {jnp.shape(ref)}."
       )
     if check_dtype and jnp.result_type(ref) != jnp.result_type(leaf):
       raise ValueError(
-          f"{what}{name} has dtype {jnp.result_type(leaf)} but "
-          f"{reference_name}{name} has dtype {jnp.result_type(ref)}."
+        f"{what}{name} has dtype {jnp.result_type(leaf)} but "
+        f"{reference_name}{name} has dtype {jnp.result_type(ref)}."
       )
 
 
@@ -84,18 +84,18 @@ def _resolve_mask(merge_mask: MaskOrFn, params: PyTree) -> list[bool]:
     mask = merge_mask(params) if callable(merge_mask) else merge_mask
     try:
       mask_leaves = jax.tree.leaves(
-          jax.tree.broadcast(mask, params, is_leaf=lambda x: x is None)
+        jax.tree.broadcast(mask, params, is_leaf=lambda x: x is None)
       )
     except ValueError as e:
       raise ValueError(
-          "merge_mask must be a pytree of bools with the structure of the "
-          f"params (or a prefix of it): {e}"
+        "merge_mask must be a pytree of bools with the structure of the "
+        f"params (or a prefix of it): {e}"
       ) from e
     for m in mask_leaves:
       if not isinstance(m, (bool, np.bool_)):
         raise TypeError(
-            "merge_mask leaves must be Python bools (the mask decides the "
-            f"program's structure), got {type(m).__name__}."
+          "merge_mask leaves must be Python bools (the mask decides the "
+          f"program's structure), got {type(m).__name__}."
         )
   return [bool(m) and _is_float(x) for m, x in zip(mask_leaves, leaves)]
 
@@ -119,16 +119,16 @@ def _check_fisher_values(name: str, fisher: Any) -> None:
     raise ValueError(f"fisher{name} has non-finite values.")
   if np.any(arr < 0):
     raise ValueError(
-        f"fisher{name} has {int(np.sum(arr < 0))} negative entries; a "
-        "diagonal Fisher is non-negative."
+      f"fisher{name} has {int(np.sum(arr < 0))} negative entries; a "
+      "diagonal Fisher is non-negative."
     )
 
 
 def _fisher_norm(fisher_leaves: list[Any], merged: list[bool]) -> jax.Array:
   sq = [
-      jnp.sum(jnp.square(f.astype(_compute_dtype(f))))
-      for f, m in zip(fisher_leaves, merged)
-      if m
+    jnp.sum(jnp.square(f.astype(_compute_dtype(f))))
+    for f, m in zip(fisher_leaves, merged)
+    if m
   ]
   if not sq:
     return jnp.ones((), jnp.float32)
@@ -136,12 +136,12 @@ def _fisher_norm(fisher_leaves: list[Any], merged: list[bool]) -> jax.Array:
 
 
 def _coefficients(
-    fisher_leaves: list[Any],
-    merged: list[bool],
-    weight: Any,
-    floor: Any,
-    apply_floor: bool,
-    normalize: bool,
+  fisher_leaves: list[Any],
+  merged: list[bool],
+  weight: Any,
+  floor: Any,
+  apply_floor: bool,
+  normalize: bool,
 ) -> list[Any]:
   """Per-leaf ``w * max(F, floor)`` (``None`` for leaves not merged)."""
   if normalize:
@@ -175,7 +175,7 @@ def _fold(mean: jax.Array, mass: jax.Array, theta: Any, coeff: jax.Array):
   t = jnp.where(new_mass > 0, coeff / jnp.where(new_mass > 0, new_mass, 1), 0)
   new_mean = mean + t * (theta - mean)
   new_mean = jnp.clip(
-      new_mean, jnp.minimum(mean, theta), jnp.maximum(mean, theta)
+    new_mean, jnp.minimum(mean, theta), jnp.maximum(mean, theta)
   )
   return new_mean, new_mass
 
@@ -217,11 +217,11 @@ class FisherMergeAccumulator(NamedTuple):
 
 
 def fisher_merge_accumulator(
-    fisher_floor: float | jax.Array = 1e-6,
-    *,
-    floor_mode: str = "all",
-    normalize: bool = False,
-    merge_mask: MaskOrFn = None,
+  fisher_floor: float | jax.Array = 1e-6,
+  *,
+  floor_mode: str = "all",
+  normalize: bool = False,
+  merge_mask: MaskOrFn = None,
 ) -> FisherMergeAccumulator:
   r"""Fisher merging one model at a time, in memory for two models.
 
@@ -278,14 +278,17 @@ def fisher_merge_accumulator(
   _validation.check_positive("fisher_floor", fisher_floor, allow_zero=True)
   if not isinstance(normalize, bool):
     raise TypeError(
-        f"normalize must be a bool, got {type(normalize).__name__}."
+      f"normalize must be a bool, got {type(normalize).__name__}."
     )
 
   def _coeffs(params, fisher, weight, is_target):
     fisher = _unwrap_fisher(fisher)
     _check_like(
-        params, fisher, what="fisher", reference_name="params",
-        check_dtype=False,
+      params,
+      fisher,
+      what="fisher",
+      reference_name="params",
+      check_dtype=False,
     )
     merged = _resolve_mask(merge_mask, params)
     for name, f, m in zip(_leaf_names(fisher), jax.tree.leaves(fisher), merged):
@@ -293,17 +296,21 @@ def fisher_merge_accumulator(
         continue
       if not _is_float(f):
         raise TypeError(
-            f"fisher{name} must be floating point, got {jnp.result_type(f)}."
+          f"fisher{name} must be floating point, got {jnp.result_type(f)}."
         )
       _check_fisher_values(name, f)
     apply_floor = floor_mode == "all" or is_target
     return merged, _coefficients(
-        jax.tree.leaves(fisher), merged, weight, fisher_floor, apply_floor,
-        normalize,
+      jax.tree.leaves(fisher),
+      merged,
+      weight,
+      fisher_floor,
+      apply_floor,
+      normalize,
     )
 
   def init_fn(
-      target_params: PyTree, target_fisher: PyTree, weight: Any = 1.0
+    target_params: PyTree, target_fisher: PyTree, weight: Any = 1.0
   ) -> FisherMergeState:
     _check_weight("weight", weight)
     merged, coeffs = _coeffs(target_params, target_fisher, weight, True)
@@ -320,36 +327,45 @@ def fisher_merge_accumulator(
       means.append(x.astype(dtype))
       masses.append(jnp.broadcast_to(c.astype(dtype), x.shape))
     return FisherMergeState(
-        count=jnp.ones((), jnp.int32),
-        mean=treedef.unflatten(means),
-        mass=treedef.unflatten(masses),
-        dtypes=treedef.unflatten(dtypes),
+      count=jnp.ones((), jnp.int32),
+      mean=treedef.unflatten(means),
+      mass=treedef.unflatten(masses),
+      dtypes=treedef.unflatten(dtypes),
     )
 
   def add_fn(
-      state: FisherMergeState, params: PyTree, fisher: PyTree,
-      weight: Any = 1.0,
+    state: FisherMergeState,
+    params: PyTree,
+    fisher: PyTree,
+    weight: Any = 1.0,
   ) -> FisherMergeState:
     _check_weight("weight", weight)
     _check_like(
-        state.mean, params, what="params", reference_name="target",
-        check_dtype=False,
+      state.mean,
+      params,
+      what="params",
+      reference_name="target",
+      check_dtype=False,
     )
     for name, d, x in zip(
-        _leaf_names(params), jax.tree.leaves(state.dtypes),
-        jax.tree.leaves(params),
+      _leaf_names(params),
+      jax.tree.leaves(state.dtypes),
+      jax.tree.leaves(params),
     ):
       if jnp.result_type(x) != d.dtype:
         raise ValueError(
-            f"params{name} has dtype {jnp.result_type(x)} but target{name} "
-            f"has dtype {d.dtype}."
+          f"params{name} has dtype {jnp.result_type(x)} but target{name} "
+          f"has dtype {d.dtype}."
         )
     merged, coeffs = _coeffs(params, fisher, weight, False)
     treedef = jax.tree.structure(params)
     means, masses = [], []
     for x, m, c, mean, mass in zip(
-        jax.tree.leaves(params), merged, coeffs,
-        jax.tree.leaves(state.mean), jax.tree.leaves(state.mass),
+      jax.tree.leaves(params),
+      merged,
+      coeffs,
+      jax.tree.leaves(state.mean),
+      jax.tree.leaves(state.mass),
     ):
       if not m:
         means.append(mean)
@@ -359,15 +375,16 @@ def fisher_merge_accumulator(
       means.append(new_mean)
       masses.append(new_mass)
     return FisherMergeState(
-        count=state.count + 1,
-        mean=treedef.unflatten(means),
-        mass=treedef.unflatten(masses),
-        dtypes=state.dtypes,
+      count=state.count + 1,
+      mean=treedef.unflatten(means),
+      mass=treedef.unflatten(masses),
+      dtypes=state.dtypes,
     )
 
   def finalize_fn(state: FisherMergeState) -> PyTree:
-    return jax.tree.map(lambda x, d: x.astype(d.dtype), state.mean,
-                        state.dtypes)
+    return jax.tree.map(
+      lambda x, d: x.astype(d.dtype), state.mean, state.dtypes
+    )
 
   return FisherMergeAccumulator(init_fn, add_fn, finalize_fn)
 
@@ -376,15 +393,15 @@ def fisher_merge_accumulator(
 
 
 def fisher_merge(
-    params_list: Sequence[PyTree],
-    fishers: Sequence[PyTree] | None,
-    weights: Any = None,
-    fisher_floor: float | jax.Array = 1e-6,
-    *,
-    floor_mode: str = "all",
-    normalize: bool = False,
-    merge_mask: MaskOrFn = None,
-    target_index: int = 0,
+  params_list: Sequence[PyTree],
+  fishers: Sequence[PyTree] | None,
+  weights: Any = None,
+  fisher_floor: float | jax.Array = 1e-6,
+  *,
+  floor_mode: str = "all",
+  normalize: bool = False,
+  merge_mask: MaskOrFn = None,
+  target_index: int = 0,
 ) -> PyTree:
   r"""Merges models by Fisher-weighted averaging of their parameters.
 
@@ -456,65 +473,68 @@ def fisher_merge(
     Matena et al, `Merging Models with Fisher-Weighted Averaging
     <https://arxiv.org/abs/2111.09832>`_, 2022
   """
-  if isinstance(params_list, (dict,)) or not isinstance(
-      params_list, Sequence
-  ):
+  if isinstance(params_list, (dict,)) or not isinstance(params_list, Sequence):
     raise TypeError(
-        "params_list must be a list or tuple of parameter pytrees, got "
-        f"{type(params_list).__name__}."
+      "params_list must be a list or tuple of parameter pytrees, got "
+      f"{type(params_list).__name__}."
     )
   num_models = len(params_list)
   if num_models == 0:
     raise ValueError("params_list must hold at least one model.")
   if fishers is None:
     ones = jax.tree.map(
-        lambda x: jnp.ones(jnp.shape(x), jnp.float32), params_list[0]
+      lambda x: jnp.ones(jnp.shape(x), jnp.float32), params_list[0]
     )
     fishers = [ones] * num_models
   elif not isinstance(fishers, Sequence) or isinstance(fishers, dict):
     raise TypeError(
-        "fishers must be a list or tuple with one Fisher per model (or None), "
-        f"got {type(fishers).__name__}."
+      "fishers must be a list or tuple with one Fisher per model (or None), "
+      f"got {type(fishers).__name__}."
     )
   if len(fishers) != num_models:
     raise ValueError(
-        f"Got {num_models} models but {len(fishers)} Fishers; pass one "
-        "Fisher per model."
+      f"Got {num_models} models but {len(fishers)} Fishers; pass one "
+      "Fisher per model."
     )
   _validation.check_static_int("target_index", target_index)
   if not 0 <= target_index < num_models:
     raise ValueError(
-        f"target_index must lie in [0, {num_models}), got {target_index}."
+      f"target_index must lie in [0, {num_models}), got {target_index}."
     )
   for i, params in enumerate(params_list):
     _check_like(
-        params_list[0], params, what=f"params_list[{i}]",
-        reference_name="params_list[0]", check_dtype=True,
+      params_list[0],
+      params,
+      what=f"params_list[{i}]",
+      reference_name="params_list[0]",
+      check_dtype=True,
     )
   if weights is None:
     weights = jnp.ones((num_models,), jnp.float32)
   else:
     if jnp.shape(weights) != (num_models,):
       raise ValueError(
-          f"weights must have shape ({num_models},), one per model, got "
-          f"{jnp.shape(weights)}."
+        f"weights must have shape ({num_models},), one per model, got "
+        f"{jnp.shape(weights)}."
       )
     if not isinstance(weights, jax.core.Tracer):
       w = np.asarray(weights, np.float64)
       if not np.all(np.isfinite(w)) or np.any(w < 0) or not np.any(w > 0):
         raise ValueError(
-            f"weights must be finite, >= 0 and not all zero, got {w}."
+          f"weights must be finite, >= 0 and not all zero, got {w}."
         )
     weights = jnp.asarray(weights)
     if not jnp.issubdtype(weights.dtype, jnp.floating):
       weights = weights.astype(jnp.float32)
 
   acc = fisher_merge_accumulator(
-      fisher_floor, floor_mode=floor_mode, normalize=normalize,
-      merge_mask=merge_mask,
+    fisher_floor,
+    floor_mode=floor_mode,
+    normalize=normalize,
+    merge_mask=merge_mask,
   )
   state = acc.init(
-      params_list[target_index], fishers[target_index], weights[target_index]
+    params_list[target_index], fishers[target_index], weights[target_index]
   )
   for i in range(num_models):
     if i != target_index:
@@ -542,7 +562,7 @@ class MergeWeightSearch(NamedTuple):
 
 
 def merge_weight_candidates(
-    num_models: int, num_points: int = 51, *, key: jax.Array | None = None
+  num_models: int, num_points: int = 51, *, key: jax.Array | None = None
 ) -> np.ndarray:
   r"""Candidate weights for a merge search, ``(num_points, num_models)``.
 
@@ -579,14 +599,14 @@ def merge_weight_candidates(
 
 
 def search_merge_weights(
-    score_fn: Callable[[PyTree], Any],
-    params_list: Sequence[PyTree],
-    fishers: Sequence[PyTree] | None,
-    *,
-    num_points: int = 51,
-    key: jax.Array | None = None,
-    candidates: Any = None,
-    **merge_kwargs: Any,
+  score_fn: Callable[[PyTree], Any],
+  params_list: Sequence[PyTree],
+  fishers: Sequence[PyTree] | None,
+  *,
+  num_points: int = 51,
+  key: jax.Array | None = None,
+  candidates: Any = None,
+  **merge_kwargs: Any,
 ) -> MergeWeightSearch:
   """Picks merge weights by a validation score.
 
@@ -623,28 +643,28 @@ def search_merge_weights(
   candidates = np.asarray(candidates, np.float32)
   if candidates.ndim != 2 or candidates.shape[1] != len(params_list):
     raise ValueError(
-        f"candidates must have shape (n, {len(params_list)}), got "
-        f"{candidates.shape}."
+      f"candidates must have shape (n, {len(params_list)}), got "
+      f"{candidates.shape}."
     )
   if candidates.shape[0] == 0:
     raise ValueError("candidates must hold at least one row.")
   # Validate eagerly once; the jitted merge sees traced weights.
   fisher_merge(params_list, fishers, candidates[0], **merge_kwargs)
-  merge = jax.jit(
-      lambda p, f, w: fisher_merge(p, f, w, **merge_kwargs)
-  )
+  merge = jax.jit(lambda p, f, w: fisher_merge(p, f, w, **merge_kwargs))
   params_list, fishers = list(params_list), fishers and list(fishers)
   scores = np.asarray(
-      [float(score_fn(merge(params_list, fishers, jnp.asarray(w))))
-       for w in candidates],
-      np.float64,
+    [
+      float(score_fn(merge(params_list, fishers, jnp.asarray(w))))
+      for w in candidates
+    ],
+    np.float64,
   )
   if not np.any(np.isfinite(scores)):
     raise ValueError("score_fn returned no finite score.")
   best = int(np.nanargmax(np.where(np.isfinite(scores), scores, -np.inf)))
   return MergeWeightSearch(
-      best_weights=candidates[best],
-      best_score=float(scores[best]),
-      weights=candidates,
-      scores=scores,
+    best_weights=candidates[best],
+    best_score=float(scores[best]),
+    weights=candidates,
+    scores=scores,
   )

@@ -39,10 +39,10 @@ def _stats_dtype(dtype: Any) -> Any:
 
 
 def scale_by_mfac(
-    window_size: int = 1024,
-    damping: float | jax.Array = 1e-5,
-    *,
-    gradients: str = "mean",
+  window_size: int = 1024,
+  damping: float | jax.Array = 1e-5,
+  *,
+  gradients: str = "mean",
 ) -> optax.GradientTransformationExtraArgs:
   """Preconditions by the inverse empirical Fisher of a sliding window.
 
@@ -109,44 +109,50 @@ def scale_by_mfac(
 
   def init_fn(params: PyTree) -> MFACState:
     window = jax.tree.map(
-        lambda p: jnp.zeros((m, *jnp.shape(p)), _stats_dtype(p.dtype)), params)
+      lambda p: jnp.zeros((m, *jnp.shape(p)), _stats_dtype(p.dtype)), params
+    )
     leaves = jax.tree.leaves(window)
     gram_dtype = jnp.result_type(*leaves) if leaves else jnp.float32
     return MFACState(
-        count=jnp.zeros([], jnp.int32),
-        index=jnp.zeros([], jnp.int32),
-        grads=window,
-        gram=jnp.zeros((m, m), gram_dtype),
+      count=jnp.zeros([], jnp.int32),
+      index=jnp.zeros([], jnp.int32),
+      grads=window,
+      gram=jnp.zeros((m, m), gram_dtype),
     )
 
   def update_fn(
-      updates: PyTree,
-      state: MFACState,
-      params: PyTree | None = None,
-      *,
-      per_example_grads: PyTree | None = None,
-      **extra_args: Any,
+    updates: PyTree,
+    state: MFACState,
+    params: PyTree | None = None,
+    *,
+    per_example_grads: PyTree | None = None,
+    **extra_args: Any,
   ) -> tuple[PyTree, MFACState]:
     del params, extra_args
-    _validation.check_same_structure(updates, state.grads,
-                                     what="the M-FAC window (state.grads)")
+    _validation.check_same_structure(
+      updates, state.grads, what="the M-FAC window (state.grads)"
+    )
     if per_example:
       if per_example_grads is None:
         raise ValueError(
-            'scale_by_mfac(gradients="per_example") needs the keyword extra '
-            "per_example_grads in update().")
+          'scale_by_mfac(gradients="per_example") needs the keyword extra '
+          "per_example_grads in update()."
+        )
       k = _validation.check_leading_axis(
-          per_example_grads, updates, what="per_example_grads")
+        per_example_grads, updates, what="per_example_grads"
+      )
       if k > m:
         raise ValueError(
-            f"per_example_grads has {k} rows, more than window_size={m}.")
+          f"per_example_grads has {k} rows, more than window_size={m}."
+        )
       rows = per_example_grads
     else:
       k = 1
       rows = jax.tree.map(lambda g: g[None], updates)
     # A non-finite push leaves the window (and the write index) unchanged.
     window, gram, pushed = _linalg.stacked_push_rows_if_finite(
-        state.grads, state.gram, rows, state.index)
+      state.grads, state.gram, rows, state.index
+    )
     index = jnp.where(pushed, (state.index + k) % m, state.index)
 
     lam = jnp.asarray(damping, gram.dtype)
@@ -157,24 +163,26 @@ def scale_by_mfac(
       precond = _linalg.woodbury_solve(window, factor, g)
     else:
       precond = g
-    new_updates = jax.tree.map(lambda p, u: p.astype(u.dtype), precond,
-                               updates)
+    new_updates = jax.tree.map(lambda p, u: p.astype(u.dtype), precond, updates)
     return new_updates, MFACState(
-        count=optax.safe_increment(state.count), index=index, grads=window,
-        gram=gram)
+      count=optax.safe_increment(state.count),
+      index=index,
+      grads=window,
+      gram=gram,
+    )
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
 def mfac(
-    learning_rate: optax.ScalarOrSchedule,
-    window_size: int = 1024,
-    damping: float | jax.Array = 1e-5,
-    momentum: float | jax.Array | None = None,
-    weight_decay: float | jax.Array = 0.0,
-    mask: Any = None,
-    *,
-    gradients: str = "mean",
+  learning_rate: optax.ScalarOrSchedule,
+  window_size: int = 1024,
+  damping: float | jax.Array = 1e-5,
+  momentum: float | jax.Array | None = None,
+  weight_decay: float | jax.Array = 0.0,
+  mask: Any = None,
+  *,
+  gradients: str = "mean",
 ) -> optax.GradientTransformationExtraArgs:
   """The M-FAC optimizer: SGD preconditioned by a windowed inverse Fisher.
 
@@ -231,8 +239,8 @@ def mfac(
   else:
     ema = optax.identity()
   return optax.chain(
-      optax.add_decayed_weights(weight_decay, mask),
-      scale_by_mfac(window_size, damping, gradients=gradients),
-      ema,
-      optax.scale_by_learning_rate(learning_rate),
+    optax.add_decayed_weights(weight_decay, mask),
+    scale_by_mfac(window_size, damping, gradients=gradients),
+    ema,
+    optax.scale_by_learning_rate(learning_rate),
   )

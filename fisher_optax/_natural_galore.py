@@ -39,8 +39,9 @@ Decisions (spec ``natural_galore.md`` §8), each documented where it is used:
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 import math
-from typing import Any, Callable, NamedTuple, Optional, Sequence, Union
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -53,9 +54,7 @@ from fisher_optax import _validation
 PyTree = Any
 _HIGHEST = jax.lax.Precision.HIGHEST
 
-GaLoreDimNumsOrFn = Union[
-    GaLoreDimensionNumbers, PyTree, Callable[[PyTree], PyTree]
-]
+GaLoreDimNumsOrFn = GaLoreDimensionNumbers | PyTree | Callable[[PyTree], PyTree]
 
 _SIDES = ("larger", "smaller")
 _REFRESH_POLICIES = ("reproject", "keep", "reset")
@@ -80,11 +79,12 @@ def _all_finite(tree: PyTree) -> jax.Array:
 
 
 def _push_if_finite(
-    window: PyTree, gram: jax.Array, g: PyTree, slot: jax.Array
+  window: PyTree, gram: jax.Array, g: PyTree, slot: jax.Array
 ) -> tuple[PyTree, jax.Array]:
   """Ring-buffer push of one gradient; a NaN/Inf ``g`` leaves the window as is."""
   window, gram, _ = _linalg.stacked_push_rows_if_finite(
-      window, gram, jax.tree.map(lambda x: x[None], g), slot)
+    window, gram, jax.tree.map(lambda x: x[None], g), slot
+  )
   return window, gram
 
 
@@ -94,13 +94,13 @@ def _stat_dtype(*dtypes: Any) -> jnp.dtype:
 
 
 def _woodbury_apply(
-    stacked: PyTree,
-    gram: jax.Array,
-    g: PyTree,
-    damping: Any,
-    *,
-    scale: Any = 1.0,
-    normalize_output: bool,
+  stacked: PyTree,
+  gram: jax.Array,
+  g: PyTree,
+  damping: Any,
+  *,
+  scale: Any = 1.0,
+  normalize_output: bool,
 ) -> PyTree:
   """``(damping I + scale H^T H)^{-1} g`` in float32+, cast back to ``g``."""
   dtype = _stat_dtype(gram.dtype, *jax.tree.leaves(g))
@@ -128,13 +128,13 @@ class WoodburyFisherState(NamedTuple):
 
 
 def scale_by_woodbury_fisher(
-    history_size: int = 8,
-    damping: float | jax.Array = 1e-3,
-    *,
-    normalize_output: bool = False,
-    block_diagonal: bool = True,
-    window_source: str = "history",
-    window_dtype: Optional[Any] = None,
+  history_size: int = 8,
+  damping: float | jax.Array = 1e-3,
+  *,
+  normalize_output: bool = False,
+  block_diagonal: bool = True,
+  window_source: str = "history",
+  window_dtype: Any | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Preconditions with a windowed inverse empirical Fisher (Woodbury).
 
@@ -196,31 +196,39 @@ def scale_by_woodbury_fisher(
   _validation.check_choice("window_source", window_source, _WINDOW_SOURCES)
   per_example = window_source == "per_example"
   s = _validation.check_static_int(
-      "history_size", history_size, minimum=0 if per_example else 1)
+    "history_size", history_size, minimum=0 if per_example else 1
+  )
   _validation.check_positive("damping", damping)
 
   def init_fn(params: PyTree) -> WoodburyFisherState:
     n = 0 if per_example else s
-    wdtype = lambda p: (jnp.dtype(window_dtype) if window_dtype is not None
-                        else _stat_dtype(p.dtype))
+    wdtype = lambda p: (
+      jnp.dtype(window_dtype)
+      if window_dtype is not None
+      else _stat_dtype(p.dtype)
+    )
     window = jax.tree.map(
-        lambda p: jnp.zeros((n,) + tuple(jnp.shape(p)), wdtype(p)), params)
+      lambda p: jnp.zeros((n,) + tuple(jnp.shape(p)), wdtype(p)), params
+    )
     if block_diagonal:
       gram = jax.tree.map(
-          lambda p: jnp.zeros((n, n), _stat_dtype(wdtype(p))), params)
+        lambda p: jnp.zeros((n, n), _stat_dtype(wdtype(p))), params
+      )
     else:
       gram = jnp.zeros(
-          (n, n), _stat_dtype(*[wdtype(p) for p in jax.tree.leaves(params)]))
+        (n, n), _stat_dtype(*[wdtype(p) for p in jax.tree.leaves(params)])
+      )
     return WoodburyFisherState(
-        count=jnp.zeros([], jnp.int32), window=window, gram=gram)
+      count=jnp.zeros([], jnp.int32), window=window, gram=gram
+    )
 
   def update_fn(
-      updates: PyTree,
-      state: WoodburyFisherState,
-      params: Optional[PyTree] = None,
-      *,
-      per_example_grads: Optional[PyTree] = None,
-      **extra_args: Any,
+    updates: PyTree,
+    state: WoodburyFisherState,
+    params: PyTree | None = None,
+    *,
+    per_example_grads: PyTree | None = None,
+    **extra_args: Any,
   ) -> tuple[PyTree, WoodburyFisherState]:
     del params, extra_args
     _validation.check_positive("damping", damping)
@@ -228,44 +236,65 @@ def scale_by_woodbury_fisher(
     if per_example:
       if per_example_grads is None:
         raise ValueError(
-            "scale_by_woodbury_fisher(window_source='per_example') needs the "
-            "per_example_grads keyword argument in update().")
+          "scale_by_woodbury_fisher(window_source='per_example') needs the "
+          "per_example_grads keyword argument in update()."
+        )
       batch = _validation.check_leading_axis(
-          per_example_grads, updates, what="per_example_grads")
+        per_example_grads, updates, what="per_example_grads"
+      )
       if batch == 0:
         raise ValueError("per_example_grads has an empty batch axis.")
-      f32 = lambda t: jax.tree.map(
-          lambda x: x.astype(_stat_dtype(x.dtype)), t)
+      f32 = lambda t: jax.tree.map(lambda x: x.astype(_stat_dtype(x.dtype)), t)
       if block_diagonal:
         out = jax.tree.map(
-            lambda h, g: _woodbury_apply(
-                h, _linalg.tree_stacked_gram(f32(h)), g, damping,
-                scale=1.0 / batch, normalize_output=normalize_output),
-            per_example_grads, updates)
+          lambda h, g: _woodbury_apply(
+            h,
+            _linalg.tree_stacked_gram(f32(h)),
+            g,
+            damping,
+            scale=1.0 / batch,
+            normalize_output=normalize_output,
+          ),
+          per_example_grads,
+          updates,
+        )
       else:
         out = _woodbury_apply(
-            per_example_grads, _linalg.tree_stacked_gram(f32(per_example_grads)),
-            updates, damping, scale=1.0 / batch,
-            normalize_output=normalize_output)
+          per_example_grads,
+          _linalg.tree_stacked_gram(f32(per_example_grads)),
+          updates,
+          damping,
+          scale=1.0 / batch,
+          normalize_output=normalize_output,
+        )
       return out, state._replace(count=count_inc)
 
     _validation.check_same_structure(updates, state.window, what="state.window")
     slot = state.count % s
     if block_diagonal:
       pushed = jax.tree.map(
-          lambda w, gr, g: _push_if_finite(w, gr, g, slot),
-          state.window, state.gram, updates)
+        lambda w, gr, g: _push_if_finite(w, gr, g, slot),
+        state.window,
+        state.gram,
+        updates,
+      )
       treedef = jax.tree.structure(updates)
       window, gram = jax.tree.transpose(
-          treedef, jax.tree.structure((0, 0)), pushed)
+        treedef, jax.tree.structure((0, 0)), pushed
+      )
       out = jax.tree.map(
-          lambda w, gr, g: _woodbury_apply(
-              w, gr, g, damping, normalize_output=normalize_output),
-          window, gram, updates)
+        lambda w, gr, g: _woodbury_apply(
+          w, gr, g, damping, normalize_output=normalize_output
+        ),
+        window,
+        gram,
+        updates,
+      )
     else:
       window, gram = _push_if_finite(state.window, state.gram, updates, slot)
-      out = _woodbury_apply(window, gram, updates, damping,
-                            normalize_output=normalize_output)
+      out = _woodbury_apply(
+        window, gram, updates, damping, normalize_output=normalize_output
+      )
     return out, WoodburyFisherState(count=count_inc, window=window, gram=gram)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
@@ -306,43 +335,48 @@ class _LeafPlan(NamedTuple):
     return p @ u if self.left else u @ p.T
 
 
-def _axes(spec: Union[Sequence[int], int], ndim: int) -> tuple[int, ...]:
+def _axes(spec: Sequence[int] | int, ndim: int) -> tuple[int, ...]:
   spec = (spec,) if isinstance(spec, int) else tuple(spec)
   return tuple(a % ndim for a in spec)
 
 
 def _make_plan(
-    shape: tuple[int, ...], dims: GaLoreDimensionNumbers, rank: int, side: str
+  shape: tuple[int, ...], dims: GaLoreDimensionNumbers, rank: int, side: str
 ) -> _LeafPlan:
   ndim = len(shape)
   if ndim < 2:
     raise ValueError(
-        f"Natural GaLore projects leaves of rank >= 2, got shape {shape}; "
-        "give it None in weight_dimension_numbers.")
+      f"Natural GaLore projects leaves of rank >= 2, got shape {shape}; "
+      "give it None in weight_dimension_numbers."
+    )
   red = _axes(dims.reduction_axis, ndim)
   out = _axes(dims.output_axis, ndim)
   if set(red) & set(out) or len(set(red) | set(out)) != ndim:
     raise ValueError(
-        f"weight_dimension_numbers {dims} must split all {ndim} axes of shape "
-        f"{shape} into disjoint reduction and output axes.")
+      f"weight_dimension_numbers {dims} must split all {ndim} axes of shape "
+      f"{shape} into disjoint reduction and output axes."
+    )
   m = math.prod(shape[a] for a in red)
   n = math.prod(shape[a] for a in out)
   left = m >= n if side == "larger" else m < n
-  return _LeafPlan(perm=red + out, rows=m, cols=n, rank=min(rank, m, n),
-                   left=left)
+  return _LeafPlan(
+    perm=red + out, rows=m, cols=n, rank=min(rank, m, n), left=left
+  )
 
 
 def _resolve_dim_nums(
-    weight_dimension_numbers: Optional[GaLoreDimNumsOrFn], params: PyTree
-) -> list[Optional[GaLoreDimensionNumbers]]:
+  weight_dimension_numbers: GaLoreDimNumsOrFn | None, params: PyTree
+) -> list[GaLoreDimensionNumbers | None]:
   """One ``GaLoreDimensionNumbers`` or ``None`` per leaf of ``params``."""
   leaves, treedef = jax.tree.flatten(params)
   if weight_dimension_numbers is None:
-    return [GaLoreDimensionNumbers() if jnp.ndim(p) == 2 else None
-            for p in leaves]
+    return [
+      GaLoreDimensionNumbers() if jnp.ndim(p) == 2 else None for p in leaves
+    ]
   if isinstance(weight_dimension_numbers, GaLoreDimensionNumbers):
-    return [weight_dimension_numbers if jnp.ndim(p) >= 2 else None
-            for p in leaves]
+    return [
+      weight_dimension_numbers if jnp.ndim(p) >= 2 else None for p in leaves
+    ]
   dims = weight_dimension_numbers
   if callable(dims):
     dims = dims(params)
@@ -350,14 +384,16 @@ def _resolve_dim_nums(
     flat = treedef.flatten_up_to(dims)
   except (ValueError, TypeError) as e:
     raise ValueError(
-        "weight_dimension_numbers must be a GaLoreDimensionNumbers, or a tree "
-        "with the structure of params holding GaLoreDimensionNumbers or None "
-        f"(or a callable returning one). Got {dims!r}.") from e
+      "weight_dimension_numbers must be a GaLoreDimensionNumbers, or a tree "
+      "with the structure of params holding GaLoreDimensionNumbers or None "
+      f"(or a callable returning one). Got {dims!r}."
+    ) from e
   for d in flat:
     if not _is_dim_leaf(d):
       raise ValueError(
-          "weight_dimension_numbers leaves must be GaLoreDimensionNumbers or "
-          f"None, got {d!r}.")
+        "weight_dimension_numbers leaves must be GaLoreDimensionNumbers or "
+        f"None, got {d!r}."
+      )
   return flat
 
 
@@ -386,8 +422,9 @@ def _orthonormalize(y: jax.Array) -> jax.Array:
   y = y / jnp.maximum(jnp.max(jnp.abs(y)), jnp.finfo(y.dtype).tiny)
   shift = 11.0 * (y.size + l * (l + 1)) * eps * jnp.sum(jnp.square(y))
   q = _cholesky_qr(_cholesky_qr(_cholesky_qr(y, shift)))
-  err = jnp.max(jnp.abs(jnp.matmul(q.T, q, precision=_HIGHEST)
-                        - jnp.eye(l, dtype=q.dtype)))
+  err = jnp.max(
+    jnp.abs(jnp.matmul(q.T, q, precision=_HIGHEST) - jnp.eye(l, dtype=q.dtype))
+  )
   # CholQR2 reaches O(eps) orthogonality when it works; anything looser
   # means Y was (numerically) rank-deficient and the basis is noise.
   ok = jnp.isfinite(err) & (err < 20 * l * eps)
@@ -395,7 +432,7 @@ def _orthonormalize(y: jax.Array) -> jax.Array:
 
 
 def _range_finder_basis(
-    mat: jax.Array, start: jax.Array, rank: int, power_iterations: int
+  mat: jax.Array, start: jax.Array, rank: int, power_iterations: int
 ) -> jax.Array:
   """Top-``rank`` left singular vectors of ``mat`` by subspace iteration.
 
@@ -417,7 +454,8 @@ def _range_finder_basis(
   # Rayleigh-Ritz: rotate range(Q) onto the top singular directions.
   b = jnp.matmul(q.T, mat, precision=_HIGHEST)
   _, vecs = jnp.linalg.eigh(
-      _linalg.symmetrize(jnp.matmul(b, b.T, precision=_HIGHEST)))
+    _linalg.symmetrize(jnp.matmul(b, b.T, precision=_HIGHEST))
+  )
   return jnp.matmul(q, vecs[:, ::-1][:, :rank], precision=_HIGHEST)
 
 
@@ -436,8 +474,12 @@ def _align_signs(new: jax.Array, old: jax.Array) -> jax.Array:
 
 
 def _new_projector(
-    plan: _LeafPlan, g2: jax.Array, old: jax.Array, method: str,
-    power_iterations: int, key: jax.Array,
+  plan: _LeafPlan,
+  g2: jax.Array,
+  old: jax.Array,
+  method: str,
+  power_iterations: int,
+  key: jax.Array,
 ) -> jax.Array:
   """Refreshed projector; keeps ``old`` when the gradient is zero or NaN."""
   dtype = old.dtype
@@ -457,8 +499,9 @@ def _new_projector(
     new = _range_finder_basis(mat, start, r, power_iterations)
     new = _align_signs(new, old.astype(new.dtype))
   new = new.astype(dtype)
-  ok = jnp.all(jnp.isfinite(g32)) & jnp.any(g32 != 0) & jnp.all(
-      jnp.isfinite(new))
+  ok = (
+    jnp.all(jnp.isfinite(g32)) & jnp.any(g32 != 0) & jnp.all(jnp.isfinite(new))
+  )
   return jnp.where(ok, new, old)
 
 
@@ -493,21 +536,21 @@ class NaturalGaLoreState(NamedTuple):
 
 
 def scale_by_natural_galore(
-    rank: int = 128,
-    update_proj_gap: int = 200,
-    scale: float | jax.Array = 1.0,
-    base_optimizer: Optional[optax.GradientTransformation] = None,
-    weight_dimension_numbers: Optional[GaLoreDimNumsOrFn] = None,
-    history_size: int = 8,
-    damping: float | jax.Array = 1e-3,
-    *,
-    projection_side: str = "larger",
-    window_at_refresh: str = "reproject",
-    normalize_output: bool = False,
-    window_dtype: Optional[Any] = None,
-    window_source: str = "history",
-    svd_method: str = "exact",
-    svd_power_iterations: int = 1,
+  rank: int = 128,
+  update_proj_gap: int = 200,
+  scale: float | jax.Array = 1.0,
+  base_optimizer: optax.GradientTransformation | None = None,
+  weight_dimension_numbers: GaLoreDimNumsOrFn | None = None,
+  history_size: int = 8,
+  damping: float | jax.Array = 1e-3,
+  *,
+  projection_side: str = "larger",
+  window_at_refresh: str = "reproject",
+  normalize_output: bool = False,
+  window_dtype: Any | None = None,
+  window_source: str = "history",
+  svd_method: str = "exact",
+  svd_power_iterations: int = 1,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Natural GaLore: GaLore with a windowed inverse-Fisher in low rank.
 
@@ -612,35 +655,44 @@ def scale_by_natural_galore(
   rank = _validation.check_static_int("rank", rank, minimum=1)
   s = _validation.check_static_int("history_size", history_size)
   n_iter = _validation.check_static_int(
-      "svd_power_iterations", svd_power_iterations)
+    "svd_power_iterations", svd_power_iterations
+  )
   if isinstance(update_proj_gap, bool) or (
-      isinstance(update_proj_gap, (int, float))
-      and (update_proj_gap < 1 or update_proj_gap != int(update_proj_gap))):
+    isinstance(update_proj_gap, (int, float))
+    and (update_proj_gap < 1 or update_proj_gap != int(update_proj_gap))
+  ):
     raise ValueError(
-        f"update_proj_gap must be a positive integer, got {update_proj_gap}.")
+      f"update_proj_gap must be a positive integer, got {update_proj_gap}."
+    )
   _validation.check_positive("damping", damping)
   _validation.check_choice("projection_side", projection_side, _SIDES)
   _validation.check_choice(
-      "window_at_refresh", window_at_refresh, _REFRESH_POLICIES)
+    "window_at_refresh", window_at_refresh, _REFRESH_POLICIES
+  )
   _validation.check_choice("window_source", window_source, _WINDOW_SOURCES)
   _validation.check_choice("svd_method", svd_method, _SVD_METHODS)
   per_example = window_source == "per_example"
   windowed = s > 0 and not per_example
 
-  def plans(tree: PyTree) -> list[Optional[_LeafPlan]]:
+  def plans(tree: PyTree) -> list[_LeafPlan | None]:
     dims = _resolve_dim_nums(weight_dimension_numbers, tree)
     return [
-        None if d is None else _make_plan(
-            tuple(jnp.shape(x)), d, rank, projection_side)
-        for x, d in zip(jax.tree.leaves(tree), dims)
+      None
+      if d is None
+      else _make_plan(tuple(jnp.shape(x)), d, rank, projection_side)
+      for x, d in zip(jax.tree.leaves(tree), dims)
     ]
 
   def init_fn(params: PyTree) -> NaturalGaLoreState:
     leaves, treedef = jax.tree.flatten(params)
     if not leaves:  # e.g. optax.tree.map_params' placeholder
       return NaturalGaLoreState(
-          count=jnp.zeros([], jnp.int32), projector=params, window=params,
-          window_gram=params, base_optimizer_state=base_optimizer.init(params))
+        count=jnp.zeros([], jnp.int32),
+        projector=params,
+        window=params,
+        window_gram=params,
+        base_optimizer_state=base_optimizer.init(params),
+      )
     projectors, windows, grams, proxies = [], [], [], []
     for p, plan in zip(leaves, plans(params)):
       if plan is None:
@@ -650,19 +702,22 @@ def scale_by_natural_galore(
         proxies.append(jnp.zeros(jnp.shape(p), p.dtype))
         continue
       n = s if windowed else 0
-      wdtype = (jnp.dtype(window_dtype) if window_dtype is not None
-                else _stat_dtype(p.dtype))
+      wdtype = (
+        jnp.dtype(window_dtype)
+        if window_dtype is not None
+        else _stat_dtype(p.dtype)
+      )
       projectors.append(_identity_basis(plan.projector_shape, p.dtype))
       windows.append(jnp.zeros((n,) + plan.low_rank_shape, wdtype))
       grams.append(jnp.zeros((n, n), _stat_dtype(wdtype)))
       proxies.append(jnp.zeros(plan.low_rank_shape, p.dtype))
     unflat = lambda xs: jax.tree.unflatten(treedef, xs)
     return NaturalGaLoreState(
-        count=jnp.zeros([], jnp.int32),
-        projector=unflat(projectors),
-        window=unflat(windows),
-        window_gram=unflat(grams),
-        base_optimizer_state=base_optimizer.init(unflat(proxies)),
+      count=jnp.zeros([], jnp.int32),
+      projector=unflat(projectors),
+      window=unflat(windows),
+      window_gram=unflat(grams),
+      base_optimizer_state=base_optimizer.init(unflat(proxies)),
     )
 
   def refresh_window(plan, old_p, new_p, window, gram):
@@ -672,8 +727,9 @@ def scale_by_natural_galore(
       return jnp.zeros_like(window), jnp.zeros_like(gram)
     # Rotate old-basis coordinates into the new basis: R = P_new^T P_old.
     dtype = gram.dtype
-    rot = jnp.matmul(new_p.astype(dtype).T, old_p.astype(dtype),
-                     precision=_HIGHEST)
+    rot = jnp.matmul(
+      new_p.astype(dtype).T, old_p.astype(dtype), precision=_HIGHEST
+    )
     w32 = window.astype(dtype)
     if plan.left:
       w32 = jnp.einsum("ij,sjn->sin", rot, w32, precision=_HIGHEST)
@@ -683,27 +739,30 @@ def scale_by_natural_galore(
     return window, _linalg.tree_stacked_gram(window.astype(dtype))
 
   def update_fn(
-      updates: PyTree,
-      state: NaturalGaLoreState,
-      params: Optional[PyTree] = None,
-      *,
-      per_example_grads: Optional[PyTree] = None,
-      **extra_args: Any,
+    updates: PyTree,
+    state: NaturalGaLoreState,
+    params: PyTree | None = None,
+    *,
+    per_example_grads: PyTree | None = None,
+    **extra_args: Any,
   ) -> tuple[PyTree, NaturalGaLoreState]:
     del params, extra_args
     _validation.check_positive("damping", damping)
     leaves, treedef = jax.tree.flatten(updates)
     _validation.check_same_structure(
-        updates, state.projector, what="state.projector")
+      updates, state.projector, what="state.projector"
+    )
     pe_leaves = [None] * len(leaves)
     batch = 0
     if per_example and s > 0:
       if per_example_grads is None:
         raise ValueError(
-            "scale_by_natural_galore(window_source='per_example') needs the "
-            "per_example_grads keyword argument in update().")
+          "scale_by_natural_galore(window_source='per_example') needs the "
+          "per_example_grads keyword argument in update()."
+        )
       batch = _validation.check_leading_axis(
-          per_example_grads, updates, what="per_example_grads")
+        per_example_grads, updates, what="per_example_grads"
+      )
       if batch == 0:
         raise ValueError("per_example_grads has an empty batch axis.")
       pe_leaves = jax.tree.leaves(per_example_grads)
@@ -714,10 +773,16 @@ def scale_by_natural_galore(
     base_key = jax.random.fold_in(jax.random.key(0), count)
     low, new_projectors, new_windows, new_grams = [], [], [], []
     leaf_plans = plans(updates)
-    for i, (g, plan, p_old, window, gram, pe) in enumerate(zip(
-        leaves, leaf_plans, jax.tree.leaves(state.projector),
-        jax.tree.leaves(state.window), jax.tree.leaves(state.window_gram),
-        pe_leaves)):
+    for i, (g, plan, p_old, window, gram, pe) in enumerate(
+      zip(
+        leaves,
+        leaf_plans,
+        jax.tree.leaves(state.projector),
+        jax.tree.leaves(state.window),
+        jax.tree.leaves(state.window_gram),
+        pe_leaves,
+      )
+    ):
       if plan is None:
         low.append(g)
         new_projectors.append(p_old)
@@ -727,33 +792,46 @@ def scale_by_natural_galore(
       expected = plan.projector_shape
       if tuple(p_old.shape) != expected:
         raise ValueError(
-            f"state.projector leaf {i} has shape {p_old.shape}, expected "
-            f"{expected} for a gradient of shape {g.shape}; was the state "
-            "initialised with other params or options?")
+          f"state.projector leaf {i} has shape {p_old.shape}, expected "
+          f"{expected} for a gradient of shape {g.shape}; was the state "
+          "initialised with other params or options?"
+        )
       g2 = plan.to_matrix(g)
       key = jax.random.fold_in(base_key, i)
 
-      def do_refresh(p_old=p_old, g2=g2, key=key, window=window, gram=gram,
-                     plan=plan):
+      def do_refresh(
+        p_old=p_old, g2=g2, key=key, window=window, gram=gram, plan=plan
+      ):
         p_new = _new_projector(plan, g2, p_old, svd_method, n_iter, key)
         return (p_new,) + refresh_window(plan, p_old, p_new, window, gram)
 
       p_new, window, gram = jax.lax.cond(
-          refresh, do_refresh, lambda p_old=p_old, window=window, gram=gram: (
-              p_old, window, gram))
+        refresh,
+        do_refresh,
+        lambda p_old=p_old, window=window, gram=gram: (p_old, window, gram),
+      )
       lg = plan.project(p_new, g2)
       if windowed:
         window, gram = _push_if_finite(window, gram, lg, slot)
-        lg = _woodbury_apply(window, gram, lg, damping,
-                             normalize_output=normalize_output)
+        lg = _woodbury_apply(
+          window, gram, lg, damping, normalize_output=normalize_output
+        )
       elif per_example and s > 0:
         pe2 = jax.vmap(plan.to_matrix)(pe)
-        h = jax.vmap(lambda x, p_new=p_new, plan=plan: plan.project(
-            p_new, x.astype(p_new.dtype)))(pe2)
+        h = jax.vmap(
+          lambda x, p_new=p_new, plan=plan: plan.project(
+            p_new, x.astype(p_new.dtype)
+          )
+        )(pe2)
         h = h.astype(_stat_dtype(h.dtype))
-        lg = _woodbury_apply(h, _linalg.tree_stacked_gram(h), lg, damping,
-                             scale=1.0 / batch,
-                             normalize_output=normalize_output)
+        lg = _woodbury_apply(
+          h,
+          _linalg.tree_stacked_gram(h),
+          lg,
+          damping,
+          scale=1.0 / batch,
+          normalize_output=normalize_output,
+        )
       low.append(lg)
       new_projectors.append(p_new)
       new_windows.append(window)
@@ -761,45 +839,47 @@ def scale_by_natural_galore(
 
     unflat = lambda xs: jax.tree.unflatten(treedef, xs)
     low_updates, base_state = base_optimizer.update(
-        unflat(low), state.base_optimizer_state, None)
+      unflat(low), state.base_optimizer_state, None
+    )
     out = []
-    for g, plan, p, u in zip(leaves, leaf_plans, new_projectors,
-                             jax.tree.leaves(low_updates)):
+    for g, plan, p, u in zip(
+      leaves, leaf_plans, new_projectors, jax.tree.leaves(low_updates)
+    ):
       if plan is None:
         out.append(u)
         continue
       full = plan.from_matrix(plan.project_back(p, u), g.shape)
       out.append((scale * full).astype(g.dtype))
     return unflat(out), NaturalGaLoreState(
-        count=optax.safe_increment(count),
-        projector=unflat(new_projectors),
-        window=unflat(new_windows),
-        window_gram=unflat(new_grams),
-        base_optimizer_state=base_state,
+      count=optax.safe_increment(count),
+      projector=unflat(new_projectors),
+      window=unflat(new_windows),
+      window_gram=unflat(new_grams),
+      base_optimizer_state=base_state,
     )
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
 def natural_galore(
-    learning_rate: optax.ScalarOrSchedule,
-    rank: int = 128,
-    update_proj_gap: int = 200,
-    scale: float | jax.Array = 1.0,
-    base_optimizer: Optional[optax.GradientTransformation] = None,
-    weight_decay: float | jax.Array = 0.0,
-    mask: Optional[Union[Any, Callable[[PyTree], Any]]] = None,
-    weight_dimension_numbers: Optional[GaLoreDimNumsOrFn] = None,
-    history_size: int = 8,
-    damping: float | jax.Array = 1e-3,
-    *,
-    projection_side: str = "larger",
-    window_at_refresh: str = "reproject",
-    normalize_output: bool = False,
-    window_dtype: Optional[Any] = None,
-    window_source: str = "history",
-    svd_method: str = "exact",
-    svd_power_iterations: int = 1,
+  learning_rate: optax.ScalarOrSchedule,
+  rank: int = 128,
+  update_proj_gap: int = 200,
+  scale: float | jax.Array = 1.0,
+  base_optimizer: optax.GradientTransformation | None = None,
+  weight_decay: float | jax.Array = 0.0,
+  mask: Any | Callable[[PyTree], Any] | None = None,
+  weight_dimension_numbers: GaLoreDimNumsOrFn | None = None,
+  history_size: int = 8,
+  damping: float | jax.Array = 1e-3,
+  *,
+  projection_side: str = "larger",
+  window_at_refresh: str = "reproject",
+  normalize_output: bool = False,
+  window_dtype: Any | None = None,
+  window_source: str = "history",
+  svd_method: str = "exact",
+  svd_power_iterations: int = 1,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Natural GaLore optimizer: a drop-in for ``optax.contrib.galore``.
 
@@ -859,22 +939,22 @@ def natural_galore(
   _validation.check_learning_rate(learning_rate)
   _validation.check_positive("weight_decay", weight_decay, allow_zero=True)
   return optax.chain(
-      scale_by_natural_galore(
-          rank=rank,
-          update_proj_gap=update_proj_gap,
-          scale=scale,
-          base_optimizer=base_optimizer,
-          weight_dimension_numbers=weight_dimension_numbers,
-          history_size=history_size,
-          damping=damping,
-          projection_side=projection_side,
-          window_at_refresh=window_at_refresh,
-          normalize_output=normalize_output,
-          window_dtype=window_dtype,
-          window_source=window_source,
-          svd_method=svd_method,
-          svd_power_iterations=svd_power_iterations,
-      ),
-      optax.add_decayed_weights(weight_decay, mask),
-      optax.scale_by_learning_rate(learning_rate),
+    scale_by_natural_galore(
+      rank=rank,
+      update_proj_gap=update_proj_gap,
+      scale=scale,
+      base_optimizer=base_optimizer,
+      weight_dimension_numbers=weight_dimension_numbers,
+      history_size=history_size,
+      damping=damping,
+      projection_side=projection_side,
+      window_at_refresh=window_at_refresh,
+      normalize_output=normalize_output,
+      window_dtype=window_dtype,
+      window_source=window_source,
+      svd_method=svd_method,
+      svd_power_iterations=svd_power_iterations,
+    ),
+    optax.add_decayed_weights(weight_decay, mask),
+    optax.scale_by_learning_rate(learning_rate),
   )

@@ -10,9 +10,10 @@ weights (``True`` = keep).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 import functools
 import math
-from typing import Any, Callable, NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -29,8 +30,11 @@ _UPDATES = ("independent", "group", "none")
 
 def _flatten(tree: PyTree) -> jax.Array:
   leaves = jax.tree.leaves(tree)
-  return jnp.concatenate([jnp.ravel(x) for x in leaves]) if leaves else (
-      jnp.zeros((0,)))
+  return (
+    jnp.concatenate([jnp.ravel(x) for x in leaves])
+    if leaves
+    else (jnp.zeros((0,)))
+  )
 
 
 def _unflatten(flat: jax.Array, like: PyTree) -> PyTree:
@@ -38,8 +42,11 @@ def _unflatten(flat: jax.Array, like: PyTree) -> PyTree:
   out, offset = [], 0
   for leaf in leaves:
     n = math.prod(jnp.shape(leaf))
-    out.append(flat[offset:offset + n].reshape(jnp.shape(leaf)).astype(
-        jnp.result_type(leaf)))
+    out.append(
+      flat[offset : offset + n]
+      .reshape(jnp.shape(leaf))
+      .astype(jnp.result_type(leaf))
+    )
     offset += n
   return jax.tree.unflatten(treedef, out)
 
@@ -84,11 +91,12 @@ def obs_saliency(params: PyTree, fisher: RankOneSumFisher) -> PyTree:
   _check_weights(params, fisher)
   inv_diag = fisher.inverse_diag()
   return jax.tree.map(
-      lambda w, h: jnp.square(w.astype(h.dtype)) / (2.0 * h), params, inv_diag)
+    lambda w, h: jnp.square(w.astype(h.dtype)) / (2.0 * h), params, inv_diag
+  )
 
 
 def group_obs_update(
-    params: PyTree, drop: PyTree | jax.Array, fisher: RankOneSumFisher
+  params: PyTree, drop: PyTree | jax.Array, fisher: RankOneSumFisher
 ) -> tuple[PyTree, jax.Array]:
   """Removes a set ``Q`` of weights with the exact group OBS update.
 
@@ -133,18 +141,23 @@ def group_obs_update(
     Second-Order Information <https://arxiv.org/abs/2107.03356>`_, 2021
   """
   _check_weights(params, fisher)
-  if isinstance(drop, (jax.Array, np.ndarray)) and jnp.ndim(drop) == 1 and (
-      jnp.issubdtype(jnp.result_type(drop), jnp.integer)):
+  if (
+    isinstance(drop, (jax.Array, np.ndarray))
+    and jnp.ndim(drop) == 1
+    and (jnp.issubdtype(jnp.result_type(drop), jnp.integer))
+  ):
     index = jnp.asarray(drop, jnp.int32)
   else:
-    _validation.check_same_structure(params, drop, what="drop",
-                                     reference_name="params")
+    _validation.check_same_structure(
+      params, drop, what="drop", reference_name="params"
+    )
     try:
       flat = np.asarray(_flatten(drop)).astype(bool)
     except jax.errors.TracerArrayConversionError as e:
       raise TypeError(
-          "a boolean drop mask must be concrete (it sets |Q|); pass flat "
-          "indices to use group_obs_update under jit.") from e
+        "a boolean drop mask must be concrete (it sets |Q|); pass flat "
+        "indices to use group_obs_update under jit."
+      ) from e
     index = jnp.asarray(np.nonzero(flat)[0], jnp.int32)
   return _group_update(params, index, fisher)
 
@@ -157,8 +170,11 @@ def _group_update(params, index, fisher, valid=None):
   valid = jnp.ones(index.shape, bool) if valid is None else valid
   wq = jnp.where(valid, w[index], 0.0)
   both = valid[:, None] & valid[None, :]
-  block = jnp.where(both, fisher.inverse_submatrix(index),
-                    jnp.eye(index.shape[0], dtype=w.dtype))
+  block = jnp.where(
+    both,
+    fisher.inverse_submatrix(index),
+    jnp.eye(index.shape[0], dtype=w.dtype),
+  )
   chol = jnp.linalg.cholesky(0.5 * (block + block.T))
   coef = jnp.where(valid, jax.scipy.linalg.cho_solve((chol, True), wq), 0.0)
   # .add/.max: padding repeats an index with zero weight.
@@ -188,8 +204,9 @@ def _independent_update(params, drop, fisher):
 @jax.jit
 def _zeroing_loss(params, drop, fisher):
   w = _flatten(params).astype(fisher.chol.dtype)
-  return 0.5 * fisher.quadratic_form(_unflatten(jnp.where(drop, w, 0.0),
-                                                params))
+  return 0.5 * fisher.quadratic_form(
+    _unflatten(jnp.where(drop, w, 0.0), params)
+  )
 
 
 class ObsPruneResult(NamedTuple):
@@ -217,20 +234,23 @@ def _resolve_prunable(params: PyTree, prunable: Any) -> list[bool]:
     prunable = prunable(params)
   # ``prunable`` may be a prefix of ``params``, as optax.masked allows.
   per_leaf = jax.tree.map(
-      lambda flag, sub: [bool(flag)] * len(jax.tree.leaves(sub)),
-      prunable, params)
+    lambda flag, sub: [bool(flag)] * len(jax.tree.leaves(sub)), prunable, params
+  )
   return [bool(f) for f in jax.tree.leaves(per_leaf)]
 
 
-def _select(scores: list[jax.Array], alive: list[jax.Array],
-            n_prune: list[int] | int) -> np.ndarray:
+def _select(
+  scores: list[jax.Array], alive: list[jax.Array], n_prune: list[int] | int
+) -> np.ndarray:
   """Flat indices (global or per leaf) of the lowest-score alive weights.
 
   Selection runs on the host: its output size changes every step, which
   would recompile a jitted version each time.
   """
-  masked = [np.where(np.asarray(a), np.asarray(s, np.float64), np.inf).ravel()
-            for s, a in zip(scores, alive)]
+  masked = [
+    np.where(np.asarray(a), np.asarray(s, np.float64), np.inf).ravel()
+    for s, a in zip(scores, alive)
+  ]
   if isinstance(n_prune, int):  # global
     return np.argsort(np.concatenate(masked), kind="stable")[:n_prune]
   out, offset = [], 0
@@ -240,13 +260,15 @@ def _select(scores: list[jax.Array], alive: list[jax.Array],
   return np.concatenate(out)
 
 
-def _targets(sizes: list[int], alive_counts: list[int], density: float,
-             scope: str) -> list[int] | int:
+def _targets(
+  sizes: list[int], alive_counts: list[int], density: float, scope: str
+) -> list[int] | int:
   if scope == "global":
     keep = int(round(density * sum(sizes)))
     return max(sum(alive_counts) - keep, 0)
-  return [max(a - int(round(density * n)), 0)
-          for n, a in zip(sizes, alive_counts)]
+  return [
+    max(a - int(round(density * n)), 0) for n, a in zip(sizes, alive_counts)
+  ]
 
 
 def _check_sparsity(sparsity: Any) -> float:
@@ -257,11 +279,11 @@ def _check_sparsity(sparsity: Any) -> float:
 
 
 def magnitude_prune(
-    params: PyTree,
-    sparsity: float,
-    *,
-    prunable: Any = None,
-    scope: str = "global",
+  params: PyTree,
+  sparsity: float,
+  *,
+  prunable: Any = None,
+  scope: str = "global",
 ) -> ObsPruneResult:
   """Zeroes the smallest-magnitude weights (the baseline for :func:`obs_prune`).
 
@@ -290,19 +312,23 @@ def magnitude_prune(
   sel = [x for x, f in zip(leaves, flags) if f]
   scores = [jnp.abs(x).astype(jnp.float32) for x in sel]
   alive = [jnp.ones(x.shape, bool) for x in sel]
-  n_prune = _targets([x.size for x in sel], [x.size for x in sel],
-                     1.0 - sparsity, scope)
+  n_prune = _targets(
+    [x.size for x in sel], [x.size for x in sel], 1.0 - sparsity, scope
+  )
   index = _select(scores, alive, n_prune)
-  sel, alive = _apply_zeroing(sel, alive, _drop_mask(index, sum(
-      x.size for x in sel)))
+  sel, alive = _apply_zeroing(
+    sel, alive, _drop_mask(index, sum(x.size for x in sel))
+  )
   return _assemble(leaves, flags, sel, alive, treedef, jnp.zeros((0,)))
 
 
 def _apply_zeroing(sel, alive, drop):
   w = _flatten(sel)
   a = _flatten(alive) & ~drop
-  return (_unflatten(jnp.where(a, w, 0).astype(w.dtype), sel),
-          _unflatten(a, alive))
+  return (
+    _unflatten(jnp.where(a, w, 0).astype(w.dtype), sel),
+    _unflatten(a, alive),
+  )
 
 
 def _drop_mask(index: np.ndarray, size: int) -> jax.Array:
@@ -317,22 +343,24 @@ def _assemble(leaves, flags, sel, alive, treedef, losses):
   for x, f in zip(leaves, flags):
     out_w.append(next(it_w).astype(x.dtype) if f else x)
     out_m.append(next(it_a) if f else jnp.ones(jnp.shape(x), bool))
-  return ObsPruneResult(jax.tree.unflatten(treedef, out_w),
-                        jax.tree.unflatten(treedef, out_m),
-                        jnp.asarray(losses, jnp.float32))
+  return ObsPruneResult(
+    jax.tree.unflatten(treedef, out_w),
+    jax.tree.unflatten(treedef, out_m),
+    jnp.asarray(losses, jnp.float32),
+  )
 
 
 def obs_prune(
-    params: PyTree,
-    grad_fn: Callable[[PyTree, int], PyTree],
-    sparsity: float,
-    *,
-    prunable: Any = None,
-    scope: str = "global",
-    steps: int = 16,
-    block_size: int | None = 128,
-    damping: float = 1e-5,
-    update: str = "independent",
+  params: PyTree,
+  grad_fn: Callable[[PyTree, int], PyTree],
+  sparsity: float,
+  *,
+  prunable: Any = None,
+  scope: str = "global",
+  steps: int = 16,
+  block_size: int | None = 128,
+  damping: float = 1e-5,
+  update: str = "independent",
 ) -> ObsPruneResult:
   """Prunes to a target sparsity with M-FAC's iterative OBS pruner.
 
@@ -411,12 +439,12 @@ def obs_prune(
   sizes = [x.size for x in sel]
   losses = []
   for s in range(1, steps + 1):
-    grads = grad_fn(jax.tree.unflatten(treedef, _merge(leaves, flags, sel)),
-                    s - 1)
+    grads = grad_fn(
+      jax.tree.unflatten(treedef, _merge(leaves, flags, sel)), s - 1
+    )
     _validation.check_leading_axis(grads, params, what="grad_fn output")
     g_sel = [g for g, f in zip(jax.tree.leaves(grads), flags) if f]
-    saliency, fisher = _score(sel, alive, g_sel, damping,
-                              block_size=block_size)
+    saliency, fisher = _score(sel, alive, g_sel, damping, block_size=block_size)
     density = (1.0 - sparsity) ** (s / steps)
     n_prune = _targets(sizes, [int(a.sum()) for a in alive], density, scope)
     index = _select(saliency, alive, n_prune)
@@ -428,9 +456,10 @@ def obs_prune(
       padded = 1 << max(len(index) - 1, 0).bit_length()
       valid = np.arange(padded) < len(index)
       idx = np.zeros(padded, np.int32)
-      idx[:len(index)] = index
-      sel, loss = _group_update_padded(sel, jnp.asarray(idx),
-                                       jnp.asarray(valid), fisher)
+      idx[: len(index)] = index
+      sel, loss = _group_update_padded(
+        sel, jnp.asarray(idx), jnp.asarray(valid), fisher
+      )
     else:
       loss = _zeroing_loss(sel, drop, fisher)
     losses.append(loss)

@@ -32,7 +32,8 @@ Decisions (spec ``knowledge_preservation.md`` §7.4), tested in
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -75,8 +76,7 @@ class ProjectOutSubspaceState(NamedTuple):
   protected_subspace: ProtectedSubspace
 
 
-def init_protected_subspace(params: PyTree, max_rank: int
-                            ) -> ProtectedSubspace:
+def init_protected_subspace(params: PyTree, max_rank: int) -> ProtectedSubspace:
   """An empty :class:`ProtectedSubspace` (projection is the identity).
 
   Args:
@@ -88,14 +88,20 @@ def init_protected_subspace(params: PyTree, max_rank: int
   """
   max_rank = _validation.check_static_int("max_rank", max_rank, minimum=1)
   bases = jax.tree.map(
-      lambda p: jnp.zeros((max_rank,) + tuple(p.shape),
-                          jnp.promote_types(p.dtype, jnp.float32)), params)
+    lambda p: jnp.zeros(
+      (max_rank,) + tuple(p.shape), jnp.promote_types(p.dtype, jnp.float32)
+    ),
+    params,
+  )
   rank = jax.tree.map(lambda p: jnp.zeros([], jnp.int32), params)
   return ProtectedSubspace(bases=bases, rank=rank)
 
 
 def _leaf_subspace(
-    grads: jax.Array, old: jax.Array, old_rank: jax.Array, tau: Any,
+  grads: jax.Array,
+  old: jax.Array,
+  old_rank: jax.Array,
+  tau: Any,
 ) -> tuple[jax.Array, jax.Array]:
   """Extends one leaf's basis ``old`` (R, d) from its gradients (N, d)."""
   max_rank = old.shape[0]
@@ -115,8 +121,9 @@ def _leaf_subspace(
   vecs = top.eigvecs.astype(g.dtype)
   # Smallest k with (captured + top-k energy) >= tau * total; zero gradients
   # give k = 0.
-  cum = captured + jnp.concatenate([jnp.zeros([1], evals.dtype),
-                                    jnp.cumsum(evals)])
+  cum = captured + jnp.concatenate(
+    [jnp.zeros([1], evals.dtype), jnp.cumsum(evals)]
+  )
   k = jnp.sum(cum < tau * total)  # prefixes 0..take that fall short of tau
   k = jnp.minimum(k, jnp.sum(evals > 0))
   k = jnp.minimum(k, max_rank - old_rank).astype(jnp.int32)
@@ -131,11 +138,11 @@ def _leaf_subspace(
 
 
 def protected_subspace(
-    per_example_grads: PyTree,
-    *,
-    max_rank: int,
-    tau: float | jax.Array = 0.9,
-    existing: ProtectedSubspace | None = None,
+  per_example_grads: PyTree,
+  *,
+  max_rank: int,
+  tau: float | jax.Array = 0.9,
+  existing: ProtectedSubspace | None = None,
 ) -> ProtectedSubspace:
   """Protected directions per leaf from per-example gradients on source data.
 
@@ -188,42 +195,56 @@ def protected_subspace(
   """
   max_rank = _validation.check_static_int("max_rank", max_rank, minimum=1)
   _validation.check_in_unit_interval("tau", tau, closed_right=True)
-  like = jax.tree.map(lambda g: jax.ShapeDtypeStruct(g.shape[1:], g.dtype),
-                      per_example_grads)
+  like = jax.tree.map(
+    lambda g: jax.ShapeDtypeStruct(g.shape[1:], g.dtype), per_example_grads
+  )
   if existing is None:
     existing = init_protected_subspace(like, max_rank)
   else:
     _validation.check_same_structure(
-        existing.rank, like, what="per_example_grads",
-        reference_name="existing.rank")
+      existing.rank,
+      like,
+      what="per_example_grads",
+      reference_name="existing.rank",
+    )
     rows = {b.shape[0] for b in jax.tree.leaves(existing.bases)}
     if rows and rows != {max_rank}:
       raise ValueError(
-          f"existing bases have {sorted(rows)} rows but max_rank={max_rank}.")
+        f"existing bases have {sorted(rows)} rows but max_rank={max_rank}."
+      )
   _validation.check_leading_axis(
-      per_example_grads, jax.tree.map(lambda b: b[0], existing.bases),
-      what="per_example_grads")
+    per_example_grads,
+    jax.tree.map(lambda b: b[0], existing.bases),
+    what="per_example_grads",
+  )
   return _extend(per_example_grads, existing, tau)
 
 
 @jax.jit
-def _extend(per_example_grads: PyTree, existing: ProtectedSubspace,
-            tau: Any) -> ProtectedSubspace:
+def _extend(
+  per_example_grads: PyTree, existing: ProtectedSubspace, tau: Any
+) -> ProtectedSubspace:
   # One compiled program for all leaves (eager op-by-op dispatch of the
   # eigensolver is far slower on CPU).
   g_leaves, treedef = jax.tree.flatten(per_example_grads)
-  out = [_leaf_subspace(g, b, r, tau) for g, b, r in zip(
-      g_leaves, treedef.flatten_up_to(existing.bases),
-      treedef.flatten_up_to(existing.rank))]
+  out = [
+    _leaf_subspace(g, b, r, tau)
+    for g, b, r in zip(
+      g_leaves,
+      treedef.flatten_up_to(existing.bases),
+      treedef.flatten_up_to(existing.rank),
+    )
+  ]
   return ProtectedSubspace(
-      bases=treedef.unflatten([o[0] for o in out]),
-      rank=treedef.unflatten([o[1] for o in out]))
+    bases=treedef.unflatten([o[0] for o in out]),
+    rank=treedef.unflatten([o[1] for o in out]),
+  )
 
 
 def project_out_subspace(
-    max_rank: int,
-    alpha: ScalarOrSchedule = 1.0,
-    subspace: ProtectedSubspace | None = None,
+  max_rank: int,
+  alpha: ScalarOrSchedule = 1.0,
+  subspace: ProtectedSubspace | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   """Removes the protected directions from the updates, leaf by leaf.
 
@@ -255,15 +276,17 @@ def project_out_subspace(
   if not callable(alpha):
     _validation.check_in_unit_interval("alpha", alpha, closed_right=True)
   if subspace is not None and not isinstance(subspace, ProtectedSubspace):
-    raise TypeError("subspace must be a ProtectedSubspace, got "
-                    f"{type(subspace).__name__}.")
+    raise TypeError(
+      f"subspace must be a ProtectedSubspace, got {type(subspace).__name__}."
+    )
 
   def init_fn(params: PyTree) -> ProjectOutSubspaceState:
     start = subspace
     if start is None:
       start = init_protected_subspace(params, max_rank)
-    return ProjectOutSubspaceState(count=jnp.zeros([], jnp.int32),
-                                   protected_subspace=start)
+    return ProjectOutSubspaceState(
+      count=jnp.zeros([], jnp.int32), protected_subspace=start
+    )
 
   def update_fn(updates, state, params=None, **extra_args):
     del params, extra_args
@@ -273,32 +296,35 @@ def project_out_subspace(
 
     def project(u, b):
       uf = u.astype(b.dtype)
-      coeff = jnp.tensordot(b, uf, axes=uf.ndim,
-                            precision=jax.lax.Precision.HIGHEST)
-      back = jnp.tensordot(coeff, b, axes=1,
-                           precision=jax.lax.Precision.HIGHEST)
+      coeff = jnp.tensordot(
+        b, uf, axes=uf.ndim, precision=jax.lax.Precision.HIGHEST
+      )
+      back = jnp.tensordot(
+        coeff, b, axes=1, precision=jax.lax.Precision.HIGHEST
+      )
       return (uf - a * back).astype(u.dtype)
 
     updates = jax.tree.map(project, updates, bases)
     return updates, ProjectOutSubspaceState(
-        count=optax.safe_increment(state.count),
-        protected_subspace=state.protected_subspace)
+      count=optax.safe_increment(state.count),
+      protected_subspace=state.protected_subspace,
+    )
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
 def physguard(
-    learning_rate: ScalarOrSchedule,
-    *,
-    max_rank: int,
-    alpha: ScalarOrSchedule = 1.0,
-    b1: float = 0.9,
-    b2: float = 0.999,
-    eps: float = 1e-8,
-    weight_decay: float = 0.0,
-    mask: MaskOrFn | None = None,
-    placement: str = "after",
-    subspace: ProtectedSubspace | None = None,
+  learning_rate: ScalarOrSchedule,
+  *,
+  max_rank: int,
+  alpha: ScalarOrSchedule = 1.0,
+  b1: float = 0.9,
+  b2: float = 0.999,
+  eps: float = 1e-8,
+  weight_decay: float = 0.0,
+  mask: MaskOrFn | None = None,
+  placement: str = "after",
+  subspace: ProtectedSubspace | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   """Adam(W) fine-tuning that leaves the protected directions untouched.
 

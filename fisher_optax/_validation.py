@@ -30,7 +30,7 @@ def check_positive(name: str, value: Any, *, allow_zero: bool = False) -> None:
 
 
 def check_in_unit_interval(
-    name: str, value: Any, *, closed_right: bool = False
+  name: str, value: Any, *, closed_right: bool = False
 ) -> None:
   """Raises ``ValueError`` unless a concrete ``value`` lies in [0, 1)."""
   if _is_concrete(value):
@@ -50,9 +50,9 @@ def check_static_int(name: str, value: Any, *, minimum: int = 0) -> int:
   """Shape-setting integers must be static Python ints (``TypeError``)."""
   if isinstance(value, bool) or not isinstance(value, int):
     raise TypeError(
-        f"{name} sets array shapes and must be a static Python int, got "
-        f"{type(value).__name__}. Under inject_hyperparams list it in "
-        "static_args."
+      f"{name} sets array shapes and must be a static Python int, got "
+      f"{type(value).__name__}. Under inject_hyperparams list it in "
+      "static_args."
     )
   if value < minimum:
     raise ValueError(f"{name} must be >= {minimum}, got {value}.")
@@ -66,15 +66,15 @@ def check_choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
 
 
 def check_same_structure(
-    reference: Any, other: Any, *, what: str, reference_name: str = "updates"
+  reference: Any, other: Any, *, what: str, reference_name: str = "updates"
 ) -> None:
   """Raises ``ValueError`` naming both tree structures when they differ."""
   ref_def = jax.tree.structure(reference)
   other_def = jax.tree.structure(other)
   if ref_def != other_def:
     raise ValueError(
-        f"{what} must have the same tree structure as {reference_name}.\n"
-        f"  {reference_name}: {ref_def}\n  {what}: {other_def}"
+      f"{what} must have the same tree structure as {reference_name}.\n"
+      f"  {reference_name}: {ref_def}\n  {what}: {other_def}"
     )
 
 
@@ -92,21 +92,21 @@ def check_leading_axis(tree: Any, like: Any, *, what: str) -> int:
   check_same_structure(like, tree, what=what)
   sizes = set()
   for path, leaf, ref in zip(
-      jax.tree_util.tree_flatten_with_path(tree)[0],
-      jax.tree.leaves(tree),
-      jax.tree.leaves(like),
+    jax.tree_util.tree_flatten_with_path(tree)[0],
+    jax.tree.leaves(tree),
+    jax.tree.leaves(like),
   ):
     name = jax.tree_util.keystr(path[0])
     if jnp.ndim(leaf) != jnp.ndim(ref) + 1 or jnp.shape(leaf)[1:] != jnp.shape(
-        ref
+      ref
     ):
       raise ValueError(
-          f"{what}{name} must have shape (batch, *{jnp.shape(ref)}), got "
-          f"{jnp.shape(leaf)}."
+        f"{what}{name} must have shape (batch, *{jnp.shape(ref)}), got "
+        f"{jnp.shape(leaf)}."
       )
     sizes.add(jnp.shape(leaf)[0])
   if len(sizes) > 1:
     raise ValueError(
-        f"{what} leaves disagree on the leading (batch) axis: {sorted(sizes)}."
+      f"{what} leaves disagree on the leading (batch) axis: {sorted(sizes)}."
     )
   return sizes.pop() if sizes else 0

@@ -34,8 +34,8 @@ from __future__ import annotations
 import os
 import pathlib
 import shutil
-import uuid
 from typing import Any
+import uuid
 
 import jax
 import jax.numpy as jnp
@@ -44,15 +44,16 @@ from fisher_optax import _checkpoint_io
 
 PyTree = Any
 
-__all__ = ["save", "restore"]
+__all__ = ["restore", "save"]
 
 
 def _drop_empty(tree: PyTree) -> PyTree:
   return jax.tree.map(lambda x: None if x.size == 0 else x, tree)
 
 
-def save(path: str | os.PathLike[str], tree: PyTree, *,
-         overwrite: bool = False) -> None:
+def save(
+  path: str | os.PathLike[str], tree: PyTree, *, overwrite: bool = False
+) -> None:
   """Writes ``tree`` as an orbax checkpoint directory at ``path``, atomically.
 
   Args:
@@ -64,8 +65,9 @@ def save(path: str | os.PathLike[str], tree: PyTree, *,
   import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
 
   path = pathlib.Path(path).absolute()
-  _checkpoint_io.check_destination(path, _checkpoint_io.ORBAX,
-                                   overwrite=overwrite)
+  _checkpoint_io.check_destination(
+    path, _checkpoint_io.ORBAX, overwrite=overwrite
+  )
   tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
   try:
     with ocp.StandardCheckpointer() as ckptr:
@@ -95,10 +97,12 @@ def restore(path: str | os.PathLike[str], target: PyTree) -> PyTree:
   if not path.is_dir():
     raise FileNotFoundError(f"No checkpoint directory at {str(path)!r}.")
   abstract = jax.tree.map(
-      lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)),
-      target)
+    lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), target
+  )
   with ocp.StandardCheckpointer() as ckptr:
     restored = ckptr.restore(path, _drop_empty(abstract))
   return jax.tree.map(
-      lambda s, r: jnp.zeros(s.shape, s.dtype) if s.size == 0 else r,
-      abstract, restored)
+    lambda s, r: jnp.zeros(s.shape, s.dtype) if s.size == 0 else r,
+    abstract,
+    restored,
+  )

@@ -11,7 +11,7 @@ Both are deterministic given a seed; nothing is fetched from the network.
 
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
 import numpy as np
 
@@ -19,9 +19,9 @@ Split = tuple[np.ndarray, np.ndarray]
 
 
 def load_digits(
-    seed: int = 0,
-    split: tuple[float, float, float] = (0.6, 0.2, 0.2),
-    standardize: bool = True,
+  seed: int = 0,
+  split: tuple[float, float, float] = (0.6, 0.2, 0.2),
+  standardize: bool = True,
 ) -> dict[str, Split]:
   """Returns stratified ``train``/``val``/``test`` splits of the digits data.
 
@@ -38,13 +38,14 @@ def load_digits(
     and ``y`` int32 ``[N]`` in 0..9.
   """
   if len(split) != 3 or abs(sum(split) - 1.0) > 1e-6 or min(split) < 0:
-    raise ValueError(f"split must be 3 non-negative fractions summing to 1, "
-                     f"got {split}.")
+    raise ValueError(
+      f"split must be 3 non-negative fractions summing to 1, got {split}."
+    )
   try:
     from sklearn import datasets as sk_datasets  # pylint: disable=g-import-not-at-top
   except ImportError as e:  # pragma: no cover - exercised without sklearn only
     raise ImportError(
-        "load_digits needs scikit-learn: pip install 'fisher_optax[examples]'"
+      "load_digits needs scikit-learn: pip install 'fisher_optax[examples]'"
     ) from e
   bunch = sk_datasets.load_digits()
   x = bunch.data.astype(np.float32)
@@ -56,8 +57,8 @@ def load_digits(
     n_train = int(round(split[0] * len(idx)))
     n_val = int(round(split[1] * len(idx)))
     parts["train"].append(idx[:n_train])
-    parts["val"].append(idx[n_train:n_train + n_val])
-    parts["test"].append(idx[n_train + n_val:])
+    parts["val"].append(idx[n_train : n_train + n_val])
+    parts["test"].append(idx[n_train + n_val :])
   out: dict[str, Split] = {}
   train_idx = np.concatenate(parts["train"])
   if standardize:
@@ -68,8 +69,11 @@ def load_digits(
   else:
     transform = lambda a: a / 16.0
   for name, chunks in parts.items():
-    idx = rng.permutation(np.concatenate(chunks)) if chunks else np.zeros(
-        0, np.int64)
+    idx = (
+      rng.permutation(np.concatenate(chunks))
+      if chunks
+      else np.zeros(0, np.int64)
+    )
     out[name] = (transform(x[idx]).astype(np.float32), y[idx])
   return out
 
@@ -85,13 +89,15 @@ def load_pydoc_topics() -> tuple[np.ndarray, list[str]]:
   text = "\n".join(topics.topics[k] for k in sorted(topics.topics))
   vocab = sorted(set(text))
   lookup = {ch: i for i, ch in enumerate(vocab)}
-  ids = np.fromiter((lookup[ch] for ch in text), dtype=np.int32,
-                    count=len(text))
+  ids = np.fromiter(
+    (lookup[ch] for ch in text), dtype=np.int32, count=len(text)
+  )
   return ids, vocab
 
 
-def char_split(ids: np.ndarray, val_fraction: float = 0.1
-               ) -> tuple[np.ndarray, np.ndarray]:
+def char_split(
+  ids: np.ndarray, val_fraction: float = 0.1
+) -> tuple[np.ndarray, np.ndarray]:
   """Splits a char-id stream into train and (final ``val_fraction``) validation."""
   if not 0 < val_fraction < 1:
     raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}.")
@@ -100,7 +106,7 @@ def char_split(ids: np.ndarray, val_fraction: float = 0.1
 
 
 def char_batches(
-    ids: np.ndarray, batch_size: int, context: int, seed: int = 0
+  ids: np.ndarray, batch_size: int, context: int, seed: int = 0
 ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
   """Yields random ``(inputs, targets)`` windows forever, each ``[B, context]``.
 
@@ -117,12 +123,13 @@ def char_batches(
     yield windows[:, :-1], windows[:, 1:]
 
 
-def char_eval_windows(ids: np.ndarray, context: int, max_windows: int = 256
-                      ) -> tuple[np.ndarray, np.ndarray]:
+def char_eval_windows(
+  ids: np.ndarray, context: int, max_windows: int = 256
+) -> tuple[np.ndarray, np.ndarray]:
   """Non-overlapping evaluation windows ``(inputs, targets)`` from the start."""
   n = min(max_windows, (len(ids) - 1) // context)
   if n < 1:
     raise ValueError("the id stream is shorter than one context window.")
   x = ids[: n * context].reshape(n, context)
-  y = ids[1: n * context + 1].reshape(n, context)
+  y = ids[1 : n * context + 1].reshape(n, context)
   return x, y

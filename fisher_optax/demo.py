@@ -22,10 +22,11 @@ It prints one table per part and writes ``demo.png`` and ``demo.json`` to
 
 from __future__ import annotations
 
+from collections.abc import Callable
 import json
 import pathlib
 import time
-from typing import Any, Callable
+from typing import Any
 
 from absl import app
 from absl import flags
@@ -63,8 +64,19 @@ def _ce(logits: jax.Array, labels: jax.Array) -> jax.Array:
   return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
 
 
-def _train(apply_fn, params, tx, x, y, *, steps, batch_size, seed, desc,
-           loss_extra: Callable[[PyTree], jax.Array] | None = None):
+def _train(
+  apply_fn,
+  params,
+  tx,
+  x,
+  y,
+  *,
+  steps,
+  batch_size,
+  seed,
+  desc,
+  loss_extra: Callable[[PyTree], jax.Array] | None = None,
+):
   """Trains with ``tx``; returns params, losses and the final optimizer state."""
 
   def objective(p, xb, yb):
@@ -101,31 +113,50 @@ def _nll(apply_fn, params, x, y) -> float:
 def part_optimizers(apply_fn, init, data, steps, batch_size, seed):
   hidden = lambda p: jax.tree.map(lambda x: x.ndim == 2, p)
   optimizers = {
-      "AdamW (optax)": optax.adamw(3e-3, weight_decay=0.5),
-      "FAdam": fisher_optax.fadam(3e-3, weight_decay=0.1),
-      "FISMO": fisher_optax.fismo(1e-3, adam_learning_rate=3e-3),
-      "Natural GaLore": fisher_optax.natural_galore(
-          3e-3, rank=16, update_proj_gap=100, history_size=8, damping=1e-2),
-      "M-FAC": optax.chain(
-          optax.masked(fisher_optax.scale_by_mfac(window_size=32,
-                                                  damping=1e-3), hidden),
-          optax.masked(optax.scale_by_adam(), lambda p: jax.tree.map(
-              lambda m: not m, hidden(p))),
-          optax.scale_by_learning_rate(3e-3)),
+    "AdamW (optax)": optax.adamw(3e-3, weight_decay=0.5),
+    "FAdam": fisher_optax.fadam(3e-3, weight_decay=0.1),
+    "FISMO": fisher_optax.fismo(1e-3, adam_learning_rate=3e-3),
+    "Natural GaLore": fisher_optax.natural_galore(
+      3e-3, rank=16, update_proj_gap=100, history_size=8, damping=1e-2
+    ),
+    "M-FAC": optax.chain(
+      optax.masked(
+        fisher_optax.scale_by_mfac(window_size=32, damping=1e-3), hidden
+      ),
+      optax.masked(
+        optax.scale_by_adam(),
+        lambda p: jax.tree.map(lambda m: not m, hidden(p)),
+      ),
+      optax.scale_by_learning_rate(3e-3),
+    ),
   }
   (x, y), (xt, yt) = data["train"], data["test"]
   rows, curves, trained = [], {}, {}
   for name, tx in optimizers.items():
     t0 = time.perf_counter()
-    params, losses, _ = _train(apply_fn, init, tx, x, y, steps=steps,
-                               batch_size=batch_size, seed=seed, desc=name)
+    params, losses, _ = _train(
+      apply_fn,
+      init,
+      tx,
+      x,
+      y,
+      steps=steps,
+      batch_size=batch_size,
+      seed=seed,
+      desc=name,
+    )
     seconds = time.perf_counter() - t0
     curves[name] = losses
     trained[name] = params
-    rows.append({"optimizer": name, "test_accuracy": _accuracy(
-        apply_fn, params, xt, yt), "test_nll": _nll(apply_fn, params, xt, yt),
-                 "final_train_loss": float(losses[-20:].mean()),
-                 "seconds": seconds})
+    rows.append(
+      {
+        "optimizer": name,
+        "test_accuracy": _accuracy(apply_fn, params, xt, yt),
+        "test_nll": _nll(apply_fn, params, xt, yt),
+        "final_train_loss": float(losses[-20:].mean()),
+        "seconds": seconds,
+      }
+    )
   return rows, curves, trained
 
 
@@ -137,40 +168,60 @@ def part_fisher(apply_fn, params, data, seed, n_examples, rank):
   batch = (x[:n_examples], y[:n_examples])
   cat = fisher.Categorical()
   diags = {
-      kind: fisher.diagonal(apply_fn, params, batch, likelihood=cat, kind=kind,
-                            num_samples=4, key=jax.random.key(seed))
-      for kind in ("exact", "mc", "empirical", "batch_squared")
+    kind: fisher.diagonal(
+      apply_fn,
+      params,
+      batch,
+      likelihood=cat,
+      kind=kind,
+      num_samples=4,
+      key=jax.random.key(seed),
+    )
+    for kind in ("exact", "mc", "empirical", "batch_squared")
   }
   flat = lambda t: jnp.concatenate([a.ravel() for a in jax.tree.leaves(t)])
   exact = flat(diags["exact"].diag)
-  rel_err = {k: float(jnp.linalg.norm(flat(d.diag) - exact)
-                      / jnp.linalg.norm(exact)) for k, d in diags.items()}
-  top = fisher.low_rank(apply_fn, params, batch, likelihood=cat,
-                        kind="empirical", rank=rank)
+  rel_err = {
+    k: float(jnp.linalg.norm(flat(d.diag) - exact) / jnp.linalg.norm(exact))
+    for k, d in diags.items()
+  }
+  top = fisher.low_rank(
+    apply_fn, params, batch, likelihood=cat, kind="empirical", rank=rank
+  )
   # Energies of the empirical Fisher F = G^T G / N, from its N x N Gram.
   pex = fisher.per_example_grads(
-      lambda p, ex: _ce(apply_fn(p, ex[0][None]), ex[1][None]), params, batch,
-      chunk_size=64)
-  g = jnp.concatenate([a.reshape(a.shape[0], -1)
-                       for a in jax.tree.leaves(pex)], axis=1)
+    lambda p, ex: _ce(apply_fn(p, ex[0][None]), ex[1][None]),
+    params,
+    batch,
+    chunk_size=64,
+  )
+  g = jnp.concatenate(
+    [a.reshape(a.shape[0], -1) for a in jax.tree.leaves(pex)], axis=1
+  )
   spectrum = jnp.linalg.eigvalsh(g @ g.T / g.shape[0])[::-1]
-  frob2 = float(jnp.sum(spectrum ** 2))
+  frob2 = float(jnp.sum(spectrum**2))
   diag_emp = flat(diags["empirical"].diag)
-  mean_dir = fisher.rank_one(apply_fn, params, batch, likelihood=cat,
-                             kind="empirical", direction="mean",
-                             scale="optimal")
+  mean_dir = fisher.rank_one(
+    apply_fn,
+    params,
+    batch,
+    likelihood=cat,
+    kind="empirical",
+    direction="mean",
+    scale="optimal",
+  )
   v1 = flat(jax.tree.map(lambda v: v[0], top.eigvecs))
   mu = flat(mean_dir.eigvecs)
   summary = {
-      "n_examples": int(n_examples),
-      "n_params": int(exact.size),
-      "relative_error_vs_exact_diagonal": rel_err,
-      "trace": float(jnp.sum(spectrum)),
-      "top_eigenvalues": [float(v) for v in top.eigvals],
-      "energy_top_k": float(jnp.sum(top.eigvals ** 2) / frob2),
-      "energy_diagonal": float(jnp.sum(diag_emp ** 2) / frob2),
-      "top1_over_trace": float(spectrum[0] / jnp.sum(spectrum)),
-      "cos_mean_grad_top_eigvec": float(jnp.abs(mu @ v1)),
+    "n_examples": int(n_examples),
+    "n_params": int(exact.size),
+    "relative_error_vs_exact_diagonal": rel_err,
+    "trace": float(jnp.sum(spectrum)),
+    "top_eigenvalues": [float(v) for v in top.eigvals],
+    "energy_top_k": float(jnp.sum(top.eigvals**2) / frob2),
+    "energy_diagonal": float(jnp.sum(diag_emp**2) / frob2),
+    "top1_over_trace": float(spectrum[0] / jnp.sum(spectrum)),
+    "cos_mean_grad_top_eigvec": float(jnp.abs(mu @ v1)),
   }
   return summary, np.asarray(spectrum)
 
@@ -183,23 +234,42 @@ def _permute(data, seed):
   return {k: (x[:, perm], y) for k, (x, y) in data.items()}
 
 
-def part_continual(apply_fn, params_a, data_a, steps, batch_size, seed,
-                   n_fisher):
+def part_continual(
+  apply_fn, params_a, data_a, steps, batch_size, seed, n_fisher
+):
   data_b = _permute(data_a, seed)
   xa, ya = data_a["train"][0][:n_fisher], data_a["train"][1][:n_fisher]
   cat = fisher.Categorical()
-  diag = fisher.diagonal(apply_fn, params_a, (xa, ya), likelihood=cat,
-                         kind="exact")
-  r1 = fisher.rank_one(apply_fn, params_a, (xa, ya), likelihood=cat,
-                       kind="empirical", direction="mean", scale="optimal")
+  diag = fisher.diagonal(
+    apply_fn, params_a, (xa, ya), likelihood=cat, kind="exact"
+  )
+  r1 = fisher.rank_one(
+    apply_fn,
+    params_a,
+    (xa, ya),
+    likelihood=cat,
+    kind="empirical",
+    direction="mean",
+    scale="optimal",
+  )
   anchors = {
-      "fine-tune": None,
-      "EWC (diagonal, exact Fisher)": (fisher_optax.consolidate(
-          fisher_optax.init_ewc_anchor(params_a, diagonal=True), params_a,
-          diagonal=diag), 100.0),
-      "EWC (rank-1, c*)": (fisher_optax.consolidate(
-          fisher_optax.init_ewc_anchor(params_a, diagonal=False, rank=1),
-          params_a, low_rank=r1), 1000.0),
+    "fine-tune": None,
+    "EWC (diagonal, exact Fisher)": (
+      fisher_optax.consolidate(
+        fisher_optax.init_ewc_anchor(params_a, diagonal=True),
+        params_a,
+        diagonal=diag,
+      ),
+      100.0,
+    ),
+    "EWC (rank-1, c*)": (
+      fisher_optax.consolidate(
+        fisher_optax.init_ewc_anchor(params_a, diagonal=False, rank=1),
+        params_a,
+        low_rank=r1,
+      ),
+      1000.0,
+    ),
   }
   rows, finals = [], {}
   for name, spec in anchors.items():
@@ -207,39 +277,64 @@ def part_continual(apply_fn, params_a, data_a, steps, batch_size, seed,
     if spec is not None:
       anchor, strength = spec
       tx = optax.chain(fisher_optax.add_ewc_gradient(strength, anchor), tx)
-    params_b, _, _ = _train(apply_fn, params_a, tx, *data_b["train"],
-                            steps=steps, batch_size=batch_size, seed=seed + 1,
-                            desc=name)
+    params_b, _, _ = _train(
+      apply_fn,
+      params_a,
+      tx,
+      *data_b["train"],
+      steps=steps,
+      batch_size=batch_size,
+      seed=seed + 1,
+      desc=name,
+    )
     finals[name] = params_b
     acc_a = _accuracy(apply_fn, params_b, *data_a["test"])
     acc_b = _accuracy(apply_fn, params_b, *data_b["test"])
-    rows.append({"method": name, "task_A_accuracy": acc_a,
-                 "task_B_accuracy": acc_b, "average": (acc_a + acc_b) / 2})
+    rows.append(
+      {
+        "method": name,
+        "task_A_accuracy": acc_a,
+        "task_B_accuracy": acc_b,
+        "average": (acc_a + acc_b) / 2,
+      }
+    )
   return rows, finals, data_b
 
 
 def part_merging(apply_fn, params_a, params_b, data_a, data_b, n_fisher):
   cat = fisher.Categorical()
   fishers = [
-      fisher.diagonal(apply_fn, p, (d["train"][0][:n_fisher],
-                                    d["train"][1][:n_fisher]),
-                      likelihood=cat, kind="exact").diag
-      for p, d in ((params_a, data_a), (params_b, data_b))
+    fisher.diagonal(
+      apply_fn,
+      p,
+      (d["train"][0][:n_fisher], d["train"][1][:n_fisher]),
+      likelihood=cat,
+      kind="exact",
+    ).diag
+    for p, d in ((params_a, data_a), (params_b, data_b))
   ]
 
   def score(p, split):
-    return (_accuracy(apply_fn, p, *data_a[split])
-            + _accuracy(apply_fn, p, *data_b[split])) / 2
+    return (
+      _accuracy(apply_fn, p, *data_a[split])
+      + _accuracy(apply_fn, p, *data_b[split])
+    ) / 2
 
   rows = []
   for name, f in (("plain average", None), ("Fisher merging", fishers)):
     search = fisher_optax.search_merge_weights(
-        lambda p: score(p, "val"), [params_a, params_b], f, num_points=11)
-    merged = fisher_optax.fisher_merge([params_a, params_b], f,
-                                       weights=search.best_weights)
-    rows.append({"merge": name,
-                 "weight_on_task_A": float(np.asarray(search.best_weights)[0]),
-                 "mean_test_accuracy": score(merged, "test")})
+      lambda p: score(p, "val"), [params_a, params_b], f, num_points=11
+    )
+    merged = fisher_optax.fisher_merge(
+      [params_a, params_b], f, weights=search.best_weights
+    )
+    rows.append(
+      {
+        "merge": name,
+        "weight_on_task_A": float(np.asarray(search.best_weights)[0]),
+        "mean_test_accuracy": score(merged, "test"),
+      }
+    )
   return rows
 
 
@@ -258,16 +353,26 @@ def part_pruning(apply_fn, params, data, sparsity, seed, steps):
     idx = rng.integers(0, len(x), 128)
     return fisher.per_example_grads(loss, p, (x[idx], y[idx]), chunk_size=64)
 
-  obs = fisher_optax.obs_prune(params, grad_fn, sparsity, prunable=kernels,
-                               steps=steps, block_size=128, damping=1e-4)
+  obs = fisher_optax.obs_prune(
+    params,
+    grad_fn,
+    sparsity,
+    prunable=kernels,
+    steps=steps,
+    block_size=128,
+    damping=1e-4,
+  )
   mag = fisher_optax.magnitude_prune(params, sparsity, prunable=kernels)
   return [
-      {"pruning": "dense", "test_accuracy": _accuracy(apply_fn, params, xt,
-                                                      yt)},
-      {"pruning": f"magnitude {sparsity:.0%}",
-       "test_accuracy": _accuracy(apply_fn, mag.params, xt, yt)},
-      {"pruning": f"OBS (M-FAC) {sparsity:.0%}",
-       "test_accuracy": _accuracy(apply_fn, obs.params, xt, yt)},
+    {"pruning": "dense", "test_accuracy": _accuracy(apply_fn, params, xt, yt)},
+    {
+      "pruning": f"magnitude {sparsity:.0%}",
+      "test_accuracy": _accuracy(apply_fn, mag.params, xt, yt),
+    },
+    {
+      "pruning": f"OBS (M-FAC) {sparsity:.0%}",
+      "test_accuracy": _accuracy(apply_fn, obs.params, xt, yt),
+    },
   ]
 
 
@@ -278,15 +383,18 @@ def _table(rows: list[dict[str, Any]]) -> str:
   keys = list(rows[0])
   fmt = lambda v: f"{v:.4f}" if isinstance(v, float) else str(v)
   cells = [[fmt(r[k]) for k in keys] for r in rows]
-  widths = [max(len(k), *(len(c[i]) for c in cells))
-            for i, k in enumerate(keys)]
+  widths = [
+    max(len(k), *(len(c[i]) for c in cells)) for i, k in enumerate(keys)
+  ]
   line = lambda vals: "  ".join(v.ljust(w) for v, w in zip(vals, widths))
-  return "\n".join([line(keys), line(["-" * w for w in widths]),
-                    *(line(c) for c in cells)])
+  return "\n".join(
+    [line(keys), line(["-" * w for w in widths]), *(line(c) for c in cells)]
+  )
 
 
 def _plot(path, curves, spectrum, fisher_summary, continual, merging, pruning):
   import matplotlib  # pylint: disable=g-import-not-at-top
+
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
 
@@ -299,28 +407,39 @@ def _plot(path, curves, spectrum, fisher_summary, continual, merging, pruning):
   ax.legend(fontsize=8)
   ax = axes[0, 1]
   ax.semilogy(np.maximum(spectrum, 1e-12), ".")
-  ax.set(title="2. empirical Fisher spectrum (per-example Gram)",
-         xlabel="index", ylabel="eigenvalue")
+  ax.set(
+    title="2. empirical Fisher spectrum (per-example Gram)",
+    xlabel="index",
+    ylabel="eigenvalue",
+  )
   ax = axes[0, 2]
   errs = fisher_summary["relative_error_vs_exact_diagonal"]
   ax.bar(list(errs), list(errs.values()))
   ax.set(title="2. diagonal: relative error vs exact Fisher")
   ax = axes[1, 0]
   names = [r["method"] for r in continual]
-  ax.bar(np.arange(len(names)) - 0.2, [r["task_A_accuracy"] for r in continual],
-         0.4, label="task A (old)")
-  ax.bar(np.arange(len(names)) + 0.2, [r["task_B_accuracy"] for r in continual],
-         0.4, label="task B (new)")
+  ax.bar(
+    np.arange(len(names)) - 0.2,
+    [r["task_A_accuracy"] for r in continual],
+    0.4,
+    label="task A (old)",
+  )
+  ax.bar(
+    np.arange(len(names)) + 0.2,
+    [r["task_B_accuracy"] for r in continual],
+    0.4,
+    label="task B (new)",
+  )
   ax.set_xticks(np.arange(len(names)), names, fontsize=7)
   ax.set(title="3. continual learning: accuracy after task B", ylim=(0, 1))
   ax.legend(fontsize=8)
   ax = axes[1, 1]
-  ax.bar([r["merge"] for r in merging],
-         [r["mean_test_accuracy"] for r in merging])
+  ax.bar(
+    [r["merge"] for r in merging], [r["mean_test_accuracy"] for r in merging]
+  )
   ax.set(title="4. merging A and fine-tuned B: mean accuracy", ylim=(0, 1))
   ax = axes[1, 2]
-  ax.bar([r["pruning"] for r in pruning],
-         [r["test_accuracy"] for r in pruning])
+  ax.bar([r["pruning"] for r in pruning], [r["test_accuracy"] for r in pruning])
   ax.tick_params(axis="x", labelsize=7)
   ax.set(title="5. pruning without retraining", ylim=(0, 1))
   fig.tight_layout()
@@ -337,51 +456,84 @@ def main(argv: list[str]) -> None:
   seed = FLAGS.seed
   out = pathlib.Path(FLAGS.out_dir)
   out.mkdir(parents=True, exist_ok=True)
-  print(f"fisher_optax {fisher_optax.__version__} on {jax.device_count()} "
-        f"{jax.default_backend()} device(s)")
+  print(
+    f"fisher_optax {fisher_optax.__version__} on {jax.device_count()} "
+    f"{jax.default_backend()} device(s)"
+  )
 
   data = datasets.load_digits(seed=seed)
   apply_fn, init = models.digits_mlp(seed, _SIZES)
 
-  print("\n1. Optimizers on the digits MLP "
-        f"({steps} steps, batch {FLAGS.batch_size})")
-  opt_rows, curves, trained = part_optimizers(apply_fn, init, data, steps,
-                                              FLAGS.batch_size, seed)
+  print(
+    "\n1. Optimizers on the digits MLP "
+    f"({steps} steps, batch {FLAGS.batch_size})"
+  )
+  opt_rows, curves, trained = part_optimizers(
+    apply_fn, init, data, steps, FLAGS.batch_size, seed
+  )
   print(_table(opt_rows))
   params = trained["AdamW (optax)"]
 
   print(f"\n2. The Fisher of the AdamW-trained model ({n_fisher} examples)")
-  fisher_summary, spectrum = part_fisher(apply_fn, params, data, seed,
-                                         min(n_fisher, 256), rank=16)
-  print(_table([{"kind": k, "rel. error vs exact diag": v} for k, v in
-                fisher_summary["relative_error_vs_exact_diagonal"].items()]))
-  print(f"top-16 low rank captures {fisher_summary['energy_top_k']:.1%} of "
-        f"||F||_F^2, the diagonal {fisher_summary['energy_diagonal']:.1%}; "
-        f"lambda_1 / tr F = {fisher_summary['top1_over_trace']:.3f}, "
-        f"|cos(mean grad, v_1)| = "
-        f"{fisher_summary['cos_mean_grad_top_eigvec']:.3f}")
+  fisher_summary, spectrum = part_fisher(
+    apply_fn, params, data, seed, min(n_fisher, 256), rank=16
+  )
+  print(
+    _table(
+      [
+        {"kind": k, "rel. error vs exact diag": v}
+        for k, v in fisher_summary["relative_error_vs_exact_diagonal"].items()
+      ]
+    )
+  )
+  print(
+    f"top-16 low rank captures {fisher_summary['energy_top_k']:.1%} of "
+    f"||F||_F^2, the diagonal {fisher_summary['energy_diagonal']:.1%}; "
+    f"lambda_1 / tr F = {fisher_summary['top1_over_trace']:.3f}, "
+    f"|cos(mean grad, v_1)| = "
+    f"{fisher_summary['cos_mean_grad_top_eigvec']:.3f}"
+  )
 
   print("\n3. Continual learning: task A = digits, task B = permuted pixels")
-  continual, finals, data_b = part_continual(apply_fn, params, data, steps,
-                                             FLAGS.batch_size, seed, n_fisher)
+  continual, finals, data_b = part_continual(
+    apply_fn, params, data, steps, FLAGS.batch_size, seed, n_fisher
+  )
   print(_table(continual))
 
   print("\n4. Merging the task-A model with its fine-tuned task-B version")
-  merging = part_merging(apply_fn, params, finals["fine-tune"], data, data_b,
-                         n_fisher)
+  merging = part_merging(
+    apply_fn, params, finals["fine-tune"], data, data_b, n_fisher
+  )
   print(_table(merging))
 
   print("\n5. Pruning 80% of the kernels without retraining")
-  pruning = part_pruning(apply_fn, params, data, 0.8, seed,
-                         steps=4 if small else 16)
+  pruning = part_pruning(
+    apply_fn, params, data, 0.8, seed, steps=4 if small else 16
+  )
   print(_table(pruning))
 
-  _plot(out / "demo.png", curves, spectrum, fisher_summary, continual,
-        merging, pruning)
-  (out / "demo.json").write_text(json.dumps({
-      "optimizers": opt_rows, "fisher": fisher_summary,
-      "continual": continual, "merging": merging, "pruning": pruning,
-  }, indent=2) + "\n")
+  _plot(
+    out / "demo.png",
+    curves,
+    spectrum,
+    fisher_summary,
+    continual,
+    merging,
+    pruning,
+  )
+  (out / "demo.json").write_text(
+    json.dumps(
+      {
+        "optimizers": opt_rows,
+        "fisher": fisher_summary,
+        "continual": continual,
+        "merging": merging,
+        "pruning": pruning,
+      },
+      indent=2,
+    )
+    + "\n"
+  )
   print(f"\nwrote {out / 'demo.png'} and {out / 'demo.json'}")
 
 

@@ -46,7 +46,8 @@ Example (NNX)::
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import flax
 from flax import nnx
@@ -61,14 +62,14 @@ PyTree = Any
 Filter = Any
 
 __all__ = [
-    "nnx_per_example_grads",
-    "nnx_obj_fn",
-    "nnx_apply_fn",
-    "nnx_mask",
-    "apply_gradients",
-    "TrainState",
-    "accumulate_fisher",
-    "AccumulateFisherState",
+  "AccumulateFisherState",
+  "TrainState",
+  "accumulate_fisher",
+  "apply_gradients",
+  "nnx_apply_fn",
+  "nnx_mask",
+  "nnx_obj_fn",
+  "nnx_per_example_grads",
 ]
 
 
@@ -81,12 +82,12 @@ def _split(model: nnx.Module, wrt: Filter):
 
 
 def nnx_per_example_grads(
-    loss_fn: Callable[[nnx.Module, Any], jax.Array],
-    model: nnx.Module,
-    batch: PyTree,
-    *,
-    wrt: Filter = nnx.Param,
-    chunk_size: int | None = None,
+  loss_fn: Callable[[nnx.Module, Any], jax.Array],
+  model: nnx.Module,
+  batch: PyTree,
+  *,
+  wrt: Filter = nnx.Param,
+  chunk_size: int | None = None,
 ) -> nnx.State:
   """Per-example gradients of an NNX model, in the optimizer's tree.
 
@@ -110,16 +111,17 @@ def nnx_per_example_grads(
   def pure_loss(p, example):
     return loss_fn(nnx.merge(graphdef, p, rest), example)
 
-  return _fisher.per_example_grads(pure_loss, pure_params, batch,
-                                   chunk_size=chunk_size)
+  return _fisher.per_example_grads(
+    pure_loss, pure_params, batch, chunk_size=chunk_size
+  )
 
 
 def nnx_obj_fn(
-    loss_fn: Callable[..., jax.Array],
-    model: nnx.Module,
-    *args: Any,
-    wrt: Filter = nnx.Param,
-    **kwargs: Any,
+  loss_fn: Callable[..., jax.Array],
+  model: nnx.Module,
+  *args: Any,
+  wrt: Filter = nnx.Param,
+  **kwargs: Any,
 ) -> Callable[[PyTree], jax.Array]:
   """Returns ``obj_fn(params) = loss_fn(model_with(params), *args, **kwargs)``.
 
@@ -135,7 +137,7 @@ def nnx_obj_fn(
 
 
 def nnx_apply_fn(
-    model: nnx.Module, *, wrt: Filter = nnx.Param
+  model: nnx.Module, *, wrt: Filter = nnx.Param
 ) -> tuple[Callable[[PyTree, Any], Any], PyTree]:
   """``(apply_fn, params)`` for the estimators of :mod:`fisher_optax.fisher`.
 
@@ -153,7 +155,7 @@ def nnx_apply_fn(
 
 
 def nnx_mask(
-    model: nnx.Module, select: Filter, *, wrt: Filter = nnx.Param
+  model: nnx.Module, select: Filter, *, wrt: Filter = nnx.Param
 ) -> PyTree:
   """A boolean tree over the model's ``wrt`` state: True where ``select`` matches.
 
@@ -166,7 +168,8 @@ def nnx_mask(
   flat = nnx.to_flat_state(params)
   masked = [(path, predicate(path, var)) for path, var in flat]
   bool_state = nnx.from_flat_state(
-      [(path, jnp.asarray(flag)) for path, flag in masked])
+    [(path, jnp.asarray(flag)) for path, flag in masked]
+  )
   # Python bools, so optax.masked sees static leaves.
   return jax.tree.map(lambda x: bool(x), nnx.as_pure(bool_state))
 
@@ -175,7 +178,7 @@ def nnx_mask(
 
 
 def apply_gradients(
-    state: train_state.TrainState, grads: PyTree, **tx_kwargs: Any
+  state: train_state.TrainState, grads: PyTree, **tx_kwargs: Any
 ) -> train_state.TrainState:
   """``state.apply_gradients(grads=grads)`` that forwards ``tx_kwargs`` to tx.
 
@@ -188,8 +191,9 @@ def apply_gradients(
   Returns:
     The new state with ``step + 1``, updated ``params`` and ``opt_state``.
   """
-  updates, opt_state = state.tx.update(grads, state.opt_state, state.params,
-                                       **tx_kwargs)
+  updates, opt_state = state.tx.update(
+    grads, state.opt_state, state.params, **tx_kwargs
+  )
   params = optax.apply_updates(state.params, updates)
   return state.replace(step=state.step + 1, params=params, opt_state=opt_state)
 
@@ -201,8 +205,9 @@ class TrainState(train_state.TrainState):
   other keyword arguments replace dataclass fields, as in flax.
   """
 
-  def apply_gradients(self, *, grads, tx_kwargs: dict[str, Any] | None = None,
-                      **kwargs):
+  def apply_gradients(
+    self, *, grads, tx_kwargs: dict[str, Any] | None = None, **kwargs
+  ):
     new = apply_gradients(self, grads, **(tx_kwargs or {}))
     return new.replace(**kwargs) if kwargs else new
 
@@ -229,7 +234,7 @@ class AccumulateFisherState(NamedTuple):
 
 
 def accumulate_fisher(
-    inner: optax.GradientTransformation, every_k: int
+  inner: optax.GradientTransformation, every_k: int
 ) -> optax.GradientTransformationExtraArgs:
   """Gradient accumulation whose diagonal Fisher sees every micro-batch.
 
@@ -258,44 +263,64 @@ def accumulate_fisher(
   inner = optax.with_extra_args_support(inner)
 
   def init_fn(params):
-    zeros = jax.tree.map(
-        lambda p: jnp.zeros(jnp.shape(p), jnp.float32), params)
+    zeros = jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), jnp.float32), params)
     return AccumulateFisherState(
-        mini_step=jnp.zeros([], jnp.int32), grad_sum=zeros, sq_sum=zeros,
-        count=jnp.zeros([], jnp.int32), inner_state=inner.init(params))
+      mini_step=jnp.zeros([], jnp.int32),
+      grad_sum=zeros,
+      sq_sum=zeros,
+      count=jnp.zeros([], jnp.int32),
+      inner_state=inner.init(params),
+    )
 
-  def update_fn(updates, state, params=None, *, per_example_grads=None,
-                **extra_args):
+  def update_fn(
+    updates, state, params=None, *, per_example_grads=None, **extra_args
+  ):
     if per_example_grads is None:
-      raise ValueError("accumulate_fisher needs a per_example_grads= extra on "
-                       "every micro-batch.")
+      raise ValueError(
+        "accumulate_fisher needs a per_example_grads= extra on "
+        "every micro-batch."
+      )
     batch = _fisher_check_leading(per_example_grads, updates)
-    grad_sum = jax.tree.map(lambda s, g: s + g.astype(jnp.float32),
-                            state.grad_sum, updates)
+    grad_sum = jax.tree.map(
+      lambda s, g: s + g.astype(jnp.float32), state.grad_sum, updates
+    )
     sq_sum = jax.tree.map(
-        lambda s, g: s + jnp.sum(jnp.square(g.astype(jnp.float32)), axis=0),
-        state.sq_sum, per_example_grads)
+      lambda s, g: s + jnp.sum(jnp.square(g.astype(jnp.float32)), axis=0),
+      state.sq_sum,
+      per_example_grads,
+    )
     count = state.count + batch
     mini_step = state.mini_step + 1
 
     def emit(_):
       mean_grad = jax.tree.map(
-          lambda s, u: (s / every_k).astype(u.dtype), grad_sum, updates)
+        lambda s, u: (s / every_k).astype(u.dtype), grad_sum, updates
+      )
       stat = _fisher.DiagonalFisher(
-          diag=jax.tree.map(lambda s: s / count, sq_sum),
-          mean_grad=jax.tree.map(lambda s: s / every_k, grad_sum),
-          count=count, kind="empirical")
+        diag=jax.tree.map(lambda s: s / count, sq_sum),
+        mean_grad=jax.tree.map(lambda s: s / every_k, grad_sum),
+        count=count,
+        kind="empirical",
+      )
       new_updates, inner_state = inner.update(
-          mean_grad, state.inner_state, params, fisher=stat, **extra_args)
+        mean_grad, state.inner_state, params, fisher=stat, **extra_args
+      )
       zeros = jax.tree.map(jnp.zeros_like, grad_sum)
       return new_updates, AccumulateFisherState(
-          jnp.zeros([], jnp.int32), zeros, zeros, jnp.zeros([], jnp.int32),
-          inner_state)
+        jnp.zeros([], jnp.int32),
+        zeros,
+        zeros,
+        jnp.zeros([], jnp.int32),
+        inner_state,
+      )
 
     def skip(_):
-      return (jax.tree.map(jnp.zeros_like, updates),
-              AccumulateFisherState(mini_step, grad_sum, sq_sum, count,
-                                    state.inner_state))
+      return (
+        jax.tree.map(jnp.zeros_like, updates),
+        AccumulateFisherState(
+          mini_step, grad_sum, sq_sum, count, state.inner_state
+        ),
+      )
 
     return jax.lax.cond(mini_step >= every_k, emit, skip, None)
 
@@ -304,8 +329,10 @@ def accumulate_fisher(
 
 def _fisher_check_leading(per_example_grads: PyTree, updates: PyTree) -> int:
   from fisher_optax import _validation  # pylint: disable=g-import-not-at-top
-  return _validation.check_leading_axis(per_example_grads, updates,
-                                        what="per_example_grads")
+
+  return _validation.check_leading_axis(
+    per_example_grads, updates, what="per_example_grads"
+  )
 
 
 del flax

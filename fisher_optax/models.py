@@ -9,12 +9,13 @@ inputs)`` and a plain nested dict of parameters, the form every
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 import math
-from typing import Any, Callable, Sequence
+from typing import Any
 
+from flax import nnx
 import jax
 import jax.numpy as jnp
-from flax import nnx
 
 PyTree = Any
 
@@ -22,11 +23,12 @@ PyTree = Any
 class MLP(nnx.Module):
   """A plain MLP ``sizes[0] -> ... -> sizes[-1]`` with Dense layers."""
 
-  def __init__(self, sizes: Sequence[int], *, activation: str = "gelu",
-               rngs: nnx.Rngs):
-    self.layers = nnx.List([
-        nnx.Linear(a, b, rngs=rngs) for a, b in zip(sizes[:-1], sizes[1:])
-    ])
+  def __init__(
+    self, sizes: Sequence[int], *, activation: str = "gelu", rngs: nnx.Rngs
+  ):
+    self.layers = nnx.List(
+      [nnx.Linear(a, b, rngs=rngs) for a, b in zip(sizes[:-1], sizes[1:])]
+    )
     self.activation = getattr(jax.nn, activation)
 
   def __call__(self, x: jax.Array) -> jax.Array:
@@ -59,7 +61,6 @@ class CausalSelfAttention(nnx.Module):
 
 
 class Block(nnx.Module):
-
   def __init__(self, d: int, heads: int, ffn: int, *, rngs: nnx.Rngs):
     self.norm1 = nnx.RMSNorm(d, rngs=rngs)
     self.attn = CausalSelfAttention(d, heads, rngs=rngs)
@@ -79,13 +80,22 @@ class CharTransformer(nnx.Module):
   kernel named ``q``, ``k``, ``v``, ``o``, ``up``, ``down``.
   """
 
-  def __init__(self, vocab: int, *, d: int = 64, heads: int = 4,
-               layers: int = 2, ffn: int = 256, context: int = 64,
-               rngs: nnx.Rngs):
+  def __init__(
+    self,
+    vocab: int,
+    *,
+    d: int = 64,
+    heads: int = 4,
+    layers: int = 2,
+    ffn: int = 256,
+    context: int = 64,
+    rngs: nnx.Rngs,
+  ):
     self.embed = nnx.Embed(vocab, d, rngs=rngs)
     self.pos = nnx.Param(0.02 * jax.random.normal(rngs.params(), (context, d)))
-    self.blocks = nnx.List([Block(d, heads, ffn, rngs=rngs)
-                            for _ in range(layers)])
+    self.blocks = nnx.List(
+      [Block(d, heads, ffn, rngs=rngs) for _ in range(layers)]
+    )
     self.norm = nnx.RMSNorm(d, rngs=rngs)
     self.head = nnx.Linear(d, vocab, rngs=rngs)
 
@@ -113,11 +123,13 @@ def functional(module: nnx.Module) -> tuple[Callable[..., Any], PyTree]:
   return apply_fn, params
 
 
-def digits_mlp(seed: int = 0, sizes: Sequence[int] = (64, 128, 128, 10),
-               activation: str = "gelu"):
+def digits_mlp(
+  seed: int = 0,
+  sizes: Sequence[int] = (64, 128, 128, 10),
+  activation: str = "gelu",
+):
   """``(apply_fn, params)`` of the digits MLP used across benchmarks."""
-  return functional(MLP(sizes, activation=activation,
-                        rngs=nnx.Rngs(seed)))
+  return functional(MLP(sizes, activation=activation, rngs=nnx.Rngs(seed)))
 
 
 def char_transformer(vocab: int, seed: int = 0, **kwargs):

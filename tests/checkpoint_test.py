@@ -19,10 +19,10 @@ uninterrupted 6-step run (to 1e-7, in practice bitwise).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 import functools
 import pathlib
 import tempfile
-from typing import Any, Callable
 
 from absl.testing import absltest
 from absl.testing import parameterized
@@ -48,20 +48,22 @@ def _apply(params: dict[str, jax.Array], x: jax.Array) -> jax.Array:
 
 def _init_params() -> dict[str, jax.Array]:
   k1, k2 = jax.random.split(jax.random.key(0))
-  return {"w1": 0.5 * jax.random.normal(k1, (6, 4)),
-          "b1": jnp.zeros((4,)),
-          "w2": 0.5 * jax.random.normal(k2, (4, 3))}
+  return {
+    "w1": 0.5 * jax.random.normal(k1, (6, 4)),
+    "b1": jnp.zeros((4,)),
+    "w2": 0.5 * jax.random.normal(k2, (4, 3)),
+  }
 
 
 def _loss(params, x, y):
   return optax.softmax_cross_entropy_with_integer_labels(
-      _apply(params, x), y).mean()
+    _apply(params, x), y
+  ).mean()
 
 
 def _batch(step: int) -> tuple[jax.Array, jax.Array]:
   kx, ky = jax.random.split(jax.random.fold_in(jax.random.key(1), step))
-  return (jax.random.normal(kx, (8, 6)),
-          jax.random.randint(ky, (8,), 0, 3))
+  return (jax.random.normal(kx, (8, 6)), jax.random.randint(ky, (8,), 0, 3))
 
 
 # Anchors and subspaces are data a real restart would reload with the
@@ -71,19 +73,30 @@ def _anchor() -> fisher_optax.EWCAnchor:
   @jax.jit
   def make(params, batch):
     cat = fisher.Categorical()
-    diag = fisher.diagonal(_apply, params, batch, likelihood=cat,
-                           kind="exact")
-    r1 = fisher.rank_one(_apply, params, batch, likelihood=cat,
-                         kind="empirical", direction="mean", scale="optimal")
+    diag = fisher.diagonal(_apply, params, batch, likelihood=cat, kind="exact")
+    r1 = fisher.rank_one(
+      _apply,
+      params,
+      batch,
+      likelihood=cat,
+      kind="empirical",
+      direction="mean",
+      scale="optimal",
+    )
     return fisher_optax.consolidate(
-        fisher_optax.init_ewc_anchor(params, diagonal=True, rank=1), params,
-        diagonal=diag, low_rank=r1)
+      fisher_optax.init_ewc_anchor(params, diagonal=True, rank=1),
+      params,
+      diagonal=diag,
+      low_rank=r1,
+    )
+
   return make(_init_params(), _batch(100))
 
 
 def _ewc_adam() -> optax.GradientTransformation:
-  return optax.chain(fisher_optax.add_ewc_gradient(0.5, _anchor()),
-                     optax.adam(1e-2))
+  return optax.chain(
+    fisher_optax.add_ewc_gradient(0.5, _anchor()), optax.adam(1e-2)
+  )
 
 
 @functools.cache
@@ -91,50 +104,63 @@ def _subspace() -> fisher_optax.ProtectedSubspace:
   @jax.jit
   def make(params, x, y):
     g = fisher.per_example_grads(
-        lambda p, ex: _loss(p, ex[0][None], ex[1][None]), params, (x, y))
+      lambda p, ex: _loss(p, ex[0][None], ex[1][None]), params, (x, y)
+    )
     return fisher_optax.protected_subspace(g, max_rank=2, tau=0.99)
+
   return make(_init_params(), *_batch(200))
 
 
 # Each factory is called afresh for the restored run: nothing is shared but
 # the checkpoint.
 _TRANSFORMS: dict[str, Callable[[], optax.GradientTransformation]] = {
-    "fadam": lambda: fisher_optax.fadam(1e-2),
-    "fadam_per_example": lambda: fisher_optax.fadam(
-        1e-2, fisher_source="per_example"),
-    "inject_fadam": lambda: optax.inject_hyperparams(fisher_optax.fadam)(
-        learning_rate=optax.linear_schedule(1e-2, 1e-3, 6)),
-    "fismo": lambda: fisher_optax.fismo(1e-2, precondition_interval=2),
-    "natural_galore": lambda: fisher_optax.natural_galore(
-        1e-2, rank=2, update_proj_gap=2, history_size=3, damping=1e-2),
-    "woodbury_fisher": lambda: fisher_optax.scale_by_woodbury_fisher(
-        history_size=3, damping=1e-2),
-    "mfac": lambda: fisher_optax.mfac(1e-2, window_size=4, damping=1.0),
-    "ewc": _ewc_adam,
-    "physguard": lambda: fisher_optax.physguard(1e-2, max_rank=2,
-                                                subspace=_subspace()),
-    "project_out_subspace": lambda: optax.chain(
-        fisher_optax.project_out_subspace(2, subspace=_subspace()),
-        optax.sgd(1e-1)),
-    "estimate_fisher_diag": lambda: optax.chain(
-        fisher.estimate_fisher_diag(interval=2, decay=0.5), optax.sgd(1e-1)),
-    "estimate_fisher_diag_mc": lambda: optax.chain(
-        fisher.estimate_fisher_diag(_apply, fisher.Categorical(), kind="mc",
-                                    key=jax.random.key(3)), optax.sgd(1e-1)),
-    "estimate_fisher_low_rank": lambda: optax.chain(
-        fisher.estimate_fisher_low_rank(rank=2), optax.sgd(1e-1)),
-    "accumulate_fisher": lambda: fo_flax.accumulate_fisher(
-        fisher_optax.fadam(1e-2, fisher_source="per_example"), every_k=2),
-    "multi_steps": lambda: optax.MultiSteps(fisher_optax.fadam(1e-2), 2),
+  "fadam": lambda: fisher_optax.fadam(1e-2),
+  "fadam_per_example": lambda: fisher_optax.fadam(
+    1e-2, fisher_source="per_example"
+  ),
+  "inject_fadam": lambda: optax.inject_hyperparams(fisher_optax.fadam)(
+    learning_rate=optax.linear_schedule(1e-2, 1e-3, 6)
+  ),
+  "fismo": lambda: fisher_optax.fismo(1e-2, precondition_interval=2),
+  "natural_galore": lambda: fisher_optax.natural_galore(
+    1e-2, rank=2, update_proj_gap=2, history_size=3, damping=1e-2
+  ),
+  "woodbury_fisher": lambda: fisher_optax.scale_by_woodbury_fisher(
+    history_size=3, damping=1e-2
+  ),
+  "mfac": lambda: fisher_optax.mfac(1e-2, window_size=4, damping=1.0),
+  "ewc": _ewc_adam,
+  "physguard": lambda: fisher_optax.physguard(
+    1e-2, max_rank=2, subspace=_subspace()
+  ),
+  "project_out_subspace": lambda: optax.chain(
+    fisher_optax.project_out_subspace(2, subspace=_subspace()), optax.sgd(1e-1)
+  ),
+  "estimate_fisher_diag": lambda: optax.chain(
+    fisher.estimate_fisher_diag(interval=2, decay=0.5), optax.sgd(1e-1)
+  ),
+  "estimate_fisher_diag_mc": lambda: optax.chain(
+    fisher.estimate_fisher_diag(
+      _apply, fisher.Categorical(), kind="mc", key=jax.random.key(3)
+    ),
+    optax.sgd(1e-1),
+  ),
+  "estimate_fisher_low_rank": lambda: optax.chain(
+    fisher.estimate_fisher_low_rank(rank=2), optax.sgd(1e-1)
+  ),
+  "accumulate_fisher": lambda: fo_flax.accumulate_fisher(
+    fisher_optax.fadam(1e-2, fisher_source="per_example"), every_k=2
+  ),
+  "multi_steps": lambda: optax.MultiSteps(fisher_optax.fadam(1e-2), 2),
 }
 # Extras each transform needs (default none); computing only these keeps
 # the compiled steps small.
 _EXTRAS = {
-    "fadam_per_example": ("per_example_grads",),
-    "estimate_fisher_diag": ("per_example_grads",),
-    "estimate_fisher_diag_mc": ("batch",),
-    "estimate_fisher_low_rank": ("per_example_grads",),
-    "accumulate_fisher": ("per_example_grads",),
+  "fadam_per_example": ("per_example_grads",),
+  "estimate_fisher_diag": ("per_example_grads",),
+  "estimate_fisher_diag_mc": ("batch",),
+  "estimate_fisher_low_rank": ("per_example_grads",),
+  "accumulate_fisher": ("per_example_grads",),
 }
 
 
@@ -145,10 +171,11 @@ def _step_fn(tx: optax.GradientTransformation, extras: tuple[str, ...]):
   def step(params, state, x, y):
     grads = jax.grad(_loss)(params, x, y)
     available = {
-        "per_example_grads": lambda: fisher.per_example_grads(
-            lambda p, ex: _loss(p, ex[0][None], ex[1][None]), params, (x, y)),
-        "batch": lambda: (x, y),
-        "obj_fn": lambda: (lambda p: _loss(p, x, y)),
+      "per_example_grads": lambda: fisher.per_example_grads(
+        lambda p, ex: _loss(p, ex[0][None], ex[1][None]), params, (x, y)
+      ),
+      "batch": lambda: (x, y),
+      "obj_fn": lambda: lambda p: _loss(p, x, y),
     }
     kwargs = {k: available[k]() for k in extras}
     updates, state = tx.update(grads, state, params, **kwargs)
@@ -158,7 +185,6 @@ def _step_fn(tx: optax.GradientTransformation, extras: tuple[str, ...]):
 
 
 class CheckpointTest(parameterized.TestCase):
-
   @parameterized.named_parameters(*[(n, n) for n in _TRANSFORMS])
   def test_restore_resumes_exact_trajectory(self, name):
     factory = _TRANSFORMS[name]
@@ -177,22 +203,34 @@ class CheckpointTest(parameterized.TestCase):
         reference.append(params)
       # A fresh transform and state, as in a new process.
       fresh_tx = factory()
-      target = {"params": jax.eval_shape(_init_params),
-                "opt_state": jax.eval_shape(fresh_tx.init, params0)}
+      target = {
+        "params": jax.eval_shape(_init_params),
+        "opt_state": jax.eval_shape(fresh_tx.init, params0),
+      }
       restored = checkpoint.restore(path, target)
 
-    chex.assert_trees_all_equal_structs(restored["opt_state"],
-                                        target["opt_state"])
+    chex.assert_trees_all_equal_structs(
+      restored["opt_state"], target["opt_state"]
+    )
     self.assertIsInstance(restored["opt_state"], type(target["opt_state"]))
     fresh_step = _step_fn(fresh_tx, extras)
     params, state = restored["params"], restored["opt_state"]
     for t in range(_SPLIT, _STEPS):
       params, state = fresh_step(params, state, *_batch(t))
-      chex.assert_trees_all_close(params, reference[t], atol=1e-7, rtol=0,
-                                  custom_message=f"{name} step {t + 1}")
+      chex.assert_trees_all_close(
+        params,
+        reference[t],
+        atol=1e-7,
+        rtol=0,
+        custom_message=f"{name} step {t + 1}",
+      )
     # The run must move the parameters, or the comparison is vacuous.
-    moved = max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(
-        jax.tree.leaves(reference[-1]), jax.tree.leaves(reference[_SPLIT - 1])))
+    moved = max(
+      float(jnp.max(jnp.abs(a - b)))
+      for a, b in zip(
+        jax.tree.leaves(reference[-1]), jax.tree.leaves(reference[_SPLIT - 1])
+      )
+    )
     self.assertGreater(moved, 1e-5)
 
   def test_without_target_namedtuples_are_lost(self):
@@ -210,10 +248,13 @@ class CheckpointTest(parameterized.TestCase):
   def test_merge_accumulator_state_resumes(self):
     acc = fisher_optax.fisher_merge_accumulator()
     acc = acc._replace(init=jax.jit(acc.init), add=jax.jit(acc.add))
-    models = [jax.tree.map(lambda p, i=i: p + 0.1 * i, _init_params())
-              for i in range(4)]
-    fishers = [jax.tree.map(lambda p, i=i: jnp.abs(p) + 0.01 * (i + 1), m)
-               for i, m in enumerate(models)]
+    models = [
+      jax.tree.map(lambda p, i=i: p + 0.1 * i, _init_params()) for i in range(4)
+    ]
+    fishers = [
+      jax.tree.map(lambda p, i=i: jnp.abs(p) + 0.01 * (i + 1), m)
+      for i, m in enumerate(models)
+    ]
     full = acc.init(models[0], fishers[0])
     for m, f in zip(models[1:], fishers[1:]):
       full = acc.add(full, m, f)
@@ -222,17 +263,21 @@ class CheckpointTest(parameterized.TestCase):
       path = pathlib.Path(tmp) / "acc"
       checkpoint.save(path, state)
       state = checkpoint.restore(
-          path, jax.eval_shape(acc.init, models[0], fishers[0]))
+        path, jax.eval_shape(acc.init, models[0], fishers[0])
+      )
     for m, f in zip(models[2:], fishers[2:]):
       state = acc.add(state, m, f)
-    chex.assert_trees_all_close(acc.finalize(state), acc.finalize(full),
-                                atol=1e-7, rtol=0)
-    self.assertFalse(np.allclose(
-        np.asarray(acc.finalize(full)["w1"]), np.asarray(models[0]["w1"])))
+    chex.assert_trees_all_close(
+      acc.finalize(state), acc.finalize(full), atol=1e-7, rtol=0
+    )
+    self.assertFalse(
+      np.allclose(
+        np.asarray(acc.finalize(full)["w1"]), np.asarray(models[0]["w1"])
+      )
+    )
 
 
 class CheckpointModuleTest(absltest.TestCase):
-
   def test_overwrite_and_atomicity(self):
     tree = {"a": jnp.arange(3.0), "empty": jnp.zeros((0, 2))}
     with tempfile.TemporaryDirectory() as tmp:
@@ -242,15 +287,18 @@ class CheckpointModuleTest(absltest.TestCase):
         checkpoint.save(path, tree)
       # A failing save (a leaf orbax cannot write) leaves the old checkpoint
       # in place and no temporary directory behind.
-      with self.assertRaises(Exception):
+      with self.assertRaises(Exception):  # noqa: B017 (orbax raises its own types)
         checkpoint.save(path, {"a": object()}, overwrite=True)
-      self.assertEqual(sorted(p.name for p in pathlib.Path(tmp).iterdir()),
-                       ["ckpt"])
-      checkpoint.save(path, {"a": jnp.ones(3), "empty": jnp.zeros((0, 2))},
-                      overwrite=True)
+      self.assertEqual(
+        sorted(p.name for p in pathlib.Path(tmp).iterdir()), ["ckpt"]
+      )
+      checkpoint.save(
+        path, {"a": jnp.ones(3), "empty": jnp.zeros((0, 2))}, overwrite=True
+      )
       back = checkpoint.restore(path, jax.eval_shape(lambda: tree))
-      chex.assert_trees_all_equal(back, {"a": jnp.ones(3),
-                                         "empty": jnp.zeros((0, 2))})
+      chex.assert_trees_all_equal(
+        back, {"a": jnp.ones(3), "empty": jnp.zeros((0, 2))}
+      )
 
   def test_missing_checkpoint(self):
     with tempfile.TemporaryDirectory() as tmp:

@@ -9,7 +9,6 @@ from fisher_optax import datasets
 
 
 class DigitsTest(parameterized.TestCase):
-
   def test_split_sizes_stratified_and_disjoint(self):
     d = datasets.load_digits(seed=3)
     n = sum(len(d[k][0]) for k in ("train", "val", "test"))
@@ -48,15 +47,15 @@ class DigitsTest(parameterized.TestCase):
     self.assertGreaterEqual(x.min(), 0.0)
     self.assertLessEqual(x.max(), 1.0)
 
-  @parameterized.parameters(((0.5, 0.5, 0.5),), ((1.2, -0.1, -0.1),),
-                            ((0.5, 0.5),))
+  @parameterized.parameters(
+    ((0.5, 0.5, 0.5),), ((1.2, -0.1, -0.1),), ((0.5, 0.5),)
+  )
   def test_bad_split(self, split):
     with self.assertRaisesRegex(ValueError, "split"):
       datasets.load_digits(split=split)
 
 
 class PydocTopicsTest(absltest.TestCase):
-
   def test_ids_and_vocab(self):
     ids, vocab = datasets.load_pydoc_topics()
     self.assertGreater(len(ids), 100_000)

@@ -11,20 +11,30 @@ from absl.testing import absltest
 
 
 class DemoTest(absltest.TestCase):
-
   def test_small_demo_runs_and_reports_every_part(self):
     with tempfile.TemporaryDirectory() as out:
       proc = subprocess.run(
-          [sys.executable, "-m", "fisher_optax.demo", "--small",
-           f"--out_dir={out}"],
-          capture_output=True, text=True, timeout=900, check=False)
-      self.assertEqual(proc.returncode, 0,
-                       f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+        [
+          sys.executable,
+          "-m",
+          "fisher_optax.demo",
+          "--small",
+          f"--out_dir={out}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
+      )
+      self.assertEqual(
+        proc.returncode, 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+      )
       self.assertTrue((pathlib.Path(out) / "demo.png").stat().st_size > 0)
       report = json.loads((pathlib.Path(out) / "demo.json").read_text())
     names = [r["optimizer"] for r in report["optimizers"]]
-    self.assertEqual(names, ["AdamW (optax)", "FAdam", "FISMO",
-                             "Natural GaLore", "M-FAC"])
+    self.assertEqual(
+      names, ["AdamW (optax)", "FAdam", "FISMO", "Natural GaLore", "M-FAC"]
+    )
     for row in report["optimizers"]:
       self.assertBetween(row["test_accuracy"], 0.0, 1.0)
       self.assertLess(row["final_train_loss"], 2.31)  # below chance: it learns

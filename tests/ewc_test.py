@@ -23,14 +23,16 @@ def _positive_tree(seed, like):
   n = len(jax.tree.leaves(like))
   keys = iter(jax.random.split(jax.random.key(seed), n))
   return jax.tree.map(
-      lambda x: jnp.abs(jax.random.normal(next(keys), x.shape, x.dtype)), like)
+    lambda x: jnp.abs(jax.random.normal(next(keys), x.shape, x.dtype)), like
+  )
 
 
 def _orthonormal(seed, like, k):
   """k orthonormal directions over the whole tree, as a stacked tree."""
   p = ft.ravel(like).size
-  q, _ = jnp.linalg.qr(jax.random.normal(jax.random.key(seed), (p, k),
-                                         ft.ravel(like).dtype))
+  q, _ = jnp.linalg.qr(
+    jax.random.normal(jax.random.key(seed), (p, k), ft.ravel(like).dtype)
+  )
   return ft.unravel_like(like, q.T)
 
 
@@ -40,7 +42,6 @@ def _dense_low_rank(vals, vecs):
 
 
 class EWCPenaltyTest(parameterized.TestCase):
-
   def _anchor(self, params, parts):
     diag = "diag" in parts
     rank = 3 if "low" in parts else 0
@@ -49,8 +50,10 @@ class EWCPenaltyTest(parameterized.TestCase):
     if diag:
       kwargs["diagonal"] = _positive_tree(1, params)
     if rank:
-      kwargs["low_rank"] = (jnp.array([3.0, 2.0, 0.5]),
-                            _orthonormal(2, params, 3))
+      kwargs["low_rank"] = (
+        jnp.array([3.0, 2.0, 0.5]),
+        _orthonormal(2, params, 3),
+      )
     return fisher_optax.consolidate(anchor, params, **kwargs), kwargs
 
   def test_zero_at_anchor(self):
@@ -58,11 +61,11 @@ class EWCPenaltyTest(parameterized.TestCase):
     with jax.enable_x64(True):
       theta = _params(0)
       anchor, _ = self._anchor(theta, ("diag", "low"))
-      self.assertEqual(float(fisher_optax.ewc_penalty(theta, anchor, 7.0)),
-                       0.0)
+      self.assertEqual(float(fisher_optax.ewc_penalty(theta, anchor, 7.0)), 0.0)
       grad = jax.grad(fisher_optax.ewc_penalty)(theta, anchor, 7.0)
-      chex.assert_trees_all_close(grad, jax.tree.map(jnp.zeros_like, theta),
-                                  atol=1e-12)
+      chex.assert_trees_all_close(
+        grad, jax.tree.map(jnp.zeros_like, theta), atol=1e-12
+      )
 
   @parameterized.parameters(("low",), ("diag", "low"))
   def test_penalty_is_dense_quadratic_form(self, *parts):
@@ -77,12 +80,16 @@ class EWCPenaltyTest(parameterized.TestCase):
       d = ft.ravel(theta) - ft.ravel(theta_star)
       lam = 3.0
       np.testing.assert_allclose(
-          fisher_optax.ewc_penalty(theta, anchor, lam),
-          0.5 * lam * d @ dense @ d,
-          rtol=1e-12)
+        fisher_optax.ewc_penalty(theta, anchor, lam),
+        0.5 * lam * d @ dense @ d,
+        rtol=1e-12,
+      )
       chex.assert_trees_all_close(
-          jax.grad(fisher_optax.ewc_penalty)(theta, anchor, lam),
-          ft.unravel_like(theta, lam * dense @ d), rtol=1e-10, atol=1e-12)
+        jax.grad(fisher_optax.ewc_penalty)(theta, anchor, lam),
+        ft.unravel_like(theta, lam * dense @ d),
+        rtol=1e-10,
+        atol=1e-12,
+      )
 
   def test_transform_increment_is_grad_of_loss_form(self):
     with jax.enable_x64(True):
@@ -92,8 +99,8 @@ class EWCPenaltyTest(parameterized.TestCase):
       updates = jax.tree.map(lambda x: 0.1 * jnp.ones_like(x), theta)
       out, state = jax.jit(tx.update)(updates, tx.init(theta), theta)
       expected = jax.tree.map(
-          jnp.add, updates,
-          jax.grad(fisher_optax.ewc_penalty)(theta, anchor, 2.5))
+        jnp.add, updates, jax.grad(fisher_optax.ewc_penalty)(theta, anchor, 2.5)
+      )
       chex.assert_trees_all_close(out, expected, rtol=1e-12, atol=1e-12)
       self.assertEqual(int(state.count), 1)
 
@@ -108,7 +115,6 @@ class EWCPenaltyTest(parameterized.TestCase):
 
 
 class ConsolidateTest(parameterized.TestCase):
-
   def _tasks(self, n=3):
     thetas = [_params(10 + t) for t in range(n)]
     fishers = [_positive_tree(20 + t, thetas[0]) for t in range(n)]
@@ -129,14 +135,19 @@ class ConsolidateTest(parameterized.TestCase):
       anchor = fisher_optax.init_ewc_anchor(thetas[0])
       for ts, f in zip(thetas, fishers):
         anchor = jax.jit(fisher_optax.consolidate, static_argnames="mode")(
-            anchor, ts, diagonal=f, decay=decay)
+          anchor, ts, diagonal=f, decay=decay
+        )
       theta = _params(99)
       sep = lambda th: self._separate_penalty(th, thetas, fishers, decay)
-      np.testing.assert_allclose(fisher_optax.ewc_penalty(theta, anchor, 1.0),
-                                 sep(theta), rtol=1e-12)
+      np.testing.assert_allclose(
+        fisher_optax.ewc_penalty(theta, anchor, 1.0), sep(theta), rtol=1e-12
+      )
       chex.assert_trees_all_close(
-          jax.grad(fisher_optax.ewc_penalty)(theta, anchor, 1.0),
-          jax.grad(sep)(theta), rtol=1e-10, atol=1e-12)
+        jax.grad(fisher_optax.ewc_penalty)(theta, anchor, 1.0),
+        jax.grad(sep)(theta),
+        rtol=1e-10,
+        atol=1e-12,
+      )
       # 2P + 1 numbers, whatever the number of tasks.
       size = sum(x.size for x in jax.tree.leaves(anchor))
       self.assertEqual(size, 2 * ft.ravel(thetas[0]).size + 1)
@@ -148,34 +159,43 @@ class ConsolidateTest(parameterized.TestCase):
       anchor = fisher_optax.init_ewc_anchor(thetas[0])
       manual = jnp.zeros_like(ft.ravel(thetas[0]))
       for ts, f in zip(thetas, fishers):
-        anchor = fisher_optax.consolidate(anchor, ts, diagonal=f, decay=gamma,
-                                          mode="online")
+        anchor = fisher_optax.consolidate(
+          anchor, ts, diagonal=f, decay=gamma, mode="online"
+        )
         manual = gamma * manual + ft.ravel(f)
-      np.testing.assert_allclose(ft.ravel(anchor.diagonal.precision), manual,
-                                 rtol=1e-12)
+      np.testing.assert_allclose(
+        ft.ravel(anchor.diagonal.precision), manual, rtol=1e-12
+      )
       theta = _params(99)
       d = ft.ravel(theta) - ft.ravel(thetas[-1])
-      np.testing.assert_allclose(fisher_optax.ewc_penalty(theta, anchor, 2.0),
-                                 jnp.sum(manual * d * d), rtol=1e-12)
+      np.testing.assert_allclose(
+        fisher_optax.ewc_penalty(theta, anchor, 2.0),
+        jnp.sum(manual * d * d),
+        rtol=1e-12,
+      )
 
   @parameterized.parameters("separate", "online")
   def test_low_rank_slots_equal_separate_terms(self, mode):
     with jax.enable_x64(True):
       thetas, _ = self._tasks(2)
-      stats = [(jnp.array([2.0, 1.0]), _orthonormal(30 + t, thetas[0], 2))
-               for t in range(2)]
+      stats = [
+        (jnp.array([2.0, 1.0]), _orthonormal(30 + t, thetas[0], 2))
+        for t in range(2)
+      ]
       anchor = fisher_optax.init_ewc_anchor(thetas[0], diagonal=False, rank=4)
       for ts, st in zip(thetas, stats):
-        anchor = fisher_optax.consolidate(anchor, ts, low_rank=st, decay=0.5,
-                                          mode=mode)
+        anchor = fisher_optax.consolidate(
+          anchor, ts, low_rank=st, decay=0.5, mode=mode
+        )
       theta = _params(99)
       terms = []
       for k, (ts, st) in enumerate(zip(thetas, stats)):
         ref = thetas[-1] if mode == "online" else ts
         d = ft.ravel(theta) - ft.ravel(ref)
         terms.append(0.5 ** (1 - k) * d @ _dense_low_rank(*st) @ d)
-      np.testing.assert_allclose(fisher_optax.ewc_penalty(theta, anchor, 2.0),
-                                 sum(terms), rtol=1e-10)
+      np.testing.assert_allclose(
+        fisher_optax.ewc_penalty(theta, anchor, 2.0), sum(terms), rtol=1e-10
+      )
 
   def test_compress_is_exact_within_budget_and_keeps_top_directions(self):
     with jax.enable_x64(True):
@@ -184,10 +204,12 @@ class ConsolidateTest(parameterized.TestCase):
       s2 = (jnp.array([3.0]), _orthonormal(41, thetas[0], 1))
       # Budget 2 >= total rank 2: the compressed gradient is exact.
       anchor = fisher_optax.init_ewc_anchor(thetas[0], diagonal=False, rank=2)
-      anchor = fisher_optax.consolidate(anchor, thetas[0], low_rank=s1,
-                                        low_rank_update="compress")
-      anchor = fisher_optax.consolidate(anchor, thetas[1], low_rank=s2,
-                                        low_rank_update="compress")
+      anchor = fisher_optax.consolidate(
+        anchor, thetas[0], low_rank=s1, low_rank_update="compress"
+      )
+      anchor = fisher_optax.consolidate(
+        anchor, thetas[1], low_rank=s2, low_rank_update="compress"
+      )
       theta = _params(99)
 
       def sep(th):
@@ -198,14 +220,19 @@ class ConsolidateTest(parameterized.TestCase):
         return out
 
       chex.assert_trees_all_close(
-          jax.grad(fisher_optax.ewc_penalty)(theta, anchor, 1.0),
-          jax.grad(sep)(theta), rtol=1e-8, atol=1e-10)
+        jax.grad(fisher_optax.ewc_penalty)(theta, anchor, 1.0),
+        jax.grad(sep)(theta),
+        rtol=1e-8,
+        atol=1e-10,
+      )
       # Budget 1: the top eigenpair of the summed curvature survives.
       small = fisher_optax.init_ewc_anchor(thetas[0], diagonal=False, rank=1)
-      small = fisher_optax.consolidate(small, thetas[0], low_rank=s1,
-                                       low_rank_update="compress")
-      small = fisher_optax.consolidate(small, thetas[1], low_rank=s2,
-                                       low_rank_update="compress")
+      small = fisher_optax.consolidate(
+        small, thetas[0], low_rank=s1, low_rank_update="compress"
+      )
+      small = fisher_optax.consolidate(
+        small, thetas[1], low_rank=s2, low_rank_update="compress"
+      )
       dense = _dense_low_rank(*s1) + _dense_low_rank(*s2)
       vals, vecs = ft.top_eig(dense, 1)
       np.testing.assert_allclose(small.low_rank.scales, vals, rtol=1e-10)
@@ -218,8 +245,10 @@ class ConsolidateTest(parameterized.TestCase):
       anchor = fisher_optax.init_ewc_anchor(theta, diagonal=False, rank=2)
       for t, s in enumerate((4.0, 1.0, 3.0)):
         anchor = fisher_optax.consolidate(
-            anchor, theta,
-            low_rank=(jnp.array([s]), _orthonormal(50 + t, theta, 1)))
+          anchor,
+          theta,
+          low_rank=(jnp.array([s]), _orthonormal(50 + t, theta, 1)),
+        )
       np.testing.assert_allclose(jnp.sort(anchor.low_rank.scales), [3.0, 4.0])
 
   def test_zero_fisher_and_zero_directions_give_no_nan(self):
@@ -228,24 +257,34 @@ class ConsolidateTest(parameterized.TestCase):
     zeros = jax.tree.map(jnp.zeros_like, theta)
     for update in ("slots", "compress"):
       a = fisher_optax.consolidate(
-          anchor, theta, diagonal=zeros,
-          low_rank=(jnp.zeros([1]), jax.tree.map(lambda x: x[None], zeros)),
-          low_rank_update=update)
-      a = fisher_optax.consolidate(a, _params(1, jnp.float32), diagonal=zeros,
-                                   low_rank=(jnp.zeros([1]), jax.tree.map(
-                                       lambda x: x[None], zeros)),
-                                   low_rank_update=update)
+        anchor,
+        theta,
+        diagonal=zeros,
+        low_rank=(jnp.zeros([1]), jax.tree.map(lambda x: x[None], zeros)),
+        low_rank_update=update,
+      )
+      a = fisher_optax.consolidate(
+        a,
+        _params(1, jnp.float32),
+        diagonal=zeros,
+        low_rank=(jnp.zeros([1]), jax.tree.map(lambda x: x[None], zeros)),
+        low_rank_update=update,
+      )
       chex.assert_tree_all_finite(a)
       chex.assert_tree_all_finite(
-          jax.grad(fisher_optax.ewc_penalty)(_params(2, jnp.float32), a, 1.0))
+        jax.grad(fisher_optax.ewc_penalty)(_params(2, jnp.float32), a, 1.0)
+      )
 
   def test_non_finite_statistics_never_enter_the_state(self):
     theta = {"a": jnp.ones(3), "b": jnp.ones((2, 2))}
     bad = {"a": jnp.array([1.0, jnp.nan, jnp.inf]), "b": jnp.ones((2, 2))}
     vecs = jax.tree.map(lambda x, t: jnp.stack([x, t]) / 3.0, bad, theta)
     anchor = fisher_optax.consolidate(
-        fisher_optax.init_ewc_anchor(theta, rank=2), theta, diagonal=bad,
-        low_rank=(jnp.array([1.0, 2.0]), vecs))
+      fisher_optax.init_ewc_anchor(theta, rank=2),
+      theta,
+      diagonal=bad,
+      low_rank=(jnp.array([1.0, 2.0]), vecs),
+    )
     chex.assert_tree_all_finite(anchor)
     np.testing.assert_allclose(anchor.diagonal.precision["a"], [1.0, 0.0, 0.0])
     # The NaN direction is dropped; the finite one is kept.
@@ -256,19 +295,23 @@ class ConsolidateTest(parameterized.TestCase):
     x, y = ft.make_batch(jax.random.key(3), 16, "categorical", jnp.float32)
     kw = dict(likelihood=fisher.Categorical(), kind="empirical")
     diag = jax.jit(lambda p: fisher.diagonal(ft.mlp_apply, p, (x, y), **kw))(
-        theta)
-    r1 = jax.jit(lambda p: fisher.rank_one(ft.mlp_apply, p, (x, y),
-                                           scale="optimal", **kw))(theta)
+      theta
+    )
+    r1 = jax.jit(
+      lambda p: fisher.rank_one(ft.mlp_apply, p, (x, y), scale="optimal", **kw)
+    )(theta)
     anchor = fisher_optax.init_ewc_anchor(theta, rank=1)
-    anchor = fisher_optax.consolidate(anchor, theta, diagonal=diag,
-                                      low_rank=r1)
+    anchor = fisher_optax.consolidate(anchor, theta, diagonal=diag, low_rank=r1)
     theta2 = _params(1, jnp.float32)
     d = ft.ravel(theta2) - ft.ravel(theta)
-    expected = 0.5 * (jnp.sum(ft.ravel(diag.diag) * d * d)
-                      + r1.eigvals[0] * (ft.ravel(jax.tree.map(
-                          lambda v: v[0], r1.eigvecs)) @ d) ** 2)
-    np.testing.assert_allclose(fisher_optax.ewc_penalty(theta2, anchor, 1.0),
-                               expected, rtol=1e-5)
+    expected = 0.5 * (
+      jnp.sum(ft.ravel(diag.diag) * d * d)
+      + r1.eigvals[0]
+      * (ft.ravel(jax.tree.map(lambda v: v[0], r1.eigvecs)) @ d) ** 2
+    )
+    np.testing.assert_allclose(
+      fisher_optax.ewc_penalty(theta2, anchor, 1.0), expected, rtol=1e-5
+    )
 
 
 class RankOneScaleTest(absltest.TestCase):
@@ -278,13 +321,22 @@ class RankOneScaleTest(absltest.TestCase):
     with jax.enable_x64(True):
       theta = _params(0)
       x, y = ft.make_batch(jax.random.key(1), 12, "categorical")
-      stat = jax.jit(lambda p: fisher.rank_one(
-          ft.mlp_apply, p, (x, y), likelihood=fisher.Categorical(),
-          kind="empirical", scale="optimal"))(theta)
-      dense = ft.dense_fisher(ft.mlp_apply, theta, x, y, family="categorical",
-                              kind="empirical")
-      mu = ft.ravel(ft.mean_grad_dense(ft.mlp_apply, theta, x, y,
-                                       "categorical"))
+      stat = jax.jit(
+        lambda p: fisher.rank_one(
+          ft.mlp_apply,
+          p,
+          (x, y),
+          likelihood=fisher.Categorical(),
+          kind="empirical",
+          scale="optimal",
+        )
+      )(theta)
+      dense = ft.dense_fisher(
+        ft.mlp_apply, theta, x, y, family="categorical", kind="empirical"
+      )
+      mu = ft.ravel(
+        ft.mean_grad_dense(ft.mlp_apply, theta, x, y, "categorical")
+      )
       m = jnp.outer(mu, mu)
       c_star = jnp.sum(dense * m) / jnp.sum(m * m)  # argmin_c |F - c m|_F
       np.testing.assert_allclose(stat.eigvals[0], c_star * mu @ mu, rtol=1e-6)
@@ -297,29 +349,30 @@ class RankOneScaleTest(absltest.TestCase):
     with jax.enable_x64(True):
       u = _orthonormal(0, {"w": jnp.zeros((3, 2), jnp.float64)}, 1)["w"][0]
       a = jnp.array([0.5, -1.0, 2.0, 3.0])
-      g = a[:, None, None] * u[None]          # g_n = a_n u
+      g = a[:, None, None] * u[None]  # g_n = a_n u
       dense = jnp.einsum("nij,nkl->ijkl", g, g).reshape(6, 6) / 4
       mu = jnp.mean(g, 0).ravel()
       c_star = jnp.mean((g.reshape(4, -1) @ mu) ** 2) / (mu @ mu) ** 2
-      np.testing.assert_allclose(c_star * jnp.outer(mu, mu), dense,
-                                 atol=1e-12)
+      np.testing.assert_allclose(c_star * jnp.outer(mu, mu), dense, atol=1e-12)
       top = fisher.low_rank_from_grads({"w": g}, rank=1)
       v = top.eigvecs["w"][0].ravel()
-      np.testing.assert_allclose(top.eigvals[0] * jnp.outer(v, v), dense,
-                                 atol=1e-12)
+      np.testing.assert_allclose(
+        top.eigvals[0] * jnp.outer(v, v), dense, atol=1e-12
+      )
 
 
 class EWCTransformTest(parameterized.TestCase):
-
   def test_converges_to_penalised_minimum(self):
     target = jnp.array([1.0, -2.0, 3.0])
     anchor_at = jnp.array([0.0, 0.0, 1.0])
     prec = jnp.array([1.0, 4.0, 0.5])
     lam = 2.0
     anchor = fisher_optax.consolidate(
-        fisher_optax.init_ewc_anchor(anchor_at), anchor_at, diagonal=prec)
-    tx = optax.chain(fisher_optax.add_ewc_gradient(lam, anchor),
-                     optax.sgd(0.05))
+      fisher_optax.init_ewc_anchor(anchor_at), anchor_at, diagonal=prec
+    )
+    tx = optax.chain(
+      fisher_optax.add_ewc_gradient(lam, anchor), optax.sgd(0.05)
+    )
     loss = lambda p: jnp.sum((p - target) ** 2)
 
     def step(carry, _):
@@ -333,8 +386,9 @@ class EWCTransformTest(parameterized.TestCase):
 
   def test_task_swap_does_not_retrace(self):
     theta = _params(0, jnp.float32)
-    tx = optax.chain(fisher_optax.add_ewc_gradient(1.0, rank=2),
-                     optax.adam(1e-2))
+    tx = optax.chain(
+      fisher_optax.add_ewc_gradient(1.0, rank=2), optax.adam(1e-2)
+    )
     state = tx.init(theta)
 
     @jax.jit
@@ -348,8 +402,11 @@ class EWCTransformTest(parameterized.TestCase):
       theta, state = step(theta, state)
       anchor = optax.tree.get(state, "ewc_anchor")
       anchor = consolidate(
-          anchor, theta, diagonal=_positive_tree(t, theta),
-          low_rank=(jnp.ones([1]), _orthonormal(t, theta, 1)))
+        anchor,
+        theta,
+        diagonal=_positive_tree(t, theta),
+        low_rank=(jnp.ones([1]), _orthonormal(t, theta, 1)),
+      )
       state = optax.tree.set(state, ewc_anchor=anchor)
     theta, state = step(theta, state)
     chex.assert_tree_all_finite(theta)
@@ -357,11 +414,14 @@ class EWCTransformTest(parameterized.TestCase):
   def test_keeps_bf16_dtype(self):
     theta = _params(0, jnp.bfloat16)
     anchor = fisher_optax.consolidate(
-        fisher_optax.init_ewc_anchor(theta), theta,
-        diagonal=_positive_tree(0, theta))
+      fisher_optax.init_ewc_anchor(theta),
+      theta,
+      diagonal=_positive_tree(0, theta),
+    )
     chex.assert_trees_all_equal_dtypes(
-        anchor.diagonal.precision, jax.tree.map(
-            lambda x: x.astype(jnp.float32), theta))
+      anchor.diagonal.precision,
+      jax.tree.map(lambda x: x.astype(jnp.float32), theta),
+    )
     tx = fisher_optax.add_ewc_gradient(1.0, anchor)
     out, _ = jax.jit(tx.update)(theta, tx.init(theta), _params(1, jnp.bfloat16))
     chex.assert_trees_all_equal_dtypes(out, theta)
@@ -372,13 +432,19 @@ class EWCTransformTest(parameterized.TestCase):
     mask = {"base": False, "lora": True}
     # optax.masked shows the inner transform MaskedNode for masked-out leaves.
     masked = lambda t: jax.tree.map(
-        lambda m, x: x if m else optax.MaskedNode(), mask, t)
+      lambda m, x: x if m else optax.MaskedNode(), mask, t
+    )
     full_diag = {"base": jnp.ones(3), "lora": jnp.full((2, 2), 2.0)}
-    full_vec = {"base": jnp.zeros((1, 3)),
-                "lora": jnp.eye(2)[None] / jnp.sqrt(2.0)}
+    full_vec = {
+      "base": jnp.zeros((1, 3)),
+      "lora": jnp.eye(2)[None] / jnp.sqrt(2.0),
+    }
     anchor = fisher_optax.consolidate(
-        fisher_optax.init_ewc_anchor(masked(theta), rank=1), masked(theta),
-        diagonal=masked(full_diag), low_rank=(jnp.ones([1]), masked(full_vec)))
+      fisher_optax.init_ewc_anchor(masked(theta), rank=1),
+      masked(theta),
+      diagonal=masked(full_diag),
+      low_rank=(jnp.ones([1]), masked(full_vec)),
+    )
     tx = optax.masked(fisher_optax.add_ewc_gradient(1.0, anchor), mask)
     state = tx.init(theta)
     moved = jax.tree.map(lambda x: x + 1.0, theta)
@@ -389,7 +455,6 @@ class EWCTransformTest(parameterized.TestCase):
 
 
 class EWCValidationTest(parameterized.TestCase):
-
   def test_bad_hyperparameters(self):
     with self.assertRaisesRegex(ValueError, "strength"):
       fisher_optax.add_ewc_gradient(-1.0)
@@ -419,33 +484,41 @@ class EWCValidationTest(parameterized.TestCase):
     with self.assertRaisesRegex(ValueError, "tree structure"):
       fisher_optax.consolidate(anchor, {"a": p["a"]}, diagonal=p, low_rank=lr)
     with self.assertRaisesRegex(ValueError, "leaf shape"):
-      fisher_optax.consolidate(anchor, p, diagonal={"a": jnp.ones(3),
-                                                    "b": p["b"]}, low_rank=lr)
+      fisher_optax.consolidate(
+        anchor, p, diagonal={"a": jnp.ones(3), "b": p["b"]}, low_rank=lr
+      )
     two = (jnp.ones([2]), jax.tree.map(lambda x: jnp.stack([x, x]), p))
     with self.assertRaisesRegex(ValueError, "low-rank slots"):
       fisher_optax.consolidate(anchor, p, diagonal=p, low_rank=two)
     with self.assertRaisesRegex(ValueError, "eigvecs"):
-      fisher_optax.consolidate(anchor, p, diagonal=p,
-                               low_rank=(jnp.ones([1]), p))
+      fisher_optax.consolidate(
+        anchor, p, diagonal=p, low_rank=(jnp.ones([1]), p)
+      )
     tx = fisher_optax.add_ewc_gradient(1.0)
     with self.assertRaisesRegex(ValueError, "tree structure"):
       tx.update(p, tx.init(p), {"a": p["a"]})
 
 
 def _ewc_adam(learning_rate, strength=0.5):
-  return optax.chain(fisher_optax.add_ewc_gradient(strength),
-                     optax.adam(learning_rate))
+  return optax.chain(
+    fisher_optax.add_ewc_gradient(strength), optax.adam(learning_rate)
+  )
 
 
-class EWCConformanceTest(conformance.OptimizerConformance,
-                         parameterized.TestCase):
+class EWCConformanceTest(
+  conformance.OptimizerConformance, parameterized.TestCase
+):
   """The add_ewc_gradient + adam chain (empty anchor) through the suite."""
 
   FACTORY = staticmethod(_ewc_adam)
   KWARGS = {"learning_rate": 1e-1, "strength": 0.5}
   INJECTABLE = ("learning_rate", "strength")
-  CONVERGENCE_STEPS = {"parabola": 1000, "rosenbrock": 3000,
-                       "matrix_parabola": 1000, "mixed_tensors": 1000}
+  CONVERGENCE_STEPS = {
+    "parabola": 1000,
+    "rosenbrock": 3000,
+    "matrix_parabola": 1000,
+    "mixed_tensors": 1000,
+  }
   TARGET_KWARGS = {"rosenbrock": {"learning_rate": 1e-2}}
 
 

@@ -18,12 +18,13 @@ import tempfile
 from absl.testing import absltest
 from absl.testing import parameterized
 import jupytext
-import nbformat
 from nbclient import NotebookClient
+import nbformat
 
 _EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
-_NAMES = sorted(p.stem for p in _EXAMPLES.glob("*.py")
-                if not p.name.startswith("_"))
+_NAMES = sorted(
+  p.stem for p in _EXAMPLES.glob("*.py") if not p.name.startswith("_")
+)
 
 
 def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -34,7 +35,6 @@ def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
 
 
 class ExamplesTest(parameterized.TestCase):
-
   def test_there_are_examples(self):
     self.assertGreaterEqual(len(_NAMES), 5, _NAMES)
 
@@ -49,22 +49,36 @@ class ExamplesTest(parameterized.TestCase):
         self.assertIsNone(cell.execution_count)
     script = jupytext.read(_EXAMPLES / f"{name}.py")
     strip = lambda cells: [c.source.strip() for c in cells]
-    self.assertEqual(strip(nb.cells), strip(script.cells),
-                     f"{name}.ipynb is out of sync with {name}.py; run "
-                     f"`jupytext --sync examples/{name}.py`")
+    self.assertEqual(
+      strip(nb.cells),
+      strip(script.cells),
+      f"{name}.ipynb is out of sync with {name}.py; run "
+      f"`jupytext --sync examples/{name}.py`",
+    )
 
   @parameterized.parameters(*[(n,) for n in _NAMES])
   def test_script_runs_small(self, name):
     with tempfile.TemporaryDirectory() as out:
       proc = subprocess.run(
-          [sys.executable, str(_EXAMPLES / f"{name}.py"), "--small",
-           f"--out_dir={out}"],
-          cwd=_EXAMPLES, env=_env(), capture_output=True, text=True,
-          timeout=600, check=False)
-      self.assertEqual(proc.returncode, 0,
-                       f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-      self.assertNotEmpty(list(pathlib.Path(out).glob("*.png")),
-                          f"{name} wrote no plot")
+        [
+          sys.executable,
+          str(_EXAMPLES / f"{name}.py"),
+          "--small",
+          f"--out_dir={out}",
+        ],
+        cwd=_EXAMPLES,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+      )
+      self.assertEqual(
+        proc.returncode, 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+      )
+      self.assertNotEmpty(
+        list(pathlib.Path(out).glob("*.png")), f"{name} wrote no plot"
+      )
 
   @parameterized.parameters(*[(n,) for n in _NAMES])
   def test_notebook_runs_small(self, name):
@@ -72,13 +86,17 @@ class ExamplesTest(parameterized.TestCase):
     with tempfile.TemporaryDirectory() as out:
       os.environ["FISHER_OPTAX_NOTEBOOK_ARGS"] = f"--small --out_dir={out}"
       try:
-        NotebookClient(nb, timeout=600, kernel_name="python3",
-                       resources={"metadata": {"path": str(_EXAMPLES)}}
-                       ).execute()
+        NotebookClient(
+          nb,
+          timeout=600,
+          kernel_name="python3",
+          resources={"metadata": {"path": str(_EXAMPLES)}},
+        ).execute()
       finally:
         del os.environ["FISHER_OPTAX_NOTEBOOK_ARGS"]
-      self.assertNotEmpty(list(pathlib.Path(out).glob("*.png")),
-                          f"{name}.ipynb wrote no plot")
+      self.assertNotEmpty(
+        list(pathlib.Path(out).glob("*.png")), f"{name}.ipynb wrote no plot"
+      )
 
 
 if __name__ == "__main__":

@@ -7,7 +7,6 @@ from tests import multidevice_util
 
 
 class FAdamMultiDeviceTest(absltest.TestCase):
-
   def test_sharded(self):
     multidevice_util.run_checks(self, "fadam_checks.py")
 

@@ -21,8 +21,22 @@ def _rms(x: np.ndarray) -> float:
   return float(np.sqrt(np.mean(np.square(x))))
 
 
-def numpy_fadam(theta0, grads_seq, *, lr, b1, b2, eps, eps2, clip, p,
-                weight_decay, eps_mode="paper", decay=None, fisher_seq=None):
+def numpy_fadam(
+  theta0,
+  grads_seq,
+  *,
+  lr,
+  b1,
+  b2,
+  eps,
+  eps2,
+  clip,
+  p,
+  weight_decay,
+  eps_mode="paper",
+  decay=None,
+  fisher_seq=None,
+):
   """Runs spec §1 in float64; returns the params after every step and flags.
 
   ``fisher_seq[t][i]`` replaces g^2 of leaf i at step t (per-example Fisher);
@@ -32,8 +46,17 @@ def numpy_fadam(theta0, grads_seq, *, lr, b1, b2, eps, eps2, clip, p,
   m = [np.zeros_like(x) for x in theta]
   f = [np.zeros_like(x) for x in theta]
   decay = decay or [True] * len(theta)
-  traj, flags = [], {"n_clip": 0, "n_free": 0, "w_clip": 0, "w_free": 0,
-                     "eps2_branch": 0, "zero_leaf": 0}
+  traj, flags = (
+    [],
+    {
+      "n_clip": 0,
+      "n_free": 0,
+      "w_clip": 0,
+      "w_free": 0,
+      "eps2_branch": 0,
+      "zero_leaf": 0,
+    },
+  )
   for t, grads in enumerate(grads_seq, start=1):
     b2_hat = b2 * (1.0 - b2 ** (t - 1)) / (1.0 - b2**t)
     for i, g in enumerate(grads):
@@ -69,8 +92,11 @@ def numpy_fadam(theta0, grads_seq, *, lr, b1, b2, eps, eps2, clip, p,
 def _problem(num_steps: int = 28, seed: int = 0):
   """Gradients with spikes, always-zero entries, a zero leaf, tiny leaves."""
   rng = np.random.default_rng(seed)
-  theta0 = [rng.normal(size=(4, 5)), rng.normal(size=(6,)),
-            rng.normal(size=(3,))]
+  theta0 = [
+    rng.normal(size=(4, 5)),
+    rng.normal(size=(6,)),
+    rng.normal(size=(3,)),
+  ]
   grads_seq = []
   for t in range(1, num_steps + 1):
     a = rng.normal(size=(4, 5)) * 0.3
@@ -85,8 +111,7 @@ def _problem(num_steps: int = 28, seed: int = 0):
   return theta0, grads_seq
 
 
-_HPARAMS = dict(lr=0.05, b1=0.9, b2=0.95, eps=1e-3, eps2=1e-2,
-                weight_decay=0.1)
+_HPARAMS = dict(lr=0.05, b1=0.9, b2=0.95, eps=1e-3, eps2=1e-2, weight_decay=0.1)
 
 
 def _run_fadam(tx, theta0, grads_seq, dtype, extras_seq=None):
@@ -101,23 +126,24 @@ def _run_fadam(tx, theta0, grads_seq, dtype, extras_seq=None):
   traj = []
   for t, grads in enumerate(grads_seq):
     extras = extras_seq[t] if extras_seq else {}
-    params, state = step(params, state, [jnp.asarray(g, dtype) for g in grads],
-                         extras)
+    params, state = step(
+      params, state, [jnp.asarray(g, dtype) for g in grads], extras
+    )
     traj.append([np.asarray(x, np.float64) for x in params])
   return traj, state
 
 
 class FAdamOracleTest(parameterized.TestCase):
-
   @parameterized.named_parameters(
-      ("p075_clip07", 0.75, 0.7, "paper"),
-      ("p1_clip25", 1.0, 2.5, "paper"),
-      ("v3_p05_clip15", 0.5, 1.5, "v3"),
+    ("p075_clip07", 0.75, 0.7, "paper"),
+    ("p1_clip25", 1.0, 2.5, "paper"),
+    ("v3_p05_clip15", 0.5, 1.5, "v3"),
   )
   def test_matches_numpy_float64(self, p, clip, eps_mode):
     theta0, grads_seq = _problem()
-    expected, flags = numpy_fadam(theta0, grads_seq, clip=clip, p=p,
-                                  eps_mode=eps_mode, **_HPARAMS)
+    expected, flags = numpy_fadam(
+      theta0, grads_seq, clip=clip, p=p, eps_mode=eps_mode, **_HPARAMS
+    )
     # The trajectory must exercise every branch of the rule.
     self.assertGreater(flags["n_clip"], 0)
     self.assertGreater(flags["n_free"], 0)
@@ -134,28 +160,32 @@ class FAdamOracleTest(parameterized.TestCase):
       self.assertEqual(int(state[0].count), len(grads_seq))
     for t, (g, e) in enumerate(zip(got, expected)):
       for leaf_g, leaf_e in zip(g, e):
-        np.testing.assert_allclose(leaf_g, leaf_e, rtol=1e-10, atol=1e-12,
-                                   err_msg=f"step {t + 1}")
+        np.testing.assert_allclose(
+          leaf_g, leaf_e, rtol=1e-10, atol=1e-12, err_msg=f"step {t + 1}"
+        )
 
   def test_matches_numpy_float32(self, eps_mode="paper"):
     theta0, grads_seq = _problem()
     hp = dict(_HPARAMS)
     lr = hp.pop("lr")
-    expected, _ = numpy_fadam(theta0, grads_seq, lr=lr, clip=0.7, p=0.75,
-                              eps_mode=eps_mode, **hp)
+    expected, _ = numpy_fadam(
+      theta0, grads_seq, lr=lr, clip=0.7, p=0.75, eps_mode=eps_mode, **hp
+    )
     tx = fisher_optax.fadam(lr, clip=0.7, p=0.75, eps_mode=eps_mode, **hp)
     got, state = _run_fadam(tx, theta0, grads_seq, jnp.float32)
     chex.assert_tree_all_finite(state)
     for t, (g, e) in enumerate(zip(got, expected)):
       for leaf_g, leaf_e in zip(g, e):
-        np.testing.assert_allclose(leaf_g, leaf_e, rtol=2e-4, atol=2e-5,
-                                   err_msg=f"step {t + 1}")
+        np.testing.assert_allclose(
+          leaf_g, leaf_e, rtol=2e-4, atol=2e-5, err_msg=f"step {t + 1}"
+        )
 
   def test_first_step_closed_form(self):
     g = jnp.array([4.0, -0.25, 0.0, 1e-3])
     p, eps, eps2 = 0.75, 1e-3, 1e-2
-    tx = fisher_optax.scale_by_fadam(b1=0.0, eps=eps, eps2=eps2, p=p,
-                                     clip=float("inf"), weight_decay=0.0)
+    tx = fisher_optax.scale_by_fadam(
+      b1=0.0, eps=eps, eps2=eps2, p=p, clip=float("inf"), weight_decay=0.0
+    )
     update, state = jax.jit(tx.update)(g, tx.init(g))
     eps_hat = min(eps, eps2 * float(jnp.sqrt(jnp.mean(g**2))))
     expected = g / (jnp.abs(g) ** (2 * p) + eps_hat ** (2 * p))
@@ -164,11 +194,15 @@ class FAdamOracleTest(parameterized.TestCase):
 
   def test_no_decay_no_clip_is_adam_with_p_power(self):
     """λ = 0 and c = ∞: momentum of g / (sqrt(v_hat) + eps_hat), no m-hat."""
-    g_seq = [jnp.array([1.0, -2.0, 0.5]), jnp.array([0.3, 0.1, -4.0]),
-             jnp.array([-1.0, 2.0, 2.0])]
+    g_seq = [
+      jnp.array([1.0, -2.0, 0.5]),
+      jnp.array([0.3, 0.1, -4.0]),
+      jnp.array([-1.0, 2.0, 2.0]),
+    ]
     b1, b2, eps = 0.9, 0.99, 1e-8
-    tx = fisher_optax.scale_by_fadam(b1=b1, b2=b2, eps=eps, clip=float("inf"),
-                                     weight_decay=0.0)
+    tx = fisher_optax.scale_by_fadam(
+      b1=b1, b2=b2, eps=eps, clip=float("inf"), weight_decay=0.0
+    )
     adam_nu = optax.scale_by_adam(b1=0.0, b2=b2, eps=0.0)
     state, nu_state = tx.init(g_seq[0]), adam_nu.init(g_seq[0])
     update_fn, nu_fn = jax.jit(tx.update), jax.jit(adam_nu.update)
@@ -176,7 +210,7 @@ class FAdamOracleTest(parameterized.TestCase):
     for g in g_seq:
       update, state = update_fn(g, state)
       _, nu_state = nu_fn(g, nu_state)
-      v_hat = nu_state.nu / (1 - b2 ** nu_state.count)
+      v_hat = nu_state.nu / (1 - b2**nu_state.count)
       eps_hat = min(eps, 1e-2 * float(jnp.sqrt(jnp.mean(g**2))))
       m = b1 * m + (1 - b1) * g / (jnp.sqrt(v_hat) + eps_hat)
       chex.assert_trees_all_close(state.fim, v_hat, rtol=1e-5)
@@ -189,8 +223,10 @@ class FAdamOracleTest(parameterized.TestCase):
 def _per_example_problem(num_steps: int = 6, batch: int = 5):
   rng = np.random.default_rng(1)
   theta0 = [rng.normal(size=(3, 2)), rng.normal(size=(4,))]
-  pegs = [[rng.normal(size=(batch, 3, 2)), rng.normal(size=(batch, 4)) * 0.1]
-          for _ in range(num_steps)]
+  pegs = [
+    [rng.normal(size=(batch, 3, 2)), rng.normal(size=(batch, 4)) * 0.1]
+    for _ in range(num_steps)
+  ]
   grads = [[x.mean(0) for x in step] for step in pegs]
   fisher = [[np.mean(x**2, 0) for x in step] for step in pegs]
   return theta0, pegs, grads, fisher
@@ -204,26 +240,31 @@ class _Diag:
 
 
 jax.tree_util.register_pytree_node(
-    _Diag, lambda d: ((d.diag,), None), lambda _, c: _Diag(*c))
+  _Diag, lambda d: ((d.diag,), None), lambda _, c: _Diag(*c)
+)
 
 
 class FAdamPerExampleTest(parameterized.TestCase):
-
   @parameterized.parameters(("per_example_grads",), ("fisher",))
   def test_matches_numpy(self, extra):
     theta0, pegs, grads, fisher = _per_example_problem()
     hp = dict(_HPARAMS)
     lr = hp.pop("lr")
-    expected, _ = numpy_fadam(theta0, grads, lr=lr, clip=1.0, p=0.5,
-                              fisher_seq=fisher, **hp)
+    expected, _ = numpy_fadam(
+      theta0, grads, lr=lr, clip=1.0, p=0.5, fisher_seq=fisher, **hp
+    )
     with jax.enable_x64(True):
       if extra == "per_example_grads":
-        extras = [{"per_example_grads": [jnp.asarray(x) for x in s]}
-                  for s in pegs]
+        extras = [
+          {"per_example_grads": [jnp.asarray(x) for x in s]} for s in pegs
+        ]
       else:  # A DiagonalFisher-like object on odd steps, .diag on even.
-        extras = [{"fisher": _Diag([jnp.asarray(x) for x in s])} if t % 2
-                  else {"fisher": [jnp.asarray(x) for x in s]}
-                  for t, s in enumerate(fisher)]
+        extras = [
+          {"fisher": _Diag([jnp.asarray(x) for x in s])}
+          if t % 2
+          else {"fisher": [jnp.asarray(x) for x in s]}
+          for t, s in enumerate(fisher)
+        ]
       tx = fisher_optax.fadam(lr, fisher_source="per_example", **hp)
       got, _ = _run_fadam(tx, theta0, grads, jnp.float64, extras)
     for g, e in zip(got, expected):
@@ -235,8 +276,10 @@ class FAdamPerExampleTest(parameterized.TestCase):
     from fisher_optax import fisher  # pylint: disable=g-import-not-at-top
 
     rng = np.random.default_rng(2)
-    params = {"w": jnp.asarray(rng.normal(size=(4, 3)), jnp.float32),
-              "b": jnp.zeros((3,), jnp.float32)}
+    params = {
+      "w": jnp.asarray(rng.normal(size=(4, 3)), jnp.float32),
+      "b": jnp.zeros((3,), jnp.float32),
+    }
     x = jnp.asarray(rng.normal(size=(6, 4)), jnp.float32)
     y = jnp.asarray(rng.integers(0, 3, size=6), jnp.int32)
     apply_fn = lambda p, xb: xb @ p["w"] + p["b"]
@@ -250,12 +293,17 @@ class FAdamPerExampleTest(parameterized.TestCase):
     def both(params, x, y):  # One compile for the engine and both updates.
       pegs = jax.vmap(jax.grad(nll), in_axes=(None, 0, 0))(params, x, y)
       grads = jax.tree.map(lambda g: g.mean(0), pegs)
-      stat = fisher.diagonal(apply_fn, params, (x, y),
-                             likelihood=fisher.Categorical(),
-                             kind="empirical")
+      stat = fisher.diagonal(
+        apply_fn,
+        params,
+        (x, y),
+        likelihood=fisher.Categorical(),
+        kind="empirical",
+      )
       u_stat, _ = tx.update(grads, tx.init(params), params, fisher=stat)
-      u_pegs, _ = tx.update(grads, tx.init(params), params,
-                            per_example_grads=pegs)
+      u_pegs, _ = tx.update(
+        grads, tx.init(params), params, per_example_grads=pegs
+      )
       return u_stat, u_pegs
 
     u_stat, u_pegs = both(params, x, y)
@@ -267,11 +315,13 @@ class FAdamPerExampleTest(parameterized.TestCase):
     g = [jnp.asarray(x, jnp.float32) for x in grads[0]]
     peg = [jnp.asarray(x, jnp.float32) for x in pegs[0]]
     tx_b = fisher_optax.scale_by_fadam(weight_decay=0.0)
-    tx_p = fisher_optax.scale_by_fadam(weight_decay=0.0,
-                                       fisher_source="per_example")
+    tx_p = fisher_optax.scale_by_fadam(
+      weight_decay=0.0, fisher_source="per_example"
+    )
     _, s_b = jax.jit(tx_b.update)(g, tx_b.init(params), params)
-    _, s_p = jax.jit(tx_p.update)(g, tx_p.init(params), params,
-                                  per_example_grads=peg)
+    _, s_p = jax.jit(tx_p.update)(
+      g, tx_p.init(params), params, per_example_grads=peg
+    )
     # Mean of squares >= square of mean, strictly for noisy examples.
     for fb, fp in zip(s_b.fim, s_p.fim):
       self.assertTrue(bool(jnp.all(fp >= fb - 1e-7)))
@@ -295,33 +345,41 @@ class FAdamPerExampleTest(parameterized.TestCase):
     with self.assertRaisesRegex(ValueError, "fisher.diag"):
       tx.update(params, state, params, fisher=_Diag({"a": jnp.ones((3, 2))}))
     with self.assertRaisesRegex(ValueError, "shapes"):
-      tx.update(params, state, params,
-                fisher={"a": jnp.ones((3, 2)), "b": jnp.ones((5,))})
+      tx.update(
+        params,
+        state,
+        params,
+        fisher={"a": jnp.ones((3, 2)), "b": jnp.ones((5,))},
+      )
     with self.assertRaisesRegex(ValueError, "only one"):
-      tx.update(params, state, params, fisher=params,
-                per_example_grads=jax.tree.map(lambda x: x[None], params))
+      tx.update(
+        params,
+        state,
+        params,
+        fisher=params,
+        per_example_grads=jax.tree.map(lambda x: x[None], params),
+      )
 
 
 # -- behaviour ---------------------------------------------------------------
 
 
 class FAdamBehaviourTest(parameterized.TestCase):
-
   @parameterized.parameters(
-      dict(kwargs={"learning_rate": -1.0}, match="learning_rate"),
-      dict(kwargs={"eps": -1e-8}, match="eps"),
-      dict(kwargs={"eps2": -1.0}, match="eps2"),
-      dict(kwargs={"b1": 1.0}, match="b1"),
-      dict(kwargs={"b1": -0.1}, match="b1"),
-      dict(kwargs={"b2": 1.0}, match="b2"),
-      dict(kwargs={"b2": 1.5}, match="b2"),
-      dict(kwargs={"clip": 0.0}, match="clip"),
-      dict(kwargs={"clip": -1.0}, match="clip"),
-      dict(kwargs={"p": 0.0}, match="p must"),
-      dict(kwargs={"p": -0.5}, match="p must"),
-      dict(kwargs={"weight_decay": -0.1}, match="weight_decay"),
-      dict(kwargs={"eps_mode": "v2"}, match="eps_mode"),
-      dict(kwargs={"fisher_source": "mc"}, match="fisher_source"),
+    dict(kwargs={"learning_rate": -1.0}, match="learning_rate"),
+    dict(kwargs={"eps": -1e-8}, match="eps"),
+    dict(kwargs={"eps2": -1.0}, match="eps2"),
+    dict(kwargs={"b1": 1.0}, match="b1"),
+    dict(kwargs={"b1": -0.1}, match="b1"),
+    dict(kwargs={"b2": 1.0}, match="b2"),
+    dict(kwargs={"b2": 1.5}, match="b2"),
+    dict(kwargs={"clip": 0.0}, match="clip"),
+    dict(kwargs={"clip": -1.0}, match="clip"),
+    dict(kwargs={"p": 0.0}, match="p must"),
+    dict(kwargs={"p": -0.5}, match="p must"),
+    dict(kwargs={"weight_decay": -0.1}, match="weight_decay"),
+    dict(kwargs={"eps_mode": "v2"}, match="eps_mode"),
+    dict(kwargs={"fisher_source": "mc"}, match="fisher_source"),
   )
   def test_invalid_hyperparameters(self, kwargs, match):
     kwargs = {"learning_rate": 1e-3, **kwargs}
@@ -350,8 +408,11 @@ class FAdamBehaviourTest(parameterized.TestCase):
       return tx.update(grads, tx.init(params), params)[0]
 
     full, none = run(), run(weight_decay=0.0)
-    for mask in ({"w": True, "b": False}, lambda p: {"w": True, "b": False},
-                 {"w": jnp.array(True), "b": jnp.array(False)}):
+    for mask in (
+      {"w": True, "b": False},
+      lambda p: {"w": True, "b": False},
+      {"w": jnp.array(True), "b": jnp.array(False)},
+    ):
       masked = run(weight_decay_mask=mask)
       chex.assert_trees_all_close(masked["w"], full["w"])
       chex.assert_trees_all_close(masked["b"], none["b"])
@@ -373,8 +434,10 @@ class FAdamBehaviourTest(parameterized.TestCase):
     update = jax.jit(tx.update)
     state = tx.init(params)
     _, state = update((jnp.full((2, 2), 0.5), jnp.ones(3)), state, params)
-    bad = (jnp.array([[1.0, jnp.nan], [0.0, 1.0]]),
-           jnp.array([jnp.inf, 1.0, 1.0]))
+    bad = (
+      jnp.array([[1.0, jnp.nan], [0.0, 1.0]]),
+      jnp.array([jnp.inf, 1.0, 1.0]),
+    )
     updates, new_state = update(bad, state, params)
     chex.assert_trees_all_equal(new_state, state)
     self.assertFalse(bool(jnp.all(jnp.isfinite(updates[0]))))
@@ -401,18 +464,26 @@ class FAdamBehaviourTest(parameterized.TestCase):
     chex.assert_tree_all_finite((updates, state))
 
   def test_bf16(self):
-    params = {"w": jnp.ones((4, 3), jnp.bfloat16),
-              "b": jnp.full((3,), 0.5, jnp.bfloat16)}
-    grads = jax.tree.map(lambda x: (0.1 * jnp.arange(x.size).reshape(x.shape)
-                                    - 0.3).astype(jnp.bfloat16), params)
+    params = {
+      "w": jnp.ones((4, 3), jnp.bfloat16),
+      "b": jnp.full((3,), 0.5, jnp.bfloat16),
+    }
+    grads = jax.tree.map(
+      lambda x: (0.1 * jnp.arange(x.size).reshape(x.shape) - 0.3).astype(
+        jnp.bfloat16
+      ),
+      params,
+    )
     ref_tx = fisher_optax.fadam(1e-2)
     ref_params = jax.tree.map(lambda x: x.astype(jnp.float32), params)
     ref_grads = jax.tree.map(lambda x: x.astype(jnp.float32), grads)
     ref_updates, _ = jax.jit(ref_tx.update)(
-        ref_grads, ref_tx.init(ref_params), ref_params)
-    for kw, state_dtype in (({}, jnp.float32),
-                            ({"mu_dtype": jnp.bfloat16,
-                              "fim_dtype": jnp.bfloat16}, jnp.bfloat16)):
+      ref_grads, ref_tx.init(ref_params), ref_params
+    )
+    for kw, state_dtype in (
+      ({}, jnp.float32),
+      ({"mu_dtype": jnp.bfloat16, "fim_dtype": jnp.bfloat16}, jnp.bfloat16),
+    ):
       tx = fisher_optax.fadam(1e-2, **kw)
       update = jax.jit(tx.update)
       updates, state = update(grads, tx.init(params), params)
@@ -425,13 +496,16 @@ class FAdamBehaviourTest(parameterized.TestCase):
       chex.assert_tree_all_finite(state)
     # One step in bf16 agrees with float32 to bf16 precision.
     chex.assert_trees_all_close(
-        jax.tree.map(lambda x: x.astype(jnp.float32), bf16_updates),
-        ref_updates,
-        rtol=2e-2, atol=1e-5)
+      jax.tree.map(lambda x: x.astype(jnp.float32), bf16_updates),
+      ref_updates,
+      rtol=2e-2,
+      atol=1e-5,
+    )
 
   def test_inject_hyperparams_p_clip_eps(self):
     injected = optax.inject_hyperparams(fisher_optax.fadam)(
-        learning_rate=1e-2, p=0.75, clip=0.5, eps=1e-3)
+      learning_rate=1e-2, p=0.75, clip=0.5, eps=1e-3
+    )
     plain = fisher_optax.fadam(1e-2, p=0.75, clip=0.5, eps=1e-3)
     params = (jnp.ones((3, 2)), -jnp.ones(4))
     s1, s2 = plain.init(params), injected.init(params)
@@ -450,17 +524,26 @@ class FAdamBehaviourTest(parameterized.TestCase):
   def test_in_masked_with_per_example_grads(self):
     params = {"w": jnp.ones((3, 2)), "frozen": jnp.ones((2,))}
     pegs = jax.tree.map(
-        lambda x: jnp.stack([jnp.sin(x + k) for k in range(4)]), params)
+      lambda x: jnp.stack([jnp.sin(x + k) for k in range(4)]), params
+    )
     grads = jax.tree.map(lambda x: x.mean(0), pegs)
     mask = {"w": True, "frozen": False}
-    tx = optax.masked(fisher_optax.fadam(1e-2, fisher_source="per_example"),
-                      mask, mask_compatible_extra_args=True)
-    updates, _ = jax.jit(tx.update)(grads, tx.init(params), params,
-                                    per_example_grads=pegs)
+    tx = optax.masked(
+      fisher_optax.fadam(1e-2, fisher_source="per_example"),
+      mask,
+      mask_compatible_extra_args=True,
+    )
+    updates, _ = jax.jit(tx.update)(
+      grads, tx.init(params), params, per_example_grads=pegs
+    )
     alone = fisher_optax.fadam(1e-2, fisher_source="per_example")
     sub = {"w": params["w"]}
-    ref, _ = jax.jit(alone.update)({"w": grads["w"]}, alone.init(sub), sub,
-                                   per_example_grads={"w": pegs["w"]})
+    ref, _ = jax.jit(alone.update)(
+      {"w": grads["w"]},
+      alone.init(sub),
+      sub,
+      per_example_grads={"w": pegs["w"]},
+    )
     chex.assert_trees_all_close(updates["w"], ref["w"])
     chex.assert_trees_all_equal(updates["frozen"], grads["frozen"])
 
@@ -468,9 +551,11 @@ class FAdamBehaviourTest(parameterized.TestCase):
     from flax import nnx  # pylint: disable=g-import-not-at-top
 
     model = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
-    opt = nnx.Optimizer(model, fisher_optax.fadam(1e-2,
-                                                  fisher_source="per_example"),
-                        wrt=nnx.Param)
+    opt = nnx.Optimizer(
+      model,
+      fisher_optax.fadam(1e-2, fisher_source="per_example"),
+      wrt=nnx.Param,
+    )
     x = jnp.arange(12.0).reshape(4, 3) / 10.0
     y = jnp.ones((4, 2))
 
@@ -485,8 +570,7 @@ class FAdamBehaviourTest(parameterized.TestCase):
       def per_example(p, xi, yi):
         return loss(nnx.merge(graphdef, p, rest), xi[None], yi[None])
 
-      pegs = jax.vmap(jax.grad(per_example), in_axes=(None, 0, 0))(
-          params, x, y)
+      pegs = jax.vmap(jax.grad(per_example), in_axes=(None, 0, 0))(params, x, y)
       opt.update(model, grads, per_example_grads=pegs)
       return loss(model, x, y)
 
@@ -497,6 +581,7 @@ class FAdamBehaviourTest(parameterized.TestCase):
 
   def test_orbax_round_trip(self):
     import tempfile  # pylint: disable=g-import-not-at-top
+
     import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
 
     params = {"w": jnp.ones((3, 2)), "b": jnp.zeros(2)}
@@ -507,8 +592,7 @@ class FAdamBehaviourTest(parameterized.TestCase):
       ckpt = ocp.StandardCheckpointer()
       ckpt.save(f"{tmp}/state", state)
       ckpt.wait_until_finished()
-      restored = ckpt.restore(f"{tmp}/state",
-                              jax.eval_shape(tx.init, params))
+      restored = ckpt.restore(f"{tmp}/state", jax.eval_shape(tx.init, params))
     self.assertIsInstance(restored[0], fisher_optax.FAdamState)
     chex.assert_trees_all_equal(restored, state)
 
@@ -516,12 +600,12 @@ class FAdamBehaviourTest(parameterized.TestCase):
 # -- the shared conformance suite ---------------------------------------------
 
 
-class FAdamConformanceTest(conformance.OptimizerConformance,
-                           parameterized.TestCase):
+class FAdamConformanceTest(
+  conformance.OptimizerConformance, parameterized.TestCase
+):
   FACTORY = staticmethod(fisher_optax.fadam)
   KWARGS = {"learning_rate": 1e-2, "weight_decay": 1e-3}
-  INJECTABLE = ("learning_rate", "b1", "b2", "weight_decay", "eps", "clip",
-                "p")
+  INJECTABLE = ("learning_rate", "b1", "b2", "weight_decay", "eps", "clip", "p")
   TARGET_KWARGS = {"rosenbrock": {"learning_rate": 3e-3}}
 
 

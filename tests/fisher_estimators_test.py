@@ -16,10 +16,10 @@ from fisher_optax import fisher
 from tests import fisher_testing as ft
 
 LIKELIHOODS = {
-    "categorical": fisher.Categorical,
-    "gaussian": lambda: fisher.Gaussian(ft.SIGMA),
-    "bernoulli": fisher.Bernoulli,
-    "heteroscedastic": fisher.HeteroscedasticGaussian,
+  "categorical": fisher.Categorical,
+  "gaussian": lambda: fisher.Gaussian(ft.SIGMA),
+  "bernoulli": fisher.Bernoulli,
+  "heteroscedastic": fisher.HeteroscedasticGaussian,
 }
 N = 7  # Not a multiple of the chunk sizes below: remainders are exercised.
 
@@ -52,19 +52,20 @@ def _est_many(apply_fn, params, batch, calls, oracles=None):
 
   @jax.jit
   def run(params, batch):  # A list: the names need not be sortable.
-    return ([fn(apply_fn, params, batch, **kw) for fn, kw in calls.values()]
-            + [f(params, batch) for f in oracles.values()])
+    return [fn(apply_fn, params, batch, **kw) for fn, kw in calls.values()] + [
+      f(params, batch) for f in oracles.values()
+    ]
 
   return dict(zip([*calls, *oracles], run(params, batch)))
 
 
 def _stack_flat(stacked, k):
-  return jnp.stack([ft.ravel(jax.tree.map(lambda a, j=j: a[j], stacked))
-                    for j in range(k)])
+  return jnp.stack(
+    [ft.ravel(jax.tree.map(lambda a, j=j: a[j], stacked)) for j in range(k)]
+  )
 
 
 class DiagonalTest(parameterized.TestCase):
-
   @parameterized.parameters(*ft.FAMILIES)
   def test_matches_dense_oracle(self, family):
     """Every kind and path of one family: one compile, oracles included."""
@@ -73,25 +74,40 @@ class DiagonalTest(parameterized.TestCase):
     with jax.enable_x64(True):
       apply_fn, params, x, y = _setup(family)
       lik = LIKELIHOODS[family]()
-      calls = {(kind, method): (fisher.diagonal, dict(
-          likelihood=lik, kind=kind, method=method, chunk_size=3))
-               for kind in kinds for method in methods}
-      oracles = {kind: functools.partial(
-          lambda p, b, kind: ft.dense_fisher(apply_fn, p, b[0], b[1],
-                                             family=family, kind=kind),
-          kind=kind) for kind in kinds}
+      calls = {
+        (kind, method): (
+          fisher.diagonal,
+          dict(likelihood=lik, kind=kind, method=method, chunk_size=3),
+        )
+        for kind in kinds
+        for method in methods
+      }
+      oracles = {
+        kind: functools.partial(
+          lambda p, b, kind: ft.dense_fisher(
+            apply_fn, p, b[0], b[1], family=family, kind=kind
+          ),
+          kind=kind,
+        )
+        for kind in kinds
+      }
       oracles["mean_grad"] = lambda p, b: ft.mean_grad_dense(
-          apply_fn, p, b[0], b[1], family)
+        apply_fn, p, b[0], b[1], family
+      )
       out = _est_many(apply_fn, params, (x, y), calls, oracles)
       for kind in kinds:
         for method in methods:
           with self.subTest(kind=kind, method=method):
             stat = out[(kind, method)]
             chex.assert_trees_all_close(
-                stat.diag, ft.unravel_like(params, jnp.diag(out[kind])),
-                rtol=1e-10, atol=1e-12)
-            chex.assert_trees_all_close(stat.mean_grad, out["mean_grad"],
-                                        rtol=1e-10, atol=1e-12)
+              stat.diag,
+              ft.unravel_like(params, jnp.diag(out[kind])),
+              rtol=1e-10,
+              atol=1e-12,
+            )
+            chex.assert_trees_all_close(
+              stat.mean_grad, out["mean_grad"], rtol=1e-10, atol=1e-12
+            )
             self.assertEqual(int(stat.count), N)
             self.assertEqual(stat.kind, kind)
 
@@ -104,15 +120,28 @@ class DiagonalTest(parameterized.TestCase):
 
       def oracle(p, b):
         labels = lik.sample(key, apply_fn(p, b[0]), 3)
-        return ft.dense_fisher(apply_fn, p, b[0], labels, family=family,
-                               kind="empirical_samples")
+        return ft.dense_fisher(
+          apply_fn, p, b[0], labels, family=family, kind="empirical_samples"
+        )
 
-      out = _est_many(apply_fn, params, (x, y), {"mc": (fisher.diagonal, dict(
-          likelihood=lik, kind="mc", num_samples=3, key=key))},
-                      {"dense": oracle})
+      out = _est_many(
+        apply_fn,
+        params,
+        (x, y),
+        {
+          "mc": (
+            fisher.diagonal,
+            dict(likelihood=lik, kind="mc", num_samples=3, key=key),
+          )
+        },
+        {"dense": oracle},
+      )
       chex.assert_trees_all_close(
-          out["mc"].diag, ft.unravel_like(params, jnp.diag(out["dense"])),
-          rtol=1e-10, atol=1e-12)
+        out["mc"].diag,
+        ft.unravel_like(params, jnp.diag(out["dense"])),
+        rtol=1e-10,
+        atol=1e-12,
+      )
 
   @parameterized.parameters("categorical", "heteroscedastic")
   def test_mc_converges_to_exact(self, family):
@@ -121,15 +150,18 @@ class DiagonalTest(parameterized.TestCase):
       lik = LIKELIHOODS[family]()
       calls = {"exact": (fisher.diagonal, dict(likelihood=lik, kind="exact"))}
       for k in (2, 4096):
-        calls[k] = (fisher.diagonal, dict(likelihood=lik, kind="mc",
-                                          num_samples=k,
-                                          key=jax.random.key(3)))
+        calls[k] = (
+          fisher.diagonal,
+          dict(likelihood=lik, kind="mc", num_samples=k, key=jax.random.key(3)),
+        )
       out = _est_many(apply_fn, params, (x, y), calls)
       exact = ft.ravel(out["exact"].diag)
 
       def rel_err(k):
-        return float(jnp.linalg.norm(ft.ravel(out[k].diag) - exact)
-                     / jnp.linalg.norm(exact))
+        return float(
+          jnp.linalg.norm(ft.ravel(out[k].diag) - exact)
+          / jnp.linalg.norm(exact)
+        )
 
       few, many = rel_err(2), rel_err(4096)
       # The MC error shrinks like 1/sqrt(k): ~45x from 2 to 4096 samples.
@@ -140,14 +172,27 @@ class DiagonalTest(parameterized.TestCase):
     with jax.enable_x64(True):
       _, params, x, y = _setup("categorical")
       params = dict(params, scale=jnp.linspace(0.5, 1.5, 5))
-      kw = dict(likelihood=fisher.Categorical(), kind="mc", num_samples=2,
-                key=jax.random.key(0))
-      out = _est_many(_scaled_mlp, params, (x, y), {
+      kw = dict(
+        likelihood=fisher.Categorical(),
+        kind="mc",
+        num_samples=2,
+        key=jax.random.key(0),
+      )
+      out = _est_many(
+        _scaled_mlp,
+        params,
+        (x, y),
+        {
           "auto": (fisher.diagonal, kw),
-          "slow": (fisher.diagonal, dict(kw, method="per_example",
-                                         chunk_size=2))})
-      chex.assert_trees_all_close(out["auto"], out["slow"], rtol=1e-10,
-                                  atol=1e-14)
+          "slow": (
+            fisher.diagonal,
+            dict(kw, method="per_example", chunk_size=2),
+          ),
+        },
+      )
+      chex.assert_trees_all_close(
+        out["auto"], out["slow"], rtol=1e-10, atol=1e-14
+      )
       with self.assertRaisesRegex(ValueError, r"\['scale'\]"):
         _est(fisher.diagonal, _scaled_mlp, params, (x, y), method="taps", **kw)
 
@@ -158,25 +203,52 @@ class DiagonalTest(parameterized.TestCase):
       def ce(out, t):
         return -jax.nn.log_softmax(out)[t]
 
-      out = _est_many(apply_fn, params, (x, y), {
+      out = _est_many(
+        apply_fn,
+        params,
+        (x, y),
+        {
           "stat": (fisher.diagonal, dict(likelihood=ce, kind="empirical")),
-          "ref": (fisher.diagonal, dict(likelihood=fisher.Categorical(),
-                                        kind="empirical"))})
+          "ref": (
+            fisher.diagonal,
+            dict(likelihood=fisher.Categorical(), kind="empirical"),
+          ),
+        },
+      )
       chex.assert_trees_all_close(out["stat"], out["ref"], rtol=1e-10)
       for kind in ("exact", "mc"):
         with self.assertRaisesRegex(ValueError, "probabilistic likelihood"):
-          _est(fisher.diagonal, apply_fn, params, (x, y), likelihood=ce,
-               kind=kind, key=jax.random.key(0))
+          _est(
+            fisher.diagonal,
+            apply_fn,
+            params,
+            (x, y),
+            likelihood=ce,
+            kind=kind,
+            key=jax.random.key(0),
+          )
 
   def test_targets_none_for_exact(self):
     with jax.enable_x64(True):
       apply_fn, params, x, y = _setup("categorical")
-      stat = _est(fisher.diagonal, apply_fn, params, (x, None),
-                  likelihood=fisher.Categorical(), kind="exact")
+      stat = _est(
+        fisher.diagonal,
+        apply_fn,
+        params,
+        (x, None),
+        likelihood=fisher.Categorical(),
+        kind="exact",
+      )
       self.assertIsNone(stat.mean_grad)
       with self.assertRaisesRegex(ValueError, "needs targets"):
-        _est(fisher.diagonal, apply_fn, params, (x, None),
-             likelihood=fisher.Categorical(), kind="empirical")
+        _est(
+          fisher.diagonal,
+          apply_fn,
+          params,
+          (x, None),
+          likelihood=fisher.Categorical(),
+          kind="empirical",
+        )
 
   def test_bf16_params(self):
     apply_fn, _, x, y = _setup("categorical")
@@ -187,16 +259,19 @@ class DiagonalTest(parameterized.TestCase):
 
     @jax.jit
     def run(params, p16, x, y):  # One compile: the f32 ref and both paths.
-      est = functools.partial(fisher.diagonal, apply_fn,
-                              likelihood=fisher.Categorical(), kind="exact")
-      return est(params, (x, y)), {m: est(p16, (x.astype(jnp.bfloat16), y),
-                                          method=m) for m in methods}
+      est = functools.partial(
+        fisher.diagonal, apply_fn, likelihood=fisher.Categorical(), kind="exact"
+      )
+      return est(params, (x, y)), {
+        m: est(p16, (x.astype(jnp.bfloat16), y), method=m) for m in methods
+      }
 
     ref, stats = run(params, p16, x, y)
     for method in methods:
       stat = stats[method]
       chex.assert_trees_all_equal_dtypes(
-          stat.diag, jax.tree.map(lambda a: a.astype(jnp.float32), params))
+        stat.diag, jax.tree.map(lambda a: a.astype(jnp.float32), params)
+      )
       chex.assert_tree_all_finite(stat.diag)
       chex.assert_trees_all_close(stat.diag, ref.diag, rtol=0.1, atol=2e-3)
 
@@ -208,21 +283,31 @@ class DiagonalTest(parameterized.TestCase):
     @jax.jit
     @chex.assert_max_traces(n=1)
     def estimate(params, batch, key):
-      return _est(fisher.diagonal, apply_fn, params, batch,
-                  likelihood=fisher.Categorical(), kind="mc",
-                  key=key, chunk_size=3)
+      return _est(
+        fisher.diagonal,
+        apply_fn,
+        params,
+        batch,
+        likelihood=fisher.Categorical(),
+        kind="mc",
+        key=key,
+        chunk_size=3,
+      )
 
     estimate(params, (x, y), jax.random.key(0))
-    estimate(jax.tree.map(lambda a: a + 1, params), (x + 1, y),
-             jax.random.key(1))
+    estimate(
+      jax.tree.map(lambda a: a + 1, params), (x + 1, y), jax.random.key(1)
+    )
 
   def test_non_finite_example_is_not_averaged_away(self):
     with jax.enable_x64(True):
       apply_fn, params, x, y = _setup("categorical")
       x = x.at[2, 0].set(jnp.nan)
       kw = dict(likelihood=fisher.Categorical(), kind="empirical")
-      calls = {m: (fisher.diagonal, dict(kw, method=m))
-               for m in ("auto", "per_example")}
+      calls = {
+        m: (fisher.diagonal, dict(kw, method=m))
+        for m in ("auto", "per_example")
+      }
       calls["low_rank"] = (fisher.low_rank, dict(kw, rank=2))
       out = _est_many(apply_fn, params, (x, y), calls)
       for method in ("auto", "per_example"):
@@ -231,20 +316,17 @@ class DiagonalTest(parameterized.TestCase):
         self.assertEqual(int(stat.count), N)
       self.assertFalse(bool(out["low_rank"].is_finite()))
 
-
   def test_flax_linen_and_nnx_apply_fns(self):
     from flax import linen as nn  # pylint: disable=g-import-not-at-top
     from flax import nnx  # pylint: disable=g-import-not-at-top
 
     class Linen(nn.Module):
-
       @nn.compact
       def __call__(self, ids):
         h = nn.Embed(6, 4)(ids).reshape(ids.shape[0], -1)
         return nn.Dense(3)(jnp.tanh(nn.Dense(5)(h)))
 
     class Nnx(nnx.Module):
-
       def __init__(self, rngs):
         self.embed = nnx.Embed(6, 4, rngs=rngs)
         self.hidden = nnx.Linear(8, 5, rngs=rngs)
@@ -259,21 +341,27 @@ class DiagonalTest(parameterized.TestCase):
     linen = Linen()
     graphdef, state = nnx.split(Nnx(nnx.Rngs(0)))
     models = {
-        "linen": (linen.apply, jax.jit(linen.init)(jax.random.key(2), ids)),
-        "nnx": (lambda s, x: nnx.merge(graphdef, s)(x), state),
+      "linen": (linen.apply, jax.jit(linen.init)(jax.random.key(2), ids)),
+      "nnx": (lambda s, x: nnx.merge(graphdef, s)(x), state),
     }
     for name, (apply_fn, params) in models.items():
       with self.subTest(name):
         kw = dict(likelihood=fisher.Categorical(), kind="exact")
-        out = _est_many(apply_fn, params, (ids, y), {
+        out = _est_many(
+          apply_fn,
+          params,
+          (ids, y),
+          {
             "fast": (fisher.diagonal, dict(kw, method="taps")),
-            "slow": (fisher.diagonal, dict(kw, method="per_example"))})
-        chex.assert_trees_all_close(out["fast"], out["slow"], rtol=1e-5,
-                                    atol=1e-7)
+            "slow": (fisher.diagonal, dict(kw, method="per_example")),
+          },
+        )
+        chex.assert_trees_all_close(
+          out["fast"], out["slow"], rtol=1e-5, atol=1e-7
+        )
 
 
 class LowRankTest(parameterized.TestCase):
-
   @parameterized.parameters("categorical", "heteroscedastic")
   def test_matches_dense_eigenpairs(self, family):
     """Every kind and path of one family: one compile, oracles included."""
@@ -283,13 +371,29 @@ class LowRankTest(parameterized.TestCase):
     with jax.enable_x64(True):
       apply_fn, params, x, y = _setup(family)
       lik = LIKELIHOODS[family]()
-      calls = {(kind, method): (fisher.low_rank, dict(
-          likelihood=lik, kind=kind, rank=ranks[kind], method=method,
-          chunk_size=3)) for kind in kinds for method in methods}
-      oracles = {kind: functools.partial(
-          lambda p, b, kind: ft.dense_fisher(apply_fn, p, b[0], b[1],
-                                             family=family, kind=kind),
-          kind=kind) for kind in kinds}
+      calls = {
+        (kind, method): (
+          fisher.low_rank,
+          dict(
+            likelihood=lik,
+            kind=kind,
+            rank=ranks[kind],
+            method=method,
+            chunk_size=3,
+          ),
+        )
+        for kind in kinds
+        for method in methods
+      }
+      oracles = {
+        kind: functools.partial(
+          lambda p, b, kind: ft.dense_fisher(
+            apply_fn, p, b[0], b[1], family=family, kind=kind
+          ),
+          kind=kind,
+        )
+        for kind in kinds
+      }
       out = _est_many(apply_fn, params, (x, y), calls, oracles)
       for kind in kinds:
         k = ranks[kind]
@@ -297,19 +401,25 @@ class LowRankTest(parameterized.TestCase):
         for method in methods:
           with self.subTest(kind=kind, method=method):
             stat = out[(kind, method)]
-            np.testing.assert_allclose(stat.eigvals, vals, rtol=1e-9,
-                                       atol=1e-12)
+            np.testing.assert_allclose(
+              stat.eigvals, vals, rtol=1e-9, atol=1e-12
+            )
             v = _stack_flat(stat.eigvecs, k)
             np.testing.assert_allclose(v @ v.T, np.eye(k), atol=1e-10)
-            np.testing.assert_allclose(np.abs(v @ vecs.T), np.eye(k),
-                                       atol=1e-8)
+            np.testing.assert_allclose(np.abs(v @ vecs.T), np.eye(k), atol=1e-8)
 
   def test_rank_larger_than_examples_pads_with_zeros(self):
     with jax.enable_x64(True):
       apply_fn, params, x, y = _setup("categorical", n=2)
-      stat = _est(fisher.low_rank, apply_fn, params, (x, y),
-                  likelihood=fisher.Categorical(),
-                  kind="empirical", rank=5)
+      stat = _est(
+        fisher.low_rank,
+        apply_fn,
+        params,
+        (x, y),
+        likelihood=fisher.Categorical(),
+        kind="empirical",
+        rank=5,
+      )
       self.assertEqual(stat.eigvals.shape, (5,))
       np.testing.assert_array_equal(stat.eigvals[2:], 0.0)
       np.testing.assert_array_equal(_stack_flat(stat.eigvecs, 5)[2:], 0.0)
@@ -320,9 +430,15 @@ class LowRankTest(parameterized.TestCase):
       apply_fn, params, x, _ = _setup("gaussian")
       y = apply_fn(params, x)  # Zero residuals: every gradient is zero.
       kw = dict(likelihood=fisher.Gaussian(), kind="empirical")
-      out = _est_many(apply_fn, params, (x, y), {
+      out = _est_many(
+        apply_fn,
+        params,
+        (x, y),
+        {
           "stat": (fisher.low_rank, dict(kw, rank=3)),
-          "one": (fisher.rank_one, dict(kw, scale="optimal"))})
+          "one": (fisher.rank_one, dict(kw, scale="optimal")),
+        },
+      )
       stat, one = out["stat"], out["one"]
       chex.assert_tree_all_finite(stat)
       np.testing.assert_array_equal(stat.eigvals, 0.0)
@@ -332,13 +448,22 @@ class LowRankTest(parameterized.TestCase):
   def test_per_leaf_matches_diagonal_blocks(self):
     with jax.enable_x64(True):
       apply_fn, params, x, y = _setup("categorical")
-      dense = ft.dense_fisher(apply_fn, params, x, y, family="categorical",
-                              kind="exact")
-      stats = _est(fisher.low_rank, apply_fn, params, (x, y),
-                   likelihood=fisher.Categorical(), kind="exact",
-                   rank=2, per_leaf=True)
+      dense = ft.dense_fisher(
+        apply_fn, params, x, y, family="categorical", kind="exact"
+      )
+      stats = _est(
+        fisher.low_rank,
+        apply_fn,
+        params,
+        (x, y),
+        likelihood=fisher.Categorical(),
+        kind="exact",
+        rank=2,
+        per_leaf=True,
+      )
       flat = jax.tree.leaves(
-          stats, is_leaf=lambda s: isinstance(s, fisher.LowRankFisher))
+        stats, is_leaf=lambda s: isinstance(s, fisher.LowRankFisher)
+      )
       for stat, block in zip(flat, ft.leaf_blocks(params, dense)):
         vals, _ = ft.top_eig(block, 2)
         np.testing.assert_allclose(stat.eigvals, vals, rtol=1e-9, atol=1e-12)
@@ -355,36 +480,40 @@ class LowRankTest(parameterized.TestCase):
         calls[kind, "opt"] = (fisher.rank_one, dict(kw, scale="optimal"))
         calls[kind, "top"] = (fisher.rank_one, dict(kw, direction="top_eig"))
         oracles[kind] = functools.partial(
-            lambda p, b, kind: ft.dense_fisher(
-                apply_fn, p, b[0], b[1], family="categorical", kind=kind),
-            kind=kind)
-      oracles["mu"] = lambda p, b: ft.ravel(ft.mean_grad_dense(
-          apply_fn, p, b[0], b[1], "categorical"))
+          lambda p, b, kind: ft.dense_fisher(
+            apply_fn, p, b[0], b[1], family="categorical", kind=kind
+          ),
+          kind=kind,
+        )
+      oracles["mu"] = lambda p, b: ft.ravel(
+        ft.mean_grad_dense(apply_fn, p, b[0], b[1], "categorical")
+      )
       out = _est_many(apply_fn, params, (x, y), calls, oracles)
       mu = out["mu"]
       for kind in kinds:
         dense = out[kind]
         plain, opt = out[kind, "plain"], out[kind, "opt"]
-        np.testing.assert_allclose(ft.ravel(plain.eigvecs),
-                                   mu / jnp.linalg.norm(mu), rtol=1e-10)
+        np.testing.assert_allclose(
+          ft.ravel(plain.eigvecs), mu / jnp.linalg.norm(mu), rtol=1e-10
+        )
         np.testing.assert_allclose(plain.eigvals, [mu @ mu], rtol=1e-10)
         c_star = (mu @ dense @ mu) / (mu @ mu) ** 2
-        np.testing.assert_allclose(opt.eigvals, [c_star * (mu @ mu)],
-                                   rtol=1e-10)
+        np.testing.assert_allclose(
+          opt.eigvals, [c_star * (mu @ mu)], rtol=1e-10
+        )
         top = out[kind, "top"]
         vals, _ = ft.top_eig(dense, 1)
         np.testing.assert_allclose(top.eigvals, vals, rtol=1e-10)
 
 
 class KroneckerTest(parameterized.TestCase):
-
   def _kfac_oracle(self, params, x, dense):
     """A = E[a a^T] from the activations, Gamma = the bias block of F."""
     h = jnp.tanh(x @ params["dense_0"]["kernel"] + params["dense_0"]["bias"])
     blocks = ft.leaf_blocks(params, dense)  # bias_0, kernel_0, bias_1, ...
     return {
-        "dense_0": (x.T @ x / x.shape[0], blocks[0]),
-        "dense_1": (h.T @ h / x.shape[0], blocks[2]),
+      "dense_0": (x.T @ x / x.shape[0], blocks[0]),
+      "dense_1": (h.T @ h / x.shape[0], blocks[2]),
     }
 
   def test_kfac_factors(self):
@@ -392,24 +521,37 @@ class KroneckerTest(parameterized.TestCase):
       apply_fn, params, x, y = _setup("categorical")
       kinds = ("empirical", "exact")
       out = _est_many(
-          apply_fn, params, (x, y),
-          {(kind, "stat"): (fisher.kronecker, dict(
-              likelihood=fisher.Categorical(), kind=kind, estimator="kfac"))
-           for kind in kinds},
-          {kind: functools.partial(
-              lambda p, b, kind: ft.dense_fisher(
-                  apply_fn, p, b[0], b[1], family="categorical", kind=kind),
-              kind=kind) for kind in kinds})
+        apply_fn,
+        params,
+        (x, y),
+        {
+          (kind, "stat"): (
+            fisher.kronecker,
+            dict(likelihood=fisher.Categorical(), kind=kind, estimator="kfac"),
+          )
+          for kind in kinds
+        },
+        {
+          kind: functools.partial(
+            lambda p, b, kind: ft.dense_fisher(
+              apply_fn, p, b[0], b[1], family="categorical", kind=kind
+            ),
+            kind=kind,
+          )
+          for kind in kinds
+        },
+      )
       for kind in kinds:
         dense, stat = out[kind], out[kind, "stat"]
         self.assertEqual(stat.estimator, "kfac")
         for layer, (a, gamma) in self._kfac_oracle(params, x, dense).items():
-          np.testing.assert_allclose(stat.left[layer]["kernel"], a,
-                                     rtol=1e-10)
-          np.testing.assert_allclose(stat.right[layer]["kernel"], gamma,
-                                     rtol=1e-10, atol=1e-14)
-          np.testing.assert_allclose(stat.right[layer]["bias"], gamma,
-                                     rtol=1e-10, atol=1e-14)
+          np.testing.assert_allclose(stat.left[layer]["kernel"], a, rtol=1e-10)
+          np.testing.assert_allclose(
+            stat.right[layer]["kernel"], gamma, rtol=1e-10, atol=1e-14
+          )
+          np.testing.assert_allclose(
+            stat.right[layer]["bias"], gamma, rtol=1e-10, atol=1e-14
+          )
           np.testing.assert_allclose(stat.left[layer]["bias"], [[1.0]])
 
   def test_shampoo_factors_and_nearest_kronecker(self):
@@ -417,52 +559,81 @@ class KroneckerTest(parameterized.TestCase):
       apply_fn, params, x, y = _setup("categorical")
       g = ft.per_example_grads_dense(apply_fn, params, x, y, "categorical")
       kernel = ft.unravel_like(params, g)["dense_1"]["kernel"]  # (N, 5, 4)
-      block = ft.leaf_blocks(
-          params, g.T @ g / N)[3]  # kernel_1 block, row-major vec
-      kw = dict(likelihood=fisher.Categorical(), kind="empirical",
-                estimator="shampoo")
-      out = _est_many(apply_fn, params, (x, y), {
+      block = ft.leaf_blocks(params, g.T @ g / N)[
+        3
+      ]  # kernel_1 block, row-major vec
+      kw = dict(
+        likelihood=fisher.Categorical(), kind="empirical", estimator="shampoo"
+      )
+      out = _est_many(
+        apply_fn,
+        params,
+        (x, y),
+        {
           "one": (fisher.kronecker, kw),
-          "near": (fisher.kronecker, dict(kw, num_iters=20, chunk_size=3))})
+          "near": (fisher.kronecker, dict(kw, num_iters=20, chunk_size=3)),
+        },
+      )
       one, near = out["one"], out["near"]
       ggt = jnp.einsum("nij,nkj->ik", kernel, kernel) / N
       gtg = jnp.einsum("nij,nik->jk", kernel, kernel) / N
-      np.testing.assert_allclose(one.left["dense_1"]["kernel"], ggt,
-                                 rtol=1e-10)
-      np.testing.assert_allclose(one.right["dense_1"]["kernel"],
-                                 gtg / jnp.trace(ggt), rtol=1e-10)
+      np.testing.assert_allclose(one.left["dense_1"]["kernel"], ggt, rtol=1e-10)
+      np.testing.assert_allclose(
+        one.right["dense_1"]["kernel"], gtg / jnp.trace(ggt), rtol=1e-10
+      )
       # Van Loan-Pitsianis: the nearest Kronecker product is the top singular
       # pair of the rearranged block.
       m, n = 5, 4
-      rearranged = block.reshape(m, n, m, n).transpose(0, 2, 1, 3).reshape(
-          m * m, n * n)
+      rearranged = (
+        block.reshape(m, n, m, n).transpose(0, 2, 1, 3).reshape(m * m, n * n)
+      )
       u, s, vt = jnp.linalg.svd(rearranged)
       best = jnp.kron(s[0] * u[:, 0].reshape(m, m), vt[0].reshape(n, n))
-      approx = jnp.kron(near.left["dense_1"]["kernel"],
-                        near.right["dense_1"]["kernel"])
+      approx = jnp.kron(
+        near.left["dense_1"]["kernel"], near.right["dense_1"]["kernel"]
+      )
       np.testing.assert_allclose(approx, best, atol=1e-8)
-      err_one = jnp.linalg.norm(block - jnp.kron(
-          one.left["dense_1"]["kernel"], one.right["dense_1"]["kernel"]))
-      self.assertLessEqual(float(jnp.linalg.norm(block - approx)),
-                           float(err_one) + 1e-12)
+      err_one = jnp.linalg.norm(
+        block
+        - jnp.kron(
+          one.left["dense_1"]["kernel"], one.right["dense_1"]["kernel"]
+        )
+      )
+      self.assertLessEqual(
+        float(jnp.linalg.norm(block - approx)), float(err_one) + 1e-12
+      )
 
   def test_auto_mixes_kfac_and_shampoo(self):
     with jax.enable_x64(True):
       _, params, x, y = _setup("categorical")
       params = dict(params, scale=jnp.linspace(0.5, 1.5, 5))
       kw = dict(likelihood=fisher.Categorical(), kind="exact")
-      out = _est_many(_scaled_mlp, params, (x, y), {
+      out = _est_many(
+        _scaled_mlp,
+        params,
+        (x, y),
+        {
           "stat": (fisher.kronecker, kw),
-          "ref": (fisher.kronecker, dict(kw, method="per_example",
-                                         estimator="shampoo"))})
+          "ref": (
+            fisher.kronecker,
+            dict(kw, method="per_example", estimator="shampoo"),
+          ),
+        },
+      )
       stat, ref = out["stat"], out["ref"]
       self.assertEqual(stat.estimator, "mixed")
       np.testing.assert_allclose(stat.left["scale"], ref.left["scale"])
       np.testing.assert_allclose(stat.right["scale"], ref.right["scale"])
       with self.assertRaisesRegex(ValueError, "layer statistics"):
-        _est(fisher.kronecker, _scaled_mlp, params, (x, y),
-             likelihood=fisher.Categorical(), kind="exact",
-             estimator="kfac")
+        _est(
+          fisher.kronecker,
+          _scaled_mlp,
+          params,
+          (x, y),
+          likelihood=fisher.Categorical(),
+          kind="exact",
+          estimator="kfac",
+        )
 
 
 class OperationsTest(parameterized.TestCase):
@@ -474,8 +645,10 @@ class OperationsTest(parameterized.TestCase):
     if isinstance(stat, fisher.LowRankFisher):
       v = _stack_flat(stat.eigvecs, stat.rank)
       return v.T @ jnp.diag(stat.eigvals) @ v
-    blocks = [jnp.kron(l, r) for l, r in zip(jax.tree.leaves(stat.left),
-                                             jax.tree.leaves(stat.right))]
+    blocks = [
+      jnp.kron(l, r)
+      for l, r in zip(jax.tree.leaves(stat.left), jax.tree.leaves(stat.right))
+    ]
     return jax.scipy.linalg.block_diag(*blocks)
 
   def test_operations(self):
@@ -483,29 +656,42 @@ class OperationsTest(parameterized.TestCase):
       apply_fn, params, x, y = _setup("categorical")
       kw = dict(likelihood=fisher.Categorical(), kind="exact")
       # The three structures in one compile, their operations in another.
-      stats = _est_many(apply_fn, params, (x, y), {
+      stats = _est_many(
+        apply_fn,
+        params,
+        (x, y),
+        {
           "diagonal": (fisher.diagonal, kw),
           "low_rank": (fisher.low_rank, dict(kw, rank=4)),
-          "kronecker": (fisher.kronecker, kw)})
+          "kronecker": (fisher.kronecker, kw),
+        },
+      )
       size = ft.ravel(params).shape[0]
-      v = ft.unravel_like(params, jax.random.normal(
-          jax.random.key(5), (size,), jnp.float64))
+      v = ft.unravel_like(
+        params, jax.random.normal(jax.random.key(5), (size,), jnp.float64)
+      )
       flat_v = ft.ravel(v)
-      ops = jax.jit(lambda stats, v: {
+      ops = jax.jit(
+        lambda stats, v: {
           k: (s.matvec(v), s.quadratic_form(v), s.solve(v, 0.3))
-          for k, s in stats.items()})(stats, v)
+          for k, s in stats.items()
+        }
+      )(stats, v)
       for structure, stat in stats.items():
         with self.subTest(structure=structure):
           dense = self._dense_of(stat, params)
           matvec, quad, solved = ops[structure]
-          np.testing.assert_allclose(ft.ravel(matvec), dense @ flat_v,
-                                     rtol=1e-9, atol=1e-12)
-          np.testing.assert_allclose(quad, flat_v @ dense @ flat_v,
-                                     rtol=1e-9)
+          np.testing.assert_allclose(
+            ft.ravel(matvec), dense @ flat_v, rtol=1e-9, atol=1e-12
+          )
+          np.testing.assert_allclose(quad, flat_v @ dense @ flat_v, rtol=1e-9)
           damped = dense + 0.3 * jnp.eye(dense.shape[0])
-          np.testing.assert_allclose(ft.ravel(solved),
-                                     jnp.linalg.solve(damped, flat_v),
-                                     rtol=1e-8, atol=1e-10)
+          np.testing.assert_allclose(
+            ft.ravel(solved),
+            jnp.linalg.solve(damped, flat_v),
+            rtol=1e-8,
+            atol=1e-10,
+          )
           # Registered pytrees: jit, vmap and tree ops see the arrays only.
           out = jax.jit(lambda s: s)(stat)
           self.assertEqual(out.kind, "exact")
@@ -513,23 +699,26 @@ class OperationsTest(parameterized.TestCase):
 
 
 class FromGradsTest(absltest.TestCase):
-
   def test_diagonal_and_low_rank_from_grads(self):
     with jax.enable_x64(True):
       apply_fn, params, x, y = _setup("categorical")
       g = ft.per_example_grads_dense(apply_fn, params, x, y, "categorical")
       grads = ft.unravel_like(params, g)
-      emp, sq, lr = jax.jit(lambda g: (  # One compile, not many eager ops.
+      emp, sq, lr = jax.jit(
+        lambda g: (  # One compile, not many eager ops.
           fisher.diagonal_from_grads(g),
           fisher.diagonal_from_grads(g, kind="batch_squared"),
-          fisher.low_rank_from_grads(g, rank=3)))(grads)
+          fisher.low_rank_from_grads(g, rank=3),
+        )
+      )(grads)
       chex.assert_trees_all_close(
-          emp.diag, ft.unravel_like(params, jnp.mean(g**2, 0)), rtol=1e-12)
+        emp.diag, ft.unravel_like(params, jnp.mean(g**2, 0)), rtol=1e-12
+      )
       chex.assert_trees_all_close(
-          sq.diag, ft.unravel_like(params, jnp.mean(g, 0) ** 2), rtol=1e-12)
+        sq.diag, ft.unravel_like(params, jnp.mean(g, 0) ** 2), rtol=1e-12
+      )
       vals, _ = ft.top_eig(g.T @ g / N, 3)
       np.testing.assert_allclose(lr.eigvals, vals, rtol=1e-9)
-
 
   def test_diagonal_from_loss_is_chunked_sufficient_statistics(self):
     with jax.enable_x64(True):
@@ -541,21 +730,28 @@ class FromGradsTest(absltest.TestCase):
       g = ft.per_example_grads_dense(apply_fn, params, x, y, "categorical")
       kinds, chunks = ("empirical", "batch_squared"), (None, 3)
       names = [(kind, chunk) for kind in kinds for chunk in chunks]
-      got = dict(zip(names, jax.jit(lambda p, b: [  # One compile for all.
-          fisher.diagonal_from_loss(loss, p, b, kind=kind, chunk_size=chunk)
-          for kind, chunk in names])(params, (x, y))))
+      got = dict(
+        zip(
+          names,
+          jax.jit(
+            lambda p, b: [  # One compile for all.
+              fisher.diagonal_from_loss(loss, p, b, kind=kind, chunk_size=chunk)
+              for kind, chunk in names
+            ]
+          )(params, (x, y)),
+        )
+      )
       for kind in kinds:
-        ref = fisher.diagonal_from_grads(ft.unravel_like(params, g),
-                                         kind=kind)
+        ref = fisher.diagonal_from_grads(ft.unravel_like(params, g), kind=kind)
         for chunk in chunks:
-          chex.assert_trees_all_close(got[kind, chunk], ref, rtol=1e-10,
-                                      atol=1e-14)
+          chex.assert_trees_all_close(
+            got[kind, chunk], ref, rtol=1e-10, atol=1e-14
+          )
       with self.assertRaisesRegex(ValueError, "kind"):
         fisher.diagonal_from_loss(loss, params, (x, y), kind="exact")
 
 
 class BadInputTest(absltest.TestCase):
-
   def setUp(self):
     super().setUp()
     self.apply_fn, self.params, self.x, self.y = _setup("categorical")
@@ -563,13 +759,15 @@ class BadInputTest(absltest.TestCase):
 
   def test_mismatched_batch(self):
     with self.assertRaisesRegex(ValueError, "leading .batch. axis"):
-      fisher.diagonal(self.apply_fn, self.params, (self.x, self.y[:3]),
-                      **self.kw)
+      fisher.diagonal(
+        self.apply_fn, self.params, (self.x, self.y[:3]), **self.kw
+      )
 
   def test_non_array_leaf(self):
     with self.assertRaisesRegex(TypeError, r"batch\[0\].*must be an array"):
-      fisher.diagonal(self.apply_fn, self.params, ([[1.0]] * N, self.y),
-                      **self.kw)
+      fisher.diagonal(
+        self.apply_fn, self.params, ([[1.0]] * N, self.y), **self.kw
+      )
 
   def test_batch_not_a_pair(self):
     with self.assertRaisesRegex(ValueError, "pair"):
@@ -577,39 +775,61 @@ class BadInputTest(absltest.TestCase):
 
   def test_chunk_size(self):
     with self.assertRaisesRegex(ValueError, "chunk_size"):
-      fisher.diagonal(self.apply_fn, self.params, (self.x, self.y),
-                      chunk_size=0, **self.kw)
+      fisher.diagonal(
+        self.apply_fn, self.params, (self.x, self.y), chunk_size=0, **self.kw
+      )
     with self.assertRaisesRegex(TypeError, "chunk_size"):
-      fisher.per_example_grads(lambda p, e: 0.0, self.params,
-                               (self.x, self.y), chunk_size=2.0)
+      fisher.per_example_grads(
+        lambda p, e: 0.0, self.params, (self.x, self.y), chunk_size=2.0
+      )
 
   def test_kind_and_options(self):
     with self.assertRaisesRegex(ValueError, "kind"):
-      fisher.diagonal(self.apply_fn, self.params, (self.x, self.y),
-                      likelihood=fisher.Categorical(), kind="fisher")
+      fisher.diagonal(
+        self.apply_fn,
+        self.params,
+        (self.x, self.y),
+        likelihood=fisher.Categorical(),
+        kind="fisher",
+      )
     with self.assertRaisesRegex(ValueError, "key"):
-      fisher.diagonal(self.apply_fn, self.params, (self.x, self.y),
-                      likelihood=fisher.Categorical(), kind="mc")
+      fisher.diagonal(
+        self.apply_fn,
+        self.params,
+        (self.x, self.y),
+        likelihood=fisher.Categorical(),
+        kind="mc",
+      )
     with self.assertRaisesRegex(ValueError, "method"):
-      fisher.diagonal(self.apply_fn, self.params, (self.x, self.y),
-                      method="fast", **self.kw)
+      fisher.diagonal(
+        self.apply_fn, self.params, (self.x, self.y), method="fast", **self.kw
+      )
     with self.assertRaisesRegex(TypeError, "rank"):
-      fisher.low_rank(self.apply_fn, self.params, (self.x, self.y), rank=2.0,
-                      **self.kw)
+      fisher.low_rank(
+        self.apply_fn, self.params, (self.x, self.y), rank=2.0, **self.kw
+      )
     with self.assertRaisesRegex(TypeError, "likelihood"):
-      fisher.diagonal(self.apply_fn, self.params, (self.x, self.y),
-                      likelihood="categorical", kind="exact")
+      fisher.diagonal(
+        self.apply_fn,
+        self.params,
+        (self.x, self.y),
+        likelihood="categorical",
+        kind="exact",
+      )
     with self.assertRaisesRegex(ValueError, "sigma"):
       fisher.Gaussian(-1.0)
 
   def test_apply_fn_output(self):
     with self.assertRaisesRegex(ValueError, "batch axis first"):
-      fisher.diagonal(lambda p, x: self.apply_fn(p, x)[0], self.params,
-                      (self.x, self.y), **self.kw)
+      fisher.diagonal(
+        lambda p, x: self.apply_fn(p, x)[0],
+        self.params,
+        (self.x, self.y),
+        **self.kw,
+      )
 
 
 class PerExampleGradsTest(absltest.TestCase):
-
   def test_chunked_equals_unchunked_and_oracle(self):
     with jax.enable_x64(True):
       apply_fn, params, x, y = _setup("categorical")
@@ -620,18 +840,25 @@ class PerExampleGradsTest(absltest.TestCase):
 
       chunks = (1, 2, 3, 7, 50)
       # One compile: the unchunked grads and every chunk size.
-      full, chunked = jax.jit(lambda p, b: (
+      full, chunked = jax.jit(
+        lambda p, b: (
           fisher.per_example_grads(loss, p, b),
-          {c: fisher.per_example_grads(loss, p, b, chunk_size=c)
-           for c in chunks}))(params, (x, y))
+          {
+            c: fisher.per_example_grads(loss, p, b, chunk_size=c)
+            for c in chunks
+          },
+        )
+      )(params, (x, y))
       chex.assert_tree_shape_prefix(full, (N,))
       oracle = ft.unravel_like(
-          params, ft.per_example_grads_dense(apply_fn, params, x, y,
-                                             "categorical"))
+        params,
+        ft.per_example_grads_dense(apply_fn, params, x, y, "categorical"),
+      )
       chex.assert_trees_all_close(full, oracle, rtol=1e-10, atol=1e-14)
       for chunk in chunks:
-        chex.assert_trees_all_close(chunked[chunk], full, rtol=1e-12,
-                                    atol=1e-15)
+        chex.assert_trees_all_close(
+          chunked[chunk], full, rtol=1e-12, atol=1e-15
+        )
 
 
 if __name__ == "__main__":

@@ -7,7 +7,6 @@ from tests import multidevice_util
 
 
 class FisherMultiDeviceTest(absltest.TestCase):
-
   def test_eight_devices_match_one(self):
     multidevice_util.run_checks(self, "fisher_checks.py")
 

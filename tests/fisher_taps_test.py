@@ -29,7 +29,6 @@ B, S, T, VOCAB = 3, 2, 4, 5
 
 
 class _LinenMLP(nn.Module):
-
   @nn.compact
   def __call__(self, x):
     x = jnp.tanh(nn.Dense(5, param_dtype=x.dtype)(x))
@@ -48,7 +47,6 @@ class _LinenSeq(nn.Module):
 
 
 class _NnxMLP(nnx.Module):
-
   def __init__(self, rngs, dtype):
     self.l1 = nnx.Linear(4, 5, rngs=rngs, param_dtype=dtype)
     self.l2 = nnx.Linear(5, 3, rngs=rngs, param_dtype=dtype)
@@ -58,7 +56,6 @@ class _NnxMLP(nnx.Module):
 
 
 class _NnxSeq(nnx.Module):
-
   def __init__(self, rngs, dtype):
     self.emb = nnx.Embed(VOCAB, 4, rngs=rngs, param_dtype=dtype)
     self.l1 = nnx.Linear(4, 6, rngs=rngs, param_dtype=dtype)
@@ -105,10 +102,10 @@ def _model(name: str, dtype=None):
   if name == "plain_seq":
     k = jax.random.split(kp, 4)
     params = {
-        "table": jax.random.normal(k[0], (VOCAB, 4), dtype),
-        "w1": jax.random.normal(k[1], (4, 6), dtype) / 2,
-        "b1": jax.random.normal(k[2], (6,), dtype) / 4,
-        "w2": jax.random.normal(k[3], (6, 3), dtype) / 3,
+      "table": jax.random.normal(k[0], (VOCAB, 4), dtype),
+      "w1": jax.random.normal(k[1], (4, 6), dtype) / 2,
+      "b1": jax.random.normal(k[2], (6,), dtype) / 4,
+      "w2": jax.random.normal(k[3], (6, 3), dtype) / 3,
     }
     return _plain_seq, params, ids.at[1, 3].set(-1), 3
   raise ValueError(name)
@@ -133,8 +130,9 @@ def _stats(apply_fn, params, inputs, cot, structure, chunk_size=None):
 
 @functools.partial(jax.jit, static_argnums=(0, 4, 5))
 def _jit_stats(apply_fn, params, inputs, cot, structure, chunk_size):
-  return _taps.layer_statistics(apply_fn, params, inputs, cot,
-                                structure=structure, chunk_size=chunk_size)
+  return _taps.layer_statistics(
+    apply_fn, params, inputs, cot, structure=structure, chunk_size=chunk_size
+  )
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -151,12 +149,12 @@ def _leaf_values(tree):
 
 
 def _assert_close(test, got, want, rtol=1e-10, atol=1e-12):
-  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=rtol,
-                             atol=atol)
+  np.testing.assert_allclose(
+    np.asarray(got), np.asarray(want), rtol=rtol, atol=atol
+  )
 
 
 class LayerStatisticsTest(parameterized.TestCase):
-
   @parameterized.parameters(*_MODELS)
   def test_statistics_match_jacobian_oracle(self, name):
     with jax.enable_x64(True):
@@ -169,11 +167,15 @@ class LayerStatisticsTest(parameterized.TestCase):
 
       @jax.jit
       def run(params, inputs, cot, weights):
-        out = {st: _taps.layer_statistics(apply_fn, params, inputs, cot,
-                                          structure=st, chunk_size=chunk)[0]
-               for st in ("diag", "norms", "gram")}
-        out["combine"] = _taps.combine(apply_fn, params, inputs, cot,
-                                       weights)[0]
+        out = {
+          st: _taps.layer_statistics(
+            apply_fn, params, inputs, cot, structure=st, chunk_size=chunk
+          )[0]
+          for st in ("diag", "norms", "gram")
+        }
+        out["combine"] = _taps.combine(apply_fn, params, inputs, cot, weights)[
+          0
+        ]
         out["g"] = _pseudo_grads(apply_fn, params, inputs, cot)
         return out
 
@@ -182,7 +184,7 @@ class LayerStatisticsTest(parameterized.TestCase):
       for got, gi in zip(jax.tree.leaves(out["diag"]), g):
         _assert_close(self, got, jnp.sum(gi**2, 0))
       for got, gi in zip(jax.tree.leaves(out["norms"]), g):
-        _assert_close(self, got, jnp.sum(gi.reshape(S * B, -1)**2, 1))
+        _assert_close(self, got, jnp.sum(gi.reshape(S * B, -1) ** 2, 1))
       flat = jnp.concatenate([gi.reshape(S * B, -1) for gi in g], 1)
       _assert_close(self, out["gram"], flat @ flat.T)
       for got, gi in zip(jax.tree.leaves(out["combine"]), g):
@@ -192,7 +194,8 @@ class LayerStatisticsTest(parameterized.TestCase):
     """Attention (q, k, v, o on (B, T, d)), MLP, embedding, head."""
     with jax.enable_x64(True):
       apply_fn, params = models.char_transformer(
-          7, d=8, heads=2, layers=1, ffn=12, context=5)
+        7, d=8, heads=2, layers=1, ffn=12, context=5
+      )
       params = jax.tree.map(lambda a: a.astype(jnp.float64), params)
       ids = jax.random.randint(jax.random.key(1), (B, 5), 0, 7)
       cot = jax.random.normal(jax.random.key(2), (S, B, 5, 7))
@@ -202,17 +205,24 @@ class LayerStatisticsTest(parameterized.TestCase):
         def one(x, r):  # g_{s,n} for one example, all s
           _, vjp = jax.vjp(lambda p: apply_fn(p, x[None])[0], params)
           return jax.vmap(lambda rs: vjp(rs)[0])(r)
+
         g = jax.vmap(one, in_axes=(0, 1))(ids, cot)  # (B, S, ...)
-        diag, covered = _taps.layer_statistics(apply_fn, params, ids, cot,
-                                               structure="diag")
-        norms, _ = _taps.layer_statistics(apply_fn, params, ids, cot,
-                                          structure="norms")
+        diag, covered = _taps.layer_statistics(
+          apply_fn, params, ids, cot, structure="diag"
+        )
+        norms, _ = _taps.layer_statistics(
+          apply_fn, params, ids, cot, structure="norms"
+        )
         return g, diag, norms, covered
 
       g, diag, norms, covered = run(params, ids, cot)
       self.assertEqual(sum(map(bool, jax.tree.leaves(covered))), 11)
-      for d, n, c, gi in zip(_leaf_values(diag), _leaf_values(norms),
-                             jax.tree.leaves(covered), jax.tree.leaves(g)):
+      for d, n, c, gi in zip(
+        _leaf_values(diag),
+        _leaf_values(norms),
+        jax.tree.leaves(covered),
+        jax.tree.leaves(g),
+      ):
         if c:
           # nnx.Embed gathers from a float32 copy of the table here, so its
           # cotangents (and statistics) are float32.
@@ -228,9 +238,12 @@ class LayerStatisticsTest(parameterized.TestCase):
 
     @jax.jit
     def run(params, inputs, cot):
-      return [_taps.layer_statistics(apply_fn, params, inputs, cot,
-                                     structure="diag", chunk_size=c)[0]
-              for c in (1, 4, None)]
+      return [
+        _taps.layer_statistics(
+          apply_fn, params, inputs, cot, structure="diag", chunk_size=c
+        )[0]
+        for c in (1, 4, None)
+      ]
 
     ones, fours, whole = run(params, inputs, cot)
     chex.assert_trees_all_close(ones, whole, rtol=1e-5)
@@ -241,31 +254,37 @@ class LayerStatisticsTest(parameterized.TestCase):
     with jax.enable_x64(True):
       for t in (2, 9):
         k = jax.random.split(jax.random.key(4), 3)
-        params = {"w": jax.random.normal(k[0], (3, 4)),
-                  "v": jax.random.normal(k[1], (4, 2))}
+        params = {
+          "w": jax.random.normal(k[0], (3, 4)),
+          "v": jax.random.normal(k[1], (4, 2)),
+        }
         apply_fn = lambda p, x: jnp.tanh(x @ p["w"]).sum(1) @ p["v"]
         x = jax.random.normal(k[2], (B, t, 3))
         cot = _cotangents(2)
         g = _pseudo_grads(apply_fn, params, x, cot)
         gram, _ = _stats(apply_fn, params, x, cot, "gram")
-        flat = jnp.concatenate([gi.reshape(S * B, -1)
-                                for gi in jax.tree.leaves(g)], 1)
+        flat = jnp.concatenate(
+          [gi.reshape(S * B, -1) for gi in jax.tree.leaves(g)], 1
+        )
         _assert_close(self, gram, flat @ flat.T)
 
   def test_kron_factors(self):
     """A = sum_n mean_t a a^T; Gamma = sum delta delta^T (delta: bias grad)."""
     with jax.enable_x64(True):
-      params = fisher_testing.mlp_params(jax.random.key(0), (4, 5, 3),
-                                         dtype=jnp.float64)
+      params = fisher_testing.mlp_params(
+        jax.random.key(0), (4, 5, 3), dtype=jnp.float64
+      )
       x = jax.random.normal(jax.random.key(1), (B, 4))
       cot = _cotangents(3)
       g = _pseudo_grads(fisher_testing.mlp_apply, params, x, cot)
       kron, _ = _stats(fisher_testing.mlp_apply, params, x, cot, "kron")
       # One example, one sample: A (x) Gamma is the exact kernel block.
-      kron1, _ = _stats(fisher_testing.mlp_apply, params, x[:1],
-                        cot[:1, :1], "kron")
-      hidden = jnp.tanh(x @ params["dense_0"]["kernel"]
-                        + params["dense_0"]["bias"])
+      kron1, _ = _stats(
+        fisher_testing.mlp_apply, params, x[:1], cot[:1, :1], "kron"
+      )
+      hidden = jnp.tanh(
+        x @ params["dense_0"]["kernel"] + params["dense_0"]["bias"]
+      )
       for layer, a in (("dense_0", x), ("dense_1", hidden)):
         d = g[layer]["bias"]  # per-example delta, rows (s, n)
         a_sum, gamma = kron[layer]["kernel"]
@@ -286,8 +305,11 @@ class LayerStatisticsTest(parameterized.TestCase):
       h = jnp.take(params["table"], ids, axis=0)  # (B, T, 4)
       a_sum, _ = kron["w1"]
       _assert_close(self, a_sum, jnp.einsum("btd,bte->de", h, h) / T)
-      counts = jnp.zeros(VOCAB).at[jnp.where(ids < 0, ids + VOCAB, ids)
-                                   .reshape(-1)].add(1.0)
+      counts = (
+        jnp.zeros(VOCAB)
+        .at[jnp.where(ids < 0, ids + VOCAB, ids).reshape(-1)]
+        .add(1.0)
+      )
       _assert_close(self, kron["table"][0], jnp.diag(counts) / T)
 
   def test_tape_gradient_backward_and_take(self):
@@ -303,17 +325,22 @@ class LayerStatisticsTest(parameterized.TestCase):
         _, vjp = jax.vjp(lambda p: apply_fn(p, inputs), params)
         both = tape.backward(cot)
         return dict(
-            grad=grad, vjp=vjp(cot[0])[0], outputs=tape.outputs,
-            apply=apply_fn(params, inputs), diag0=lg.statistics("diag"),
-            want0=both.take(slice(0, 1)).statistics("diag"),
-            diag12=both.take(slice(1, None)).statistics("diag"),
-            want12=_taps.layer_statistics(apply_fn, params, inputs, cot[1:],
-                                          structure="diag")[0])
+          grad=grad,
+          vjp=vjp(cot[0])[0],
+          outputs=tape.outputs,
+          apply=apply_fn(params, inputs),
+          diag0=lg.statistics("diag"),
+          want0=both.take(slice(0, 1)).statistics("diag"),
+          diag12=both.take(slice(1, None)).statistics("diag"),
+          want12=_taps.layer_statistics(
+            apply_fn, params, inputs, cot[1:], structure="diag"
+          )[0],
+        )
 
       out = run(params, inputs, cot)
       g = _pseudo_grads(apply_fn, params, inputs, cot)
       for got, gi in zip(jax.tree.leaves(out["diag0"]), jax.tree.leaves(g)):
-        _assert_close(self, got, jnp.sum(gi[:B]**2, 0))
+        _assert_close(self, got, jnp.sum(gi[:B] ** 2, 0))
       chex.assert_trees_all_close(out["grad"], out["vjp"], rtol=1e-12)
       chex.assert_trees_all_close(out["diag0"], out["want0"], rtol=1e-12)
       chex.assert_trees_all_close(out["diag12"], out["want12"], rtol=1e-12)
@@ -321,12 +348,10 @@ class LayerStatisticsTest(parameterized.TestCase):
 
 
 class CoverageTest(parameterized.TestCase):
-
   def test_uncovered_leaves_are_reported(self):
     """Norm scales, convs, tied and reused kernels fall back (None)."""
 
     class Mixed(nn.Module):
-
       @nn.compact
       def __call__(self, ids):
         emb = nn.Embed(VOCAB, 4)
@@ -355,8 +380,9 @@ class CoverageTest(parameterized.TestCase):
       cot = jax.random.normal(jax.random.key(1), (S, 2, VOCAB))
       g = _pseudo_grads(model.apply, p64, ids, cot)
       diag, covered = _stats(model.apply, p64, ids, cot, "diag")
-      for d, c, gi in zip(_leaf_values(diag), jax.tree.leaves(covered),
-                          jax.tree.leaves(g)):
+      for d, c, gi in zip(
+        _leaf_values(diag), jax.tree.leaves(covered), jax.tree.leaves(g)
+      ):
         if c:
           _assert_close(self, d, jnp.sum(gi**2, 0))
         else:
@@ -376,21 +402,25 @@ class CoverageTest(parameterized.TestCase):
   def test_stacked_linear_layers_are_covered(self):
     """A product feeding another product directly (no bias, no activation)."""
     params = {"w1": jnp.ones((3, 4)), "w2": jnp.ones((4, 2))}
-    cov = _taps.coverage(lambda p, x: x @ p["w1"] @ p["w2"], params,
-                         jnp.ones((5, 3)))
+    cov = _taps.coverage(
+      lambda p, x: x @ p["w1"] @ p["w2"], params, jnp.ones((5, 3))
+    )
     self.assertEqual(cov, {"w1": True, "w2": True})
 
   def test_coverage_on_shape_dtype_structs(self):
     params = fisher_testing.mlp_params(jax.random.key(0))
-    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
-                            params)
-    cov = _taps.coverage(fisher_testing.mlp_apply, abstract,
-                         jax.ShapeDtypeStruct((7, 4), jnp.float32))
+    abstract = jax.tree.map(
+      lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), params
+    )
+    cov = _taps.coverage(
+      fisher_testing.mlp_apply,
+      abstract,
+      jax.ShapeDtypeStruct((7, 4), jnp.float32),
+    )
     self.assertTrue(all(jax.tree.leaves(cov)))
 
 
 class NumericsAndTracingTest(parameterized.TestCase):
-
   def test_bf16_params_give_float32_statistics(self):
     apply_fn, p32, x32, out_dim = _model("linen_mlp", jnp.float32)
     p16 = jax.tree.map(lambda a: a.astype(jnp.bfloat16), p32)
@@ -430,7 +460,6 @@ class NumericsAndTracingTest(parameterized.TestCase):
 
 
 class ErrorsTest(parameterized.TestCase):
-
   def setUp(self):
     super().setUp()
     self.params = fisher_testing.mlp_params(jax.random.key(0))
@@ -438,8 +467,13 @@ class ErrorsTest(parameterized.TestCase):
     self.cot = jnp.ones((S, B, fisher_testing.OUT_DIM))
 
   def _stats(self, **kw):
-    args = dict(apply_fn=fisher_testing.mlp_apply, params=self.params,
-                inputs=self.x, cotangents=self.cot, structure="diag")
+    args = dict(
+      apply_fn=fisher_testing.mlp_apply,
+      params=self.params,
+      inputs=self.x,
+      cotangents=self.cot,
+      structure="diag",
+    )
     args.update(kw)
     return _taps.layer_statistics(**args)
 
@@ -460,8 +494,10 @@ class ErrorsTest(parameterized.TestCase):
 
   def test_mismatched_input_batch(self):
     with self.assertRaisesRegex(ValueError, "leading batch axis"):
-      self._stats(apply_fn=lambda p, xs: fisher_testing.mlp_apply(p, xs[0]),
-                  inputs=(self.x, jnp.ones((B + 1, 4))))
+      self._stats(
+        apply_fn=lambda p, xs: fisher_testing.mlp_apply(p, xs[0]),
+        inputs=(self.x, jnp.ones((B + 1, 4))),
+      )
 
   def test_non_array_param(self):
     params = dict(self.params, extra={"scale": "big"})
@@ -470,8 +506,13 @@ class ErrorsTest(parameterized.TestCase):
 
   def test_bad_combine_weights(self):
     with self.assertRaisesRegex(ValueError, r"weights must have shape"):
-      _taps.combine(fisher_testing.mlp_apply, self.params, self.x, self.cot,
-                    jnp.ones((2, S * B + 1)))
+      _taps.combine(
+        fisher_testing.mlp_apply,
+        self.params,
+        self.x,
+        self.cot,
+        jnp.ones((2, S * B + 1)),
+      )
 
 
 if __name__ == "__main__":

@@ -21,8 +21,9 @@ Typical use::
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 import functools
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -36,17 +37,21 @@ IN_DIM = 4
 OUT_DIM = 4  # Heteroscedastic: reshaped to (2, 2) = (mu, log var) pairs.
 
 
-def mlp_params(key: jax.Array, sizes: Sequence[int] = (IN_DIM, 5, OUT_DIM),
-               dtype: Any = jnp.float32) -> dict[str, dict[str, jax.Array]]:
+def mlp_params(
+  key: jax.Array,
+  sizes: Sequence[int] = (IN_DIM, 5, OUT_DIM),
+  dtype: Any = jnp.float32,
+) -> dict[str, dict[str, jax.Array]]:
   """Flax-like params ``{"dense_i": {"kernel": (d_in, d_out), "bias"}}``."""
   params = {}
   keys = jax.random.split(key, len(sizes) - 1)
   for i, (k, d_in, d_out) in enumerate(zip(keys, sizes[:-1], sizes[1:])):
     kw, kb = jax.random.split(k)
     params[f"dense_{i}"] = {
-        "kernel": (jax.random.normal(kw, (d_in, d_out)) / np.sqrt(d_in)
-                   ).astype(dtype),
-        "bias": (0.1 * jax.random.normal(kb, (d_out,))).astype(dtype),
+      "kernel": (jax.random.normal(kw, (d_in, d_out)) / np.sqrt(d_in)).astype(
+        dtype
+      ),
+      "bias": (0.1 * jax.random.normal(kb, (d_out,))).astype(dtype),
     }
   return params
 
@@ -73,11 +78,11 @@ def apply_for(family: str) -> Callable[[PyTree, jax.Array], jax.Array]:
   return mlp_apply_pairs if family == "heteroscedastic" else mlp_apply
 
 
-def make_batch(key: jax.Array, n: int, family: str,
-               dtype: Any = None) -> tuple[jax.Array, jax.Array]:
+def make_batch(
+  key: jax.Array, n: int, family: str, dtype: Any = None
+) -> tuple[jax.Array, jax.Array]:
   """Random ``(inputs (n, IN_DIM), targets)`` for a likelihood family."""
-  dtype = dtype or (jnp.float64 if jax.config.jax_enable_x64
-                    else jnp.float32)
+  dtype = dtype or (jnp.float64 if jax.config.jax_enable_x64 else jnp.float32)
   kx, ky = jax.random.split(key)
   x = jax.random.normal(kx, (n, IN_DIM), dtype)
   if family == "categorical":
@@ -104,13 +109,14 @@ def unravel_like(like: PyTree, flat: jax.Array) -> PyTree:
   lead = flat.shape[:-1]
   for leaf in leaves:
     size = int(np.prod(leaf.shape))
-    out.append(flat[..., i:i + size].reshape(*lead, *leaf.shape))
+    out.append(flat[..., i : i + size].reshape(*lead, *leaf.shape))
     i += size
   return jax.tree.unflatten(treedef, out)
 
 
-def jacobians(apply_fn: Callable[..., jax.Array], params: PyTree,
-              inputs: jax.Array) -> jax.Array:
+def jacobians(
+  apply_fn: Callable[..., jax.Array], params: PyTree, inputs: jax.Array
+) -> jax.Array:
   """Per-example Jacobians ``(B, O, P)``: outputs flattened, params ravelled."""
   flat = ravel(params)
 
@@ -124,8 +130,9 @@ def jacobians(apply_fn: Callable[..., jax.Array], params: PyTree,
 def output_grad(family: str, out: jax.Array, y: jax.Array) -> jax.Array:
   """Closed-form ``d NLL / d out`` for one example, flattened."""
   if family == "categorical":
-    return jax.nn.softmax(out) - jax.nn.one_hot(y, out.shape[-1],
-                                                dtype=out.dtype)
+    return jax.nn.softmax(out) - jax.nn.one_hot(
+      y, out.shape[-1], dtype=out.dtype
+    )
   if family == "gaussian":
     return jnp.ravel((out - y) / SIGMA**2)
   if family == "bernoulli":
@@ -157,8 +164,13 @@ def output_fisher(family: str, out: jax.Array) -> jax.Array:
 
 
 @functools.partial(jax.jit, static_argnums=(0, 4))
-def per_example_grads_dense(apply_fn, params, inputs, targets, family,
-                            ) -> jax.Array:
+def per_example_grads_dense(
+  apply_fn,
+  params,
+  inputs,
+  targets,
+  family,
+) -> jax.Array:
   """``(B, P)`` per-example NLL gradients ``J_n^T d NLL/d out``."""
   jac = jacobians(apply_fn, params, inputs)
   outs = apply_fn(params, inputs)
@@ -166,11 +178,18 @@ def per_example_grads_dense(apply_fn, params, inputs, targets, family,
   return jnp.einsum("bop,bo->bp", jac, r)
 
 
-@functools.partial(jax.jit, static_argnums=(0,),
-                   static_argnames=("family", "kind"))
-def dense_fisher(apply_fn: Callable[..., jax.Array], params: PyTree,
-                 inputs: jax.Array, targets: jax.Array | None, *,
-                 family: str, kind: str) -> jax.Array:
+@functools.partial(
+  jax.jit, static_argnums=(0,), static_argnames=("family", "kind")
+)
+def dense_fisher(
+  apply_fn: Callable[..., jax.Array],
+  params: PyTree,
+  inputs: jax.Array,
+  targets: jax.Array | None,
+  *,
+  family: str,
+  kind: str,
+) -> jax.Array:
   """The dense ``P x P`` Fisher (a mean over examples) of the given kind.
 
   ``kind="mc"`` is not deterministic: for it pass the sampled labels as
@@ -190,8 +209,12 @@ def dense_fisher(apply_fn: Callable[..., jax.Array], params: PyTree,
     m = jnp.mean(g, 0)
     return jnp.outer(m, m)
   if kind == "empirical_samples":
-    fs = [dense_fisher(apply_fn, params, inputs, targets[i], family=family,
-                       kind="empirical") for i in range(targets.shape[0])]
+    fs = [
+      dense_fisher(
+        apply_fn, params, inputs, targets[i], family=family, kind="empirical"
+      )
+      for i in range(targets.shape[0])
+    ]
     return sum(fs) / len(fs)
   raise ValueError(kind)
 
@@ -208,7 +231,7 @@ def leaf_blocks(params: PyTree, dense: jax.Array) -> list[jax.Array]:
   blocks, i = [], 0
   for leaf in jax.tree.leaves(params):
     size = int(np.prod(leaf.shape))
-    blocks.append(dense[i:i + size, i:i + size])
+    blocks.append(dense[i : i + size, i : i + size])
     i += size
   return blocks
 

@@ -33,37 +33,50 @@ def _grads(params, x, y):
 
 
 class EstimateFisherDiagTest(parameterized.TestCase):
-
   def test_per_example_grads_extra(self):
     params, x, y = _problem()
     g = _grads(params, x, y)
     updates = jax.tree.map(lambda a: jnp.mean(a, 0), g)
     tx = fisher.estimate_fisher_diag()
     state = tx.init(params)
-    out, state = jax.jit(tx.update)(updates, state, params,
-                                    per_example_grads=g, unknown_extra=1.0)
+    out, state = jax.jit(tx.update)(
+      updates, state, params, per_example_grads=g, unknown_extra=1.0
+    )
     chex.assert_trees_all_equal(out, updates)
     chex.assert_trees_all_close(
-        fisher.get_fisher_diag(state),
-        jax.tree.map(lambda a: jnp.mean(a**2, 0), g), rtol=1e-6)
+      fisher.get_fisher_diag(state),
+      jax.tree.map(lambda a: jnp.mean(a**2, 0), g),
+      rtol=1e-6,
+    )
     self.assertEqual(int(state.count), 1)
     self.assertEqual(int(state.num_refreshes), 1)
 
   def test_batch_extra_in_a_chain(self):
     params, x, y = _problem()
     tx = optax.chain(
-        fisher.estimate_fisher_diag(ft.mlp_apply, fisher.Categorical(),
-                                    kind="mc", num_samples=2, key=3),
-        optax.sgd(0.1))
+      fisher.estimate_fisher_diag(
+        ft.mlp_apply, fisher.Categorical(), kind="mc", num_samples=2, key=3
+      ),
+      optax.sgd(0.1),
+    )
     state = tx.init(params)
     step = jax.jit(functools.partial(tx.update))
     _, state = step(params, state, params, batch=(x, y))
     _, key = jax.random.split(jax.random.key(3))  # the first step's key
-    ref = jax.jit(lambda p, b, k: fisher.diagonal(
-        ft.mlp_apply, p, b, likelihood=fisher.Categorical(), kind="mc",
-        num_samples=2, key=k))(params, (x, y), key)
-    chex.assert_trees_all_close(fisher.get_fisher_diag(state), ref.diag,
-                                rtol=1e-5, atol=1e-7)
+    ref = jax.jit(
+      lambda p, b, k: fisher.diagonal(
+        ft.mlp_apply,
+        p,
+        b,
+        likelihood=fisher.Categorical(),
+        kind="mc",
+        num_samples=2,
+        key=k,
+      )
+    )(params, (x, y), key)
+    chex.assert_trees_all_close(
+      fisher.get_fisher_diag(state), ref.diag, rtol=1e-5, atol=1e-7
+    )
 
   def test_interval_and_decay(self):
     params, x, y = _problem()
@@ -78,9 +91,11 @@ class EstimateFisherDiagTest(parameterized.TestCase):
     _, state = step(upd, state, per_example_grads=g2)  # count 1: keep
     chex.assert_trees_all_close(fisher.get_fisher_diag(state), d1)
     _, state = step(upd, state, per_example_grads=g2)  # count 2: EMA
-    chex.assert_trees_all_close(fisher.get_fisher_diag(state),
-                                jax.tree.map(lambda d: 2.5 * d, d1),
-                                rtol=1e-6)
+    chex.assert_trees_all_close(
+      fisher.get_fisher_diag(state),
+      jax.tree.map(lambda d: 2.5 * d, d1),
+      rtol=1e-6,
+    )
     self.assertEqual(int(state.num_refreshes), 2)
 
   def test_non_finite_refresh_is_skipped_and_counted(self):
@@ -93,34 +108,46 @@ class EstimateFisherDiagTest(parameterized.TestCase):
     _, state = update(upd, state, per_example_grads=g)
     bad = jax.tree.map(lambda a: a.at[0].set(jnp.nan), g)
     _, state2 = update(upd, state, per_example_grads=bad)
-    chex.assert_trees_all_equal(fisher.get_fisher_diag(state2),
-                                fisher.get_fisher_diag(state))
+    chex.assert_trees_all_equal(
+      fisher.get_fisher_diag(state2), fisher.get_fisher_diag(state)
+    )
     self.assertEqual(int(state2.num_nonfinite), 1)
     self.assertEqual(int(state2.num_refreshes), 1)
 
   def test_init_abstract_and_map_params_and_inject(self):
     params, x, y = _problem()
-    tx = fisher.estimate_fisher_diag(ft.mlp_apply, fisher.Categorical(),
-                                     kind="exact")
-    abstract = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype),
-                            params)
+    tx = fisher.estimate_fisher_diag(
+      ft.mlp_apply, fisher.Categorical(), kind="exact"
+    )
+    abstract = jax.tree.map(
+      lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype), params
+    )
     shapes = jax.eval_shape(tx.init, abstract)
     chex.assert_trees_all_equal_shapes_and_dtypes(
-        shapes, jax.eval_shape(tx.init, params))
+      shapes, jax.eval_shape(tx.init, params)
+    )
     state = tx.init(params)
     mapped = optax.tree.map_params(tx.init, lambda p: p * 0, state)
     self.assertEqual(jax.tree.structure(mapped), jax.tree.structure(state))
-    inj = optax.inject_hyperparams(fisher.estimate_fisher_diag,
-                                   static_args=("apply_fn", "likelihood",
-                                                "kind", "num_samples"))(
-        apply_fn=ft.mlp_apply, likelihood=fisher.Categorical(), kind="exact",
-        decay=0.3)
+    inj = optax.inject_hyperparams(
+      fisher.estimate_fisher_diag,
+      static_args=("apply_fn", "likelihood", "kind", "num_samples"),
+    )(
+      apply_fn=ft.mlp_apply,
+      likelihood=fisher.Categorical(),
+      kind="exact",
+      decay=0.3,
+    )
     istate = inj.init(params)
-    (_, istate), (_, state) = jax.jit(lambda s1, s2, p, b: (  # One compile.
-        inj.update(p, s1, p, batch=b), tx.update(p, s2, p, batch=b)))(
-            istate, state, params, (x, y))
-    chex.assert_trees_all_close(fisher.get_fisher_diag(istate),
-                                fisher.get_fisher_diag(state), rtol=1e-6)
+    (_, istate), (_, state) = jax.jit(
+      lambda s1, s2, p, b: (  # One compile.
+        inj.update(p, s1, p, batch=b),
+        tx.update(p, s2, p, batch=b),
+      )
+    )(istate, state, params, (x, y))
+    chex.assert_trees_all_close(
+      fisher.get_fisher_diag(istate), fisher.get_fisher_diag(state), rtol=1e-6
+    )
 
   def test_bad_inputs(self):
     params, x, y = _problem()
@@ -136,10 +163,12 @@ class EstimateFisherDiagTest(parameterized.TestCase):
       tx.update(upd, state, batch=(x, y))
     with self.assertRaisesRegex(ValueError, "needs params"):
       fisher.estimate_fisher_diag(ft.mlp_apply, fisher.Categorical()).update(
-          upd, state, batch=(x, y))
+        upd, state, batch=(x, y)
+      )
     with self.assertRaisesRegex(ValueError, "needs the model"):
       fisher.estimate_fisher_diag(kind="exact").update(
-          upd, state, per_example_grads=g)
+        upd, state, per_example_grads=g
+      )
     with self.assertRaisesRegex(ValueError, "go together"):
       fisher.estimate_fisher_diag(ft.mlp_apply)
     with self.assertRaisesRegex(ValueError, "interval"):
@@ -147,21 +176,22 @@ class EstimateFisherDiagTest(parameterized.TestCase):
     with self.assertRaisesRegex(ValueError, "decay"):
       fisher.estimate_fisher_diag(decay=1.5)
     with self.assertRaisesRegex(ValueError, "probabilistic"):
-      fisher.estimate_fisher_diag(ft.mlp_apply, lambda o, t: 0.0,
-                                  kind="exact")
+      fisher.estimate_fisher_diag(ft.mlp_apply, lambda o, t: 0.0, kind="exact")
 
 
 class EstimateFisherLowRankTest(absltest.TestCase):
-
   def test_matches_low_rank_from_grads(self):
     params, x, y = _problem()
     g = _grads(params, x, y)
     tx = fisher.estimate_fisher_low_rank(rank=3)
     state = tx.init(params)
     upd = jax.tree.map(lambda a: jnp.mean(a, 0), g)
-    (_, state), ref = jax.jit(lambda s, u, g: (  # One compile.
+    (_, state), ref = jax.jit(
+      lambda s, u, g: (  # One compile.
         tx.update(u, s, per_example_grads=g),
-        fisher.low_rank_from_grads(g, rank=3)))(state, upd, g)
+        fisher.low_rank_from_grads(g, rank=3),
+      )
+    )(state, upd, g)
     vals, vecs = fisher.get_fisher_low_rank(state)
     np.testing.assert_allclose(vals, ref.eigvals, rtol=1e-5)
     chex.assert_trees_all_close(vecs, ref.eigvecs, atol=1e-5)
@@ -170,37 +200,57 @@ class EstimateFisherLowRankTest(absltest.TestCase):
 
   def test_batch_extra(self):
     params, x, y = _problem()
-    tx = fisher.estimate_fisher_low_rank(ft.mlp_apply, fisher.Categorical(),
-                                         rank=2, kind="exact")
+    tx = fisher.estimate_fisher_low_rank(
+      ft.mlp_apply, fisher.Categorical(), rank=2, kind="exact"
+    )
     state = tx.init(params)
-    (_, state), ref = jax.jit(lambda s, p, b: (  # One compile.
+    (_, state), ref = jax.jit(
+      lambda s, p, b: (  # One compile.
         tx.update(p, s, p, batch=b),
-        fisher.low_rank(ft.mlp_apply, p, b, likelihood=fisher.Categorical(),
-                        kind="exact", rank=2)))(state, params, (x, y))
+        fisher.low_rank(
+          ft.mlp_apply,
+          p,
+          b,
+          likelihood=fisher.Categorical(),
+          kind="exact",
+          rank=2,
+        ),
+      )
+    )(state, params, (x, y))
     np.testing.assert_allclose(state.eigvals, ref.eigvals, rtol=1e-5)
 
 
 def _sgd_with_fisher(learning_rate, decay=0.0):
   """A chain whose only job is to carry the estimator through the suite."""
-  return optax.chain(fisher.estimate_fisher_diag(decay=decay),
-                     optax.sgd(learning_rate))
+  return optax.chain(
+    fisher.estimate_fisher_diag(decay=decay), optax.sgd(learning_rate)
+  )
 
 
-class EstimatorInChainConformanceTest(conformance.OptimizerConformance,
-                                      parameterized.TestCase):
+class EstimatorInChainConformanceTest(
+  conformance.OptimizerConformance, parameterized.TestCase
+):
   FACTORY = staticmethod(_sgd_with_fisher)
   KWARGS = {"learning_rate": 1e-2}
   INJECTABLE = ("learning_rate", "decay")
-  CONVERGENCE_STEPS = {"parabola": 1000, "matrix_parabola": 1000,
-                       "mixed_tensors": 1000}
-  TARGET_KWARGS = {"parabola": {"learning_rate": 0.1},
-                   "matrix_parabola": {"learning_rate": 0.1},
-                   "mixed_tensors": {"learning_rate": 0.1}}
+  CONVERGENCE_STEPS = {
+    "parabola": 1000,
+    "matrix_parabola": 1000,
+    "mixed_tensors": 1000,
+  }
+  TARGET_KWARGS = {
+    "parabola": {"learning_rate": 0.1},
+    "matrix_parabola": {"learning_rate": 0.1},
+    "mixed_tensors": {"learning_rate": 0.1},
+  }
 
   def extra_args(self, params, obj_fn):
     # A batch of one example: the full gradient.
-    return {"per_example_grads": jax.tree.map(lambda g: g[None],
-                                              jax.grad(obj_fn)(params))}
+    return {
+      "per_example_grads": jax.tree.map(
+        lambda g: g[None], jax.grad(obj_fn)(params)
+      )
+    }
 
 
 if __name__ == "__main__":

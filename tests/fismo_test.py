@@ -25,7 +25,7 @@ EXACT_NS = ((2.0, -1.5, 0.5), 24)  # convergent quintic: the exact polar.
 
 def _np_inv_sqrt(a):
   w, v = np.linalg.eigh(0.5 * (a + a.T))
-  return (v * w ** -0.5) @ v.T
+  return (v * w**-0.5) @ v.T
 
 
 def _np_ns(x, coeffs, steps, eps=1e-8):
@@ -44,6 +44,7 @@ def numpy_fismo(grads, *, beta, gamma, damping, factor_norm, coeffs, steps):
   p, q, mom = np.eye(m), np.eye(n), np.zeros((m, n))
   out = []
   for t, g in enumerate(grads, start=1):
+
     def ema(old, s, d):
       if factor_norm == "paper":
         target = s + damping * np.trace(old) / d * np.eye(d)
@@ -52,6 +53,7 @@ def numpy_fismo(grads, *, beta, gamma, damping, factor_norm, coeffs, steps):
       mixed = gamma * old + (1 - gamma) * target
       new = d * mixed / np.trace(mixed)
       return 0.5 * (new + new.T)
+
     q_is = _np_inv_sqrt(q)
     p = ema(p, g @ q_is @ q_is @ g.T / n, m)
     p_is = _np_inv_sqrt(p)
@@ -80,17 +82,20 @@ def _run_many(txs, params, grads_seqs):
   def run(params, stacked):
     out = []
     for tx, grads in zip(txs, stacked):
+
       def body(state, g, tx=tx):
         u, state = tx.update(g, state, params)
         return state, (u, state)
+
       out.append(jax.lax.scan(body, tx.init(params), grads)[1])
     return out
 
   results = []
   for seq, (ups, states) in zip(grads_seqs, run(params, stacked)):
     ups, states = jax.tree.map(np.asarray, (ups, states))
-    unstack = lambda t: [jax.tree.map(lambda a, i=i: a[i], t)
-                         for i in range(len(seq))]
+    unstack = lambda t: [
+      jax.tree.map(lambda a, i=i: a[i], t) for i in range(len(seq))
+    ]
     results.append((unstack(ups), unstack(states)))
   return results
 
@@ -103,9 +108,11 @@ def _run(tx, params, grads_seq):
 def _kron_grads(seed, m, n, num, scale):
   """G = P*^{1/2} Z Q*^{1/2}: batch gradients with a known Kronecker Fisher."""
   rng = np.random.default_rng(seed)
+
   def spd(d, cond):
     u, _ = np.linalg.qr(rng.normal(size=(d, d)))
     return (u * np.geomspace(cond, 1.0, d)) @ u.T
+
   p_star, q_star = spd(m, 7.0), spd(n, 4.0)
   ph = np.linalg.cholesky(p_star)
   qh = np.linalg.cholesky(q_star)
@@ -119,7 +126,7 @@ def _cos(a, b):
   return float(np.sum(a * b) / np.linalg.norm(a) / np.linalg.norm(b))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _scan_runner(kw_items):
   """A jitted scan of scale_by_fismo (interval 1), cached per settings."""
   tx = fisher_optax.scale_by_fismo(precondition_interval=1, **dict(kw_items))
@@ -141,31 +148,47 @@ class IsotropicMuonTest(parameterized.TestCase):
   """With P = Q = I, FISMO is optax.contrib.muon (spec §7.1)."""
 
   def test_identity_factors_equal_muon(self):
-    params = {"w": jnp.ones((5, 3)), "k": jnp.ones((3, 2, 4)),
-              "b": jnp.zeros((4,))}
-    dims = {"w": DN(), "k": DN(reduction_axis=(0, 1), output_axis=2),
-            "b": None}
-    grads = [jax.tree.map(lambda x, g=g: jnp.cos(x * g + jnp.arange(
-        x.size).reshape(x.shape)), params) for g in (0.3, 1.1, 2.0)]
+    params = {
+      "w": jnp.ones((5, 3)),
+      "k": jnp.ones((3, 2, 4)),
+      "b": jnp.zeros((4,)),
+    }
+    dims = {"w": DN(), "k": DN(reduction_axis=(0, 1), output_axis=2), "b": None}
+    grads = [
+      jax.tree.map(
+        lambda x, g=g: jnp.cos(x * g + jnp.arange(x.size).reshape(x.shape)),
+        params,
+      )
+      for g in (0.3, 1.1, 2.0)
+    ]
     txs = []
     for nesterov in (False, True):
-      txs += [fisher_optax.fismo(3e-2, gamma=1.0, nesterov=nesterov,
-                                 fismo_weight_dimension_numbers=dims),
-              optax.contrib.muon(3e-2, nesterov=nesterov,
-                                 muon_weight_dimension_numbers=dims)]
+      txs += [
+        fisher_optax.fismo(
+          3e-2,
+          gamma=1.0,
+          nesterov=nesterov,
+          fismo_weight_dimension_numbers=dims,
+        ),
+        optax.contrib.muon(
+          3e-2, nesterov=nesterov, muon_weight_dimension_numbers=dims
+        ),
+      ]
     # Both nesterov settings, ours and Muon: one compile.
     out = _run_many(txs, params, [grads] * 4)
     for i, nesterov in enumerate((False, True)):
       with self.subTest(nesterov=nesterov):
-        chex.assert_trees_all_close(out[2 * i][0], out[2 * i + 1][0],
-                                    atol=1e-6, rtol=1e-5)
+        chex.assert_trees_all_close(
+          out[2 * i][0], out[2 * i + 1][0], atol=1e-6, rtol=1e-5
+        )
 
   def test_huge_damping_is_muon(self):
     params = {"w": jnp.ones((6, 4))}
     grads = [{"w": g} for g in _grads(0, (6, 4), 3)]
     ours = fisher_optax.scale_by_fismo(damping=1e7, gamma=0.5)
-    ref = optax.contrib.scale_by_muon(nesterov=False,
-                                      weight_dimension_numbers={"w": DN()})
+    ref = optax.contrib.scale_by_muon(
+      nesterov=False, weight_dimension_numbers={"w": DN()}
+    )
     (u1, _), (u2, _) = _run_many([ours, ref], params, [grads, grads])
     chex.assert_trees_all_close(u1, u2, atol=1e-5)
 
@@ -175,28 +198,35 @@ class AlgorithmOracleTest(parameterized.TestCase):
 
   def test_matches_numpy_algorithm_1(self):
     with jax.enable_x64(True):
-      grads = [np.asarray(g, np.float64) * 0.7
-               for g in _grads(1, (5, 4), 3)]
+      grads = [np.asarray(g, np.float64) * 0.7 for g in _grads(1, (5, 4), 3)]
       norms = ("pre_ema", "paper")
-      kws = [dict(beta=0.9, gamma=0.8, damping=0.05, factor_norm=f)
-             for f in norms]
-      txs = [fisher_optax.scale_by_fismo(precondition_interval=1,
-                                         root_method="eigh",
-                                         eigenvalue_floor=0.0, **kw)
-             for kw in kws]
+      kws = [
+        dict(beta=0.9, gamma=0.8, damping=0.05, factor_norm=f) for f in norms
+      ]
+      txs = [
+        fisher_optax.scale_by_fismo(
+          precondition_interval=1,
+          root_method="eigh",
+          eigenvalue_floor=0.0,
+          **kw,
+        )
+        for kw in kws
+      ]
       params = jnp.zeros((5, 4), jnp.float64)
       jgrads = [jnp.asarray(g) for g in grads]
       # Both factor norms: one compile.
       runs = _run_many(txs, params, [jgrads, jgrads])
       for factor_norm, kw, (ups, states) in zip(norms, kws, runs):
-        want = numpy_fismo(grads, coeffs=_linalg.QUINTIC_NS_COEFFS, steps=5,
-                           **kw)
+        want = numpy_fismo(
+          grads, coeffs=_linalg.QUINTIC_NS_COEFFS, steps=5, **kw
+        )
         with self.subTest(factor_norm=factor_norm):
           for u, s, (wu, wp, wq) in zip(ups, states, want):
             np.testing.assert_allclose(s.left_factor[0], wp, atol=1e-12)
             np.testing.assert_allclose(s.right_factor[0], wq, atol=1e-12)
-            np.testing.assert_allclose(s.left_root[0], _np_inv_sqrt(wp),
-                                       atol=1e-10)
+            np.testing.assert_allclose(
+              s.left_root[0], _np_inv_sqrt(wp), atol=1e-10
+            )
             np.testing.assert_allclose(u, wu, atol=1e-9)
 
   def test_trust_region_geometry_with_exact_polar(self):
@@ -204,8 +234,14 @@ class AlgorithmOracleTest(parameterized.TestCase):
     with jax.enable_x64(True):
       coeffs, steps = EXACT_NS
       tx = fisher_optax.scale_by_fismo(
-          beta=0.0, gamma=0.5, ns_coeffs=coeffs, ns_steps=steps,
-          precondition_interval=1, eigenvalue_floor=0.0, root_method="eigh")
+        beta=0.0,
+        gamma=0.5,
+        ns_coeffs=coeffs,
+        ns_steps=steps,
+        precondition_interval=1,
+        eigenvalue_floor=0.0,
+        root_method="eigh",
+      )
       grads = [jnp.asarray(g, jnp.float64) for g in _grads(2, (6, 4), 3)]
       ups, states = _run(tx, jnp.zeros((6, 4), jnp.float64), grads)
       d, s, g = np.asarray(ups[-1]), states[-1], np.asarray(grads[-1])
@@ -216,17 +252,24 @@ class AlgorithmOracleTest(parameterized.TestCase):
       sv = np.linalg.svd(ph @ d @ qh, compute_uv=False)
       np.testing.assert_allclose(sv, np.ones(4), atol=1e-8)
       whitened = _np_inv_sqrt(p) @ g @ _np_inv_sqrt(q)
-      self.assertAlmostEqual(float(np.sum(g * d)),
-                             float(np.linalg.svd(whitened,
-                                                 compute_uv=False).sum()),
-                             places=8)
+      self.assertAlmostEqual(
+        float(np.sum(g * d)),
+        float(np.linalg.svd(whitened, compute_uv=False).sum()),
+        places=8,
+      )
 
   def test_identity_polar_gives_inverse_kronecker_step(self):
     """ns_coeffs=(1,0,0) makes Polar(X) = X/|X|_F: D ∝ P^-1 G Q^-1 (§7.4)."""
     with jax.enable_x64(True):
       tx = fisher_optax.scale_by_fismo(
-          beta=0.0, ns_coeffs=(1.0, 0.0, 0.0), ns_steps=1, gamma=0.3,
-          precondition_interval=1, eigenvalue_floor=0.0, root_method="eigh")
+        beta=0.0,
+        ns_coeffs=(1.0, 0.0, 0.0),
+        ns_steps=1,
+        gamma=0.3,
+        precondition_interval=1,
+        eigenvalue_floor=0.0,
+        root_method="eigh",
+      )
       grads = [jnp.asarray(g, jnp.float64) for g in _grads(3, (4, 5), 2)]
       ups, states = _run(tx, jnp.zeros((4, 5), jnp.float64), grads)
       p = np.asarray(states[-1].left_factor[0])
@@ -241,13 +284,17 @@ class AlgorithmOracleTest(parameterized.TestCase):
       rng = np.random.default_rng(4)
       u, _ = np.linalg.qr(rng.normal(size=(5, 5)))
       v, _ = np.linalg.qr(rng.normal(size=(3, 3)))
-      tx = fisher_optax.scale_by_fismo(precondition_interval=2, gamma=0.7,
-                                       eigenvalue_floor=0.0,
-                                       root_method="eigh")
+      tx = fisher_optax.scale_by_fismo(
+        precondition_interval=2,
+        gamma=0.7,
+        eigenvalue_floor=0.0,
+        root_method="eigh",
+      )
       grads = [jnp.asarray(g, jnp.float64) for g in _grads(5, (5, 3), 4)]
       params = jnp.zeros((5, 3), jnp.float64)
       (ups, _), (ups_rot, _) = _run_many(  # One compile for both.
-          [tx, tx], params, [grads, [u @ g @ v.T for g in grads]])
+        [tx, tx], params, [grads, [u @ g @ v.T for g in grads]]
+      )
       for a, b in zip(ups, ups_rot):
         np.testing.assert_allclose(u @ np.asarray(a) @ v.T, b, atol=1e-9)
 
@@ -263,8 +310,7 @@ class FactorTest(parameterized.TestCase):
     grads, p_star, q_star = _kron_grads(0, 6, 5, 250, 1.0)
     results = []
     for scale in (1.0, 1e-2, 1e-4):
-      state, ups = self._factors_after(scale * grads, gamma=0.98,
-                                       damping=1e-3)
+      state, ups = self._factors_after(scale * grads, gamma=0.98, damping=1e-3)
       p, q = state.left_factor[0], state.right_factor[0]
       self.assertGreater(_cos(p, p_star), 0.98)
       self.assertGreater(_cos(q, q_star), 0.98)
@@ -277,10 +323,12 @@ class FactorTest(parameterized.TestCase):
   def test_paper_mode_is_scale_dependent(self):
     """Spec A1: read literally, small gradients leave P at the identity."""
     grads, p_star, _ = _kron_grads(0, 6, 5, 250, 1.0)
-    big, _ = self._factors_after(grads, gamma=0.98, damping=1e-3,
-                                 factor_norm="paper")
-    small, _ = self._factors_after(1e-2 * grads, gamma=0.98, damping=1e-3,
-                                   factor_norm="paper")
+    big, _ = self._factors_after(
+      grads, gamma=0.98, damping=1e-3, factor_norm="paper"
+    )
+    small, _ = self._factors_after(
+      1e-2 * grads, gamma=0.98, damping=1e-3, factor_norm="paper"
+    )
     kappa = lambda a: float(np.linalg.cond(np.asarray(a[0], np.float64)))
     self.assertGreater(_cos(big.left_factor[0], p_star), 0.95)
     self.assertGreater(kappa(big.left_factor), 3.0)
@@ -292,49 +340,57 @@ class FactorTest(parameterized.TestCase):
     damping = 0.1
     grads = jnp.stack(_grads(6, (2, 6, 4), 6))
     tx_kw = dict(damping=damping, gamma=0.5, factor_norm=factor_norm)
-    state, _ = self._factors_after(grads, weight_dimension_numbers=DN(1, 2),
-                                   **tx_kw)
+    state, _ = self._factors_after(
+      grads, weight_dimension_numbers=DN(1, 2), **tx_kw
+    )
     for f, d in ((state.left_factor, 6), (state.right_factor, 4)):
       f = np.asarray(f, np.float64)
-      np.testing.assert_allclose(np.trace(f, axis1=1, axis2=2), [d, d],
-                                 rtol=1e-5)
+      np.testing.assert_allclose(
+        np.trace(f, axis1=1, axis2=2), [d, d], rtol=1e-5
+      )
       np.testing.assert_allclose(f, np.swapaxes(f, 1, 2), atol=1e-6)
       if factor_norm == "pre_ema":
-        self.assertGreaterEqual(np.linalg.eigvalsh(f).min(),
-                                damping / (1 + damping) * (1 - 1e-4))
+        self.assertGreaterEqual(
+          np.linalg.eigvalsh(f).min(), damping / (1 + damping) * (1 - 1e-4)
+        )
       self.assertTrue(np.all(np.isfinite(f)))
 
   def test_batch_axes_have_their_own_factors(self):
     grads = jnp.stack(_grads(7, (3, 4, 5), 3))
-    state, ups = self._factors_after(grads, root_method="eigh",
-                                     weight_dimension_numbers=DN(1, 2))
+    state, ups = self._factors_after(
+      grads, root_method="eigh", weight_dimension_numbers=DN(1, 2)
+    )
     for i in range(3):
       s_i, u_i = self._factors_after(grads[:, i], root_method="eigh")
-      np.testing.assert_allclose(state.left_factor[i], s_i.left_factor[0],
-                                 atol=1e-4)
+      np.testing.assert_allclose(
+        state.left_factor[i], s_i.left_factor[0], atol=1e-4
+      )
       np.testing.assert_allclose(ups[:, i], u_i, atol=1e-4)
 
   def test_zero_and_nonfinite_gradients_keep_the_state(self):
     params = {"w": jnp.zeros((4, 3)), "b": jnp.zeros((3,))}
     tx = fisher_optax.scale_by_fismo(precondition_interval=1)
-    grads = {"w": jax.random.normal(jax.random.key(0), (4, 3)),
-             "b": jnp.ones((3,))}
+    grads = {
+      "w": jax.random.normal(jax.random.key(0), (4, 3)),
+      "b": jnp.ones((3,)),
+    }
     zeros = jax.tree.map(jnp.zeros_like, grads)
-    bad = {"w": grads["w"].at[0, 0].set(jnp.nan),
-           "b": grads["b"].at[0].set(jnp.inf)}
+    bad = {
+      "w": grads["w"].at[0, 0].set(jnp.nan),
+      "b": grads["b"].at[0].set(jnp.inf),
+    }
     # One compile: a real step, then a zero (or a non-finite) gradient.
     (zero_ups, zero_states), (nan_ups, nan_states) = _run_many(
-        [tx, tx], params, [[grads, zeros], [grads, bad]])
+      [tx, tx], params, [[grads, zeros], [grads, bad]]
+    )
     state, zero_u, zero_s = zero_states[0], zero_ups[1], zero_states[1]
     chex.assert_tree_all_finite((zero_u, zero_s))
     chex.assert_trees_all_close(zero_s.left_factor, state.left_factor)
-    chex.assert_trees_all_close(zero_s.right_root, state.right_root,
-                                atol=1e-5)
+    chex.assert_trees_all_close(zero_s.right_root, state.right_root, atol=1e-5)
     state, nan_u, nan_s = nan_states[0], nan_ups[1], nan_states[1]
     self.assertTrue(bool(jnp.all(jnp.isnan(nan_u["w"]))))
     chex.assert_tree_all_finite(nan_s)
-    chex.assert_trees_all_close(
-        nan_s._replace(count=state.count), state)
+    chex.assert_trees_all_close(nan_s._replace(count=state.count), state)
 
 
 class RootsTest(parameterized.TestCase):
@@ -342,9 +398,12 @@ class RootsTest(parameterized.TestCase):
 
   def test_roots_refresh_exactly_on_schedule(self):
     params = jnp.zeros((4, 3))
-    tx = fisher_optax.scale_by_fismo(precondition_interval=3,
-                                     eigenvalue_floor=0.0, gamma=0.5,
-                                     root_method="eigh")
+    tx = fisher_optax.scale_by_fismo(
+      precondition_interval=3,
+      eigenvalue_floor=0.0,
+      gamma=0.5,
+      root_method="eigh",
+    )
     _, states = _run(tx, params, _grads(8, (4, 3), 7))
     for t, s in enumerate(states):
       fresh = _linalg.matrix_inverse_root_eigh(s.left_factor, 2, floor=0.0)
@@ -357,18 +416,22 @@ class RootsTest(parameterized.TestCase):
 
   def test_refresh_is_a_cond_on_the_count(self):
     params = {"w": jnp.zeros((2, 4, 3))}
-    tx = fisher_optax.scale_by_fismo(precondition_interval=5,
-                                     root_method="eigh",
-                                     weight_dimension_numbers=DN(1, 2))
+    tx = fisher_optax.scale_by_fismo(
+      precondition_interval=5,
+      root_method="eigh",
+      weight_dimension_numbers=DN(1, 2),
+    )
     jaxpr = jax.make_jaxpr(tx.update)(params, tx.init(params), params)
     top = [e.primitive.name for e in jaxpr.jaxpr.eqns]
     self.assertIn("cond", top)
     self.assertNotIn("eigh", top)
     # The first refresh (count 0) equals refreshing every step.
     grads = [{"w": g} for g in _grads(9, (2, 4, 3), 1)]
-    every = fisher_optax.scale_by_fismo(precondition_interval=1,
-                                        root_method="eigh",
-                                        weight_dimension_numbers=DN(1, 2))
+    every = fisher_optax.scale_by_fismo(
+      precondition_interval=1,
+      root_method="eigh",
+      weight_dimension_numbers=DN(1, 2),
+    )
     (u_tx, _), (u_every, _) = _run_many([tx, every], params, [grads, grads])
     chex.assert_trees_all_close(u_tx, u_every)
 
@@ -379,26 +442,36 @@ class RootsTest(parameterized.TestCase):
     kw = dict(momentum_space="original", precondition_interval=2, gamma=0.6)
     methods = ("eigh", "newton", "cholesky")
     # The eigh reference and both methods: one compile.
-    runs = _run_many([fisher_optax.scale_by_fismo(root_method=m, **kw)
-                      for m in methods], params, [grads] * 3)
+    runs = _run_many(
+      [fisher_optax.scale_by_fismo(root_method=m, **kw) for m in methods],
+      params,
+      [grads] * 3,
+    )
     ref = runs[0][0]
     for method, (ups, states) in zip(methods[1:], runs[1:]):
       with self.subTest(method=method):
         chex.assert_trees_all_close(ups, ref, atol=2e-4, rtol=2e-3)
         s = states[4]  # a refresh step: its cached roots match its factors.
-        for f, w in ((s.left_factor, s.left_root), (s.right_factor,
-                                                     s.right_root)):
+        for f, w in (
+          (s.left_factor, s.left_root),
+          (s.right_factor, s.right_root),
+        ):
           eye = np.broadcast_to(np.eye(f.shape[-1]), f.shape)
-          np.testing.assert_allclose(jnp.swapaxes(w, -1, -2) @ f @ w, eye,
-                                     atol=1e-3)
+          np.testing.assert_allclose(
+            jnp.swapaxes(w, -1, -2) @ f @ w, eye, atol=1e-3
+          )
 
   def test_newton_whitened_momentum_tracks_eigh(self):
     params = jnp.zeros((5, 4))
     grads = _grads(11, (5, 4), 5)
     (ref, _), (ups, _) = _run_many(  # One compile for both.
-        [fisher_optax.scale_by_fismo(precondition_interval=1,
-                                     root_method=m)
-         for m in ("eigh", "newton")], params, [grads, grads])
+      [
+        fisher_optax.scale_by_fismo(precondition_interval=1, root_method=m)
+        for m in ("eigh", "newton")
+      ],
+      params,
+      [grads, grads],
+    )
     for a, b in zip(ups, ref):
       self.assertGreater(_cos(a, b), 0.999)
 
@@ -407,8 +480,12 @@ class RoutingTest(parameterized.TestCase):
   """Muon-style routing: reshapes, one-sided leaves, fallback, errors."""
 
   def test_one_sided_and_max_precond_dim(self):
-    params = {"tall": jnp.zeros((9, 3)), "wide": jnp.zeros((2, 7)),
-              "sq": jnp.zeros((6, 5)), "v": jnp.zeros((3,))}
+    params = {
+      "tall": jnp.zeros((9, 3)),
+      "wide": jnp.zeros((2, 7)),
+      "sq": jnp.zeros((6, 5)),
+      "v": jnp.zeros((3,)),
+    }
     tx = fisher_optax.scale_by_fismo(max_precond_dim=5)
     state = jax.eval_shape(tx.init, params)  # Routing needs shapes only.
     masked = optax.MaskedNode
@@ -419,21 +496,24 @@ class RoutingTest(parameterized.TestCase):
     self.assertIsInstance(state.left_factor["sq"], masked)  # 6 > 5
     self.assertEqual(state.right_factor["sq"].shape, (1, 5, 5))
     self.assertIsInstance(state.momentum["v"], masked)
-    grads = jax.tree.map(lambda x: jnp.cos(jnp.arange(x.size).reshape(
-        x.shape)), params)
+    grads = jax.tree.map(
+      lambda x: jnp.cos(jnp.arange(x.size).reshape(x.shape)), params
+    )
     ups, _ = _run(tx, params, [grads, grads])
     chex.assert_tree_all_finite(ups)
 
   def test_conv_reshape_and_fallback_configurable(self):
     params = {"conv": jnp.zeros((2, 2, 3, 4)), "b": jnp.zeros((4,))}
     dims = {"conv": DN(reduction_axis=(0, 1, 2), output_axis=3), "b": None}
-    tx = fisher_optax.scale_by_fismo(weight_dimension_numbers=dims,
-                                     fallback=optax.scale_by_sign(),
-                                     max_aspect_ratio=3)
+    tx = fisher_optax.scale_by_fismo(
+      weight_dimension_numbers=dims,
+      fallback=optax.scale_by_sign(),
+      max_aspect_ratio=3,
+    )
     state = jax.eval_shape(tx.init, params)  # Routing needs shapes only.
     self.assertEqual(state.left_factor["conv"].shape, (1, 12, 12))
     self.assertEqual(state.right_factor["conv"].shape, (1, 4, 4))
-    grads = {"conv": jnp.ones((2, 2, 3, 4)), "b": jnp.array([1., -2, 0, 3])}
+    grads = {"conv": jnp.ones((2, 2, 3, 4)), "b": jnp.array([1.0, -2, 0, 3])}
     ups, _ = jax.jit(lambda g, p: tx.update(g, tx.init(p), p))(grads, params)
     np.testing.assert_array_equal(ups["b"], jnp.sign(grads["b"]))
     self.assertEqual(ups["conv"].shape, (2, 2, 3, 4))
@@ -442,16 +522,20 @@ class RoutingTest(parameterized.TestCase):
     params = {"w": jnp.zeros((4, 3)), "b": jnp.zeros((3,))}
     with self.assertRaisesRegex(ValueError, r"\['b'\].*rank >= 2"):
       fisher_optax.scale_by_fismo(
-          weight_dimension_numbers={"w": DN(), "b": DN()}).init(params)
+        weight_dimension_numbers={"w": DN(), "b": DN()}
+      ).init(params)
     with self.assertRaisesRegex(ValueError, "disjoint"):
       fisher_optax.scale_by_fismo(
-          weight_dimension_numbers={"w": DN(0, 0), "b": None}).init(params)
+        weight_dimension_numbers={"w": DN(0, 0), "b": None}
+      ).init(params)
     with self.assertRaisesRegex(ValueError, "out of range"):
       fisher_optax.scale_by_fismo(
-          weight_dimension_numbers={"w": DN(0, 2), "b": None}).init(params)
+        weight_dimension_numbers={"w": DN(0, 2), "b": None}
+      ).init(params)
     with self.assertRaisesRegex(ValueError, "structure"):
-      fisher_optax.scale_by_fismo(
-          weight_dimension_numbers={"w": DN()}).init(params)
+      fisher_optax.scale_by_fismo(weight_dimension_numbers={"w": DN()}).init(
+        params
+      )
     tx = fisher_optax.scale_by_fismo()
     state = tx.init(params)
     with self.assertRaisesRegex(ValueError, "do not match the FISMO state"):
@@ -461,20 +545,20 @@ class RoutingTest(parameterized.TestCase):
 
   def test_hyperparameter_validation(self):
     bad = [
-        (ValueError, "beta", dict(beta=1.5)),
-        (ValueError, "gamma", dict(gamma=-0.1)),
-        (ValueError, "damping", dict(damping=-1.0)),
-        (ValueError, "eigenvalue_floor", dict(eigenvalue_floor=-1.0)),
-        (TypeError, "ns_steps", dict(ns_steps=2.5)),
-        (TypeError, "max_precond_dim", dict(max_precond_dim=1e3)),
-        (ValueError, "precondition_interval", dict(precondition_interval=0)),
-        (TypeError, "precondition_interval", dict(precondition_interval=2.0)),
-        (ValueError, "root_method", dict(root_method="svd")),
-        (ValueError, "factor_norm", dict(factor_norm="post_ema")),
-        (ValueError, "momentum_space", dict(momentum_space="dual")),
-        (ValueError, "grafting", dict(grafting="adam")),
-        (ValueError, "cholesky", dict(root_method="cholesky")),
-        (ValueError, "ns_coeffs", dict(ns_coeffs=(1.0, 2.0))),
+      (ValueError, "beta", dict(beta=1.5)),
+      (ValueError, "gamma", dict(gamma=-0.1)),
+      (ValueError, "damping", dict(damping=-1.0)),
+      (ValueError, "eigenvalue_floor", dict(eigenvalue_floor=-1.0)),
+      (TypeError, "ns_steps", dict(ns_steps=2.5)),
+      (TypeError, "max_precond_dim", dict(max_precond_dim=1e3)),
+      (ValueError, "precondition_interval", dict(precondition_interval=0)),
+      (TypeError, "precondition_interval", dict(precondition_interval=2.0)),
+      (ValueError, "root_method", dict(root_method="svd")),
+      (ValueError, "factor_norm", dict(factor_norm="post_ema")),
+      (ValueError, "momentum_space", dict(momentum_space="dual")),
+      (ValueError, "grafting", dict(grafting="adam")),
+      (ValueError, "cholesky", dict(root_method="cholesky")),
+      (ValueError, "ns_coeffs", dict(ns_coeffs=(1.0, 2.0))),
     ]
     for err, pattern, kw in bad:
       with self.subTest(**{k: str(v) for k, v in kw.items()}):
@@ -492,17 +576,26 @@ class PerExampleTest(parameterized.TestCase):
       peg = jax.random.normal(jax.random.key(3), (7, 4, 3), jnp.float64)
       params = jnp.zeros((4, 3), jnp.float64)
       tx = fisher_optax.scale_by_fismo(
-          gamma=0.0, damping=0.0, fisher_source="per_example",
-          precondition_interval=1, eigenvalue_floor=0.0)
-      _, state = jax.jit(lambda g, p, peg: tx.update(  # init inside.
-          g, tx.init(p), p, per_example_grads=peg))(peg.mean(0), params, peg)
+        gamma=0.0,
+        damping=0.0,
+        fisher_source="per_example",
+        precondition_interval=1,
+        eigenvalue_floor=0.0,
+      )
+      _, state = jax.jit(
+        lambda g, p, peg: tx.update(  # init inside.
+          g, tx.init(p), p, per_example_grads=peg
+        )
+      )(peg.mean(0), params, peg)
       s = np.einsum("kmn,kpn->mp", peg, peg)
-      np.testing.assert_allclose(state.left_factor[0], 4 * s / np.trace(s),
-                                 atol=1e-12)
+      np.testing.assert_allclose(
+        state.left_factor[0], 4 * s / np.trace(s), atol=1e-12
+      )
       w = np.asarray(state.left_root[0])
       s_q = np.einsum("kmn,mp,pq,kqr->nr", peg, w, w, peg)
-      np.testing.assert_allclose(state.right_factor[0],
-                                 3 * s_q / np.trace(s_q), atol=1e-12)
+      np.testing.assert_allclose(
+        state.right_factor[0], 3 * s_q / np.trace(s_q), atol=1e-12
+      )
 
   def test_per_example_errors_and_alias_masking(self):
     params = {"w": jnp.zeros((4, 3)), "b": jnp.zeros((3,))}
@@ -511,12 +604,16 @@ class PerExampleTest(parameterized.TestCase):
     with self.assertRaisesRegex(ValueError, "per_example_grads"):
       tx.update(params, state)
     with self.assertRaisesRegex(ValueError, "per_example_grads"):
-      tx.update(params, state, per_example_grads={"w": jnp.zeros((2, 4, 3)),
-                                                  "b": jnp.zeros((3, 3))})
+      tx.update(
+        params,
+        state,
+        per_example_grads={"w": jnp.zeros((2, 4, 3)), "b": jnp.zeros((3, 3))},
+      )
     alias = fisher_optax.fismo(1e-2, fisher_source="per_example")
     peg = jax.tree.map(lambda x: jnp.ones((5,) + x.shape), params)
-    ups, _ = jax.jit(lambda p, peg: alias.update(
-        p, alias.init(p), p, per_example_grads=peg))(params, peg)
+    ups, _ = jax.jit(
+      lambda p, peg: alias.update(p, alias.init(p), p, per_example_grads=peg)
+    )(params, peg)
     chex.assert_tree_all_finite(ups)
 
 
@@ -525,15 +622,17 @@ class IntegrationTest(parameterized.TestCase):
 
   def test_masked(self):
     params = {"w": jnp.ones((4, 3)), "v": jnp.ones((3, 3))}
-    grads = jax.tree.map(lambda x: jnp.cos(x + jnp.arange(x.size).reshape(
-        x.shape)), params)
-    tx = optax.masked(fisher_optax.scale_by_fismo(),
-                      {"w": True, "v": False})
+    grads = jax.tree.map(
+      lambda x: jnp.cos(x + jnp.arange(x.size).reshape(x.shape)), params
+    )
+    tx = optax.masked(fisher_optax.scale_by_fismo(), {"w": True, "v": False})
     alone = fisher_optax.scale_by_fismo()
-    ups, direct = jax.jit(lambda g, p: (  # One compile for both.
+    ups, direct = jax.jit(
+      lambda g, p: (  # One compile for both.
         tx.update(g, tx.init(p), p)[0],
-        alone.update({"w": g["w"]}, alone.init({"w": p["w"]}))[0]))(
-            grads, params)
+        alone.update({"w": g["w"]}, alone.init({"w": p["w"]}))[0],
+      )
+    )(grads, params)
     chex.assert_trees_all_equal(ups["v"], grads["v"])
     chex.assert_trees_all_close(ups["w"], direct["w"], atol=1e-4)
     # inject_hyperparams (a traced precondition_interval included) is
@@ -541,6 +640,7 @@ class IntegrationTest(parameterized.TestCase):
 
   def test_nnx_optimizer(self):
     from flax import nnx  # pylint: disable=g-import-not-at-top
+
     model = nnx.Linear(4, 3, rngs=nnx.Rngs(0))
     opt = nnx.Optimizer(model, fisher_optax.fismo(1e-2), wrt=nnx.Param)
     x = jnp.ones((8, 4))
@@ -548,7 +648,8 @@ class IntegrationTest(parameterized.TestCase):
     @nnx.jit
     def step(model, opt):
       loss, grads = nnx.value_and_grad(
-          lambda m: jnp.mean(jnp.square(m(x) - 1.0)))(model)
+        lambda m: jnp.mean(jnp.square(m(x) - 1.0))
+      )(model)
       opt.update(model, grads)
       return loss
 
@@ -558,23 +659,33 @@ class IntegrationTest(parameterized.TestCase):
   def test_bf16_params_float32_statistics(self):
     params = {"w": jnp.ones((4, 3), jnp.bfloat16)}
     tx = fisher_optax.fismo(1e-2)
-    grads = {"w": jnp.cos(jnp.arange(12.0)).reshape(4, 3).astype(
-        jnp.bfloat16)}
+    grads = {"w": jnp.cos(jnp.arange(12.0)).reshape(4, 3).astype(jnp.bfloat16)}
     ups, state = jax.jit(lambda g, p: tx.update(g, tx.init(p), p))(
-        grads, params)
+      grads, params
+    )
     self.assertEqual(ups["w"].dtype, jnp.bfloat16)
     inner = state.inner_states["fismo"].inner_state[0]
     self.assertEqual(inner.left_factor["w"].dtype, jnp.float32)
     self.assertEqual(inner.momentum["w"].dtype, jnp.bfloat16)
 
 
-class FismoConformanceTest(conformance.OptimizerConformance,
-                           parameterized.TestCase):
+class FismoConformanceTest(
+  conformance.OptimizerConformance, parameterized.TestCase
+):
   FACTORY = staticmethod(fisher_optax.fismo)
-  KWARGS = {"learning_rate": 1e-2, "weight_decay": 1e-4,
-            "precondition_interval": 2}
-  INJECTABLE = ("learning_rate", "beta", "gamma", "damping", "weight_decay",
-                "precondition_interval")
+  KWARGS = {
+    "learning_rate": 1e-2,
+    "weight_decay": 1e-4,
+    "precondition_interval": 2,
+  }
+  INJECTABLE = (
+    "learning_rate",
+    "beta",
+    "gamma",
+    "damping",
+    "weight_decay",
+    "precondition_interval",
+  )
   STATIC_ARGS = ("ns_steps", "max_precond_dim", "max_aspect_ratio")
   TARGET_KWARGS = {"rosenbrock": {"learning_rate": 3e-3}}
 

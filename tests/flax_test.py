@@ -8,7 +8,6 @@ from flax import linen as nn
 from flax import nnx
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
 import fisher_optax
@@ -17,7 +16,6 @@ import fisher_optax.flax as fo_flax
 
 
 class _Net(nnx.Module):
-
   def __init__(self, rngs):
     self.l1 = nnx.Linear(4, 6, rngs=rngs)
     self.bn_count = nnx.BatchStat(jnp.zeros(()))  # a non-Param variable
@@ -38,7 +36,6 @@ def _ce(logits, y):
 
 
 class NNXAdaptersTest(parameterized.TestCase):
-
   def test_per_example_grads_match_loop_and_optimizer_tree(self):
     model = _Net(nnx.Rngs(0))
     x, y = _data()
@@ -47,20 +44,25 @@ class NNXAdaptersTest(parameterized.TestCase):
     grads = nnx.grad(lambda m: _ce(m(x), y))(model)
     pure_grads = nnx.as_pure(nnx.state(grads, nnx.Param))
     self.assertEqual(jax.tree.structure(pex), jax.tree.structure(pure_grads))
-    chex.assert_trees_all_close(jax.tree.map(lambda g: g.mean(0), pex),
-                                pure_grads, atol=1e-6)
+    chex.assert_trees_all_close(
+      jax.tree.map(lambda g: g.mean(0), pex), pure_grads, atol=1e-6
+    )
     for n in (0, 5):
-      one = nnx.grad(lambda m: _ce(m(x[n:n + 1]), y[n:n + 1]))(model)
+      one = nnx.grad(lambda m: _ce(m(x[n : n + 1]), y[n : n + 1]))(model)
       chex.assert_trees_all_close(
-          jax.tree.map(lambda g: g[n], pex),
-          nnx.as_pure(nnx.state(one, nnx.Param)), atol=1e-6)
+        jax.tree.map(lambda g: g[n], pex),
+        nnx.as_pure(nnx.state(one, nnx.Param)),
+        atol=1e-6,
+      )
 
   def test_optimizer_update_with_per_example_extra(self):
     model = _Net(nnx.Rngs(0))
     x, y = _data()
     opt = nnx.Optimizer(
-        model, fisher_optax.fadam(1e-2, fisher_source="per_example"),
-        wrt=nnx.Param)
+      model,
+      fisher_optax.fadam(1e-2, fisher_source="per_example"),
+      wrt=nnx.Param,
+    )
     loss = lambda m, ex: _ce(m(ex[0][None]), ex[1][None])
 
     @nnx.jit
@@ -78,15 +80,22 @@ class NNXAdaptersTest(parameterized.TestCase):
     x, y = _data()
     obj = fo_flax.nnx_obj_fn(lambda m, a, b: _ce(m(a), b), model, x, y)
     apply_fn, params = fo_flax.nnx_apply_fn(model)
-    self.assertAlmostEqual(float(obj(params)), float(_ce(model(x), y)),
-                           places=6)
+    self.assertAlmostEqual(
+      float(obj(params)), float(_ce(model(x), y)), places=6
+    )
     chex.assert_trees_all_close(apply_fn(params, x), model(x))
     # The engine's statistics come out in the optimizer's tree.
-    stat = fisher.diagonal(apply_fn, params, (x, y),
-                           likelihood=fisher.Categorical(), kind="empirical")
+    stat = fisher.diagonal(
+      apply_fn,
+      params,
+      (x, y),
+      likelihood=fisher.Categorical(),
+      kind="empirical",
+    )
     self.assertEqual(jax.tree.structure(stat.diag), jax.tree.structure(params))
-    grads = nnx.as_pure(nnx.state(nnx.grad(lambda m: _ce(m(x), y))(model),
-                                  nnx.Param))
+    grads = nnx.as_pure(
+      nnx.state(nnx.grad(lambda m: _ce(m(x), y))(model), nnx.Param)
+    )
     chex.assert_trees_all_close(stat.mean_grad, grads, atol=1e-6)
 
   def test_mask_from_filter(self):
@@ -94,27 +103,28 @@ class NNXAdaptersTest(parameterized.TestCase):
     mask = fo_flax.nnx_mask(model, nnx.PathContains("kernel"))
     _, params = fo_flax.nnx_apply_fn(model)
     self.assertEqual(jax.tree.structure(mask), jax.tree.structure(params))
-    flat = {jax.tree_util.keystr(k): v
-            for k, v in jax.tree_util.tree_flatten_with_path(mask)[0]}
+    flat = {
+      jax.tree_util.keystr(k): v
+      for k, v in jax.tree_util.tree_flatten_with_path(mask)[0]
+    }
     self.assertTrue(all(v == ("kernel" in k) for k, v in flat.items()))
     # Works where optax takes a mask: only kernels decay.
     tx = optax.add_decayed_weights(1.0, mask=mask)
-    upd, _ = tx.update(jax.tree.map(jnp.zeros_like, params), tx.init(params),
-                       params)
+    upd, _ = tx.update(
+      jax.tree.map(jnp.zeros_like, params), tx.init(params), params
+    )
     for k, v in jax.tree_util.tree_flatten_with_path(upd)[0]:
       is_kernel = "kernel" in jax.tree_util.keystr(k)
       self.assertEqual(bool(jnp.any(v != 0)), is_kernel)
 
 
 class _LinenNet(nn.Module):
-
   @nn.compact
   def __call__(self, x):
     return nn.Dense(3)(jnp.tanh(nn.Dense(5)(x)))
 
 
 class LinenAdaptersTest(absltest.TestCase):
-
   def test_apply_gradients_forwards_extras(self):
     net = _LinenNet()
     x, y = _data()
@@ -124,25 +134,26 @@ class LinenAdaptersTest(absltest.TestCase):
     loss = lambda p, ex: _ce(net.apply(p, ex[0][None]), ex[1][None])
     grads = jax.grad(lambda p: _ce(net.apply(p, x), y))(params)
     pex = fisher.per_example_grads(loss, params, (x, y))
-    new = state.apply_gradients(grads=grads,
-                                tx_kwargs={"per_example_grads": pex})
+    new = state.apply_gradients(
+      grads=grads, tx_kwargs={"per_example_grads": pex}
+    )
     self.assertEqual(int(new.step), 1)
     # Same as the functional form and as calling tx directly.
     other = fo_flax.apply_gradients(state, grads, per_example_grads=pex)
     chex.assert_trees_all_close(new.params, other.params)
     upd, _ = tx.update(grads, tx.init(params), params, per_example_grads=pex)
-    chex.assert_trees_all_close(new.params,
-                                optax.apply_updates(params, upd))
+    chex.assert_trees_all_close(new.params, optax.apply_updates(params, upd))
     # Flax's own TrainState cannot pass the extra: the transform says so.
     from flax.training import train_state  # pylint: disable=g-import-not-at-top
-    plain = train_state.TrainState.create(apply_fn=net.apply, params=params,
-                                          tx=tx)
+
+    plain = train_state.TrainState.create(
+      apply_fn=net.apply, params=params, tx=tx
+    )
     with self.assertRaisesRegex(ValueError, "per_example_grads"):
       plain.apply_gradients(grads=grads)
 
 
 class AccumulateFisherTest(absltest.TestCase):
-
   def _setup(self):
     w = {"w": jnp.array([[0.5, -1.0], [2.0, 0.3], [0.1, 0.2]])}
     x = jax.random.normal(jax.random.key(3), (12, 3))
@@ -161,12 +172,13 @@ class AccumulateFisherTest(absltest.TestCase):
       return fisher.diag, fisher.count
 
     spy = optax.GradientTransformationExtraArgs(
-        lambda p: jnp.zeros([], jnp.int32), spy_update)
+      lambda p: jnp.zeros([], jnp.int32), spy_update
+    )
     tx = fo_flax.accumulate_fisher(spy, every_k=k)
     state = tx.init(params)
     full_pex = fisher.per_example_grads(loss, params, (x, y))
     for i in range(k):
-      pex = jax.tree.map(lambda g, i=i: g[i * b:(i + 1) * b], full_pex)
+      pex = jax.tree.map(lambda g, i=i: g[i * b : (i + 1) * b], full_pex)
       grads = jax.tree.map(lambda g: g.mean(0), pex)
       upd, state = tx.update(grads, state, params, per_example_grads=pex)
       if i < k - 1:
@@ -174,7 +186,8 @@ class AccumulateFisherTest(absltest.TestCase):
         self.assertEqual(int(state.mini_step), i + 1)
     self.assertEqual(int(state.inner_state), k * b)
     chex.assert_trees_all_close(
-        upd, jax.tree.map(lambda g: jnp.mean(g ** 2, 0), full_pex), rtol=1e-5)
+      upd, jax.tree.map(lambda g: jnp.mean(g**2, 0), full_pex), rtol=1e-5
+    )
     self.assertEqual(int(state.mini_step), 0)
 
   def test_matches_full_batch_fadam_and_differs_from_multisteps(self):
@@ -183,17 +196,19 @@ class AccumulateFisherTest(absltest.TestCase):
     inner = lambda: fisher_optax.fadam(0.1, fisher_source="per_example")
     full_pex = fisher.per_example_grads(loss, params, (x, y))
     full_grads = jax.tree.map(lambda g: g.mean(0), full_pex)
-    ref, _ = inner().update(full_grads, inner().init(params), params,
-                            per_example_grads=full_pex)
+    ref, _ = inner().update(
+      full_grads, inner().init(params), params, per_example_grads=full_pex
+    )
     acc = fo_flax.accumulate_fisher(inner(), every_k=k)
     multi = optax.MultiSteps(inner(), every_k_schedule=k)
     s_acc, s_multi = acc.init(params), multi.init(params)
     for i in range(k):
-      pex = jax.tree.map(lambda g, i=i: g[i * b:(i + 1) * b], full_pex)
+      pex = jax.tree.map(lambda g, i=i: g[i * b : (i + 1) * b], full_pex)
       grads = jax.tree.map(lambda g: g.mean(0), pex)
       u_acc, s_acc = acc.update(grads, s_acc, params, per_example_grads=pex)
-      u_multi, s_multi = multi.update(grads, s_multi, params,
-                                      per_example_grads=pex)
+      u_multi, s_multi = multi.update(
+        grads, s_multi, params, per_example_grads=pex
+      )
     chex.assert_trees_all_close(u_acc, ref, rtol=1e-5, atol=1e-7)
     # optax.MultiSteps hands only the last micro-batch's extras to the inner
     # transform, so its Fisher (and hence its step) differs.

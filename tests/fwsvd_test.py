@@ -29,25 +29,35 @@ def _svd_r(x, r):
 
 
 class FWSVDTest(parameterized.TestCase):
-
-  @parameterized.parameters(("in", False, "left"), ("out", False, "balanced"),
-                            ("in", True, "balanced"), ("out", True, "left"))
+  @parameterized.parameters(
+    ("in", False, "left"),
+    ("out", False, "balanced"),
+    ("in", True, "balanced"),
+    ("out", True, "left"),
+  )
   def test_uniform_fisher_is_truncated_svd(self, axis, two_sided, split):
     with jax.enable_x64(True):
       w, _, _, _ = _problem()
       a, b = fisher_optax.fisher_weighted_svd(
-          w, 3.0 * jnp.ones_like(w), 2, weight_axis=axis, two_sided=two_sided,
-          split=split)
+        w,
+        3.0 * jnp.ones_like(w),
+        2,
+        weight_axis=axis,
+        two_sided=two_sided,
+        split=split,
+      )
       self.assertEqual((a.shape, b.shape), ((N_IN, 2), (2, N_OUT)))
       np.testing.assert_allclose(a @ b, _svd_r(w, 2), atol=1e-10)
 
   @parameterized.product(axis=("in", "out"), two_sided=(False, True))
-  def test_full_rank_reconstructs_and_is_weighted_optimum(self, axis,
-                                                          two_sided):
+  def test_full_rank_reconstructs_and_is_weighted_optimum(
+    self, axis, two_sided
+  ):
     with jax.enable_x64(True):
       w, fd, _, _ = _problem(1)
       a, b = fisher_optax.fisher_weighted_svd(
-          w, fd, N_OUT, weight_axis=axis, two_sided=two_sided)
+        w, fd, N_OUT, weight_axis=axis, two_sided=two_sided
+      )
       np.testing.assert_allclose(a @ b, w, atol=1e-10)
       # Rank 2: the closed-form weighted optimum, built here from scratch.
       r = np.sqrt(np.asarray(fd).sum(1) + 1e-5)
@@ -56,7 +66,8 @@ class FWSVDTest(parameterized.TestCase):
       c = c if (two_sided or axis == "out") else np.ones_like(c)
       expected = _svd_r(r[:, None] * np.asarray(w) * c, 2) / r[:, None] / c
       a, b = fisher_optax.fisher_weighted_svd(
-          w, fd, 2, weight_axis=axis, two_sided=two_sided)
+        w, fd, 2, weight_axis=axis, two_sided=two_sided
+      )
       np.testing.assert_allclose(a @ b, expected, atol=1e-10)
       err = lambda x: np.sum((r[:, None] * c * (np.asarray(w) - x)) ** 2)
       self.assertLess(err(a @ b), err(_svd_r(w, 2)))
@@ -92,22 +103,22 @@ class FWSVDTest(parameterized.TestCase):
 
 
 class GeneralizedFWSVDTest(parameterized.TestCase):
-
   def test_identity_factors_give_svd(self):
     with jax.enable_x64(True):
       w, _, _, _ = _problem(3)
-      a, b = fisher_optax.generalized_fwsvd(w, jnp.eye(N_IN), jnp.eye(N_OUT),
-                                            3)
+      a, b = fisher_optax.generalized_fwsvd(w, jnp.eye(N_IN), jnp.eye(N_OUT), 3)
       np.testing.assert_allclose(a @ b, _svd_r(w, 3), atol=1e-10)
 
   def test_diagonal_factors_give_two_sided_fwsvd(self):
     with jax.enable_x64(True):
       w, fd, _, _ = _problem(4)
       rows, cols = fd.sum(1), fd.sum(0)
-      a, b = fisher_optax.generalized_fwsvd(w, jnp.diag(rows), jnp.diag(cols),
-                                            2, damping=0.0)
-      a2, b2 = fisher_optax.fisher_weighted_svd(w, fd, 2, two_sided=True,
-                                                eps=0.0)
+      a, b = fisher_optax.generalized_fwsvd(
+        w, jnp.diag(rows), jnp.diag(cols), 2, damping=0.0
+      )
+      a2, b2 = fisher_optax.fisher_weighted_svd(
+        w, fd, 2, two_sided=True, eps=0.0
+      )
       np.testing.assert_allclose(a @ b, a2 @ b2, atol=1e-10)
 
   @parameterized.parameters(1, 2, 4)
@@ -116,39 +127,59 @@ class GeneralizedFWSVDTest(parameterized.TestCase):
       w, fd, fa, fb = _problem(5)
       a, b = fisher_optax.generalized_fwsvd(w, fa, fb, rank, damping=0.0)
       dense = np.kron(np.asarray(fa), np.asarray(fb))  # row-major vec(W)
-      err = lambda x: (np.asarray(w) - x).ravel() @ dense @ (
-          np.asarray(w) - x).ravel()
+      err = lambda x: (
+        (np.asarray(w) - x).ravel() @ dense @ (np.asarray(w) - x).ravel()
+      )
       # Dense reference: whiten with the symmetric square roots instead.
       sa = np.real(_sqrtm(np.asarray(fa)))
       sb = np.real(_sqrtm(np.asarray(fb)))
       ref = np.linalg.solve(sa, _svd_r(sa @ np.asarray(w) @ sb, rank)) @ (
-          np.linalg.inv(sb))
+        np.linalg.inv(sb)
+      )
       np.testing.assert_allclose(err(a @ b), err(ref), rtol=1e-9)
-      others = [_svd_r(w, rank),
-                np.asarray(jnp.matmul(*fisher_optax.fisher_weighted_svd(
-                    w, fd, rank, two_sided=True)))]
+      others = [
+        _svd_r(w, rank),
+        np.asarray(
+          jnp.matmul(
+            *fisher_optax.fisher_weighted_svd(w, fd, rank, two_sided=True)
+          )
+        ),
+      ]
       for other in others:
         self.assertLess(err(a @ b), err(other))
       np.testing.assert_allclose(
-          jnp.matmul(*fisher_optax.generalized_fwsvd(w, fa, fb, N_OUT)),
-          w, atol=1e-9)
+        jnp.matmul(*fisher_optax.generalized_fwsvd(w, fa, fb, N_OUT)),
+        w,
+        atol=1e-9,
+      )
 
   def test_accepts_engine_kronecker_factors(self):
     with jax.enable_x64(True):
-      params = fisher_testing.mlp_params(jax.random.key(0), sizes=(4, 6, 3),
-                                         dtype=jnp.float64)
+      params = fisher_testing.mlp_params(
+        jax.random.key(0), sizes=(4, 6, 3), dtype=jnp.float64
+      )
       x = jax.random.normal(jax.random.key(1), (32, 4), jnp.float64)
       y = jnp.arange(32) % 3
-      kron = jax.jit(lambda p, b: fisher.kronecker(
-          fisher_testing.mlp_apply, p, b, likelihood=fisher.Categorical(),
-          kind="exact", estimator="kfac"))(params, (x, y))
+      kron = jax.jit(
+        lambda p, b: fisher.kronecker(
+          fisher_testing.mlp_apply,
+          p,
+          b,
+          likelihood=fisher.Categorical(),
+          kind="exact",
+          estimator="kfac",
+        )
+      )(params, (x, y))
       w = params["dense_0"]["kernel"]
-      left, right = kron.left["dense_0"]["kernel"], kron.right[
-          "dense_0"]["kernel"]
+      left, right = (
+        kron.left["dense_0"]["kernel"],
+        kron.right["dense_0"]["kernel"],
+      )
       a, b = fisher_optax.generalized_fwsvd(w, left, right, 2)
       dense = np.kron(np.asarray(left), np.asarray(right))
-      err = lambda z: (np.asarray(w) - z).ravel() @ dense @ (
-          np.asarray(w) - z).ravel()
+      err = lambda z: (
+        (np.asarray(w) - z).ravel() @ dense @ (np.asarray(w) - z).ravel()
+      )
       self.assertLess(err(a @ b), err(_svd_r(w, 2)))
 
 

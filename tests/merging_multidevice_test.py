@@ -7,7 +7,6 @@ from tests import multidevice_util
 
 
 class MergingMultiDeviceTest(absltest.TestCase):
-
   def test_sharded(self):
     multidevice_util.run_checks(self, "merging_checks.py")
 

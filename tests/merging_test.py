@@ -10,17 +10,16 @@ import jax.numpy as jnp
 import numpy as np
 
 import fisher_optax
-from fisher_optax import _merging
 
 
 def _tree(key, dtype=jnp.float32):
   k1, k2, k3 = jax.random.split(key, 3)
   return {
-      "dense": {
-          "kernel": jax.random.normal(k1, (3, 4), dtype),
-          "bias": jax.random.normal(k2, (4,), dtype),
-      },
-      "head": jax.random.normal(k3, (4, 2), dtype),
+    "dense": {
+      "kernel": jax.random.normal(k1, (3, 4), dtype),
+      "bias": jax.random.normal(k2, (4,), dtype),
+    },
+    "head": jax.random.normal(k3, (4, 2), dtype),
   }
 
 
@@ -44,6 +43,7 @@ def _models(k, seed=0, zero_frac=0.0):
 
 def _reference(params, fishers, weights, floor, floor_mode, target):
   """Explicit float64 formula (numpy), leaf by leaf."""
+
   def leaf(*args):
     k = len(args) // 2
     thetas = [np.asarray(a, np.float64) for a in args[:k]]
@@ -57,25 +57,28 @@ def _reference(params, fishers, weights, floor, floor_mode, target):
       num += weights[i] * f * thetas[i]
       den += weights[i] * f
     return np.where(den > 0, num / np.where(den > 0, den, 1), thetas[target])
+
   return jax.tree.map(leaf, *params, *fishers)
 
 
 class FisherMergeTest(parameterized.TestCase):
-
   def test_identical_models_return_that_model(self):
     params, fishers = _models(3, zero_frac=0.3)
     same = [params[0]] * 3
     merged = jax.jit(fisher_optax.fisher_merge)(
-        same, fishers, jnp.array([0.2, 0.5, 0.3]))
+      same, fishers, jnp.array([0.2, 0.5, 0.3])
+    )
     chex.assert_trees_all_equal(merged, params[0])
 
   def test_equal_fishers_give_weighted_average(self):
     params, fishers = _models(3)
     weights = np.array([0.2, 0.3, 0.5], np.float32)
     merged = jax.jit(fisher_optax.fisher_merge)(
-        params, [fishers[0]] * 3, weights)
+      params, [fishers[0]] * 3, weights
+    )
     expected = jax.tree.map(
-        lambda *xs: sum(w * x for w, x in zip(weights, xs)), *params)
+      lambda *xs: sum(w * x for w, x in zip(weights, xs)), *params
+    )
     chex.assert_trees_all_close(merged, expected, rtol=1e-5, atol=1e-6)
     # fishers=None is the plain weighted average too.
     plain = fisher_optax.fisher_merge(params, None, weights)
@@ -86,8 +89,11 @@ class FisherMergeTest(parameterized.TestCase):
     w = jnp.array([0.1, 0.6, 0.3])
     merge = jax.jit(fisher_optax.fisher_merge)
     chex.assert_trees_all_close(
-        merge(params, fishers, w), merge(params, fishers, 37.0 * w),
-        rtol=1e-6, atol=1e-6)
+      merge(params, fishers, w),
+      merge(params, fishers, 37.0 * w),
+      rtol=1e-6,
+      atol=1e-6,
+    )
 
   @parameterized.parameters("all", "target")
   def test_all_zero_fisher_coordinate_follows_floor_mode(self, floor_mode):
@@ -95,10 +101,12 @@ class FisherMergeTest(parameterized.TestCase):
     zero = jax.tree.map(jnp.zeros_like, fishers[0])
     weights = jnp.array([0.25, 0.75])
     merged = fisher_optax.fisher_merge(
-        params, [zero, zero], weights, floor_mode=floor_mode, target_index=1)
+      params, [zero, zero], weights, floor_mode=floor_mode, target_index=1
+    )
     if floor_mode == "all":
       expected = jax.tree.map(
-          lambda a, b: 0.25 * a + 0.75 * b, params[0], params[1])
+        lambda a, b: 0.25 * a + 0.75 * b, params[0], params[1]
+      )
     else:
       expected = params[1]
     chex.assert_trees_all_close(merged, expected, rtol=1e-6, atol=1e-6)
@@ -108,86 +116,121 @@ class FisherMergeTest(parameterized.TestCase):
     # Model 1 has zero Fisher but a big weight; with "target" it is ignored.
     zero = jax.tree.map(jnp.zeros_like, fishers[0])
     merged = fisher_optax.fisher_merge(
-        params, [fishers[0], zero], jnp.array([1e-3, 1.0]),
-        floor_mode="target")
+      params, [fishers[0], zero], jnp.array([1e-3, 1.0]), floor_mode="target"
+    )
     chex.assert_trees_all_close(merged, params[0], rtol=1e-6, atol=1e-6)
 
   def test_result_in_convex_hull(self):
     params, fishers = _models(4, seed=3, zero_frac=0.5)
     merged = fisher_optax.fisher_merge(
-        params, fishers, jnp.array([0.1, 0.2, 0.3, 0.4]), fisher_floor=0.0)
+      params, fishers, jnp.array([0.1, 0.2, 0.3, 0.4]), fisher_floor=0.0
+    )
     lo = jax.tree.map(lambda *xs: jnp.min(jnp.stack(xs), 0), *params)
     hi = jax.tree.map(lambda *xs: jnp.max(jnp.stack(xs), 0), *params)
     for m, a, b in zip(*map(jax.tree.leaves, (merged, lo, hi))):
       self.assertTrue(bool(jnp.all((a <= m) & (m <= b))))
 
   @parameterized.parameters(
-      ("all", 0, False), ("target", 2, False), ("all", 2, True),
-      ("target", 0, True))
+    ("all", 0, False),
+    ("target", 2, False),
+    ("all", 2, True),
+    ("target", 0, True),
+  )
   def test_matches_float64_reference(self, floor_mode, target, normalize):
     params, fishers = _models(3, seed=4, zero_frac=0.3)
     weights = np.array([0.5, 0.2, 0.3])
     ref_weights = weights
     if normalize:
-      norms = [np.sqrt(sum(np.sum(np.asarray(f, np.float64) ** 2)
-                           for f in jax.tree.leaves(fi))) for fi in fishers]
+      norms = [
+        np.sqrt(
+          sum(
+            np.sum(np.asarray(f, np.float64) ** 2) for f in jax.tree.leaves(fi)
+          )
+        )
+        for fi in fishers
+      ]
       ref_weights = weights / np.array(norms)
     with jax.enable_x64(True):
       p64 = jax.tree.map(lambda x: jnp.asarray(x, jnp.float64), params)
       f64 = jax.tree.map(lambda x: jnp.asarray(x, jnp.float64), fishers)
       merged = jax.jit(
-          lambda p, f, w: fisher_optax.fisher_merge(
-              p, f, w, 1e-3, floor_mode=floor_mode, target_index=target,
-              normalize=normalize))(p64, f64, jnp.asarray(weights))
-      expected = _reference(params, fishers, ref_weights, 1e-3, floor_mode,
-                            target)
+        lambda p, f, w: fisher_optax.fisher_merge(
+          p,
+          f,
+          w,
+          1e-3,
+          floor_mode=floor_mode,
+          target_index=target,
+          normalize=normalize,
+        )
+      )(p64, f64, jnp.asarray(weights))
+      expected = _reference(
+        params, fishers, ref_weights, 1e-3, floor_mode, target
+      )
       chex.assert_trees_all_close(merged, expected, rtol=1e-12, atol=1e-12)
     merged32 = fisher_optax.fisher_merge(
-        params, fishers, weights, 1e-3, floor_mode=floor_mode,
-        target_index=target, normalize=normalize)
+      params,
+      fishers,
+      weights,
+      1e-3,
+      floor_mode=floor_mode,
+      target_index=target,
+      normalize=normalize,
+    )
     chex.assert_trees_all_close(merged32, expected, rtol=2e-5, atol=2e-5)
 
   def test_normalize_removes_fisher_scale(self):
     params, fishers = _models(2, seed=5)
     scaled = [fishers[0], jax.tree.map(lambda f: 1e4 * f, fishers[1])]
-    a = fisher_optax.fisher_merge(params, fishers, normalize=True,
-                                  fisher_floor=0.0)
-    b = fisher_optax.fisher_merge(params, scaled, normalize=True,
-                                  fisher_floor=0.0)
+    a = fisher_optax.fisher_merge(
+      params, fishers, normalize=True, fisher_floor=0.0
+    )
+    b = fisher_optax.fisher_merge(
+      params, scaled, normalize=True, fisher_floor=0.0
+    )
     chex.assert_trees_all_close(a, b, rtol=1e-5, atol=1e-6)
 
   def test_merge_mask_and_integer_leaves_come_from_target(self):
     params, fishers = _models(2, seed=6)
-    params = [dict(p, step=jnp.array(i, jnp.int32))
-              for i, p in enumerate(params)]
+    params = [
+      dict(p, step=jnp.array(i, jnp.int32)) for i, p in enumerate(params)
+    ]
     fishers = [dict(f, step=jnp.zeros((), jnp.float32)) for f in fishers]
     mask = {"dense": True, "head": False, "step": True}
     merged = fisher_optax.fisher_merge(
-        params, fishers, merge_mask=mask, target_index=1)
+      params, fishers, merge_mask=mask, target_index=1
+    )
     chex.assert_trees_all_equal(merged["head"], params[1]["head"])
     chex.assert_trees_all_equal(merged["step"], params[1]["step"])
     full = fisher_optax.fisher_merge(params, fishers, target_index=1)
     chex.assert_trees_all_equal(merged["dense"], full["dense"])
     # A callable mask gives the same.
     by_fn = fisher_optax.fisher_merge(
-        params, fishers, target_index=1,
-        merge_mask=lambda p: jax.tree.map(lambda _: True, p) | {"head": False})
+      params,
+      fishers,
+      target_index=1,
+      merge_mask=lambda p: jax.tree.map(lambda _: True, p) | {"head": False},
+    )
     chex.assert_trees_all_equal(by_fn, merged)
 
   def test_weight_sweep_is_one_vmap(self):
     params, fishers = _models(2, seed=7)
     grid = jnp.asarray(fisher_optax.merge_weight_candidates(2, 5))
-    sweep = jax.jit(jax.vmap(
-        lambda w: fisher_optax.fisher_merge(params, fishers, w)))(grid)
+    sweep = jax.jit(
+      jax.vmap(lambda w: fisher_optax.fisher_merge(params, fishers, w))
+    )(grid)
     for i in range(5):
       one = fisher_optax.fisher_merge(params, fishers, grid[i])
       chex.assert_trees_all_close(
-          jax.tree.map(lambda x, i=i: x[i], sweep), one, rtol=1e-5, atol=1e-6)
+        jax.tree.map(lambda x, i=i: x[i], sweep), one, rtol=1e-5, atol=1e-6
+      )
     # grid[0] = (0, 1): model 1 exactly; grid[-1] = (1, 0): model 0.
     chex.assert_trees_all_close(
-        jax.tree.map(lambda x: x[0], sweep), params[1], rtol=1e-6)
+      jax.tree.map(lambda x: x[0], sweep), params[1], rtol=1e-6
+    )
     chex.assert_trees_all_close(
-        jax.tree.map(lambda x: x[-1], sweep), params[0], rtol=1e-6)
+      jax.tree.map(lambda x: x[-1], sweep), params[0], rtol=1e-6
+    )
 
   @parameterized.parameters(jnp.bfloat16, jnp.float16, jnp.float32)
   def test_keeps_dtype_and_computes_in_float32(self, dtype):
@@ -196,10 +239,11 @@ class FisherMergeTest(parameterized.TestCase):
     merged = jax.jit(fisher_optax.fisher_merge)(low, fishers)
     chex.assert_trees_all_equal_dtypes(merged, low[0])
     expected = fisher_optax.fisher_merge(
-        [jax.tree.map(lambda x: x.astype(jnp.float32), p) for p in low],
-        fishers)
+      [jax.tree.map(lambda x: x.astype(jnp.float32), p) for p in low], fishers
+    )
     chex.assert_trees_all_close(
-        merged, jax.tree.map(lambda x: x.astype(dtype), expected))
+      merged, jax.tree.map(lambda x: x.astype(dtype), expected)
+    )
 
   def test_nnx_state_and_eval_shape(self):
     model_a = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
@@ -209,8 +253,9 @@ class FisherMergeTest(parameterized.TestCase):
     merged = jax.jit(fisher_optax.fisher_merge)([sa, sb], [fa, fa])
     self.assertEqual(jax.tree.structure(merged), jax.tree.structure(sa))
     chex.assert_trees_all_close(
-        jax.tree.leaves(merged),
-        jax.tree.leaves(jax.tree.map(lambda a, b: (a + b) / 2, sa, sb)))
+      jax.tree.leaves(merged),
+      jax.tree.leaves(jax.tree.map(lambda a, b: (a + b) / 2, sa, sb)),
+    )
     shapes = jax.eval_shape(fisher_optax.fisher_merge, [sa, sb], [fa, fa])
     chex.assert_trees_all_equal_shapes_and_dtypes(shapes, sa)
 
@@ -218,21 +263,25 @@ class FisherMergeTest(parameterized.TestCase):
     params, _ = _models(2, seed=9)
     zero = jax.tree.map(jnp.zeros_like, params[0])
     merged = fisher_optax.fisher_merge(
-        params, [zero, zero], jnp.array([0.0, 1.0]), fisher_floor=0.0)
+      params, [zero, zero], jnp.array([0.0, 1.0]), fisher_floor=0.0
+    )
     chex.assert_trees_all_equal(merged, params[0])
 
   def test_accepts_engine_diagonal_fisher(self):
     params, fishers = _models(2, seed=10)
-    wrapped = [fisher_optax.fisher.DiagonalFisher(
-        diag=f, mean_grad=f, count=jnp.array(1), kind="exact")
-               for f in fishers]
+    wrapped = [
+      fisher_optax.fisher.DiagonalFisher(
+        diag=f, mean_grad=f, count=jnp.array(1), kind="exact"
+      )
+      for f in fishers
+    ]
     chex.assert_trees_all_close(
-        fisher_optax.fisher_merge(params, wrapped),
-        fisher_optax.fisher_merge(params, fishers))
+      fisher_optax.fisher_merge(params, wrapped),
+      fisher_optax.fisher_merge(params, fishers),
+    )
 
 
 class FisherMergeErrorsTest(parameterized.TestCase):
-
   def test_structure_mismatch_names_trees(self):
     params, fishers = _models(2)
     bad = dict(params[1], extra=jnp.zeros(1))
@@ -268,7 +317,8 @@ class FisherMergeErrorsTest(parameterized.TestCase):
       fisher_optax.fisher_merge([], [])
 
   @parameterized.parameters(
-      ([1.0],), ([1.0, -1.0],), ([0.0, 0.0],), ([1.0, float("nan")],))
+    ([1.0],), ([1.0, -1.0],), ([0.0, 0.0],), ([1.0, float("nan")],)
+  )
   def test_bad_weights(self, weights):
     params, fishers = _models(2)
     with self.assertRaisesRegex(ValueError, "weights"):
@@ -288,11 +338,16 @@ class FisherMergeErrorsTest(parameterized.TestCase):
       fisher_optax.fisher_merge(params, fishers, merge_mask={"x": True})
     with self.assertRaisesRegex(TypeError, "merge_mask"):
       fisher_optax.fisher_merge(
-          params, fishers,
-          merge_mask=jax.tree.map(lambda _: jnp.array(True), params[0]))
+        params,
+        fishers,
+        merge_mask=jax.tree.map(lambda _: jnp.array(True), params[0]),
+      )
 
-  @parameterized.parameters((-1.0, "1 negative"), (float("nan"), "non-finite"),
-                            (float("inf"), "non-finite"))
+  @parameterized.parameters(
+    (-1.0, "1 negative"),
+    (float("nan"), "non-finite"),
+    (float("inf"), "non-finite"),
+  )
   def test_bad_fisher_values_name_leaf(self, value, pattern):
     params, fishers = _models(2)
     bad = dict(fishers[1], head=fishers[1]["head"].at[0, 1].set(value))
@@ -307,21 +362,26 @@ class FisherMergeErrorsTest(parameterized.TestCase):
 
 
 class AccumulatorTest(parameterized.TestCase):
-
   @parameterized.parameters("all", "target")
   def test_streaming_equals_batch(self, floor_mode):
     params, fishers = _models(4, seed=11, zero_frac=0.3)
     weights = [0.4, 0.1, 0.3, 0.2]
     acc = fisher_optax.fisher_merge_accumulator(
-        1e-2, floor_mode=floor_mode, normalize=True)
+      1e-2, floor_mode=floor_mode, normalize=True
+    )
     add = jax.jit(acc.add)
     state = jax.jit(acc.init)(params[0], fishers[0], weights[0])
     for p, f, w in zip(params[1:], fishers[1:], weights[1:]):
       state = add(state, p, f, w)
     self.assertEqual(int(state.count), 4)
     batch = fisher_optax.fisher_merge(
-        params, fishers, np.array(weights), 1e-2, floor_mode=floor_mode,
-        normalize=True)
+      params,
+      fishers,
+      np.array(weights),
+      1e-2,
+      floor_mode=floor_mode,
+      normalize=True,
+    )
     chex.assert_trees_all_close(acc.finalize(state), batch, rtol=1e-6)
 
   def test_memory_is_two_params_sized_buffers(self):
@@ -330,8 +390,11 @@ class AccumulatorTest(parameterized.TestCase):
     state = acc.init(params[0], fishers[0])
     n = sum(x.size for x in jax.tree.leaves(params[0]))
     self.assertEqual(
-        sum(x.size for x in jax.tree.leaves((state.mean, state.mass,
-                                             state.dtypes))), 2 * n)
+      sum(
+        x.size for x in jax.tree.leaves((state.mean, state.mass, state.dtypes))
+      ),
+      2 * n,
+    )
 
   def test_add_rejects_mismatched_model(self):
     params, fishers = _models(2)
@@ -347,44 +410,48 @@ class AccumulatorTest(parameterized.TestCase):
 
 
 class WeightSearchTest(absltest.TestCase):
-
   def test_two_model_grid_finds_best(self):
     params, fishers = _models(2, seed=12)
     target = fisher_optax.fisher_merge(params, fishers, np.array([0.3, 0.7]))
 
     def score(p):
-      return -sum(jnp.sum((a - b) ** 2) for a, b in
-                  zip(jax.tree.leaves(p), jax.tree.leaves(target)))
+      return -sum(
+        jnp.sum((a - b) ** 2)
+        for a, b in zip(jax.tree.leaves(p), jax.tree.leaves(target))
+      )
 
     result = fisher_optax.search_merge_weights(
-        score, params, fishers, num_points=11)
+      score, params, fishers, num_points=11
+    )
     np.testing.assert_allclose(result.best_weights, [0.3, 0.7], atol=1e-6)
     self.assertEqual(result.scores.shape, (11,))
     self.assertEqual(result.best_score, result.scores.max())
 
   def test_dirichlet_candidates(self):
-    cands = fisher_optax.merge_weight_candidates(
-        3, 8, key=jax.random.key(1))
+    cands = fisher_optax.merge_weight_candidates(3, 8, key=jax.random.key(1))
     self.assertEqual(cands.shape, (8, 3))
     np.testing.assert_allclose(cands[0], [1 / 3] * 3, rtol=1e-6)
     np.testing.assert_allclose(cands.sum(1), np.ones(8), rtol=1e-5)
     self.assertTrue(np.all(cands >= 0))
     params, fishers = _models(3, seed=13)
     result = fisher_optax.search_merge_weights(
-        lambda p: -jnp.sum(p["head"] ** 2), params, fishers,
-        candidates=cands)
+      lambda p: -jnp.sum(p["head"] ** 2), params, fishers, candidates=cands
+    )
     best = fisher_optax.fisher_merge(params, fishers, result.best_weights)
     self.assertAlmostEqual(
-        float(-jnp.sum(best["head"] ** 2)), result.best_score, places=5)
+      float(-jnp.sum(best["head"] ** 2)), result.best_score, places=5
+    )
 
   def test_bad_candidates(self):
     params, fishers = _models(2)
     with self.assertRaisesRegex(ValueError, "candidates"):
       fisher_optax.search_merge_weights(
-          lambda p: 0.0, params, fishers, candidates=np.ones((3, 3)))
+        lambda p: 0.0, params, fishers, candidates=np.ones((3, 3))
+      )
     with self.assertRaisesRegex(ValueError, "no finite score"):
       fisher_optax.search_merge_weights(
-          lambda p: float("nan"), params, fishers, num_points=3)
+        lambda p: float("nan"), params, fishers, num_points=3
+      )
 
 
 if __name__ == "__main__":

@@ -7,7 +7,6 @@ import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 import fisher_optax
 from fisher_optax import fisher
@@ -19,19 +18,23 @@ D = 11
 
 def _grads(seed, m=M, dtype=jnp.float64):
   keys = jax.random.split(jax.random.key(seed), len(SHAPES))
-  return {name: jax.random.normal(k, (m, *shape), dtype)
-          for k, (name, shape) in zip(keys, SHAPES.items())}
+  return {
+    name: jax.random.normal(k, (m, *shape), dtype)
+    for k, (name, shape) in zip(keys, SHAPES.items())
+  }
 
 
 def _flat(tree):
-  return np.concatenate([np.asarray(x).reshape(-1) for x in
-                         jax.tree.leaves(tree)])
+  return np.concatenate(
+    [np.asarray(x).reshape(-1) for x in jax.tree.leaves(tree)]
+  )
 
 
 def _flat_rows(stacked):
   m = jax.tree.leaves(stacked)[0].shape[0]
-  return np.concatenate([np.asarray(x).reshape(m, -1) for x in
-                         jax.tree.leaves(stacked)], axis=1)
+  return np.concatenate(
+    [np.asarray(x).reshape(m, -1) for x in jax.tree.leaves(stacked)], axis=1
+  )
 
 
 def _unflat(x):
@@ -45,13 +48,12 @@ def _dense_fisher(stacked, damping, m=None, block_size=None):
   if block_size is not None:
     mask = np.zeros_like(f)
     for start in range(0, f.shape[0], block_size):
-      mask[start:start + block_size, start:start + block_size] = 1.0
+      mask[start : start + block_size, start : start + block_size] = 1.0
     f = f * mask
   return f
 
 
 class SumOfRankOneTest(parameterized.TestCase):
-
   # Unblocked, blocked with m > B (compressed rows) and with m <= B.
   @parameterized.parameters((1e-3, None), (1.0, None), (1e-3, 4), (1.0, 8))
   def test_matches_explicit_inverse(self, damping, block_size):
@@ -61,23 +63,35 @@ class SumOfRankOneTest(parameterized.TestCase):
       dense = _dense_fisher(grads, damping, block_size=block_size)
       inv = np.linalg.inv(dense)
       v = _unflat(np.linspace(-1.0, 2.0, D))
-      np.testing.assert_allclose(_flat(f.ihvp(v)), inv @ _flat(v),
-                                 rtol=1e-9, atol=1e-9 * np.abs(inv).max())
-      np.testing.assert_allclose(_flat(f.inverse_diag()), np.diag(inv),
-                                 rtol=1e-9)
+      np.testing.assert_allclose(
+        _flat(f.ihvp(v)),
+        inv @ _flat(v),
+        rtol=1e-9,
+        atol=1e-9 * np.abs(inv).max(),
+      )
+      np.testing.assert_allclose(
+        _flat(f.inverse_diag()), np.diag(inv), rtol=1e-9
+      )
       idx = jnp.arange(D)
-      np.testing.assert_allclose(f.inverse_entry(idx[:, None], idx[None, :]),
-                                 inv, atol=1e-9 * np.abs(inv).max())
+      np.testing.assert_allclose(
+        f.inverse_entry(idx[:, None], idx[None, :]),
+        inv,
+        atol=1e-9 * np.abs(inv).max(),
+      )
       q = jnp.array([7, 1, 4, 10])
-      np.testing.assert_allclose(f.inverse_submatrix(q),
-                                 inv[np.ix_(q, q)], atol=1e-9 * np.abs(inv).max())
+      np.testing.assert_allclose(
+        f.inverse_submatrix(q), inv[np.ix_(q, q)], atol=1e-9 * np.abs(inv).max()
+      )
       # F (F^{-1} v) = v, with F applied matrix-free and densely.
-      np.testing.assert_allclose(_flat(f.matvec(f.ihvp(v))), _flat(v),
-                                 rtol=1e-8, atol=1e-10)
-      np.testing.assert_allclose(dense @ _flat(f.ihvp(v)), _flat(v),
-                                 rtol=1e-8, atol=1e-10)
-      np.testing.assert_allclose(f.quadratic_form(v),
-                                 _flat(v) @ dense @ _flat(v), rtol=1e-10)
+      np.testing.assert_allclose(
+        _flat(f.matvec(f.ihvp(v))), _flat(v), rtol=1e-8, atol=1e-10
+      )
+      np.testing.assert_allclose(
+        dense @ _flat(f.ihvp(v)), _flat(v), rtol=1e-8, atol=1e-10
+      )
+      np.testing.assert_allclose(
+        f.quadratic_form(v), _flat(v) @ dense @ _flat(v), rtol=1e-10
+      )
 
   def test_blocked_equals_per_block_dense(self):
     with jax.enable_x64(True):
@@ -88,8 +102,9 @@ class SumOfRankOneTest(parameterized.TestCase):
       for start in range(0, D, 3):
         sl = slice(start, min(start + 3, D))
         block = 1e-2 * np.eye(sl.stop - sl.start) + g[:, sl].T @ g[:, sl] / M
-        np.testing.assert_allclose(diag[sl], np.diag(np.linalg.inv(block)),
-                                   rtol=1e-9)
+        np.testing.assert_allclose(
+          diag[sl], np.diag(np.linalg.inv(block)), rtol=1e-9
+        )
 
   def test_matches_paper_recursion(self):
     """The batched Cholesky form equals M-FAC's m-step recursion."""
@@ -105,24 +120,29 @@ class SumOfRankOneTest(parameterized.TestCase):
         vs.append(v)
         dens.append(M + g[k] @ v)
       recursion = np.eye(D) / damping - sum(
-          np.outer(v, v) / d for v, d in zip(vs, dens))
+        np.outer(v, v) / d for v, d in zip(vs, dens)
+      )
       f = fisher.sum_of_rank_one(grads, damping)
       idx = jnp.arange(D)
-      np.testing.assert_allclose(f.inverse_entry(idx[:, None], idx[None, :]),
-                                 recursion, atol=1e-9 * np.abs(recursion).max())
+      np.testing.assert_allclose(
+        f.inverse_entry(idx[:, None], idx[None, :]),
+        recursion,
+        atol=1e-9 * np.abs(recursion).max(),
+      )
       # Rows of Z / sqrt(damping) are v_k / sqrt(den_k).
       np.testing.assert_allclose(
-          np.abs(_flat_rows(f.whitened)) / np.sqrt(damping),
-          np.abs(np.stack([v / np.sqrt(d) for v, d in zip(vs, dens)])),
-          rtol=1e-8, atol=1e-12)
+        np.abs(_flat_rows(f.whitened)) / np.sqrt(damping),
+        np.abs(np.stack([v / np.sqrt(d) for v, d in zip(vs, dens)])),
+        rtol=1e-8,
+        atol=1e-12,
+      )
 
   def test_float32_is_close_to_float64(self):
     grads = _grads(3, dtype=jnp.float32)
     f = fisher.sum_of_rank_one(grads, 1e-1)
     inv = np.linalg.inv(_dense_fisher(jax.tree.map(np.float64, grads), 1e-1))
     self.assertEqual(f.chol.dtype, jnp.float32)
-    np.testing.assert_allclose(_flat(f.inverse_diag()), np.diag(inv),
-                               rtol=1e-4)
+    np.testing.assert_allclose(_flat(f.inverse_diag()), np.diag(inv), rtol=1e-4)
 
   def test_bad_inputs_raise(self):
     grads = _grads(0, dtype=jnp.float32)
@@ -142,7 +162,6 @@ class SumOfRankOneTest(parameterized.TestCase):
 
 
 class ScaleByMFACTest(parameterized.TestCase):
-
   def _run(self, seq, m, damping=1e-2, **kw):
     tx = fisher_optax.scale_by_mfac(m, damping, **kw)
     update = jax.jit(tx.update)
@@ -160,8 +179,11 @@ class ScaleByMFACTest(parameterized.TestCase):
       static = fisher.sum_of_rank_one(last, 1e-2)
       g = jax.tree.map(lambda x: x[-1], seq)
       chex.assert_trees_all_close(u, static.ihvp(g), rtol=1e-9, atol=1e-9)
-      np.testing.assert_allclose(state.gram, _flat_rows(state.grads)
-                                 @ _flat_rows(state.grads).T, rtol=1e-12)
+      np.testing.assert_allclose(
+        state.gram,
+        _flat_rows(state.grads) @ _flat_rows(state.grads).T,
+        rtol=1e-12,
+      )
       self.assertEqual(int(state.index), (M + extra) % M)
       self.assertEqual(int(state.count), M + extra)
 
@@ -171,8 +193,7 @@ class ScaleByMFACTest(parameterized.TestCase):
       u, _ = self._run(seq, M)
       dense = _dense_fisher(seq, 1e-2, m=M)  # two rows, divided by M
       g = _flat(jax.tree.map(lambda x: x[-1], seq))
-      np.testing.assert_allclose(_flat(u), np.linalg.solve(dense, g),
-                                 rtol=1e-9)
+      np.testing.assert_allclose(_flat(u), np.linalg.solve(dense, g), rtol=1e-9)
 
   def test_per_example_pushes_every_row(self):
     with jax.enable_x64(True):
@@ -182,8 +203,9 @@ class ScaleByMFACTest(parameterized.TestCase):
       state = tx.init(mean(first))
       _, state = tx.update(mean(first), state, per_example_grads=first)
       u, state = tx.update(mean(second), state, per_example_grads=second)
-      window = jax.tree.map(lambda a, b: jnp.concatenate([a[2:], b]),
-                            first, second)  # last M = 6 rows
+      window = jax.tree.map(
+        lambda a, b: jnp.concatenate([a[2:], b]), first, second
+      )  # last M = 6 rows
       static = fisher.sum_of_rank_one(window, 1e-2)
       chex.assert_trees_all_close(u, static.ihvp(mean(second)), rtol=1e-9)
       self.assertEqual(int(state.index), 8 % M)
@@ -226,23 +248,36 @@ class ScaleByMFACTest(parameterized.TestCase):
     with self.assertRaisesRegex(ValueError, "per_example_grads"):
       tx.update(params, state)
     with self.assertRaisesRegex(ValueError, "more than window_size"):
-      tx.update(params, state, per_example_grads=jax.tree.map(
-          lambda x: jnp.stack([x] * 5), params))
+      tx.update(
+        params,
+        state,
+        per_example_grads=jax.tree.map(lambda x: jnp.stack([x] * 5), params),
+      )
     with self.assertRaisesRegex(ValueError, "per_example_grads"):
       tx.update(params, state, per_example_grads=params)
 
 
-class MFACConformanceTest(conformance.OptimizerConformance,
-                          parameterized.TestCase):
+class MFACConformanceTest(
+  conformance.OptimizerConformance, parameterized.TestCase
+):
   FACTORY = staticmethod(fisher_optax.mfac)
-  KWARGS = {"learning_rate": 1e-1, "window_size": 4, "damping": 10.0,
-            "momentum": 0.5, "weight_decay": 0.0}
+  KWARGS = {
+    "learning_rate": 1e-1,
+    "window_size": 4,
+    "damping": 10.0,
+    "momentum": 0.5,
+    "weight_decay": 0.0,
+  }
   INJECTABLE = ("learning_rate", "damping", "momentum", "weight_decay")
   STATIC_ARGS = ("window_size",)
   # Far from the optimum a rank-one empirical Fisher takes steps ~ lr / |g|.
   TARGET_KWARGS = {"parabola": {"learning_rate": 2e-1}}
-  CONVERGENCE_STEPS = {"parabola": 1000, "rosenbrock": 5000,
-                       "matrix_parabola": 1000, "mixed_tensors": 1000}
+  CONVERGENCE_STEPS = {
+    "parabola": 1000,
+    "rosenbrock": 5000,
+    "matrix_parabola": 1000,
+    "mixed_tensors": 1000,
+  }
 
 
 if __name__ == "__main__":

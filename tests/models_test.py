@@ -11,9 +11,9 @@ from fisher_optax import models
 
 
 class ModelsTest(absltest.TestCase):
-
   def test_functional_mlp_matches_module(self):
     from flax import nnx  # pylint: disable=g-import-not-at-top
+
     module = models.MLP((5, 7, 3), rngs=nnx.Rngs(0))
     apply_fn, params = models.functional(module)
     self.assertIsInstance(params, dict)
@@ -25,8 +25,9 @@ class ModelsTest(absltest.TestCase):
     chex.assert_trees_all_close(apply_fn(params, x), module(x), rtol=1e-6)
 
   def test_char_transformer_is_causal(self):
-    apply_fn, params = models.char_transformer(11, context=8, d=16, heads=2,
-                                               layers=1, ffn=32)
+    apply_fn, params = models.char_transformer(
+      11, context=8, d=16, heads=2, layers=1, ffn=32
+    )
     ids = jnp.array([[1, 2, 3, 4, 5, 6, 7, 8]])
     changed = ids.at[0, 5].set(9)
     a, b = jax.jit(apply_fn)(params, ids), jax.jit(apply_fn)(params, changed)
@@ -35,8 +36,9 @@ class ModelsTest(absltest.TestCase):
     self.assertFalse(np.allclose(a[:, 5:], b[:, 5:]))
 
   def test_projected_kernels_are_2d(self):
-    _, params = models.char_transformer(11, context=8, d=16, heads=2,
-                                        layers=1, ffn=32)
+    _, params = models.char_transformer(
+      11, context=8, d=16, heads=2, layers=1, ffn=32
+    )
     block = params["blocks"][0]
     for name in ("q", "k", "v", "o"):
       self.assertEqual(block["attn"][name]["kernel"].shape, (16, 16))

@@ -18,24 +18,42 @@ import sys
 _ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
-def run_checks(test_case, checks_file: str, n_devices: int = 8,
-               timeout: float = 600.0) -> None:
+def run_checks(
+  test_case, checks_file: str, n_devices: int = 8, timeout: float = 600.0
+) -> None:
   """Runs ``tests/multidevice/<checks_file>`` under pytest with n CPU devices."""
   path = _ROOT / "tests" / "multidevice" / checks_file
   env = dict(os.environ)
   flags = env.get("XLA_FLAGS", "")
   env["XLA_FLAGS"] = (
-      f"{flags} --xla_force_host_platform_device_count={n_devices}".strip())
+    f"{flags} --xla_force_host_platform_device_count={n_devices}".strip()
+  )
   env["JAX_PLATFORMS"] = "cpu"
   env["PYTHONPATH"] = os.pathsep.join(
-      p for p in (str(_ROOT), env.get("PYTHONPATH", "")) if p)
+    p for p in (str(_ROOT), env.get("PYTHONPATH", "")) if p
+  )
   proc = subprocess.run(
-      [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-       "-p", "no:xdist", str(path)],
-      env=env, cwd=_ROOT, capture_output=True, text=True, timeout=timeout,
-      check=False,
+    [
+      sys.executable,
+      "-m",
+      "pytest",
+      "-q",
+      "-p",
+      "no:cacheprovider",
+      "-p",
+      "no:xdist",
+      str(path),
+    ],
+    env=env,
+    cwd=_ROOT,
+    capture_output=True,
+    text=True,
+    timeout=timeout,
+    check=False,
   )
   test_case.assertEqual(
-      proc.returncode, 0,
-      f"multi-device checks in {checks_file} failed:\n"
-      f"{proc.stdout[-6000:]}\n{proc.stderr[-3000:]}")
+    proc.returncode,
+    0,
+    f"multi-device checks in {checks_file} failed:\n"
+    f"{proc.stdout[-6000:]}\n{proc.stderr[-3000:]}",
+  )

@@ -7,7 +7,6 @@ from tests import multidevice_util
 
 
 class NaturalGaLoreMultiDeviceTest(absltest.TestCase):
-
   def test_sharded_checks(self):
     multidevice_util.run_checks(self, "natural_galore_checks.py")
 

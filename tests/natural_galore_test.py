@@ -23,8 +23,12 @@ def _grads(shapes, steps, seed=0, dtype=jnp.float32):
   out = []
   for t in range(steps):
     keys = jax.random.split(jax.random.fold_in(key, t), len(shapes))
-    out.append({f"w{i}": jax.random.normal(k, s, dtype)
-                for i, (k, s) in enumerate(zip(keys, shapes))})
+    out.append(
+      {
+        f"w{i}": jax.random.normal(k, s, dtype)
+        for i, (k, s) in enumerate(zip(keys, shapes))
+      }
+    )
   return out
 
 
@@ -44,36 +48,36 @@ def _dense_solve(window, g, damping, scale=1.0):
   """``(damping I + scale H^T H)^{-1} g`` with H rows = flattened window."""
   h = np.asarray(window, np.float64).reshape(window.shape[0], -1)
   f = damping * np.eye(h.shape[1]) + scale * h.T @ h
-  return np.linalg.solve(f, np.asarray(g, np.float64).ravel()).reshape(
-      g.shape)
+  return np.linalg.solve(f, np.asarray(g, np.float64).ravel()).reshape(g.shape)
 
 
 class WoodburyFisherTest(parameterized.TestCase):
-
   @parameterized.named_parameters(
-      ("partly_filled", 5, 3, (4, 3), True),
-      ("wrapped_ring", 3, 7, (4, 3), True),
-      ("window_larger_than_dim", 6, 8, (2, 2), True),
-      ("global_block", 3, 5, (3, 2), False),
+    ("partly_filled", 5, 3, (4, 3), True),
+    ("wrapped_ring", 3, 7, (4, 3), True),
+    ("window_larger_than_dim", 6, 8, (2, 2), True),
+    ("global_block", 3, 5, (3, 2), False),
   )
   def test_equals_dense_solve_float64(self, s, steps, shape, block_diagonal):
     with jax.enable_x64(True):
       damping = 0.3
       grads = _grads([shape, (3,)], steps, dtype=jnp.float64)
       tx = fisher_optax.scale_by_woodbury_fisher(
-          s, damping, block_diagonal=block_diagonal)
+        s, damping, block_diagonal=block_diagonal
+      )
       updates, _ = _run(tx, grads)
       for t, (g, u) in enumerate(zip(grads, updates)):
-        window = grads[max(0, t - s + 1):t + 1]
+        window = grads[max(0, t - s + 1) : t + 1]
         if block_diagonal:
           for name in g:
             h = np.stack([np.asarray(w[name]) for w in window])
             np.testing.assert_allclose(
-                u[name], _dense_solve(h, g[name], damping), rtol=1e-9,
-                atol=1e-10)
+              u[name], _dense_solve(h, g[name], damping), rtol=1e-9, atol=1e-10
+            )
         else:
           flat = lambda tree: np.concatenate(
-              [np.asarray(x).ravel() for x in jax.tree.leaves(tree)])
+            [np.asarray(x).ravel() for x in jax.tree.leaves(tree)]
+          )
           h = np.stack([flat(w) for w in window])
           expect = _dense_solve(h, flat(g), damping)
           np.testing.assert_allclose(flat(u), expect, rtol=1e-9, atol=1e-10)
@@ -86,22 +90,27 @@ class WoodburyFisherTest(parameterized.TestCase):
     for g, u in zip(grads, updates):
       g = g["w0"]
       chex.assert_trees_all_close(
-          u["w0"], g / (damping + jnp.sum(g * g)), rtol=1e-5)
+        u["w0"], g / (damping + jnp.sum(g * g)), rtol=1e-5
+      )
 
   def test_normalized_output_is_damping_times_solve(self):
     grads = _grads([(3, 4)], 4)
     plain, _ = _run(fisher_optax.scale_by_woodbury_fisher(3, 0.2), grads)
-    normed, _ = _run(fisher_optax.scale_by_woodbury_fisher(
-        3, 0.2, normalize_output=True), grads)
+    normed, _ = _run(
+      fisher_optax.scale_by_woodbury_fisher(3, 0.2, normalize_output=True),
+      grads,
+    )
     chex.assert_trees_all_close(
-        jax.tree.map(lambda x: 0.2 * x, plain[-1]), normed[-1], rtol=1e-5)
+      jax.tree.map(lambda x: 0.2 * x, plain[-1]), normed[-1], rtol=1e-5
+    )
 
   def test_per_example_window_equals_dense_empirical_fisher(self):
     with jax.enable_x64(True):
       pe = _grads([(5, 3, 2)], 1, dtype=jnp.float64)[0]
       g = jax.tree.map(lambda x: x.mean(0), pe)
       tx = fisher_optax.scale_by_woodbury_fisher(
-          damping=0.1, window_source="per_example")
+        damping=0.1, window_source="per_example"
+      )
       u, _ = tx.update(g, tx.init(g), per_example_grads=pe)
       expect = _dense_solve(pe["w0"], g["w0"], 0.1, scale=1 / 5)
       np.testing.assert_allclose(u["w0"], expect, rtol=1e-9)
@@ -138,9 +147,12 @@ class WoodburyFisherTest(parameterized.TestCase):
   def test_works_in_optax_galore_base_slot(self):
     params = {"w": jnp.ones((6, 4)), "b": jnp.ones((4,))}
     tx = optax.contrib.galore(
-        1e-2, rank=2, base_optimizer=optax.chain(
-            fisher_optax.scale_by_woodbury_fisher(3, 1e-2),
-            optax.scale_by_adam()))
+      1e-2,
+      rank=2,
+      base_optimizer=optax.chain(
+        fisher_optax.scale_by_woodbury_fisher(3, 1e-2), optax.scale_by_adam()
+      ),
+    )
     grads = _grads([(6, 4), (4,)], 3)
     grads = [{"w": g["w0"], "b": g["w1"]} for g in grads]
     state = tx.init(params)
@@ -150,23 +162,29 @@ class WoodburyFisherTest(parameterized.TestCase):
 
 
 class NaturalGaLoreTest(parameterized.TestCase):
-
   SHAPES = [(8, 5), (4, 9), (7,)]
 
   @parameterized.parameters(3, 10)
   def test_history_zero_is_optax_galore_bitwise(self, rank):
     grads = _grads(self.SHAPES + [(6, 6)], 3)
-    ours, _ = _run(fisher_optax.scale_by_natural_galore(
-        rank=rank, update_proj_gap=2, scale=0.5, history_size=0), grads)
-    ref, _ = _run(optax.contrib.scale_by_galore(
-        rank=rank, update_proj_gap=2, scale=0.5), grads)
+    ours, _ = _run(
+      fisher_optax.scale_by_natural_galore(
+        rank=rank, update_proj_gap=2, scale=0.5, history_size=0
+      ),
+      grads,
+    )
+    ref, _ = _run(
+      optax.contrib.scale_by_galore(rank=rank, update_proj_gap=2, scale=0.5),
+      grads,
+    )
     chex.assert_trees_all_equal(ours, ref)
 
   def test_alias_history_zero_is_optax_galore_alias(self):
     params = {"w0": jnp.ones((8, 5)), "w1": jnp.ones((5,))}
     grads = _grads([(8, 5), (5,)], 3)
-    ours = fisher_optax.natural_galore(1e-2, 2, 2, 1.0, None, 1e-3,
-                                       history_size=0)
+    ours = fisher_optax.natural_galore(
+      1e-2, 2, 2, 1.0, None, 1e-3, history_size=0
+    )
     ref = optax.contrib.galore(1e-2, 2, 2, 1.0, None, 1e-3)
     s1, s2 = ours.init(params), ref.init(params)
     for g in grads:
@@ -176,25 +194,47 @@ class NaturalGaLoreTest(parameterized.TestCase):
 
   def test_huge_damping_normalized_matches_galore(self):
     grads = _grads(self.SHAPES, 4)
-    ours, _ = _run(fisher_optax.scale_by_natural_galore(
-        rank=3, update_proj_gap=2, history_size=3, damping=1e12,
-        normalize_output=True), grads)
-    ref, _ = _run(optax.contrib.scale_by_galore(rank=3, update_proj_gap=2),
-                  grads)
+    ours, _ = _run(
+      fisher_optax.scale_by_natural_galore(
+        rank=3,
+        update_proj_gap=2,
+        history_size=3,
+        damping=1e12,
+        normalize_output=True,
+      ),
+      grads,
+    )
+    ref, _ = _run(
+      optax.contrib.scale_by_galore(rank=3, update_proj_gap=2), grads
+    )
     chex.assert_trees_all_close(ours, ref, rtol=1e-5, atol=1e-6)
 
   def test_full_rank_reference_side_identity_base_is_sgd(self):
     grads = _grads(self.SHAPES, 3)
-    ours, _ = _run(fisher_optax.scale_by_natural_galore(
-        rank=100, update_proj_gap=2, history_size=0,
-        base_optimizer=optax.identity(), projection_side="smaller"), grads)
+    ours, _ = _run(
+      fisher_optax.scale_by_natural_galore(
+        rank=100,
+        update_proj_gap=2,
+        history_size=0,
+        base_optimizer=optax.identity(),
+        projection_side="smaller",
+      ),
+      grads,
+    )
     chex.assert_trees_all_close(ours, grads, atol=1e-4)
     # The optax side never reaches full rank on a non-square matrix.
-    theirs, _ = _run(fisher_optax.scale_by_natural_galore(
-        rank=100, update_proj_gap=2, history_size=0,
-        base_optimizer=optax.identity()), grads)
+    theirs, _ = _run(
+      fisher_optax.scale_by_natural_galore(
+        rank=100,
+        update_proj_gap=2,
+        history_size=0,
+        base_optimizer=optax.identity(),
+      ),
+      grads,
+    )
     self.assertGreater(
-        float(jnp.max(jnp.abs(theirs[1]["w0"] - grads[1]["w0"]))), 1e-2)
+      float(jnp.max(jnp.abs(theirs[1]["w0"] - grads[1]["w0"]))), 1e-2
+    )
 
   @parameterized.parameters("reproject", "keep")
   def test_full_rank_window_is_full_space_woodbury(self, policy):
@@ -211,23 +251,33 @@ class NaturalGaLoreTest(parameterized.TestCase):
         if side == "larger":
           grads = _grads([(3, 3)], 5, dtype=jnp.float64)
         tx = fisher_optax.scale_by_natural_galore(
-            rank=10, update_proj_gap=gap, history_size=s, damping=damping,
-            base_optimizer=optax.identity(), projection_side=side,
-            window_at_refresh=policy)
+          rank=10,
+          update_proj_gap=gap,
+          history_size=s,
+          damping=damping,
+          base_optimizer=optax.identity(),
+          projection_side=side,
+          window_at_refresh=policy,
+        )
         updates, _ = _run(tx, grads)
         for t, (g, u) in enumerate(zip(grads, updates)):
-          window = grads[max(0, t - s + 1):t + 1]
+          window = grads[max(0, t - s + 1) : t + 1]
           for name in g:
             h = np.stack([np.asarray(w[name]) for w in window])
             np.testing.assert_allclose(
-                u[name], _dense_solve(h, g[name], damping), rtol=1e-7,
-                atol=1e-8, err_msg=f"{side} step {t} {name}")
+              u[name],
+              _dense_solve(h, g[name], damping),
+              rtol=1e-7,
+              atol=1e-8,
+              err_msg=f"{side} step {t} {name}",
+            )
 
   @parameterized.parameters("exact", "randomized", "subspace")
   def test_projector_orthonormal_and_refreshed_on_schedule(self, method):
     grads = _grads(self.SHAPES, 4)
     tx = fisher_optax.scale_by_natural_galore(
-        rank=3, update_proj_gap=2, history_size=2, svd_method=method)
+      rank=3, update_proj_gap=2, history_size=2, svd_method=method
+    )
     _, states = _run(tx, grads)
     for t in range(1, len(states)):
       for name in ("w0", "w1"):
@@ -241,41 +291,60 @@ class NaturalGaLoreTest(parameterized.TestCase):
   def test_inexact_svd_finds_top_subspace(self, method):
     key = jax.random.key(3)
     u, _ = jnp.linalg.qr(jax.random.normal(key, (40, 40)))
-    v, _ = jnp.linalg.qr(jax.random.normal(jax.random.fold_in(key, 1),
-                                           (30, 30)))
+    v, _ = jnp.linalg.qr(
+      jax.random.normal(jax.random.fold_in(key, 1), (30, 30))
+    )
     sv = 2.0 ** -jnp.arange(30.0)
     g = {"w": (u[:, :30] * sv) @ v.T}
     tx = fisher_optax.scale_by_natural_galore(
-        rank=4, history_size=0, svd_method=method)
+      rank=4, history_size=0, svd_method=method
+    )
     _, state = jax.jit(tx.update)(g, tx.init(g))
     p = state.projector["w"]
     exact = u[:, :4]
     chex.assert_trees_all_close(p @ p.T, exact @ exact.T, atol=1e-4)
 
   def test_shapes_tall_wide_square_and_rank_above_min(self):
-    params = {"tall": jnp.ones((9, 4)), "wide": jnp.ones((3, 8)),
-              "square": jnp.ones((5, 5)), "bias": jnp.ones((5,)),
-              "conv": jnp.ones((2, 3, 4))}
-    dims = {"tall": fisher_optax_dims(), "wide": fisher_optax_dims(),
-            "square": fisher_optax_dims(), "bias": None,
-            "conv": optax.contrib.GaLoreDimensionNumbers((0, 1), 2)}
+    params = {
+      "tall": jnp.ones((9, 4)),
+      "wide": jnp.ones((3, 8)),
+      "square": jnp.ones((5, 5)),
+      "bias": jnp.ones((5,)),
+      "conv": jnp.ones((2, 3, 4)),
+    }
+    dims = {
+      "tall": fisher_optax_dims(),
+      "wide": fisher_optax_dims(),
+      "square": fisher_optax_dims(),
+      "bias": None,
+      "conv": optax.contrib.GaLoreDimensionNumbers((0, 1), 2),
+    }
     expect = {
-        "larger": {"tall": ((9, 4), (4, 4)), "wide": ((8, 3), (3, 3)),
-                   "square": ((5, 5), (5, 5)), "conv": ((6, 4), (4, 4))},
-        "smaller": {"tall": ((4, 4), (9, 4)), "wide": ((3, 3), (3, 8)),
-                    "square": ((5, 5), (5, 5)), "conv": ((4, 4), (6, 4))},
+      "larger": {
+        "tall": ((9, 4), (4, 4)),
+        "wide": ((8, 3), (3, 3)),
+        "square": ((5, 5), (5, 5)),
+        "conv": ((6, 4), (4, 4)),
+      },
+      "smaller": {
+        "tall": ((4, 4), (9, 4)),
+        "wide": ((3, 3), (3, 8)),
+        "square": ((5, 5), (5, 5)),
+        "conv": ((4, 4), (6, 4)),
+      },
     }
     for side, shapes in expect.items():
       tx = fisher_optax.scale_by_natural_galore(
-          rank=6, history_size=2, weight_dimension_numbers=dims,
-          projection_side=side)
+        rank=6,
+        history_size=2,
+        weight_dimension_numbers=dims,
+        projection_side=side,
+      )
       state = tx.init(params)
       for name, (p_shape, low_shape) in shapes.items():
-        self.assertEqual(state.projector[name].shape, p_shape,
-                         f"{side} {name}")
+        self.assertEqual(state.projector[name].shape, p_shape, f"{side} {name}")
         self.assertEqual(state.window[name].shape, (2,) + low_shape)
-        self.assertEqual(
-            state.base_optimizer_state.mu[name].shape, low_shape)
+        self.assertEqual(state.base_optimizer_state.mu[name].shape, low_shape)
       u, state = jax.jit(tx.update)(params, state)
       chex.assert_trees_all_equal_shapes(u, params)
       chex.assert_tree_all_finite((u, state))
@@ -285,24 +354,28 @@ class NaturalGaLoreTest(parameterized.TestCase):
     states = {}
     for policy in ("keep", "reset", "reproject"):
       tx = fisher_optax.scale_by_natural_galore(
-          rank=2, update_proj_gap=2, history_size=3,
-          window_at_refresh=policy)
+        rank=2, update_proj_gap=2, history_size=3, window_at_refresh=policy
+      )
       _, st = _run(tx, grads[:3])
       states[policy] = st
     before = states["keep"][2]  # after steps 0 and 1; refresh at count 2
     after = {k: v[3] for k, v in states.items()}
     newest = lambda st: st.window["w0"][2]
     # keep: old rows untouched; reset: only the newest row left.
-    chex.assert_trees_all_equal(after["keep"].window["w0"][:2],
-                                before.window["w0"][:2])
-    chex.assert_trees_all_equal(after["reset"].window["w0"][:2],
-                                jnp.zeros((2, 2, 3)))
+    chex.assert_trees_all_equal(
+      after["keep"].window["w0"][:2], before.window["w0"][:2]
+    )
+    chex.assert_trees_all_equal(
+      after["reset"].window["w0"][:2], jnp.zeros((2, 2, 3))
+    )
     p_old = before.projector["w0"]
     p_new = after["reproject"].projector["w0"]
-    rotated = jnp.einsum("ij,sjn->sin", p_new.T @ p_old,
-                         before.window["w0"][:2])
-    chex.assert_trees_all_close(after["reproject"].window["w0"][:2], rotated,
-                                atol=1e-6)
+    rotated = jnp.einsum(
+      "ij,sjn->sin", p_new.T @ p_old, before.window["w0"][:2]
+    )
+    chex.assert_trees_all_close(
+      after["reproject"].window["w0"][:2], rotated, atol=1e-6
+    )
     for st in after.values():
       chex.assert_trees_all_close(newest(st), newest(after["keep"]))
       w = st.window["w0"].reshape(3, -1)
@@ -311,7 +384,8 @@ class NaturalGaLoreTest(parameterized.TestCase):
   @parameterized.parameters("exact", "randomized", "subspace")
   def test_zero_and_nan_gradients_at_refresh_keep_a_finite_basis(self, method):
     tx = fisher_optax.scale_by_natural_galore(
-        rank=2, update_proj_gap=1, history_size=2, svd_method=method)
+      rank=2, update_proj_gap=1, history_size=2, svd_method=method
+    )
     g = {"w": jnp.arange(12.0).reshape(4, 3) - 5.0}
     state = tx.init(g)
     update = jax.jit(tx.update)
@@ -333,8 +407,12 @@ class NaturalGaLoreTest(parameterized.TestCase):
       pe = _grads([(6, 7, 4)], 1, dtype=jnp.float64)[0]
       g = jax.tree.map(lambda x: x.mean(0), pe)
       tx = fisher_optax.scale_by_natural_galore(
-          rank=3, damping=0.05, base_optimizer=optax.identity(),
-          window_source="per_example", normalize_output=True)
+        rank=3,
+        damping=0.05,
+        base_optimizer=optax.identity(),
+        window_source="per_example",
+        normalize_output=True,
+      )
       u, state = tx.update(g, tx.init(g), per_example_grads=pe)
       p = np.asarray(state.projector["w0"])  # (7, 3), left side
       h = np.einsum("ij,bjk->bik", p.T, np.asarray(pe["w0"]))
@@ -348,7 +426,8 @@ class NaturalGaLoreTest(parameterized.TestCase):
     grads = _grads([(6, 4)], 3, dtype=jnp.bfloat16)
     grads = [{"w": g["w0"]} for g in grads]
     tx = fisher_optax.natural_galore(
-        1e-2, rank=2, history_size=2, window_dtype=jnp.bfloat16)
+      1e-2, rank=2, history_size=2, window_dtype=jnp.bfloat16
+    )
     state = tx.init(params)
     self.assertEqual(state[0].window["w"].dtype, jnp.bfloat16)
     self.assertEqual(state[0].window_gram["w"].dtype, jnp.float32)
@@ -359,8 +438,9 @@ class NaturalGaLoreTest(parameterized.TestCase):
 
   def test_inject_damping_and_static_sizes(self):
     factory = optax.inject_hyperparams(
-        fisher_optax.natural_galore,
-        static_args=("rank", "history_size", "svd_power_iterations"))
+      fisher_optax.natural_galore,
+      static_args=("rank", "history_size", "svd_power_iterations"),
+    )
     tx = factory(learning_rate=1e-2, rank=2, history_size=2, damping=0.1)
     params = {"w": jnp.ones((5, 3))}
     state = tx.init(params)
@@ -371,7 +451,8 @@ class NaturalGaLoreTest(parameterized.TestCase):
     self.assertFalse(bool(jnp.allclose(u1["w"], u2["w"])))
     with self.assertRaisesRegex(TypeError, "rank"):
       optax.inject_hyperparams(fisher_optax.natural_galore)(
-          learning_rate=1e-2).init(params)
+        learning_rate=1e-2
+      ).init(params)
 
   def test_bad_inputs_raise(self):
     ng = fisher_optax.scale_by_natural_galore
@@ -383,20 +464,29 @@ class NaturalGaLoreTest(parameterized.TestCase):
       ng(damping=0.0)
     with self.assertRaisesRegex(ValueError, "update_proj_gap"):
       ng(update_proj_gap=0)
-    for arg in ("projection_side", "window_at_refresh", "svd_method",
-                "window_source"):
+    for arg in (
+      "projection_side",
+      "window_at_refresh",
+      "svd_method",
+      "window_source",
+    ):
       with self.assertRaisesRegex(ValueError, arg):
         ng(**{arg: "nonsense"})
     params = {"w": jnp.ones((4, 3)), "v": jnp.ones((2, 2))}
     with self.assertRaisesRegex(ValueError, "weight_dimension_numbers"):
       ng(weight_dimension_numbers={"w": fisher_optax_dims()}).init(params)
     with self.assertRaisesRegex(ValueError, "disjoint"):
-      ng(weight_dimension_numbers=optax.contrib.GaLoreDimensionNumbers(
-          0, 0)).init(params)
+      ng(
+        weight_dimension_numbers=optax.contrib.GaLoreDimensionNumbers(0, 0)
+      ).init(params)
     with self.assertRaisesRegex(ValueError, "rank >= 2"):
-      ng(weight_dimension_numbers={
-          "w": fisher_optax_dims(), "v": None, "b": fisher_optax_dims()}
-         ).init({**params, "b": jnp.ones((3,))})
+      ng(
+        weight_dimension_numbers={
+          "w": fisher_optax_dims(),
+          "v": None,
+          "b": fisher_optax_dims(),
+        }
+      ).init({**params, "b": jnp.ones((3,))})
     tx = ng(rank=2)
     state = tx.init(params)
     with self.assertRaisesRegex(ValueError, "structure"):
@@ -412,11 +502,16 @@ def fisher_optax_dims():
   return optax.contrib.GaLoreDimensionNumbers(0, 1)
 
 
-class NaturalGaLoreConformanceTest(conformance.OptimizerConformance,
-                                   parameterized.TestCase):
+class NaturalGaLoreConformanceTest(
+  conformance.OptimizerConformance, parameterized.TestCase
+):
   FACTORY = staticmethod(fisher_optax.natural_galore)
-  KWARGS = {"learning_rate": 1e-2, "rank": 2, "history_size": 3,
-            "damping": 1e-2}
+  KWARGS = {
+    "learning_rate": 1e-2,
+    "rank": 2,
+    "history_size": 3,
+    "damping": 1e-2,
+  }
   INJECTABLE = ("learning_rate", "damping", "weight_decay", "scale")
   STATIC_ARGS = ("rank", "history_size", "svd_power_iterations")
   TARGET_KWARGS = {"rosenbrock": {"learning_rate": 3e-3}}

@@ -16,17 +16,22 @@ M = 7
 def _setup(seed=0, block_size=None, damping=1e-2, dtype=jnp.float64):
   """Stacked grads, weights and the dense float64 Fisher (call under x64)."""
   k1, k2, k3 = jax.random.split(jax.random.key(seed), 3)
-  grads = {"b": jax.random.normal(k1, (M, 4), dtype),
-           "w": jax.random.normal(k2, (M, 2, 3), dtype)}
-  params = {"b": jax.random.normal(k3, (4,), dtype),
-            "w": jnp.linspace(-1.0, 1.5, 6, dtype=dtype).reshape(2, 3)}
-  g = np.concatenate([np.asarray(grads["b"]), np.asarray(grads["w"]).reshape(
-      M, -1)], axis=1)
+  grads = {
+    "b": jax.random.normal(k1, (M, 4), dtype),
+    "w": jax.random.normal(k2, (M, 2, 3), dtype),
+  }
+  params = {
+    "b": jax.random.normal(k3, (4,), dtype),
+    "w": jnp.linspace(-1.0, 1.5, 6, dtype=dtype).reshape(2, 3),
+  }
+  g = np.concatenate(
+    [np.asarray(grads["b"]), np.asarray(grads["w"]).reshape(M, -1)], axis=1
+  )
   dense = damping * np.eye(10) + g.T @ g / M
   if block_size is not None:
     mask = np.zeros_like(dense)
     for s in range(0, 10, block_size):
-      mask[s:s + block_size, s:s + block_size] = 1.0
+      mask[s : s + block_size, s : s + block_size] = 1.0
     dense = dense * mask
   f = fisher.sum_of_rank_one(grads, damping, block_size=block_size)
   return params, f, dense
@@ -37,15 +42,17 @@ def _flat(tree):
 
 
 class ObsTest(parameterized.TestCase):
-
   @parameterized.parameters(None, 3)
   def test_saliency_matches_dense(self, block_size):
     with jax.enable_x64(True):
       params, f, dense = _setup(block_size=block_size)
       inv = np.linalg.inv(dense)
       w = _flat(params)
-      np.testing.assert_allclose(_flat(fisher_optax.obs_saliency(params, f)),
-                                 w**2 / (2 * np.diag(inv)), rtol=1e-9)
+      np.testing.assert_allclose(
+        _flat(fisher_optax.obs_saliency(params, f)),
+        w**2 / (2 * np.diag(inv)),
+        rtol=1e-9,
+      )
 
   @parameterized.parameters(0, 9)
   def test_single_weight_update_is_exact(self, q):
@@ -59,7 +66,7 @@ class ObsTest(parameterized.TestCase):
       expected = w - w[q] / inv[q, q] * inv[:, q]
       np.testing.assert_allclose(new, expected, rtol=1e-9, atol=1e-12)
       dw = new - w
-      rho = w[q]**2 / (2 * inv[q, q])
+      rho = w[q] ** 2 / (2 * inv[q, q])
       np.testing.assert_allclose(0.5 * dw @ dense @ dw, rho, rtol=1e-9)
       np.testing.assert_allclose(dl, rho, rtol=1e-9)
 
@@ -71,8 +78,10 @@ class ObsTest(parameterized.TestCase):
       w = _flat(params)
       q = np.array([1, 2, 6, 8])
       drop = jax.tree.map(lambda x: jnp.zeros(x.shape, bool), params)
-      drop = {"b": drop["b"].at[jnp.array([1, 2])].set(True),
-              "w": drop["w"].at[0, 2].set(True).at[1, 1].set(True)}
+      drop = {
+        "b": drop["b"].at[jnp.array([1, 2])].set(True),
+        "w": drop["w"].at[0, 2].set(True).at[1, 1].set(True),
+      }
       new, dl = fisher_optax.group_obs_update(params, drop, f)
       dw_group = _flat(new) - w
       np.testing.assert_array_equal(_flat(new)[q], 0.0)
@@ -88,7 +97,8 @@ class ObsTest(parameterized.TestCase):
       self.assertLessEqual(loss(dw_indep), loss(dw_zero))
       # The index form agrees with the mask form, also under jit.
       new_idx, _ = jax.jit(fisher_optax.group_obs_update)(
-          params, jnp.asarray(q), f)
+        params, jnp.asarray(q), f
+      )
       np.testing.assert_allclose(_flat(new_idx), _flat(new), rtol=1e-10)
 
   def test_bad_inputs_raise(self):
@@ -99,20 +109,23 @@ class ObsTest(parameterized.TestCase):
       fisher_optax.obs_saliency({"b": params["b"], "w": params["w"].T}, f)
     with self.assertRaisesRegex(ValueError, "drop"):
       fisher_optax.group_obs_update(params, {"w": params["w"] > 0}, f)
-    traced_mask = jax.jit(lambda p: fisher_optax.group_obs_update(
-        p, jax.tree.map(lambda x: x > 0, p), f))
+    traced_mask = jax.jit(
+      lambda p: fisher_optax.group_obs_update(
+        p, jax.tree.map(lambda x: x > 0, p), f
+      )
+    )
     with self.assertRaisesRegex(TypeError, "concrete"):
       traced_mask(params)
 
 
 class ObsPruneTest(parameterized.TestCase):
-
   def _regression(self, seed=0, n=256, d=12):
     """Least squares with correlated features: grads are exact, Fisher = X^T X."""
     kx, kw, kn = jax.random.split(jax.random.key(seed), 3)
     base = jax.random.normal(kx, (n, d // 2))
-    x = jnp.concatenate([base, base + 0.3 * jax.random.normal(kn, (n, d // 2))],
-                        axis=1)
+    x = jnp.concatenate(
+      [base, base + 0.3 * jax.random.normal(kn, (n, d // 2))], axis=1
+    )
     w_true = jax.random.normal(kw, (d,))
     y = x @ w_true
     params = {"w": w_true, "b": jnp.zeros(())}
@@ -131,13 +144,24 @@ class ObsPruneTest(parameterized.TestCase):
 
   @parameterized.parameters("global", "per_leaf")
   def test_reaches_sparsity_and_masks_match(self, scope):
-    params = {"a": jnp.arange(1.0, 13.0).reshape(3, 4), "c": jnp.arange(5.0),
-              "skip": jnp.ones(3)}
+    params = {
+      "a": jnp.arange(1.0, 13.0).reshape(3, 4),
+      "c": jnp.arange(5.0),
+      "skip": jnp.ones(3),
+    }
     grad_fn = lambda p, s: jax.tree.map(
-        lambda x: jax.random.normal(jax.random.key(s), (9, *x.shape)), p)
+      lambda x: jax.random.normal(jax.random.key(s), (9, *x.shape)), p
+    )
     res = fisher_optax.obs_prune(
-        params, grad_fn, 0.5, prunable={"a": True, "c": True, "skip": False},
-        scope=scope, steps=3, block_size=4, damping=1e-1)
+      params,
+      grad_fn,
+      0.5,
+      prunable={"a": True, "c": True, "skip": False},
+      scope=scope,
+      steps=3,
+      block_size=4,
+      damping=1e-1,
+    )
     kept = {k: int(v.sum()) for k, v in res.masks.items()}
     if scope == "global":
       self.assertEqual(kept["a"] + kept["c"], 8)  # round(0.5 * 17)
@@ -154,20 +178,30 @@ class ObsPruneTest(parameterized.TestCase):
     params, loss, _, fisher_grad_fn = self._regression()
     prunable = {"w": True, "b": False}
     mag = fisher_optax.magnitude_prune(params, 0.5, prunable=prunable)
-    obs = fisher_optax.obs_prune(params, fisher_grad_fn, 0.5,
-                                 prunable=prunable, steps=4, block_size=None,
-                                 damping=1e-4, update=update)
+    obs = fisher_optax.obs_prune(
+      params,
+      fisher_grad_fn,
+      0.5,
+      prunable=prunable,
+      steps=4,
+      block_size=None,
+      damping=1e-4,
+      update=update,
+    )
     self.assertEqual(int(obs.masks["w"].sum()), int(mag.masks["w"].sum()))
     self.assertLess(float(loss(obs.params)), 0.5 * float(loss(mag.params)))
     # The quadratic model is exact here: predicted = realised increase.
     if update == "group":
       np.testing.assert_allclose(
-          float(jnp.sum(obs.predicted_loss_increase)), float(loss(obs.params)),
-          rtol=1e-2)
+        float(jnp.sum(obs.predicted_loss_increase)),
+        float(loss(obs.params)),
+        rtol=1e-2,
+      )
 
   def test_magnitude_prune_removes_smallest(self):
     res = fisher_optax.magnitude_prune(
-        {"a": jnp.array([3.0, -0.5, 2.0]), "b": jnp.array([-0.1, 4.0])}, 0.4)
+      {"a": jnp.array([3.0, -0.5, 2.0]), "b": jnp.array([-0.1, 4.0])}, 0.4
+    )
     np.testing.assert_array_equal(res.params["a"], [3.0, 0.0, 2.0])
     np.testing.assert_array_equal(res.params["b"], [0.0, 4.0])
 

@@ -17,9 +17,13 @@ def _grads(seed, n=12, dtype=jnp.float32):
   """Per-example gradients with a decaying spectrum, leaves (n, *shape)."""
   k1, k2, k3 = jax.random.split(jax.random.key(seed), 3)
   w = jax.random.normal(k1, (n, 4, 3), dtype) * jnp.geomspace(
-      3.0, 0.05, 12).reshape(4, 3).astype(dtype)
-  return {"w": w, "b": jax.random.normal(k2, (n, 5), dtype),
-          "s": jax.random.normal(k3, (n, 2), dtype)}
+    3.0, 0.05, 12
+  ).reshape(4, 3).astype(dtype)
+  return {
+    "w": w,
+    "b": jax.random.normal(k2, (n, 5), dtype),
+    "s": jax.random.normal(k3, (n, 2), dtype),
+  }
 
 
 def _flat(leaf):
@@ -27,7 +31,6 @@ def _flat(leaf):
 
 
 class ProtectedSubspaceTest(parameterized.TestCase):
-
   @parameterized.parameters(0.5, 0.9, 0.99)
   def test_gram_trick_and_tau_rule(self, tau):
     with jax.enable_x64(True):
@@ -44,7 +47,8 @@ class ProtectedSubspaceTest(parameterized.TestCase):
         self.assertEqual(k, min(k_min, 8), name)
         u = _flat(sub.bases[name])
         np.testing.assert_allclose(
-            u @ u.T, np.diag([1.0] * k + [0.0] * (8 - k)), atol=1e-10)
+          u @ u.T, np.diag([1.0] * k + [0.0] * (8 - k)), atol=1e-10
+        )
         # Same subspace as the dense top-k eigenvectors.
         v = vecs[:, :k]
         np.testing.assert_allclose(u[:k].T @ u[:k], v @ v.T, atol=1e-8)
@@ -56,30 +60,34 @@ class ProtectedSubspaceTest(parameterized.TestCase):
     for r in jax.tree.leaves(sub.rank):
       self.assertEqual(int(r), 0)
     chex.assert_trees_all_equal(
-        sub.bases, jax.tree.map(lambda x: jnp.zeros((4,) + x.shape[1:]), g))
+      sub.bases, jax.tree.map(lambda x: jnp.zeros((4,) + x.shape[1:]), g)
+    )
 
   def test_small_tensor_has_no_identity_columns(self):
     """Unlike the reference code, a 2-entry leaf is not frozen by e_1, e_2."""
     g = {"s": jnp.stack([jnp.array([0.0, c]) for c in (1.0, -2.0, 3.0)])}
     sub = fisher_optax.protected_subspace(g, max_rank=4, tau=0.9)
     self.assertEqual(int(sub.rank["s"]), 1)
-    np.testing.assert_allclose(jnp.abs(sub.bases["s"][0]), [0.0, 1.0],
-                               atol=1e-6)
+    np.testing.assert_allclose(
+      jnp.abs(sub.bases["s"][0]), [0.0, 1.0], atol=1e-6
+    )
 
   def test_accumulated_bases_stay_orthonormal(self):
     with jax.enable_x64(True):
       sub = None
       for task in range(4):
         g = _grads(task, n=6, dtype=jnp.float64)
-        sub = fisher_optax.protected_subspace(g, max_rank=10, tau=0.95,
-                                              existing=sub)
+        sub = fisher_optax.protected_subspace(
+          g, max_rank=10, tau=0.95, existing=sub
+        )
         for name in g:
           k = int(sub.rank[name])
           d = _flat(g[name]).shape[1]
           self.assertLessEqual(k, min(10, d))
           u = _flat(sub.bases[name])
           np.testing.assert_allclose(
-              u @ u.T, np.diag([1.0] * k + [0.0] * (10 - k)), atol=1e-9)
+            u @ u.T, np.diag([1.0] * k + [0.0] * (10 - k)), atol=1e-9
+          )
       # A leaf of 2 entries is full after the first tasks: rank 2, not more.
       self.assertEqual(int(sub.rank["s"]), 2)
 
@@ -87,8 +95,9 @@ class ProtectedSubspaceTest(parameterized.TestCase):
     with jax.enable_x64(True):
       g1, g2 = _grads(1, dtype=jnp.float64), _grads(2, dtype=jnp.float64)
       s1 = fisher_optax.protected_subspace(g1, max_rank=12, tau=0.9)
-      s12 = fisher_optax.protected_subspace(g2, max_rank=12, tau=0.9,
-                                            existing=s1)
+      s12 = fisher_optax.protected_subspace(
+        g2, max_rank=12, tau=0.9, existing=s1
+      )
       for name in g1:
         k1 = int(s1.rank[name])
         chex.assert_trees_all_close(s12.bases[name][:k1], s1.bases[name][:k1])
@@ -101,7 +110,8 @@ class ProtectedSubspaceTest(parameterized.TestCase):
       fisher_optax.protected_subspace(g, max_rank=4, tau=1.5)
     with self.assertRaisesRegex(ValueError, "leading"):
       fisher_optax.protected_subspace(
-          {"w": g["w"], "b": g["b"][:3], "s": g["s"]}, max_rank=4)
+        {"w": g["w"], "b": g["b"][:3], "s": g["s"]}, max_rank=4
+      )
     sub = fisher_optax.protected_subspace(g, max_rank=4)
     with self.assertRaisesRegex(ValueError, "rows"):
       fisher_optax.protected_subspace(g, max_rank=5, existing=sub)
@@ -110,7 +120,6 @@ class ProtectedSubspaceTest(parameterized.TestCase):
 
 
 class ProjectOutSubspaceTest(parameterized.TestCase):
-
   def _setup(self):
     g = _grads(3)
     sub = fisher_optax.protected_subspace(g, max_rank=6, tau=0.99)
@@ -125,9 +134,11 @@ class ProjectOutSubspaceTest(parameterized.TestCase):
     out, state = jax.jit(tx.update)(u, tx.init(params), params)
     for name in u:
       b = _flat(sub.bases[name])
-      np.testing.assert_allclose(b @ np.ravel(out[name]),
-                                 (1 - alpha) * (b @ np.ravel(u[name])),
-                                 atol=1e-5)
+      np.testing.assert_allclose(
+        b @ np.ravel(out[name]),
+        (1 - alpha) * (b @ np.ravel(u[name])),
+        atol=1e-5,
+      )
       # The orthogonal component is untouched.
       perp = lambda x: np.ravel(x) - b.T @ (b @ np.ravel(x))
       np.testing.assert_allclose(perp(out[name]), perp(u[name]), atol=1e-5)
@@ -140,7 +151,8 @@ class ProjectOutSubspaceTest(parameterized.TestCase):
   def test_alpha_schedule(self):
     sub, params, u = self._setup()
     tx = fisher_optax.project_out_subspace(
-        6, optax.linear_schedule(1.0, 0.0, 1), sub)
+      6, optax.linear_schedule(1.0, 0.0, 1), sub
+    )
     state = tx.init(params)
     first, state = tx.update(u, state, params)
     second, _ = tx.update(u, state, params)
@@ -151,15 +163,17 @@ class ProjectOutSubspaceTest(parameterized.TestCase):
   @parameterized.parameters("after", "before")
   def test_physguard_placement(self, placement):
     sub, params, _ = self._setup()
-    tx = fisher_optax.physguard(0.1, max_rank=6, placement=placement,
-                                weight_decay=0.1, subspace=sub)
+    tx = fisher_optax.physguard(
+      0.1, max_rank=6, placement=placement, weight_decay=0.1, subspace=sub
+    )
     state = tx.init(params)
     step = jax.jit(tx.update)
     for i in range(3):
       g = jax.tree.map(lambda x, i=i: jnp.cos(x * (i + 1.0)), params)
       out, state = step(g, state, params)
-    leak = max(float(np.abs(_flat(sub.bases[n]) @ np.ravel(out[n])).max())
-               for n in out)
+    leak = max(
+      float(np.abs(_flat(sub.bases[n]) @ np.ravel(out[n])).max()) for n in out
+    )
     if placement == "after":  # the applied update is exactly orthogonal
       self.assertLess(leak, 1e-6)
     else:  # Adam's per-coordinate scaling re-mixes the projected gradient
@@ -196,16 +210,21 @@ class ProjectOutSubspaceTest(parameterized.TestCase):
       tx.update({"a": p["a"], "b": p["a"]}, tx.init(p))
 
 
-class PhysGuardConformanceTest(conformance.OptimizerConformance,
-                               parameterized.TestCase):
+class PhysGuardConformanceTest(
+  conformance.OptimizerConformance, parameterized.TestCase
+):
   """``physguard`` with an empty protected subspace (= Adam) in the suite."""
 
   FACTORY = staticmethod(fisher_optax.physguard)
   KWARGS = {"learning_rate": 1e-1, "max_rank": 2}
   INJECTABLE = ("learning_rate", "alpha", "b1", "b2", "eps", "weight_decay")
   STATIC_ARGS = ("max_rank",)
-  CONVERGENCE_STEPS = {"parabola": 1000, "rosenbrock": 3000,
-                       "matrix_parabola": 1000, "mixed_tensors": 1000}
+  CONVERGENCE_STEPS = {
+    "parabola": 1000,
+    "rosenbrock": 3000,
+    "matrix_parabola": 1000,
+    "mixed_tensors": 1000,
+  }
   TARGET_KWARGS = {"rosenbrock": {"learning_rate": 1e-2}}
 
 

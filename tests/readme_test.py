@@ -11,9 +11,8 @@ _README = pathlib.Path(__file__).resolve().parent.parent / "README.md"
 
 
 class ReadmeTest(absltest.TestCase):
-
   def test_python_snippets_run(self):
-    blocks = re.findall(r"```python\n(.*?)```", _README.read_text(), re.S)
+    blocks = re.findall(r"```python\n(.*?)```", _README.read_text(), re.DOTALL)
     self.assertGreaterEqual(len(blocks), 6)
     with tempfile.TemporaryDirectory() as tmp:
       namespace = {"path": str(pathlib.Path(tmp) / "opt_state")}

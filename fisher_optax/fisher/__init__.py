@@ -62,11 +62,11 @@ from fisher_optax.fisher._estimators import kronecker
 from fisher_optax.fisher._estimators import low_rank
 from fisher_optax.fisher._estimators import low_rank_from_grads
 from fisher_optax.fisher._estimators import rank_one
+from fisher_optax.fisher._likelihoods import KINDS
 from fisher_optax.fisher._likelihoods import Bernoulli
 from fisher_optax.fisher._likelihoods import Categorical
 from fisher_optax.fisher._likelihoods import Gaussian
 from fisher_optax.fisher._likelihoods import HeteroscedasticGaussian
-from fisher_optax.fisher._likelihoods import KINDS
 from fisher_optax.fisher._likelihoods import Likelihood
 from fisher_optax.fisher._likelihoods import LossLikelihood
 from fisher_optax.fisher._per_example import per_example_grads
@@ -75,38 +75,38 @@ from fisher_optax.fisher._rank_one_sum import sum_of_rank_one
 from fisher_optax.fisher._statistics import DiagonalFisher
 from fisher_optax.fisher._statistics import KroneckerFisher
 from fisher_optax.fisher._statistics import LowRankFisher
-from fisher_optax.fisher._transforms import estimate_fisher_diag
-from fisher_optax.fisher._transforms import estimate_fisher_low_rank
 from fisher_optax.fisher._transforms import EstimateFisherDiagState
 from fisher_optax.fisher._transforms import EstimateFisherLowRankState
+from fisher_optax.fisher._transforms import estimate_fisher_diag
+from fisher_optax.fisher._transforms import estimate_fisher_low_rank
 from fisher_optax.fisher._transforms import get_fisher_diag
 from fisher_optax.fisher._transforms import get_fisher_low_rank
 
 __all__ = [
-    "Bernoulli",
-    "Categorical",
-    "DiagonalFisher",
-    "EstimateFisherDiagState",
-    "EstimateFisherLowRankState",
-    "Gaussian",
-    "HeteroscedasticGaussian",
-    "KINDS",
-    "KroneckerFisher",
-    "Likelihood",
-    "LossLikelihood",
-    "LowRankFisher",
-    "diagonal",
-    "diagonal_from_grads",
-    "diagonal_from_loss",
-    "estimate_fisher_diag",
-    "estimate_fisher_low_rank",
-    "get_fisher_diag",
-    "get_fisher_low_rank",
-    "kronecker",
-    "low_rank",
-    "low_rank_from_grads",
-    "per_example_grads",
-    "rank_one",
-    "RankOneSumFisher",  # M-FAC static inverse (issue 9)
-    "sum_of_rank_one",
+  "KINDS",
+  "Bernoulli",
+  "Categorical",
+  "DiagonalFisher",
+  "EstimateFisherDiagState",
+  "EstimateFisherLowRankState",
+  "Gaussian",
+  "HeteroscedasticGaussian",
+  "KroneckerFisher",
+  "Likelihood",
+  "LossLikelihood",
+  "LowRankFisher",
+  "RankOneSumFisher",  # M-FAC static inverse (issue 9)
+  "diagonal",
+  "diagonal_from_grads",
+  "diagonal_from_loss",
+  "estimate_fisher_diag",
+  "estimate_fisher_low_rank",
+  "get_fisher_diag",
+  "get_fisher_low_rank",
+  "kronecker",
+  "low_rank",
+  "low_rank_from_grads",
+  "per_example_grads",
+  "rank_one",
+  "sum_of_rank_one",
 ]

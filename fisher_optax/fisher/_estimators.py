@@ -16,7 +16,8 @@ global example count.
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -50,16 +51,25 @@ def _explicit_axes() -> tuple[str, ...]:
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty:
     return ()
-  return tuple(n for n, t in zip(mesh.axis_names, mesh.axis_types)
-               if t == jax.sharding.AxisType.Explicit)
+  return tuple(
+    n
+    for n, t in zip(mesh.axis_names, mesh.axis_types)
+    if t == jax.sharding.AxisType.Explicit
+  )
 
 
 def _under_explicit_mesh(axis_name: str | None) -> bool:
   return axis_name is None and bool(_explicit_axes())
 
 
-def _in_auto_axes(fn: Callable[..., Any], apply_fn: ApplyFn, params: PyTree,
-                  batch: Any, key: jax.Array | None, **kwargs) -> Any:
+def _in_auto_axes(
+  fn: Callable[..., Any],
+  apply_fn: ApplyFn,
+  params: PyTree,
+  batch: Any,
+  key: jax.Array | None,
+  **kwargs,
+) -> Any:
   """Runs ``fn`` with the mesh's Explicit axes switched to Auto.
 
   Batch contractions (sums over a sharded batch axis, Gram matrices) are
@@ -68,8 +78,9 @@ def _in_auto_axes(fn: Callable[..., Any], apply_fn: ApplyFn, params: PyTree,
   """
   inner = lambda p, b, k: fn(apply_fn, p, b, key=k, **kwargs)
   replicated = jax.sharding.PartitionSpec()
-  return jax.sharding.auto_axes(inner, out_sharding=replicated)(params, batch,
-                                                                key)
+  return jax.sharding.auto_axes(inner, out_sharding=replicated)(
+    params, batch, key
+  )
 
 
 def _psum(x: PyTree, axis_name: str | None) -> PyTree:
@@ -80,22 +91,33 @@ def _psum(x: PyTree, axis_name: str | None) -> PyTree:
 
 def _f32(tree: PyTree) -> PyTree:
   return jax.tree.map(
-      lambda x: x.astype(jnp.promote_types(x.dtype, jnp.float32)), tree)
+    lambda x: x.astype(jnp.promote_types(x.dtype, jnp.float32)), tree
+  )
 
 
 def _check_apply_outputs(out: Any, size: int) -> None:
   if not isinstance(out, jax.Array) or out.ndim < 1 or out.shape[0] != size:
     shape = getattr(out, "shape", type(out).__name__)
     raise ValueError(
-        "apply_fn(params, inputs) must return one array with the batch "
-        f"axis first, shape ({size}, ...); got {shape}.")
+      "apply_fn(params, inputs) must return one array with the batch "
+      f"axis first, shape ({size}, ...); got {shape}."
+    )
 
 
-def _forward(apply_fn: ApplyFn, params: PyTree, batch: Any, *,
-             likelihood: Any, kind: str, num_samples: int,
-             key: jax.Array | None, method: str, chunk_size: int | None,
-             axis_name: str | None, layers: bool = False
-             ) -> tuple[_Pass, _likelihoods.Likelihood]:
+def _forward(
+  apply_fn: ApplyFn,
+  params: PyTree,
+  batch: Any,
+  *,
+  likelihood: Any,
+  kind: str,
+  num_samples: int,
+  key: jax.Array | None,
+  method: str,
+  chunk_size: int | None,
+  axis_name: str | None,
+  layers: bool = False,
+) -> tuple[_Pass, _likelihoods.Likelihood]:
   """Validates the arguments and runs the shared forward/backward pass.
 
   With ``layers``, the forward pass is recorded with taps on the dense and
@@ -111,26 +133,32 @@ def _forward(apply_fn: ApplyFn, params: PyTree, batch: Any, *,
   del chunk_size
   if not isinstance(batch, (tuple, list)) or len(batch) != 2:
     raise ValueError(
-        "batch must be a pair (inputs, targets); got "
-        f"{type(batch).__name__}" + (f" of length {len(batch)}"
-                                     if isinstance(batch, (tuple, list))
-                                     else "") + ".")
+      "batch must be a pair (inputs, targets); got "
+      f"{type(batch).__name__}"
+      + (f" of length {len(batch)}" if isinstance(batch, (tuple, list)) else "")
+      + "."
+    )
   inputs, targets = batch
   size = _per_example.check_batch_tree(
-      inputs if targets is None else (inputs, targets), what="batch")
+    inputs if targets is None else (inputs, targets), what="batch"
+  )
   if kind == "mc" and key is None:
-    raise ValueError("kind='mc' samples labels from the model and needs "
-                     "key=, a PRNG key.")
+    raise ValueError(
+      "kind='mc' samples labels from the model and needs key=, a PRNG key."
+    )
   for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
     if not isinstance(leaf, jax.Array) and not hasattr(leaf, "dtype"):
-      raise TypeError(f"params{jax.tree_util.keystr(path)} must be an array, "
-                      f"got {type(leaf).__name__}.")
+      raise TypeError(
+        f"params{jax.tree_util.keystr(path)} must be an array, "
+        f"got {type(leaf).__name__}."
+      )
 
   if axis_name is not None:
     # Replicated params are device-invariant, so autodiff would psum their
     # cotangents and mix examples across devices: make them varying.
     params = jax.tree.map(
-        lambda p: jax.lax.pcast(p, axis_name, to="varying"), params)
+      lambda p: jax.lax.pcast(p, axis_name, to="varying"), params
+    )
     if key is not None:
       key = jax.random.fold_in(key, jax.lax.axis_index(axis_name))
 
@@ -144,30 +172,40 @@ def _forward(apply_fn: ApplyFn, params: PyTree, batch: Any, *,
     pull = lambda r: (vjp(r)[0], None)
   _check_apply_outputs(out, size)
   cot = _likelihoods.output_cotangents(
-      likelihood, kind, out, targets, key=key, num_samples=num_samples)
+    likelihood, kind, out, targets, key=key, num_samples=num_samples
+  )
   count = _psum(jnp.asarray(size, jnp.int32), axis_name)
   mean_grad, layer_grads = None, None
   if targets is not None:
     if kind in ("empirical", "batch_squared"):
       r_emp = cot[0]
     else:
-      r_emp = _likelihoods.output_cotangents(likelihood, "empirical", out,
-                                             targets)[0]
+      r_emp = _likelihoods.output_cotangents(
+        likelihood, "empirical", out, targets
+      )[0]
     sums, layer_grads = pull(r_emp)
-    mean_grad = jax.tree.map(lambda s: s / count,
-                             _psum(_f32(sums), axis_name))
+    mean_grad = jax.tree.map(lambda s: s / count, _psum(_f32(sums), axis_name))
   if layers and (kind != "empirical" or layer_grads is None):
     layer_grads = tape.backward(cot)
-  return _Pass(inputs, cot, mean_grad, count, params, size, layer_grads,
-               tape.covered if layers else None), likelihood
+  return _Pass(
+    inputs,
+    cot,
+    mean_grad,
+    count,
+    params,
+    size,
+    layer_grads,
+    tape.covered if layers else None,
+  ), likelihood
 
 
 def _batch_major(cot: jax.Array) -> jax.Array:
   return jnp.moveaxis(cot, 0, 1)  # (B, S, *out)
 
 
-def _pseudo_grad_chunk(apply_fn: ApplyFn, params: PyTree
-                       ) -> Callable[[tuple[PyTree, jax.Array]], PyTree]:
+def _pseudo_grad_chunk(
+  apply_fn: ApplyFn, params: PyTree
+) -> Callable[[tuple[PyTree, jax.Array]], PyTree]:
   """``(inputs_chunk, cot_chunk (c, S, *out)) -> g (c, S, *params)``."""
   one = _per_example.pseudo_grads_fn(apply_fn, params)
   return lambda xs: jax.vmap(one)(*xs)
@@ -187,9 +225,10 @@ def _check_covered(covered: PyTree, method: str) -> None:
   missing = [jax.tree_util.keystr(p) for p, c in flat if not c]
   if missing:
     raise ValueError(
-        "method='taps' cannot compute these leaves from layer statistics "
-        f"(not dense/embedding layers): {missing}. Use method='auto' to fall "
-        "back to the per-example path for them.")
+      "method='taps' cannot compute these leaves from layer statistics "
+      f"(not dense/embedding layers): {missing}. Use method='auto' to fall "
+      "back to the per-example path for them."
+    )
 
 
 def _split(params: PyTree, covered: PyTree) -> tuple[list[Any], Callable]:
@@ -210,31 +249,39 @@ def _split(params: PyTree, covered: PyTree) -> tuple[list[Any], Callable]:
 # -- structure: diagonal -------------------------------------------------------
 
 
-def _diag_sums(apply_fn: ApplyFn, params: PyTree, inputs: PyTree,
-               cot: jax.Array, size: int, chunk_size: int | None) -> PyTree:
+def _diag_sums(
+  apply_fn: ApplyFn,
+  params: PyTree,
+  inputs: PyTree,
+  cot: jax.Array,
+  size: int,
+  chunk_size: int | None,
+) -> PyTree:
   """``sum_{s,n} g_{s,n}^2`` by the per-example path."""
   pg = _pseudo_grad_chunk(apply_fn, params)
 
   def chunk_sum(xs):
-    return jax.tree.map(lambda g: jnp.sum(jnp.square(_f32(g)), axis=(0, 1)),
-                        pg(xs))
+    return jax.tree.map(
+      lambda g: jnp.sum(jnp.square(_f32(g)), axis=(0, 1)), pg(xs)
+    )
 
-  return _per_example.reduce_chunks(chunk_sum, (inputs, _batch_major(cot)),
-                                    size, chunk_size)
+  return _per_example.reduce_chunks(
+    chunk_sum, (inputs, _batch_major(cot)), size, chunk_size
+  )
 
 
 def diagonal(
-    apply_fn: ApplyFn,
-    params: PyTree,
-    batch: tuple[PyTree, jax.Array | None],
-    *,
-    likelihood: Any,
-    kind: str,
-    num_samples: int = 1,
-    key: jax.Array | None = None,
-    method: str = "auto",
-    chunk_size: int | None = None,
-    axis_name: str | None = None,
+  apply_fn: ApplyFn,
+  params: PyTree,
+  batch: tuple[PyTree, jax.Array | None],
+  *,
+  likelihood: Any,
+  kind: str,
+  num_samples: int = 1,
+  key: jax.Array | None = None,
+  method: str = "auto",
+  chunk_size: int | None = None,
+  axis_name: str | None = None,
 ) -> _statistics.DiagonalFisher:
   """Diagonal Fisher of a model's likelihood, with the mean gradient.
 
@@ -290,13 +337,30 @@ def diagonal(
   """
   if _under_explicit_mesh(axis_name):
     return _in_auto_axes(
-        diagonal, apply_fn, params, batch, key, likelihood=likelihood,
-        kind=kind, num_samples=num_samples, method=method,
-        chunk_size=chunk_size)
-  ps, _ = _forward(apply_fn, params, batch, likelihood=likelihood, kind=kind,
-                   num_samples=num_samples, key=key, method=method,
-                   chunk_size=chunk_size, axis_name=axis_name,
-                   layers=_use_taps(method))
+      diagonal,
+      apply_fn,
+      params,
+      batch,
+      key,
+      likelihood=likelihood,
+      kind=kind,
+      num_samples=num_samples,
+      method=method,
+      chunk_size=chunk_size,
+    )
+  ps, _ = _forward(
+    apply_fn,
+    params,
+    batch,
+    likelihood=likelihood,
+    kind=kind,
+    num_samples=num_samples,
+    key=key,
+    method=method,
+    chunk_size=chunk_size,
+    axis_name=axis_name,
+    layers=_use_taps(method),
+  )
   if kind == "batch_squared":
     diag = jax.tree.map(jnp.square, ps.mean_grad)
     return _statistics.DiagonalFisher(diag, ps.mean_grad, ps.count, kind)
@@ -308,16 +372,27 @@ def diagonal(
     _check_covered(covered, method)
     sub, rebuild = _split(ps.params, covered)
     if sub:
-      sub_sums = _diag_sums(lambda q, x: apply_fn(rebuild(q), x), sub,
-                            ps.inputs, ps.cotangents, ps.size, chunk_size)
+      sub_sums = _diag_sums(
+        lambda q, x: apply_fn(rebuild(q), x),
+        sub,
+        ps.inputs,
+        ps.cotangents,
+        ps.size,
+        chunk_size,
+      )
       it = iter(sub_sums)
-      sums = jax.tree.map(lambda s, c: _f32(s) if c else next(it), stats,
-                          covered, is_leaf=lambda s: s is None)
+      sums = jax.tree.map(
+        lambda s, c: _f32(s) if c else next(it),
+        stats,
+        covered,
+        is_leaf=lambda s: s is None,
+      )
     else:
       sums = _f32(stats)
   if sums is None:
-    sums = _diag_sums(apply_fn, ps.params, ps.inputs, ps.cotangents, ps.size,
-                      chunk_size)
+    sums = _diag_sums(
+      apply_fn, ps.params, ps.inputs, ps.cotangents, ps.size, chunk_size
+    )
   diag = jax.tree.map(lambda s: s / ps.count, _psum(sums, axis_name))
   return _statistics.DiagonalFisher(diag, ps.mean_grad, ps.count, kind)
 
@@ -325,15 +400,22 @@ def diagonal(
 # -- structure: low rank -------------------------------------------------------
 
 
-def _stacked_pseudo_grads(apply_fn: ApplyFn, params: PyTree, inputs: PyTree,
-                          cot: jax.Array, size: int,
-                          chunk_size: int | None) -> PyTree:
+def _stacked_pseudo_grads(
+  apply_fn: ApplyFn,
+  params: PyTree,
+  inputs: PyTree,
+  cot: jax.Array,
+  size: int,
+  chunk_size: int | None,
+) -> PyTree:
   """All pseudo-gradients as a stacked tree ``(S*B, *leaf)``, s-major."""
   one = _per_example.pseudo_grads_fn(apply_fn, params)
-  g = _per_example.map_chunks(lambda xr: one(*xr),
-                              (inputs, _batch_major(cot)), size, chunk_size)
+  g = _per_example.map_chunks(
+    lambda xr: one(*xr), (inputs, _batch_major(cot)), size, chunk_size
+  )
   return jax.tree.map(
-      lambda a: _f32(jnp.moveaxis(a, 1, 0).reshape(-1, *a.shape[2:])), g)
+    lambda a: _f32(jnp.moveaxis(a, 1, 0).reshape(-1, *a.shape[2:])), g
+  )
 
 
 def _gather_rows(stacked: PyTree, axis_name: str) -> PyTree:
@@ -346,14 +428,14 @@ def _gather_rows(stacked: PyTree, axis_name: str) -> PyTree:
   def leaf(a):
     full = jnp.zeros((n_dev * a.shape[0], *a.shape[1:]), a.dtype)
     start = (idx * a.shape[0],) + (0,) * (a.ndim - 1)
-    return jax.lax.psum(jax.lax.dynamic_update_slice(full, a, start),
-                        axis_name)
+    return jax.lax.psum(jax.lax.dynamic_update_slice(full, a, start), axis_name)
 
   return jax.tree.map(leaf, stacked)
 
 
-def _top_k(gram: jax.Array, rank: int, count: jax.Array
-           ) -> tuple[jax.Array, jax.Array]:
+def _top_k(
+  gram: jax.Array, rank: int, count: jax.Array
+) -> tuple[jax.Array, jax.Array]:
   """Top-``rank`` eigvals of ``gram / N`` and weights ``W (M, k)`` so that
   ``V_j = sum_i W[i, j] g_i`` are orthonormal eigvecs of ``G^T G / N``."""
   m = gram.shape[0]
@@ -375,32 +457,39 @@ def _top_k(gram: jax.Array, rank: int, count: jax.Array
 def _combine(stacked: PyTree, weights: jax.Array) -> PyTree:
   """``V[j] = sum_i weights[i, j] stacked[i]`` as a stacked tree (k, ...)."""
   return jax.tree.map(
-      lambda s: jnp.tensordot(weights.T.astype(s.dtype), s, axes=(1, 0),
-                              precision=jax.lax.Precision.HIGHEST), stacked)
+    lambda s: jnp.tensordot(
+      weights.T.astype(s.dtype),
+      s,
+      axes=(1, 0),
+      precision=jax.lax.Precision.HIGHEST,
+    ),
+    stacked,
+  )
 
 
-def _low_rank_from_stacked(stacked: PyTree, rank: int, count: jax.Array,
-                           mean_grad: PyTree, kind: str
-                           ) -> _statistics.LowRankFisher:
+def _low_rank_from_stacked(
+  stacked: PyTree, rank: int, count: jax.Array, mean_grad: PyTree, kind: str
+) -> _statistics.LowRankFisher:
   vals, w = _top_k(_linalg.tree_stacked_gram(stacked), rank, count)
-  return _statistics.LowRankFisher(vals, _combine(stacked, w), mean_grad,
-                                   count, kind)
+  return _statistics.LowRankFisher(
+    vals, _combine(stacked, w), mean_grad, count, kind
+  )
 
 
 def low_rank(
-    apply_fn: ApplyFn,
-    params: PyTree,
-    batch: tuple[PyTree, jax.Array | None],
-    *,
-    likelihood: Any,
-    kind: str,
-    rank: int,
-    per_leaf: bool = False,
-    num_samples: int = 1,
-    key: jax.Array | None = None,
-    method: str = "auto",
-    chunk_size: int | None = None,
-    axis_name: str | None = None,
+  apply_fn: ApplyFn,
+  params: PyTree,
+  batch: tuple[PyTree, jax.Array | None],
+  *,
+  likelihood: Any,
+  kind: str,
+  rank: int,
+  per_leaf: bool = False,
+  num_samples: int = 1,
+  key: jax.Array | None = None,
+  method: str = "auto",
+  chunk_size: int | None = None,
+  axis_name: str | None = None,
 ) -> _statistics.LowRankFisher | PyTree:
   """Top-``rank`` eigenpairs of the Fisher by the Gram-matrix trick.
 
@@ -452,14 +541,33 @@ def low_rank(
   rank = _validation.check_static_int("rank", rank, minimum=1)
   if _under_explicit_mesh(axis_name):
     return _in_auto_axes(
-        low_rank, apply_fn, params, batch, key, likelihood=likelihood,
-        kind=kind, num_samples=num_samples, method=method,
-        chunk_size=chunk_size, rank=rank, per_leaf=per_leaf)
+      low_rank,
+      apply_fn,
+      params,
+      batch,
+      key,
+      likelihood=likelihood,
+      kind=kind,
+      num_samples=num_samples,
+      method=method,
+      chunk_size=chunk_size,
+      rank=rank,
+      per_leaf=per_leaf,
+    )
   use_layers = _use_taps(method) and not per_leaf and axis_name is None
-  ps, _ = _forward(apply_fn, params, batch, likelihood=likelihood, kind=kind,
-                   num_samples=num_samples, key=key, method=method,
-                   chunk_size=chunk_size, axis_name=axis_name,
-                   layers=use_layers)
+  ps, _ = _forward(
+    apply_fn,
+    params,
+    batch,
+    likelihood=likelihood,
+    kind=kind,
+    num_samples=num_samples,
+    key=key,
+    method=method,
+    chunk_size=chunk_size,
+    axis_name=axis_name,
+    layers=use_layers,
+  )
   if kind == "batch_squared":
     stacked = jax.tree.map(lambda m: m[None], ps.mean_grad)
     count = jnp.ones((), jnp.int32)
@@ -467,19 +575,27 @@ def low_rank(
     count = ps.count
     if use_layers:
       return _low_rank_taps(apply_fn, ps, rank, method, chunk_size, kind)
-    stacked = _stacked_pseudo_grads(apply_fn, ps.params, ps.inputs,
-                                    ps.cotangents, ps.size, chunk_size)
+    stacked = _stacked_pseudo_grads(
+      apply_fn, ps.params, ps.inputs, ps.cotangents, ps.size, chunk_size
+    )
     if axis_name is not None:
       stacked = _gather_rows(stacked, axis_name)
   if per_leaf:
-    mean = (ps.mean_grad if ps.mean_grad is not None
-            else jax.tree.map(lambda _: None, stacked))
+    mean = (
+      ps.mean_grad
+      if ps.mean_grad is not None
+      else jax.tree.map(lambda _: None, stacked)
+    )
     return jax.tree.map(
-        lambda s, mg: _low_rank_from_stacked(s, rank, count, mg, kind),
-        stacked, mean, is_leaf=lambda x: x is None)
+      lambda s, mg: _low_rank_from_stacked(s, rank, count, mg, kind),
+      stacked,
+      mean,
+      is_leaf=lambda x: x is None,
+    )
   stat = _low_rank_from_stacked(stacked, rank, count, ps.mean_grad, kind)
-  return _statistics.LowRankFisher(stat.eigvals, stat.eigvecs, ps.mean_grad,
-                                   ps.count, kind)
+  return _statistics.LowRankFisher(
+    stat.eigvals, stat.eigvecs, ps.mean_grad, ps.count, kind
+  )
 
 
 def _low_rank_taps(apply_fn, ps, rank, method, chunk_size, kind):
@@ -492,17 +608,27 @@ def _low_rank_taps(apply_fn, ps, rank, method, chunk_size, kind):
   sub_stacked = None
   if sub:
     sub_stacked = _stacked_pseudo_grads(
-        lambda q, x: apply_fn(rebuild(q), x), sub, ps.inputs, ps.cotangents,
-        ps.size, chunk_size)
+      lambda q, x: apply_fn(rebuild(q), x),
+      sub,
+      ps.inputs,
+      ps.cotangents,
+      ps.size,
+      chunk_size,
+    )
     gram = gram + _linalg.tree_stacked_gram(sub_stacked)
   vals, w = _top_k(gram, rank, ps.count)
   tree = ps.layers.combine(w.T)
   if sub_stacked is not None:
     it = iter(_combine(sub_stacked, w))
-    tree = jax.tree.map(lambda t, c: _f32(t) if c else next(it), tree,
-                        covered, is_leaf=lambda t: t is None)
-  return _statistics.LowRankFisher(vals, _f32(tree), ps.mean_grad, ps.count,
-                                   kind)
+    tree = jax.tree.map(
+      lambda t, c: _f32(t) if c else next(it),
+      tree,
+      covered,
+      is_leaf=lambda t: t is None,
+    )
+  return _statistics.LowRankFisher(
+    vals, _f32(tree), ps.mean_grad, ps.count, kind
+  )
 
 
 def _norm(tree: PyTree) -> jax.Array:
@@ -510,19 +636,19 @@ def _norm(tree: PyTree) -> jax.Array:
 
 
 def rank_one(
-    apply_fn: ApplyFn,
-    params: PyTree,
-    batch: tuple[PyTree, jax.Array],
-    *,
-    likelihood: Any,
-    kind: str,
-    direction: str = "mean",
-    scale: str = "none",
-    num_samples: int = 1,
-    key: jax.Array | None = None,
-    method: str = "auto",
-    chunk_size: int | None = None,
-    axis_name: str | None = None,
+  apply_fn: ApplyFn,
+  params: PyTree,
+  batch: tuple[PyTree, jax.Array],
+  *,
+  likelihood: Any,
+  kind: str,
+  direction: str = "mean",
+  scale: str = "none",
+  num_samples: int = 1,
+  key: jax.Array | None = None,
+  method: str = "auto",
+  chunk_size: int | None = None,
+  axis_name: str | None = None,
 ) -> _statistics.LowRankFisher:
   """A rank-one Fisher ``F ~ lambda v v^T``.
 
@@ -568,19 +694,50 @@ def rank_one(
   _validation.check_choice("scale", scale, ("none", "optimal"))
   if _under_explicit_mesh(axis_name):
     return _in_auto_axes(
-        rank_one, apply_fn, params, batch, key, likelihood=likelihood,
-        kind=kind, num_samples=num_samples, method=method,
-        chunk_size=chunk_size, direction=direction, scale=scale)
+      rank_one,
+      apply_fn,
+      params,
+      batch,
+      key,
+      likelihood=likelihood,
+      kind=kind,
+      num_samples=num_samples,
+      method=method,
+      chunk_size=chunk_size,
+      direction=direction,
+      scale=scale,
+    )
   if direction == "top_eig":
-    return low_rank(apply_fn, params, batch, likelihood=likelihood, kind=kind,
-                    rank=1, num_samples=num_samples, key=key, method=method,
-                    chunk_size=chunk_size, axis_name=axis_name)
+    return low_rank(
+      apply_fn,
+      params,
+      batch,
+      likelihood=likelihood,
+      kind=kind,
+      rank=1,
+      num_samples=num_samples,
+      key=key,
+      method=method,
+      chunk_size=chunk_size,
+      axis_name=axis_name,
+    )
   if isinstance(batch, (tuple, list)) and len(batch) == 2 and batch[1] is None:
-    raise ValueError("rank_one(direction='mean') needs targets for the mean "
-                     "gradient; got targets=None.")
-  ps, _ = _forward(apply_fn, params, batch, likelihood=likelihood, kind=kind,
-                   num_samples=num_samples, key=key, method=method,
-                   chunk_size=chunk_size, axis_name=axis_name)
+    raise ValueError(
+      "rank_one(direction='mean') needs targets for the mean "
+      "gradient; got targets=None."
+    )
+  ps, _ = _forward(
+    apply_fn,
+    params,
+    batch,
+    likelihood=likelihood,
+    kind=kind,
+    num_samples=num_samples,
+    key=key,
+    method=method,
+    chunk_size=chunk_size,
+    axis_name=axis_name,
+  )
   mu = ps.mean_grad
   norm = _norm(mu)
   safe = jnp.where(norm > 0, norm, 1.0)
@@ -590,14 +747,16 @@ def rank_one(
   else:
     # v^T F v = (1/N) sum_{s,n} <r_{s,n}, (J v)_n>^2, one jvp over the batch.
     tangent = jax.tree.map(lambda t, p: t.astype(p.dtype), v, ps.params)
-    _, jv = jax.jvp(lambda p: apply_fn(p, ps.inputs), (ps.params,),
-                    (tangent,))
-    dots = jnp.sum(_f32(ps.cotangents) * _f32(jv)[None],
-                   axis=tuple(range(2, ps.cotangents.ndim)))
+    _, jv = jax.jvp(lambda p: apply_fn(p, ps.inputs), (ps.params,), (tangent,))
+    dots = jnp.sum(
+      _f32(ps.cotangents) * _f32(jv)[None],
+      axis=tuple(range(2, ps.cotangents.ndim)),
+    )
     val = _psum(jnp.sum(jnp.square(dots)), axis_name) / ps.count
   eigvecs = jax.tree.map(lambda x: x[None], v)
-  return _statistics.LowRankFisher(jnp.reshape(val, (1,)), eigvecs, mu,
-                                   ps.count, kind)
+  return _statistics.LowRankFisher(
+    jnp.reshape(val, (1,)), eigvecs, mu, ps.count, kind
+  )
 
 
 # -- structure: Kronecker ------------------------------------------------------
@@ -608,9 +767,16 @@ def _as_matrix(g: jax.Array) -> jax.Array:
   return g.reshape(g.shape[0], *_statistics.matrix_shape(g.shape[1:]))
 
 
-def _kron_pass(apply_fn: ApplyFn, params: PyTree, inputs: PyTree,
-               cot: jax.Array, size: int, chunk_size: int | None,
-               leaf_fn: Callable[..., jax.Array], extra: PyTree) -> PyTree:
+def _kron_pass(
+  apply_fn: ApplyFn,
+  params: PyTree,
+  inputs: PyTree,
+  cot: jax.Array,
+  size: int,
+  chunk_size: int | None,
+  leaf_fn: Callable[..., jax.Array],
+  extra: PyTree,
+) -> PyTree:
   """``sum_{s,n} leaf_fn(G_{s,n} as a matrix, extra_leaf)`` per leaf."""
   pg = _pseudo_grad_chunk(apply_fn, params)
 
@@ -619,21 +785,24 @@ def _kron_pass(apply_fn: ApplyFn, params: PyTree, inputs: PyTree,
 
     def leaf(gl, e):
       mats = _as_matrix(_f32(gl).reshape(-1, *gl.shape[2:]))
-      return jax.tree.map(lambda t: jnp.sum(t, axis=0),
-                          jax.vmap(lambda m: leaf_fn(m, e))(mats))
+      return jax.tree.map(
+        lambda t: jnp.sum(t, axis=0), jax.vmap(lambda m: leaf_fn(m, e))(mats)
+      )
 
     return jax.tree.map(leaf, g, extra)
 
-  return _per_example.reduce_chunks(chunk_sum, (inputs, _batch_major(cot)),
-                                    size, chunk_size)
+  return _per_example.reduce_chunks(
+    chunk_sum, (inputs, _batch_major(cot)), size, chunk_size
+  )
 
 
 def _hp(a, b):
   return jnp.matmul(a, b, precision=jax.lax.Precision.HIGHEST)
 
 
-def _shampoo_factors(apply_fn, params, inputs, cot, size, chunk_size, count,
-                     axis_name, num_iters):
+def _shampoo_factors(
+  apply_fn, params, inputs, cot, size, chunk_size, count, axis_name, num_iters
+):
   """Nearest-Kronecker factors from per-example (pseudo-)gradients.
 
   ``num_iters = 0``: one Shampoo step, ``left = E[G G^T]``,
@@ -642,8 +811,16 @@ def _shampoo_factors(apply_fn, params, inputs, cot, size, chunk_size, count,
   """
   dummy = jax.tree.map(lambda p: jnp.zeros(()), params)
   if num_iters == 0:
-    sums = _kron_pass(apply_fn, params, inputs, cot, size, chunk_size,
-                      lambda m, _: (_hp(m, m.T), _hp(m.T, m)), dummy)
+    sums = _kron_pass(
+      apply_fn,
+      params,
+      inputs,
+      cot,
+      size,
+      chunk_size,
+      lambda m, _: (_hp(m, m.T), _hp(m.T, m)),
+      dummy,
+    )
     sums = _psum(sums, axis_name)
     is_pair = lambda x: isinstance(x, tuple)
     left = jax.tree.map(lambda s: s[0] / count, sums, is_leaf=is_pair)
@@ -656,8 +833,9 @@ def _shampoo_factors(apply_fn, params, inputs, cot, size, chunk_size, count,
     return left, right
   wide = lambda p: jnp.promote_types(p.dtype, jnp.float32)
   right = jax.tree.map(
-      lambda p: jnp.eye(_statistics.matrix_shape(p.shape)[1], dtype=wide(p)),
-      params)
+    lambda p: jnp.eye(_statistics.matrix_shape(p.shape)[1], dtype=wide(p)),
+    params,
+  )
 
   def safe_div(s, f):
     n2 = jnp.sum(jnp.square(f))
@@ -665,35 +843,52 @@ def _shampoo_factors(apply_fn, params, inputs, cot, size, chunk_size, count,
 
   def one_round(_, lr):
     _, right = lr
-    s = _kron_pass(apply_fn, params, inputs, cot, size, chunk_size,
-                   lambda m, r: _hp(_hp(m, r), m.T), right)
+    s = _kron_pass(
+      apply_fn,
+      params,
+      inputs,
+      cot,
+      size,
+      chunk_size,
+      lambda m, r: _hp(_hp(m, r), m.T),
+      right,
+    )
     left = jax.tree.map(safe_div, _psum(s, axis_name), right)
-    s = _kron_pass(apply_fn, params, inputs, cot, size, chunk_size,
-                   lambda m, l: _hp(_hp(m.T, l), m), left)
+    s = _kron_pass(
+      apply_fn,
+      params,
+      inputs,
+      cot,
+      size,
+      chunk_size,
+      lambda m, l: _hp(_hp(m.T, l), m),
+      left,
+    )
     return left, jax.tree.map(safe_div, _psum(s, axis_name), left)
 
   left = jax.tree.map(
-      lambda p: jnp.zeros((_statistics.matrix_shape(p.shape)[0],) * 2,
-                          wide(p)), params)
+    lambda p: jnp.zeros((_statistics.matrix_shape(p.shape)[0],) * 2, wide(p)),
+    params,
+  )
   # One trace of the two passes whatever num_iters is.
   left, right = jax.lax.fori_loop(0, num_iters, one_round, (left, right))
   return left, right
 
 
 def kronecker(
-    apply_fn: ApplyFn,
-    params: PyTree,
-    batch: tuple[PyTree, jax.Array | None],
-    *,
-    likelihood: Any,
-    kind: str,
-    estimator: str = "auto",
-    num_iters: int = 0,
-    num_samples: int = 1,
-    key: jax.Array | None = None,
-    method: str = "auto",
-    chunk_size: int | None = None,
-    axis_name: str | None = None,
+  apply_fn: ApplyFn,
+  params: PyTree,
+  batch: tuple[PyTree, jax.Array | None],
+  *,
+  likelihood: Any,
+  kind: str,
+  estimator: str = "auto",
+  num_iters: int = 0,
+  num_samples: int = 1,
+  key: jax.Array | None = None,
+  method: str = "auto",
+  chunk_size: int | None = None,
+  axis_name: str | None = None,
 ) -> _statistics.KroneckerFisher:
   """Per-leaf Kronecker factors ``F_leaf ~ left ⊗ right``.
 
@@ -745,51 +940,98 @@ def kronecker(
     Morwani et al, `A new perspective on Shampoo's preconditioner
     <https://arxiv.org/abs/2406.17748>`_, 2024
   """
-  _validation.check_choice("estimator", estimator,
-                           ("auto", "kfac", "shampoo"))
+  _validation.check_choice("estimator", estimator, ("auto", "kfac", "shampoo"))
   num_iters = _validation.check_static_int("num_iters", num_iters)
   if _under_explicit_mesh(axis_name):
     return _in_auto_axes(
-        kronecker, apply_fn, params, batch, key, likelihood=likelihood,
-        kind=kind, num_samples=num_samples, method=method,
-        chunk_size=chunk_size, estimator=estimator, num_iters=num_iters)
+      kronecker,
+      apply_fn,
+      params,
+      batch,
+      key,
+      likelihood=likelihood,
+      kind=kind,
+      num_samples=num_samples,
+      method=method,
+      chunk_size=chunk_size,
+      estimator=estimator,
+      num_iters=num_iters,
+    )
   if estimator == "kfac" and method == "per_example":
-    raise ValueError("estimator='kfac' needs layer statistics (method='auto' "
-                     "or 'taps'); method='per_example' supports "
-                     "estimator='shampoo'.")
+    raise ValueError(
+      "estimator='kfac' needs layer statistics (method='auto' "
+      "or 'taps'); method='per_example' supports "
+      "estimator='shampoo'."
+    )
   use_taps = estimator != "shampoo" and _use_taps(
-      "taps" if estimator == "kfac" else method)
-  ps, _ = _forward(apply_fn, params, batch, likelihood=likelihood, kind=kind,
-                   num_samples=num_samples, key=key, method=method,
-                   chunk_size=chunk_size, axis_name=axis_name,
-                   layers=use_taps)
+    "taps" if estimator == "kfac" else method
+  )
+  ps, _ = _forward(
+    apply_fn,
+    params,
+    batch,
+    likelihood=likelihood,
+    kind=kind,
+    num_samples=num_samples,
+    key=key,
+    method=method,
+    chunk_size=chunk_size,
+    axis_name=axis_name,
+    layers=use_taps,
+  )
   inputs, cot, size, count = ps.inputs, ps.cotangents, ps.size, ps.count
   if kind == "batch_squared":
     left, right = _batch_squared_kron(ps.mean_grad, num_iters)
-    return _statistics.KroneckerFisher(left, right, ps.mean_grad, count, kind,
-                                       "shampoo")
+    return _statistics.KroneckerFisher(
+      left, right, ps.mean_grad, count, kind, "shampoo"
+    )
   if not use_taps:
-    left, right = _shampoo_factors(apply_fn, ps.params, inputs, cot, size,
-                                   chunk_size, count, axis_name, num_iters)
-    return _statistics.KroneckerFisher(left, right, ps.mean_grad, count, kind,
-                                       "shampoo")
+    left, right = _shampoo_factors(
+      apply_fn,
+      ps.params,
+      inputs,
+      cot,
+      size,
+      chunk_size,
+      count,
+      axis_name,
+      num_iters,
+    )
+    return _statistics.KroneckerFisher(
+      left, right, ps.mean_grad, count, kind, "shampoo"
+    )
   stats = ps.layers.statistics("kron", chunk_size=chunk_size)
   covered = ps.covered
   _check_covered(covered, "taps" if estimator == "kfac" else method)
   stats = _psum(stats, axis_name)
   sub, rebuild = _split(ps.params, covered)
   if sub:
-    sl, sr = _shampoo_factors(lambda q, x: apply_fn(rebuild(q), x), sub,
-                              inputs, cot, size, chunk_size, count, axis_name,
-                              num_iters)
+    sl, sr = _shampoo_factors(
+      lambda q, x: apply_fn(rebuild(q), x),
+      sub,
+      inputs,
+      cot,
+      size,
+      chunk_size,
+      count,
+      axis_name,
+      num_iters,
+    )
     it_l, it_r = iter(sl), iter(sr)
   is_stat = lambda s: s is None or isinstance(s, tuple)
-  left = jax.tree.map(lambda s: _f32(s[0]) / count if s is not None
-                      else next(it_l), stats, is_leaf=is_stat)
-  right = jax.tree.map(lambda s: _f32(s[1]) / count if s is not None
-                       else next(it_r), stats, is_leaf=is_stat)
-  return _statistics.KroneckerFisher(left, right, ps.mean_grad, count, kind,
-                                     "mixed" if sub else "kfac")
+  left = jax.tree.map(
+    lambda s: _f32(s[0]) / count if s is not None else next(it_l),
+    stats,
+    is_leaf=is_stat,
+  )
+  right = jax.tree.map(
+    lambda s: _f32(s[1]) / count if s is not None else next(it_r),
+    stats,
+    is_leaf=is_stat,
+  )
+  return _statistics.KroneckerFisher(
+    left, right, ps.mean_grad, count, kind, "mixed" if sub else "kfac"
+  )
 
 
 def _batch_squared_kron(mean_grad: PyTree, num_iters: int):
@@ -805,17 +1047,21 @@ def _batch_squared_kron(mean_grad: PyTree, num_iters: int):
 
   pairs = jax.tree.map(leaf, mean_grad)
   is_pair = lambda x: isinstance(x, tuple)
-  return (jax.tree.map(lambda p: p[0], pairs, is_leaf=is_pair),
-          jax.tree.map(lambda p: p[1], pairs, is_leaf=is_pair))
+  return (
+    jax.tree.map(lambda p: p[0], pairs, is_leaf=is_pair),
+    jax.tree.map(lambda p: p[1], pairs, is_leaf=is_pair),
+  )
 
 
 # -- from given per-example gradients ------------------------------------------
 
 
-def diagonal_from_grads(per_example_grads: PyTree, *,
-                        kind: str = "empirical",
-                        axis_name: str | None = None
-                        ) -> _statistics.DiagonalFisher:
+def diagonal_from_grads(
+  per_example_grads: PyTree,
+  *,
+  kind: str = "empirical",
+  axis_name: str | None = None,
+) -> _statistics.DiagonalFisher:
   """Diagonal Fisher from precomputed per-example gradients ``(B, *leaf)``.
 
   ``kind="empirical"``: ``mean_n g_n^2``; ``"batch_squared"``:
@@ -830,31 +1076,33 @@ def diagonal_from_grads(per_example_grads: PyTree, *,
     Array([5.], dtype=float32)
   """
   _validation.check_choice("kind", kind, ("empirical", "batch_squared"))
-  size = _per_example.check_batch_tree(per_example_grads,
-                                       what="per_example_grads")
+  size = _per_example.check_batch_tree(
+    per_example_grads, what="per_example_grads"
+  )
   count = _psum(jnp.asarray(size, jnp.int32), axis_name)
   g = _f32(per_example_grads)
-  mean = jax.tree.map(lambda s: s / count,
-                      _psum(jax.tree.map(lambda x: jnp.sum(x, 0), g),
-                            axis_name))
+  mean = jax.tree.map(
+    lambda s: s / count,
+    _psum(jax.tree.map(lambda x: jnp.sum(x, 0), g), axis_name),
+  )
   if kind == "batch_squared":
     diag = jax.tree.map(jnp.square, mean)
   else:
     diag = jax.tree.map(
-        lambda s: s / count,
-        _psum(jax.tree.map(lambda x: jnp.sum(jnp.square(x), 0), g),
-              axis_name))
+      lambda s: s / count,
+      _psum(jax.tree.map(lambda x: jnp.sum(jnp.square(x), 0), g), axis_name),
+    )
   return _statistics.DiagonalFisher(diag, mean, count, kind)
 
 
 def diagonal_from_loss(
-    loss_fn: Callable[[PyTree, PyTree], jax.Array],
-    params: PyTree,
-    batch: PyTree,
-    *,
-    kind: str = "empirical",
-    chunk_size: int | None = None,
-    axis_name: str | None = None,
+  loss_fn: Callable[[PyTree, PyTree], jax.Array],
+  params: PyTree,
+  batch: PyTree,
+  *,
+  kind: str = "empirical",
+  chunk_size: int | None = None,
+  axis_name: str | None = None,
 ) -> _statistics.DiagonalFisher:
   r"""Batch sufficient statistics of a bare per-example loss.
 
@@ -896,16 +1144,19 @@ def diagonal_from_loss(
   chunk_size = _per_example.check_chunk_size(chunk_size)
   if axis_name is not None:
     params = jax.tree.map(
-        lambda p: jax.lax.pcast(p, axis_name, to="varying"), params)
+      lambda p: jax.lax.pcast(p, axis_name, to="varying"), params
+    )
 
   def chunk_sums(examples):
     g = _f32(jax.vmap(lambda ex: jax.grad(loss_fn)(params, ex))(examples))
-    return (jax.tree.map(lambda a: jnp.sum(a, 0), g),
-            jax.tree.map(lambda a: jnp.sum(jnp.square(a), 0), g))
+    return (
+      jax.tree.map(lambda a: jnp.sum(a, 0), g),
+      jax.tree.map(lambda a: jnp.sum(jnp.square(a), 0), g),
+    )
 
   sums, squares = _psum(
-      _per_example.reduce_chunks(chunk_sums, batch, size, chunk_size),
-      axis_name)
+    _per_example.reduce_chunks(chunk_sums, batch, size, chunk_size), axis_name
+  )
   count = _psum(jnp.asarray(size, jnp.int32), axis_name)
   mean = jax.tree.map(lambda s: s / count, sums)
   if kind == "batch_squared":
@@ -915,18 +1166,19 @@ def diagonal_from_loss(
   return _statistics.DiagonalFisher(diag, mean, count, kind)
 
 
-def low_rank_from_grads(per_example_grads: PyTree, *, rank: int
-                        ) -> _statistics.LowRankFisher:
+def low_rank_from_grads(
+  per_example_grads: PyTree, *, rank: int
+) -> _statistics.LowRankFisher:
   """Top-``rank`` empirical-Fisher eigenpairs from per-example gradients.
 
   Same Gram-matrix trick as :func:`low_rank` on ``G`` = the given
   ``(B, *leaf)`` gradients.
   """
   rank = _validation.check_static_int("rank", rank, minimum=1)
-  size = _per_example.check_batch_tree(per_example_grads,
-                                       what="per_example_grads")
+  size = _per_example.check_batch_tree(
+    per_example_grads, what="per_example_grads"
+  )
   g = _f32(per_example_grads)
   count = jnp.asarray(size, jnp.int32)
   mean = jax.tree.map(lambda x: jnp.mean(x, 0), g)
   return _low_rank_from_stacked(g, rank, count, mean, "empirical")
-

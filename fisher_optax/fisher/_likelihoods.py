@@ -27,8 +27,9 @@ product of categoricals), and the NLL of an example is the sum over them.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 import math
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -56,8 +57,9 @@ class Likelihood:
     """``d nll / d output`` for one example, shaped like ``output``."""
     return jax.grad(self.nll)(output, target)
 
-  def sample(self, key: jax.Array, outputs: jax.Array,
-             num_samples: int) -> jax.Array:
+  def sample(
+    self, key: jax.Array, outputs: jax.Array, num_samples: int
+  ) -> jax.Array:
     """Targets ``(num_samples, B, ...)`` drawn from ``p(. | outputs)``."""
     raise NotImplementedError
 
@@ -80,7 +82,8 @@ class Categorical(Likelihood):
   def nll(self, output, target):
     logp = jax.nn.log_softmax(output, axis=-1)
     picked = jnp.take_along_axis(
-        logp, jnp.asarray(target, jnp.int32)[..., None], axis=-1)
+      logp, jnp.asarray(target, jnp.int32)[..., None], axis=-1
+    )
     return -jnp.sum(picked)
 
   def grad_out(self, output, target):
@@ -89,7 +92,8 @@ class Categorical(Likelihood):
 
   def sample(self, key, outputs, num_samples):
     return jax.random.categorical(
-        key, outputs, axis=-1, shape=(num_samples, *outputs.shape[:-1]))
+      key, outputs, axis=-1, shape=(num_samples, *outputs.shape[:-1])
+    )
 
   def sqrt_fisher(self, output):
     c = output.shape[-1]
@@ -128,8 +132,7 @@ class Gaussian(Likelihood):
     return (output - target) / self.sigma**2
 
   def sample(self, key, outputs, num_samples):
-    noise = jax.random.normal(key, (num_samples, *outputs.shape),
-                              outputs.dtype)
+    noise = jax.random.normal(key, (num_samples, *outputs.shape), outputs.dtype)
     return outputs[None] + self.sigma * noise
 
   def sqrt_fisher(self, output):
@@ -155,8 +158,9 @@ class Bernoulli(Likelihood):
 
   def sample(self, key, outputs, num_samples):
     p = jax.nn.sigmoid(outputs)
-    return jax.random.bernoulli(
-        key, p, (num_samples, *outputs.shape)).astype(outputs.dtype)
+    return jax.random.bernoulli(key, p, (num_samples, *outputs.shape)).astype(
+      outputs.dtype
+    )
 
   def sqrt_fisher(self, output):
     p = jax.nn.sigmoid(output.ravel())
@@ -185,11 +189,13 @@ class HeteroscedasticGaussian(Likelihood):
   def sqrt_fisher(self, output):
     if output.shape[-1:] != (2,):
       raise ValueError(
-          "HeteroscedasticGaussian needs outputs with a last axis of size 2 "
-          f"(mean, log variance); got per-example shape {output.shape}.")
+        "HeteroscedasticGaussian needs outputs with a last axis of size 2 "
+        f"(mean, log variance); got per-example shape {output.shape}."
+      )
     logvar = output[..., 1]
-    d = jnp.stack([jnp.exp(-0.5 * logvar),
-                   jnp.full_like(logvar, math.sqrt(0.5))], -1)
+    d = jnp.stack(
+      [jnp.exp(-0.5 * logvar), jnp.full_like(logvar, math.sqrt(0.5))], -1
+    )
     return jnp.diag(d.ravel()).reshape(output.size, *output.shape)
 
 
@@ -221,9 +227,10 @@ def as_likelihood(likelihood: Any) -> Likelihood:
   if callable(likelihood):
     return LossLikelihood(likelihood)
   raise TypeError(
-      "likelihood must be a fisher_optax.fisher likelihood (Categorical(), "
-      "Gaussian(sigma), Bernoulli(), HeteroscedasticGaussian()) or a "
-      f"per-example loss callable loss(output, target); got {likelihood!r}.")
+    "likelihood must be a fisher_optax.fisher likelihood (Categorical(), "
+    "Gaussian(sigma), Bernoulli(), HeteroscedasticGaussian()) or a "
+    f"per-example loss callable loss(output, target); got {likelihood!r}."
+  )
 
 
 def check_kind(likelihood: Likelihood, kind: str) -> str:
@@ -231,16 +238,21 @@ def check_kind(likelihood: Likelihood, kind: str) -> str:
   _validation.check_choice("kind", kind, KINDS)
   if kind not in likelihood.kinds:
     raise ValueError(
-        f"kind={kind!r} needs a probabilistic likelihood, but {likelihood!r} "
-        f"only supports {likelihood.kinds}. Pass e.g. likelihood=Categorical()"
-        " instead of a bare loss.")
+      f"kind={kind!r} needs a probabilistic likelihood, but {likelihood!r} "
+      f"only supports {likelihood.kinds}. Pass e.g. likelihood=Categorical()"
+      " instead of a bare loss."
+    )
   return kind
 
 
 def output_cotangents(
-    likelihood: Likelihood, kind: str, outputs: jax.Array,
-    targets: jax.Array | None, *, key: jax.Array | None = None,
-    num_samples: int = 1,
+  likelihood: Likelihood,
+  kind: str,
+  outputs: jax.Array,
+  targets: jax.Array | None,
+  *,
+  key: jax.Array | None = None,
+  num_samples: int = 1,
 ) -> jax.Array:
   """Returns the cotangents ``r`` of shape ``(S, B, *outputs.shape[1:])``.
 
@@ -254,15 +266,18 @@ def output_cotangents(
   work = jax.lax.stop_gradient(work)
   if kind in ("empirical", "batch_squared"):
     if targets is None:
-      raise ValueError(f"kind={kind!r} needs targets: batch=(inputs, targets)"
-                       ", got targets=None.")
+      raise ValueError(
+        f"kind={kind!r} needs targets: batch=(inputs, targets)"
+        ", got targets=None."
+      )
     r = jax.vmap(likelihood.grad_out)(work, targets)[None]
   elif kind == "mc":
     if key is None:
       raise ValueError("kind='mc' samples labels and needs key=, a PRNG key.")
     yhat = jax.lax.stop_gradient(likelihood.sample(key, work, num_samples))
     r = jax.vmap(jax.vmap(likelihood.grad_out), in_axes=(None, 0))(
-        work, yhat) / jnp.sqrt(jnp.asarray(num_samples, work.dtype))
+      work, yhat
+    ) / jnp.sqrt(jnp.asarray(num_samples, work.dtype))
   elif kind == "exact":
     r = jnp.moveaxis(jax.vmap(likelihood.sqrt_fisher)(work), 1, 0)
   else:

@@ -10,7 +10,8 @@ padded.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -31,15 +32,17 @@ def check_batch_tree(batch: PyTree, *, what: str = "batch") -> int:
     name = what + jax.tree_util.keystr(path)
     if not isinstance(leaf, (jax.Array, np.ndarray, jax.ShapeDtypeStruct)):
       raise TypeError(
-          f"{name} must be an array (jax.Array or numpy.ndarray) with a "
-          f"leading batch axis, got {type(leaf).__name__}.")
+        f"{name} must be an array (jax.Array or numpy.ndarray) with a "
+        f"leading batch axis, got {type(leaf).__name__}."
+      )
     if not leaf.shape:
       raise ValueError(f"{name} is a scalar; it needs a leading batch axis.")
     sizes.setdefault(leaf.shape[0], name)
   if len(sizes) > 1:
     detail = ", ".join(f"{n}: {s}" for s, n in sizes.items())
     raise ValueError(
-        f"{what} leaves disagree on the leading (batch) axis ({detail}).")
+      f"{what} leaves disagree on the leading (batch) axis ({detail})."
+    )
   (size,) = sizes
   return size
 
@@ -50,8 +53,9 @@ def check_chunk_size(chunk_size: Any) -> int | None:
   return _validation.check_static_int("chunk_size", chunk_size, minimum=1)
 
 
-def map_chunks(fn: Callable[..., PyTree], xs: PyTree, size: int,
-               chunk_size: int | None) -> PyTree:
+def map_chunks(
+  fn: Callable[..., PyTree], xs: PyTree, size: int, chunk_size: int | None
+) -> PyTree:
   """``vmap(fn)(xs)`` over the leading axis, ``chunk_size`` rows at a time.
 
   The output keeps the leading axis ``size`` (``lax.map`` over the full
@@ -62,17 +66,19 @@ def map_chunks(fn: Callable[..., PyTree], xs: PyTree, size: int,
     return vfn(xs)
   q, rem = divmod(size, chunk_size)
   main = jax.tree.map(
-      lambda a: a[:q * chunk_size].reshape(q, chunk_size, *a.shape[1:]), xs)
+    lambda a: a[: q * chunk_size].reshape(q, chunk_size, *a.shape[1:]), xs
+  )
   out = jax.lax.map(vfn, main)
   out = jax.tree.map(lambda a: a.reshape(q * chunk_size, *a.shape[2:]), out)
   if rem:
-    tail = vfn(jax.tree.map(lambda a: a[q * chunk_size:], xs))
+    tail = vfn(jax.tree.map(lambda a: a[q * chunk_size :], xs))
     out = jax.tree.map(lambda a, b: jnp.concatenate([a, b]), out, tail)
   return out
 
 
-def reduce_chunks(fn: Callable[[PyTree], PyTree], xs: PyTree, size: int,
-                  chunk_size: int | None) -> PyTree:
+def reduce_chunks(
+  fn: Callable[[PyTree], PyTree], xs: PyTree, size: int, chunk_size: int | None
+) -> PyTree:
   """``sum_chunks fn(chunk)`` where ``fn`` maps a chunk to a sum.
 
   ``fn`` receives a slice of ``xs`` with a leading axis of at most
@@ -84,7 +90,8 @@ def reduce_chunks(fn: Callable[[PyTree], PyTree], xs: PyTree, size: int,
     return fn(xs)
   q, rem = divmod(size, chunk_size)
   main = jax.tree.map(
-      lambda a: a[:q * chunk_size].reshape(q, chunk_size, *a.shape[1:]), xs)
+    lambda a: a[: q * chunk_size].reshape(q, chunk_size, *a.shape[1:]), xs
+  )
   first = jax.tree.map(lambda a: a[0], main)
   init = jax.tree.map(jnp.zeros_like, jax.eval_shape(fn, first))
 
@@ -93,17 +100,17 @@ def reduce_chunks(fn: Callable[[PyTree], PyTree], xs: PyTree, size: int,
 
   total, _ = jax.lax.scan(body, init, main)
   if rem:
-    tail = fn(jax.tree.map(lambda a: a[q * chunk_size:], xs))
+    tail = fn(jax.tree.map(lambda a: a[q * chunk_size :], xs))
     total = jax.tree.map(jnp.add, total, tail)
   return total
 
 
 def per_example_grads(
-    loss_fn: Callable[[PyTree, PyTree], jax.Array],
-    params: PyTree,
-    batch: PyTree,
-    *,
-    chunk_size: int | None = None,
+  loss_fn: Callable[[PyTree, PyTree], jax.Array],
+  params: PyTree,
+  batch: PyTree,
+  *,
+  chunk_size: int | None = None,
 ) -> PyTree:
   """Per-example gradients ``grad_theta loss_fn(theta, example_n)``.
 
@@ -144,8 +151,9 @@ def per_example_grads(
   """
   size = check_batch_tree(batch)
   chunk_size = check_chunk_size(chunk_size)
-  return map_chunks(lambda ex: jax.grad(loss_fn)(params, ex), batch, size,
-                    chunk_size)
+  return map_chunks(
+    lambda ex: jax.grad(loss_fn)(params, ex), batch, size, chunk_size
+  )
 
 
 def expand(example: PyTree) -> PyTree:
@@ -153,8 +161,9 @@ def expand(example: PyTree) -> PyTree:
   return jax.tree.map(lambda a: a[None], example)
 
 
-def pseudo_grads_fn(apply_fn: Callable[[PyTree, PyTree], jax.Array],
-                    params: PyTree) -> Callable[[PyTree, jax.Array], PyTree]:
+def pseudo_grads_fn(
+  apply_fn: Callable[[PyTree, PyTree], jax.Array], params: PyTree
+) -> Callable[[PyTree, jax.Array], PyTree]:
   """``(example, r (S, *out)) -> g (S, *params)`` with ``g_s = J^T r_s``.
 
   One forward (linearisation) per example, one backprop per column ``s``.

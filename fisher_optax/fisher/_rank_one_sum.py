@@ -26,11 +26,13 @@ from fisher_optax import _validation
 PyTree = Any
 
 
-def _flat_blocks(tree: PyTree, block_size: int, num_blocks: int,
-                 lead: tuple[int, ...]) -> jax.Array:
+def _flat_blocks(
+  tree: PyTree, block_size: int, num_blocks: int, lead: tuple[int, ...]
+) -> jax.Array:
   """Ravels the trailing (param) axes of a tree into ``(*lead, nb, B)``."""
   flat = jnp.concatenate(
-      [x.reshape(*lead, -1) for x in jax.tree.leaves(tree)], axis=-1)
+    [x.reshape(*lead, -1) for x in jax.tree.leaves(tree)], axis=-1
+  )
   pad = num_blocks * block_size - flat.shape[-1]
   flat = jnp.pad(flat, [(0, 0)] * len(lead) + [(0, pad)])
   return flat.reshape(*lead, num_blocks, block_size)
@@ -57,9 +59,16 @@ class RankOneSumFisher:
     block_size: ``None`` or the static block size.
   """
 
-  def __init__(self, whitened: PyTree, chol: jax.Array, damping: jax.Array,
-               block_size: int | None, treedef: Any,
-               shapes: tuple[tuple[int, ...], ...], num_grads: int):
+  def __init__(
+    self,
+    whitened: PyTree,
+    chol: jax.Array,
+    damping: jax.Array,
+    block_size: int | None,
+    treedef: Any,
+    shapes: tuple[tuple[int, ...], ...],
+    num_grads: int,
+  ):
     self.whitened = whitened
     self.chol = chol
     self.damping = damping
@@ -69,8 +78,10 @@ class RankOneSumFisher:
     self._num_grads = num_grads
 
   def tree_flatten(self):
-    return ((self.whitened, self.chol, self.damping),
-            (self.block_size, self._treedef, self._shapes, self._num_grads))
+    return (
+      (self.whitened, self.chol, self.damping),
+      (self.block_size, self._treedef, self._shapes, self._num_grads),
+    )
 
   @classmethod
   def tree_unflatten(cls, aux, children):
@@ -90,15 +101,18 @@ class RankOneSumFisher:
 
   def _check(self, v: PyTree, what: str) -> None:
     ref = jax.tree.unflatten(
-        self._treedef, [jax.ShapeDtypeStruct(s, jnp.float32)
-                        for s in self._shapes])
-    _validation.check_same_structure(ref, v, what=what,
-                                     reference_name="the gradients")
+      self._treedef,
+      [jax.ShapeDtypeStruct(s, jnp.float32) for s in self._shapes],
+    )
+    _validation.check_same_structure(
+      ref, v, what=what, reference_name="the gradients"
+    )
     for leaf, shape in zip(jax.tree.leaves(v), self._shapes):
       if jnp.shape(leaf) != shape:
         raise ValueError(
-            f"{what} leaf has shape {jnp.shape(leaf)}, expected {shape} "
-            "(one gradient without the stacking axis).")
+          f"{what} leaf has shape {jnp.shape(leaf)}, expected {shape} "
+          "(one gradient without the stacking axis)."
+        )
 
   def _to_blocks(self, v: PyTree) -> jax.Array:
     nb = self.chol.shape[0]
@@ -109,8 +123,9 @@ class RankOneSumFisher:
     leaves, offset = [], 0
     for leaf, shape in zip(jax.tree.leaves(like), self._shapes):
       n = math.prod(shape)
-      leaves.append(flat[offset:offset + n].reshape(shape).astype(
-          jnp.result_type(leaf)))
+      leaves.append(
+        flat[offset : offset + n].reshape(shape).astype(jnp.result_type(leaf))
+      )
       offset += n
     return jax.tree.unflatten(self._treedef, leaves)
 
@@ -124,13 +139,22 @@ class RankOneSumFisher:
       zv = _linalg.tree_stacked_dot(self.whitened, v)
       corr = _linalg.tree_stacked_combine(self.whitened, zv)
       return jax.tree.map(
-          lambda a, c: ((a - c.astype(a.dtype)) / lam.astype(a.dtype)).astype(
-              a.dtype), v, corr)
+        lambda a, c: ((a - c.astype(a.dtype)) / lam.astype(a.dtype)).astype(
+          a.dtype
+        ),
+        v,
+        corr,
+      )
     x = self._to_blocks(v).astype(self.whitened.dtype)
-    zx = jnp.einsum("bmk,bk->bm", self.whitened, x,
-                    precision=jax.lax.Precision.HIGHEST)
-    out = (x - jnp.einsum("bmk,bm->bk", self.whitened, zx,
-                          precision=jax.lax.Precision.HIGHEST)) / lam
+    zx = jnp.einsum(
+      "bmk,bk->bm", self.whitened, x, precision=jax.lax.Precision.HIGHEST
+    )
+    out = (
+      x
+      - jnp.einsum(
+        "bmk,bm->bk", self.whitened, zx, precision=jax.lax.Precision.HIGHEST
+      )
+    ) / lam
     return self._from_blocks(out, v)
 
   def solve(self, v: PyTree) -> PyTree:
@@ -144,36 +168,53 @@ class RankOneSumFisher:
     hi = jax.lax.Precision.HIGHEST
     if self.block_size is None:
       zv = _linalg.tree_stacked_dot(self.whitened, v)
-      llz = jnp.matmul(self.chol.T, jnp.matmul(self.chol, zv, precision=hi),
-                       precision=hi)
+      llz = jnp.matmul(
+        self.chol.T, jnp.matmul(self.chol, zv, precision=hi), precision=hi
+      )
       corr = _linalg.tree_stacked_combine(self.whitened, llz / m)
       return jax.tree.map(
-          lambda a, c: (lam * a + c.astype(a.dtype)).astype(a.dtype), v, corr)
+        lambda a, c: (lam * a + c.astype(a.dtype)).astype(a.dtype), v, corr
+      )
     x = self._to_blocks(v).astype(self.whitened.dtype)
-    zx = jnp.einsum("bmk,bk->bm", self.whitened, x,
-                    precision=jax.lax.Precision.HIGHEST)
-    llz = jnp.einsum("bji,bjk,bk->bi", self.chol, self.chol, zx,
-                     precision=jax.lax.Precision.HIGHEST)
-    out = lam * x + jnp.einsum("bmk,bm->bk", self.whitened, llz,
-                               precision=jax.lax.Precision.HIGHEST) / m
+    zx = jnp.einsum(
+      "bmk,bk->bm", self.whitened, x, precision=jax.lax.Precision.HIGHEST
+    )
+    llz = jnp.einsum(
+      "bji,bjk,bk->bi",
+      self.chol,
+      self.chol,
+      zx,
+      precision=jax.lax.Precision.HIGHEST,
+    )
+    out = (
+      lam * x
+      + jnp.einsum(
+        "bmk,bm->bk", self.whitened, llz, precision=jax.lax.Precision.HIGHEST
+      )
+      / m
+    )
     return self._from_blocks(out, v)
 
   def quadratic_form(self, v: PyTree) -> jax.Array:
     """Returns ``v^T F v``."""
     fv = self.matvec(v)
-    return sum(jnp.vdot(a, b) for a, b in zip(jax.tree.leaves(v),
-                                               jax.tree.leaves(fv)))
+    return sum(
+      jnp.vdot(a, b) for a, b in zip(jax.tree.leaves(v), jax.tree.leaves(fv))
+    )
 
   def inverse_diag(self) -> PyTree:
     """Returns the diagonal of ``F^{-1}`` shaped like one gradient, ``O(d m)``."""
     lam = self.damping
     if self.block_size is None:
       return jax.tree.map(
-          lambda z: (1.0 - jnp.sum(jnp.square(z), axis=0)) / lam.astype(
-              z.dtype), self.whitened)
+        lambda z: (1.0 - jnp.sum(jnp.square(z), axis=0)) / lam.astype(z.dtype),
+        self.whitened,
+      )
     out = (1.0 - jnp.sum(jnp.square(self.whitened), axis=1)) / lam
-    like = jax.tree.unflatten(self._treedef, [
-        jax.ShapeDtypeStruct(s, self.whitened.dtype) for s in self._shapes])
+    like = jax.tree.unflatten(
+      self._treedef,
+      [jax.ShapeDtypeStruct(s, self.whitened.dtype) for s in self._shapes],
+    )
     return self._from_blocks(out, like)
 
   def whitened_columns(self, index: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -196,17 +237,20 @@ class RankOneSumFisher:
       n = math.prod(shape)
       local = index - offset
       inside = (local >= 0) & (local < n)
-      taken = jnp.take(z.reshape(z.shape[0], n), jnp.clip(local, 0, n - 1),
-                       axis=1)  # (m, *index.shape)
-      cols = jnp.where(inside[..., None], jnp.moveaxis(taken, 0, -1).astype(
-          cols.dtype), cols)
+      taken = jnp.take(
+        z.reshape(z.shape[0], n), jnp.clip(local, 0, n - 1), axis=1
+      )  # (m, *index.shape)
+      cols = jnp.where(
+        inside[..., None], jnp.moveaxis(taken, 0, -1).astype(cols.dtype), cols
+      )
       offset += n
     return cols, jnp.zeros_like(index)
 
   def inverse_entry(self, i: jax.Array, j: jax.Array) -> jax.Array:
     """Returns ``[F^{-1}]_{ij}`` for flat indices (broadcasting), ``O(m)`` each."""
-    i, j = jnp.broadcast_arrays(jnp.asarray(i, jnp.int32),
-                                jnp.asarray(j, jnp.int32))
+    i, j = jnp.broadcast_arrays(
+      jnp.asarray(i, jnp.int32), jnp.asarray(j, jnp.int32)
+    )
     zi, bi = self.whitened_columns(i)
     zj, bj = self.whitened_columns(j)
     cross = jnp.where(bi == bj, jnp.sum(zi * zj, axis=-1), 0.0)
@@ -216,9 +260,11 @@ class RankOneSumFisher:
     """Returns ``[F^{-1}]_{QQ}`` for a 1-D array of flat indices ``Q``."""
     index = jnp.asarray(index, jnp.int32)
     zq, bq = self.whitened_columns(index)
-    cross = jnp.where(bq[:, None] == bq[None, :],
-                      jnp.matmul(zq, zq.T, precision=jax.lax.Precision.HIGHEST),
-                      0.0)
+    cross = jnp.where(
+      bq[:, None] == bq[None, :],
+      jnp.matmul(zq, zq.T, precision=jax.lax.Precision.HIGHEST),
+      0.0,
+    )
     eye = jnp.eye(index.shape[0], dtype=cross.dtype)
     return (eye - cross) / self.damping
 
@@ -229,10 +275,10 @@ def _whiten(stacked: PyTree, chol: jax.Array) -> PyTree:
 
 
 def sum_of_rank_one(
-    grads: PyTree,
-    damping: float | jax.Array,
-    *,
-    block_size: int | None = None,
+  grads: PyTree,
+  damping: float | jax.Array,
+  *,
+  block_size: int | None = None,
 ) -> RankOneSumFisher:
   """Factors the damped empirical Fisher of ``m`` stacked gradients.
 
@@ -293,8 +339,9 @@ def sum_of_rank_one(
   sizes = {jnp.shape(x)[0] if jnp.ndim(x) else None for x in leaves}
   if None in sizes or len(sizes) != 1:
     raise ValueError(
-        "grads must be stacked: every leaf needs the same leading axis m, got "
-        f"leading sizes {sorted(str(s) for s in sizes)}.")
+      "grads must be stacked: every leaf needs the same leading axis m, got "
+      f"leading sizes {sorted(str(s) for s in sizes)}."
+    )
   m = sizes.pop()
   if m < 1:
     raise ValueError("grads must hold at least one gradient (m >= 1).")
@@ -304,9 +351,11 @@ def sum_of_rank_one(
   lam = jnp.asarray(damping, dtype)
   if block_size is None:
     factor = _linalg.woodbury_factor(
-        _linalg.tree_stacked_gram(grads), lam, 1.0 / m)
-    return RankOneSumFisher(_whiten(grads, factor.chol), factor.chol, lam,
-                            None, treedef, shapes, m)
+      _linalg.tree_stacked_gram(grads), lam, 1.0 / m
+    )
+    return RankOneSumFisher(
+      _whiten(grads, factor.chol), factor.chol, lam, None, treedef, shapes, m
+    )
   d = sum(math.prod(s) for s in shapes)
   nb = -(-d // block_size)
   blocks = jnp.swapaxes(_flat_blocks(grads, block_size, nb, (m,)), 0, 1)
@@ -321,10 +370,8 @@ def sum_of_rank_one(
       h = jnp.matmul(g.T, g, precision=jax.lax.Precision.HIGHEST)
       eye = jnp.eye(block_size, dtype=dtype)
       g = jnp.linalg.cholesky(0.5 * (h + h.T) + (m * lam / 2) * eye).T
-    f = _linalg.woodbury_factor(_linalg.tree_stacked_gram(g), form_lam,
-                                1.0 / m)
+    f = _linalg.woodbury_factor(_linalg.tree_stacked_gram(g), form_lam, 1.0 / m)
     return _whiten(g, f.chol), f.chol
 
   z, chol = jax.vmap(one_block)(blocks)
   return RankOneSumFisher(z, chol, form_lam, block_size, treedef, shapes, m)
-

@@ -27,8 +27,8 @@ PyTree = Any
 
 def _register(cls, data, meta):
   return jax.tree_util.register_dataclass(
-      dataclasses.dataclass(frozen=True)(cls), data_fields=data,
-      meta_fields=meta)
+    dataclasses.dataclass(frozen=True)(cls), data_fields=data, meta_fields=meta
+  )
 
 
 def all_finite(tree: PyTree) -> jax.Array:
@@ -57,27 +57,31 @@ class DiagonalFisher:
 
   def matvec(self, v: PyTree) -> PyTree:
     """``F v``, in ``v``'s dtype."""
-    return jax.tree.map(lambda d, x: (d * _wide(x)).astype(x.dtype),
-                        self.diag, v)
+    return jax.tree.map(
+      lambda d, x: (d * _wide(x)).astype(x.dtype), self.diag, v
+    )
 
   def quadratic_form(self, v: PyTree) -> jax.Array:
     """``v^T F v`` (a float32 scalar)."""
-    terms = jax.tree.leaves(jax.tree.map(
-        lambda d, x: jnp.sum(d * jnp.square(_wide(x))), self.diag, v))
+    terms = jax.tree.leaves(
+      jax.tree.map(lambda d, x: jnp.sum(d * jnp.square(_wide(x))), self.diag, v)
+    )
     return sum(terms, jnp.zeros((), jnp.float32))
 
   def solve(self, v: PyTree, damping: float | jax.Array) -> PyTree:
     """``(F + damping I)^{-1} v``."""
-    return jax.tree.map(lambda d, x: (_wide(x) / (d + damping)).astype(x.dtype),
-                        self.diag, v)
+    return jax.tree.map(
+      lambda d, x: (_wide(x) / (d + damping)).astype(x.dtype), self.diag, v
+    )
 
   def is_finite(self) -> jax.Array:
     """Whether every entry is finite (non-finite inputs propagate here)."""
     return all_finite(self.diag)
 
 
-DiagonalFisher = _register(DiagonalFisher, ["diag", "mean_grad", "count"],
-                           ["kind"])
+DiagonalFisher = _register(
+  DiagonalFisher, ["diag", "mean_grad", "count"], ["kind"]
+)
 
 
 class LowRankFisher:
@@ -111,8 +115,9 @@ class LowRankFisher:
 
   def matvec(self, v: PyTree) -> PyTree:
     """``F v = V^T diag(eigvals) V v``."""
-    out = _linalg.tree_stacked_combine(self.eigvecs,
-                                       self.eigvals * self.project(v))
+    out = _linalg.tree_stacked_combine(
+      self.eigvecs, self.eigvals * self.project(v)
+    )
     return jax.tree.map(lambda o, x: o.astype(x.dtype), out, v)
 
   def quadratic_form(self, v: PyTree) -> jax.Array:
@@ -123,16 +128,17 @@ class LowRankFisher:
     """``(F + damping I)^{-1} v`` in closed form (``V`` orthonormal)."""
     coef = self.eigvals / (damping * (self.eigvals + damping))
     corr = _linalg.tree_stacked_combine(self.eigvecs, coef * self.project(v))
-    return jax.tree.map(lambda x, c: (_wide(x) / damping - c).astype(x.dtype),
-                        v, corr)
+    return jax.tree.map(
+      lambda x, c: (_wide(x) / damping - c).astype(x.dtype), v, corr
+    )
 
   def is_finite(self) -> jax.Array:
-    return jnp.logical_and(all_finite(self.eigvals),
-                           all_finite(self.eigvecs))
+    return jnp.logical_and(all_finite(self.eigvals), all_finite(self.eigvecs))
 
 
 LowRankFisher = _register(
-    LowRankFisher, ["eigvals", "eigvecs", "mean_grad", "count"], ["kind"])
+  LowRankFisher, ["eigvals", "eigvecs", "mean_grad", "count"], ["kind"]
+)
 
 
 def matrix_shape(shape: tuple[int, ...]) -> tuple[int, int]:
@@ -185,8 +191,10 @@ class KroneckerFisher:
       m = _wide(x).reshape(matrix_shape(x.shape))
       return jnp.sum(m * (l @ m @ r))
 
-    return sum(jax.tree.leaves(jax.tree.map(leaf, self.left, self.right, v)),
-               jnp.zeros((), jnp.float32))
+    return sum(
+      jax.tree.leaves(jax.tree.map(leaf, self.left, self.right, v)),
+      jnp.zeros((), jnp.float32),
+    )
 
   def solve(self, v: PyTree, damping: float | jax.Array) -> PyTree:
     """``(left ⊗ right + damping I)^{-1} v`` exactly, by two ``eigh``.
@@ -208,8 +216,9 @@ class KroneckerFisher:
     """The diagonal of ``left ⊗ right``, shaped like ``like`` (default
     ``mean_grad``; matrix-shaped ``(m, n)`` leaves when both are ``None``)."""
     like = self.mean_grad if like is None else like
-    mats = jax.tree.map(lambda l, r: jnp.outer(jnp.diag(l), jnp.diag(r)),
-                        self.left, self.right)
+    mats = jax.tree.map(
+      lambda l, r: jnp.outer(jnp.diag(l), jnp.diag(r)), self.left, self.right
+    )
     if like is None:
       return mats
     return jax.tree.map(lambda d, p: d.reshape(jnp.shape(p)), mats, like)
@@ -219,5 +228,7 @@ class KroneckerFisher:
 
 
 KroneckerFisher = _register(
-    KroneckerFisher, ["left", "right", "mean_grad", "count"],
-    ["kind", "estimator"])
+  KroneckerFisher,
+  ["left", "right", "mean_grad", "count"],
+  ["kind", "estimator"],
+)

@@ -89,8 +89,9 @@ References:
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 import dataclasses
-from typing import Any, Callable, Optional, Sequence
+from typing import Any
 
 import jax
 from jax import lax
@@ -106,13 +107,13 @@ STRUCTURES = ("diag", "kron", "gram", "norms")
 # Call-like primitives whose body is looked into (and inlined when it holds a
 # tapped layer), with the name of the parameter holding the body.
 _CALLS = {
-    "jit": "jaxpr",
-    "pjit": "jaxpr",
-    "closed_call": "call_jaxpr",
-    "core_call": "call_jaxpr",
-    "checkpoint": "jaxpr",
-    "remat": "jaxpr",
-    "remat2": "jaxpr",
+  "jit": "jaxpr",
+  "pjit": "jaxpr",
+  "closed_call": "call_jaxpr",
+  "core_call": "call_jaxpr",
+  "checkpoint": "jaxpr",
+  "remat": "jaxpr",
+  "remat2": "jaxpr",
 }
 
 # Value-preserving unary primitives looked through: casts, and the
@@ -135,7 +136,7 @@ class _Site:
   kind: str  # "dense" | "embed"
   path: tuple[int, ...]  # equation indices from the top-level jaxpr down
   kernel: int  # leaf index of the kernel / table
-  bias: Optional[int] = None  # leaf index of the bias, if matched
+  bias: int | None = None  # leaf index of the bias, if matched
   mode: Any = None  # gather mode (embed)
   num_rows: int = 0  # vocabulary size (embed)
 
@@ -143,12 +144,12 @@ class _Site:
 @dataclasses.dataclass
 class _Plan:
   sites: list[_Site]
-  roles: list[Optional[tuple[int, str]]]  # per leaf: (site, role) or None
+  roles: list[tuple[int, str] | None]  # per leaf: (site, role) or None
   site_at: dict[tuple[int, ...], int]  # equation path -> site index
   inline: set[tuple[int, ...]]  # call equations to inline
 
 
-def _sub_jaxpr(eqn) -> Optional[tuple[Any, Sequence[Any]]]:
+def _sub_jaxpr(eqn) -> tuple[Any, Sequence[Any]] | None:
   """Returns (open jaxpr, consts) of a call-like equation, else None."""
   name = _CALLS.get(eqn.primitive.name)
   if name is None or name not in eqn.params:
@@ -176,9 +177,15 @@ def _var_uses(jaxpr) -> dict[Any, int]:
 def _is_dense(eqn, batch: int) -> bool:
   x, w = (v.aval for v in eqn.invars)
   (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
-  return (len(w.shape) == 2 and len(x.shape) >= 2 and x.shape[0] == batch
-          and tuple(lc) == (len(x.shape) - 1,) and tuple(rc) == (0,)
-          and not lb and not rb)
+  return (
+    len(w.shape) == 2
+    and len(x.shape) >= 2
+    and x.shape[0] == batch
+    and tuple(lc) == (len(x.shape) - 1,)
+    and tuple(rc) == (0,)
+    and not lb
+    and not rb
+  )
 
 
 def _is_embed(eqn, batch: int) -> bool:
@@ -188,11 +195,13 @@ def _is_embed(eqn, batch: int) -> bool:
   if idx.shape[-1] != 1 or not jnp.issubdtype(idx.dtype, jnp.integer):
     return False
   dn = eqn.params["dimension_numbers"]
-  return (tuple(dn.offset_dims) == (len(idx.shape) - 1,)
-          and tuple(dn.collapsed_slice_dims) == (0,)
-          and tuple(dn.start_index_map) == (0,)
-          and not tuple(dn.operand_batching_dims)
-          and tuple(eqn.params["slice_sizes"]) == (1, table.shape[1]))
+  return (
+    tuple(dn.offset_dims) == (len(idx.shape) - 1,)
+    and tuple(dn.collapsed_slice_dims) == (0,)
+    and tuple(dn.start_index_map) == (0,)
+    and not tuple(dn.operand_batching_dims)
+    and tuple(eqn.params["slice_sizes"]) == (1, table.shape[1])
+  )
 
 
 def _is_bias_view(eqn, kind) -> bool:
@@ -200,13 +209,22 @@ def _is_bias_view(eqn, kind) -> bool:
   if kind is None or kind[0] != "param":
     return False
   src, out = eqn.invars[0].aval, eqn.outvars[0].aval
-  return (len(src.shape) == 1 and len(out.shape) >= 1
-          and out.shape[-1] == src.shape[0]
-          and all(d == 1 for d in out.shape[:-1]))
+  return (
+    len(src.shape) == 1
+    and len(out.shape) >= 1
+    and out.shape[-1] == src.shape[0]
+    and all(d == 1 for d in out.shape[:-1])
+  )
 
 
-def _scan(jaxpr, env: dict, path: tuple[int, ...], batch: int,
-          plan: _Plan, uses: list[list[tuple[str, int]]]) -> list:
+def _scan(
+  jaxpr,
+  env: dict,
+  path: tuple[int, ...],
+  batch: int,
+  plan: _Plan,
+  uses: list[list[tuple[str, int]]],
+) -> list:
   """Walks a jaxpr, matching layers; returns the kinds of its outputs.
 
   ``env`` maps a variable to ``("param", leaf)`` (a leaf, possibly cast),
@@ -220,8 +238,7 @@ def _scan(jaxpr, env: dict, path: tuple[int, ...], batch: int,
       uses[kind[1]].append(("other", -1))
 
   for i, eqn in enumerate(jaxpr.eqns):
-    kinds = [env.get(v) if isinstance(v, jex.Var) else None
-             for v in eqn.invars]
+    kinds = [env.get(v) if isinstance(v, jex.Var) else None for v in eqn.invars]
     if not any(kinds):
       continue
     here = path + (i,)
@@ -241,12 +258,17 @@ def _scan(jaxpr, env: dict, path: tuple[int, ...], batch: int,
     if name in _PASS_THROUGH and kinds[0] is not None and len(kinds) == 1:
       k = kinds[0]
       if k[0] in ("param", "bias") or (
-          k[0] == "site" and counts[eqn.invars[0]] == 1):
+        k[0] == "site" and counts[eqn.invars[0]] == 1
+      ):
         env[eqn.outvars[0]] = k
         continue
-    if (name == "dot_general" and (kinds[0] is None or kinds[0][0] == "site")
-        and kinds[1] is not None and kinds[1][0] == "param"
-        and _is_dense(eqn, batch)):
+    if (
+      name == "dot_general"
+      and (kinds[0] is None or kinds[0][0] == "site")
+      and kinds[1] is not None
+      and kinds[1][0] == "param"
+      and _is_dense(eqn, batch)
+    ):
       site = len(plan.sites)
       plan.sites.append(_Site("dense", here, kinds[1][1]))
       plan.site_at[here] = site
@@ -254,12 +276,23 @@ def _scan(jaxpr, env: dict, path: tuple[int, ...], batch: int,
       if counts[eqn.outvars[0]] == 1:
         env[eqn.outvars[0]] = ("site", site)
       continue
-    if (name == "gather" and kinds[0] is not None and kinds[1] is None
-        and kinds[0][0] == "param" and _is_embed(eqn, batch)):
+    if (
+      name == "gather"
+      and kinds[0] is not None
+      and kinds[1] is None
+      and kinds[0][0] == "param"
+      and _is_embed(eqn, batch)
+    ):
       site = len(plan.sites)
-      plan.sites.append(_Site(
-          "embed", here, kinds[0][1], mode=eqn.params["mode"],
-          num_rows=eqn.invars[0].aval.shape[0]))
+      plan.sites.append(
+        _Site(
+          "embed",
+          here,
+          kinds[0][1],
+          mode=eqn.params["mode"],
+          num_rows=eqn.invars[0].aval.shape[0],
+        )
+      )
       plan.site_at[here] = site
       uses[kinds[0][1]].append(("table", site))
       continue
@@ -269,11 +302,14 @@ def _scan(jaxpr, env: dict, path: tuple[int, ...], batch: int,
     if name == "add" and len(kinds) == 2:
       for j in (0, 1):
         site_k, bias_k = kinds[j], kinds[1 - j]
-        if (site_k is not None and site_k[0] == "site" and bias_k is not None
-            and bias_k[0] == "bias"
-            and eqn.invars[j].aval.shape[-1]
-            == eqn.invars[1 - j].aval.shape[-1]
-            and eqn.outvars[0].aval.shape == eqn.invars[j].aval.shape):
+        if (
+          site_k is not None
+          and site_k[0] == "site"
+          and bias_k is not None
+          and bias_k[0] == "bias"
+          and eqn.invars[j].aval.shape[-1] == eqn.invars[1 - j].aval.shape[-1]
+          and eqn.outvars[0].aval.shape == eqn.invars[j].aval.shape
+        ):
           site = plan.sites[site_k[1]]
           if site.bias is None:
             site.bias = bias_k[1]
@@ -285,15 +321,15 @@ def _scan(jaxpr, env: dict, path: tuple[int, ...], batch: int,
       continue
     for k in kinds:
       other(k)
-  return [env.get(v) if isinstance(v, jex.Var) else None
-          for v in jaxpr.outvars]
+  return [env.get(v) if isinstance(v, jex.Var) else None for v in jaxpr.outvars]
 
 
 def _make_plan(closed, num_leaves: int, batch: int) -> _Plan:
   plan = _Plan(sites=[], roles=[None] * num_leaves, site_at={}, inline=set())
   uses: list[list[tuple[str, int]]] = [[] for _ in range(num_leaves)]
-  env = {v: ("param", i) for i, v in enumerate(closed.jaxpr.invars[
-      :num_leaves])}
+  env = {
+    v: ("param", i) for i, v in enumerate(closed.jaxpr.invars[:num_leaves])
+  }
   out_kinds = _scan(closed.jaxpr, env, (), batch, plan, uses)
   for k in out_kinds:  # a leaf returned as an output is an opaque use
     if k is not None and k[0] in ("param", "bias"):
@@ -361,13 +397,15 @@ def _trace(apply_fn, params, inputs):
   for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
     if not hasattr(x, "shape") or not hasattr(x, "dtype"):
       raise TypeError(
-          f"params leaf {jax.tree_util.keystr(path)} is not an array: "
-          f"{type(x).__name__}.")
+        f"params leaf {jax.tree_util.keystr(path)} is not an array: "
+        f"{type(x).__name__}."
+      )
   batches = {int(np.shape(x)[0]) for x in in_leaves if np.ndim(x) > 0}
   if len(batches) != 1 or any(np.ndim(x) == 0 for x in in_leaves):
     raise ValueError(
-        "inputs must be a non-empty pytree of arrays sharing one leading "
-        f"batch axis; got leading sizes {sorted(batches)}.")
+      "inputs must be a non-empty pytree of arrays sharing one leading "
+      f"batch axis; got leading sizes {sorted(batches)}."
+    )
   num = len(leaves)
 
   def flat_apply(*flat):
@@ -376,7 +414,8 @@ def _trace(apply_fn, params, inputs):
     return apply_fn(p, x)
 
   closed, out_shape = jax.make_jaxpr(flat_apply, return_shape=True)(
-      *leaves, *in_leaves)
+    *leaves, *in_leaves
+  )
   out_def = jax.tree_util.tree_structure(out_shape)
   return leaves, treedef, in_leaves, closed, out_def, batches.pop()
 
@@ -392,8 +431,17 @@ class LayerTape:
   (static), ``outputs`` the model outputs of the recorded forward pass.
   """
 
-  def __init__(self, plan: _Plan, treedef, leaves, covered_list, outputs,
-               pullback, acts, batch: int):
+  def __init__(
+    self,
+    plan: _Plan,
+    treedef,
+    leaves,
+    covered_list,
+    outputs,
+    pullback,
+    acts,
+    batch: int,
+  ):
     self._plan = plan
     self._treedef = treedef
     self._leaves = leaves
@@ -413,16 +461,21 @@ class LayerTape:
     ct_leaves, ct_def = jax.tree_util.tree_flatten(cotangents)
     if ct_def != out_def:
       raise ValueError(
-          "cotangents must have the structure of the model outputs "
-          f"{out_def}, got {ct_def}.")
+        "cotangents must have the structure of the model outputs "
+        f"{out_def}, got {ct_def}."
+      )
     num = 1
     for i, (o, c) in enumerate(zip(out_leaves, ct_leaves)):
-      if (not hasattr(c, "shape") or c.ndim != o.ndim + lead
-          or tuple(c.shape[lead:]) != tuple(o.shape)):
+      if (
+        not hasattr(c, "shape")
+        or c.ndim != o.ndim + lead
+        or tuple(c.shape[lead:]) != tuple(o.shape)
+      ):
         want = ("(S, " if lead else "(") + ", ".join(map(str, o.shape)) + ")"
         raise ValueError(
-            f"cotangents must have shape {want} to match the outputs; got "
-            f"{getattr(c, 'shape', type(c).__name__)}.")
+          f"cotangents must have shape {want} to match the outputs; got "
+          f"{getattr(c, 'shape', type(c).__name__)}."
+        )
       if lead:
         if i and c.shape[0] != num:
           raise ValueError("cotangent leaves disagree on the sample axis S.")
@@ -430,7 +483,7 @@ class LayerTape:
     ct_leaves = [c.astype(o.dtype) for o, c in zip(out_leaves, ct_leaves)]
     return jax.tree_util.tree_unflatten(ct_def, ct_leaves), num
 
-  def backward(self, cotangents: PyTree) -> "LayerGrads":
+  def backward(self, cotangents: PyTree) -> LayerGrads:
     """Pulls ``S`` output cotangents back to the taps (one vmapped backward).
 
     Args:
@@ -445,7 +498,7 @@ class LayerTape:
     deltas = jax.vmap(lambda c: self._pullback(c)[1])(cts)
     return LayerGrads(self, tuple(deltas), num)
 
-  def gradient(self, cotangent: PyTree) -> tuple[PyTree, "LayerGrads"]:
+  def gradient(self, cotangent: PyTree) -> tuple[PyTree, LayerGrads]:
     """One backward pass for ``sum_n J_n^T r_n`` and the layer ``delta``.
 
     The training step's gradient and, for ``kind="empirical"``, the Fisher
@@ -473,9 +526,13 @@ def _varying_axes(aval) -> tuple[str, ...]:
   return tuple(sorted(vma or ()))
 
 
-def record(apply_fn: Callable[[PyTree, PyTree], PyTree], params: PyTree,
-           inputs: PyTree, *, axis_name: Optional[str] = None
-           ) -> LayerTape:
+def record(
+  apply_fn: Callable[[PyTree, PyTree], PyTree],
+  params: PyTree,
+  inputs: PyTree,
+  *,
+  axis_name: str | None = None,
+) -> LayerTape:
   """Runs ``apply_fn(params, inputs)`` with zero taps on its dense layers.
 
   Args:
@@ -491,7 +548,8 @@ def record(apply_fn: Callable[[PyTree, PyTree], PyTree], params: PyTree,
     A :class:`LayerTape`; call ``.backward(cotangents)`` on it.
   """
   leaves, treedef, in_leaves, closed, out_def, batch = _trace(
-      apply_fn, params, inputs)
+    apply_fn, params, inputs
+  )
   num = len(leaves)
   plan = _make_plan(closed, num, batch)
   covered = [r is not None for r in plan.roles]
@@ -521,15 +579,20 @@ def record(apply_fn: Callable[[PyTree, PyTree], PyTree], params: PyTree,
 
   def tapped(leaves, taps):
     acts: dict = {}
-    outs = _eval(closed.jaxpr, closed.consts, [*leaves, *in_leaves], (),
-                 plan, taps, acts)
-    return (jax.tree_util.tree_unflatten(out_def, outs),
-            tuple(acts[s] for s in range(len(plan.sites))))
+    outs = _eval(
+      closed.jaxpr, closed.consts, [*leaves, *in_leaves], (), plan, taps, acts
+    )
+    return (
+      jax.tree_util.tree_unflatten(out_def, outs),
+      tuple(acts[s] for s in range(len(plan.sites))),
+    )
 
-  outputs, pullback, acts = jax.vjp(tapped, tuple(leaves), tuple(taps),
-                                    has_aux=True)
-  return LayerTape(plan, treedef, leaves, covered, outputs, pullback, acts,
-                   batch)
+  outputs, pullback, acts = jax.vjp(
+    tapped, tuple(leaves), tuple(taps), has_aux=True
+  )
+  return LayerTape(
+    plan, treedef, leaves, covered, outputs, pullback, acts, batch
+  )
 
 
 # --------------------------------------------------------------------------
@@ -540,8 +603,9 @@ def _f32(x: Array) -> Array:
   return x.astype(jnp.promote_types(x.dtype, jnp.float32))
 
 
-def _chunk_map(fn: Callable[..., Array], xs: Sequence[Array], chunk: int
-               ) -> Array:
+def _chunk_map(
+  fn: Callable[..., Array], xs: Sequence[Array], chunk: int
+) -> Array:
   """``fn`` over row chunks of ``xs`` (zero-padded), results concatenated."""
   n = xs[0].shape[0]
   if chunk >= n:
@@ -564,11 +628,14 @@ class LayerGrads:
     self._deltas = deltas
     self.num_samples = num_samples
 
-  def take(self, samples: slice) -> "LayerGrads":
+  def take(self, samples: slice) -> LayerGrads:
     """Restricts to a slice of the ``S`` sample axis."""
     deltas = tuple(d[samples] for d in self._deltas)
-    num = deltas[0].shape[0] if deltas else len(range(
-        *samples.indices(self.num_samples)))
+    num = (
+      deltas[0].shape[0]
+      if deltas
+      else len(range(*samples.indices(self.num_samples)))
+    )
     return LayerGrads(self._tape, deltas, num)
 
   # Per-site views: a (B, T, d_in) or ids (B, T); delta (S, B, T, d_out).
@@ -602,12 +669,14 @@ class LayerGrads:
     vals = [values.get(i) for i in range(len(self._tape._leaves))]
     return jax.tree_util.tree_unflatten(self._tape._treedef, vals)
 
-  def statistics(self, structure: str, *, chunk_size: Optional[int] = None
-                 ) -> PyTree:
+  def statistics(
+    self, structure: str, *, chunk_size: int | None = None
+  ) -> PyTree:
     """Sums over samples and examples; see :func:`layer_statistics`."""
     if structure not in STRUCTURES:
       raise ValueError(
-          f"structure must be one of {STRUCTURES}, got {structure!r}.")
+        f"structure must be one of {STRUCTURES}, got {structure!r}."
+      )
     cache: dict = {}
 
     def site(s):
@@ -622,9 +691,12 @@ class LayerGrads:
         total = total + self._gram(site(s), role, chunk_size)
       return total
     fn = {"diag": self._diag, "kron": self._kron, "norms": self._norms}[
-        structure]
-    out = {leaf: fn(site(s), role, leaf, chunk_size)
-           for leaf, s, role in self._leaf_items()}
+      structure
+    ]
+    out = {
+      leaf: fn(site(s), role, leaf, chunk_size)
+      for leaf, s, role in self._leaf_items()
+    }
     return self._unflatten(out)
 
   def _diag(self, site_view, role, leaf, chunk_size):
@@ -637,9 +709,12 @@ class LayerGrads:
       same = ids[:, :, None] == ids[:, None, :]  # (B, T, T)
       summed = jnp.einsum("ntu,snud->sntd", same.astype(delta.dtype), delta)
       mult = jnp.sum(same, axis=-1).astype(delta.dtype)  # (B, T)
-      per_pos = jnp.sum(summed ** 2, axis=0) / mult[..., None]
-      return jnp.zeros(shape, delta.dtype).at[ids.reshape(-1)].add(
-          per_pos.reshape(-1, shape[-1]))
+      per_pos = jnp.sum(summed**2, axis=0) / mult[..., None]
+      return (
+        jnp.zeros(shape, delta.dtype)
+        .at[ids.reshape(-1)]
+        .add(per_pos.reshape(-1, shape[-1]))
+      )
     if act.shape[1] == 1:  # sum over samples first: one (d_in, B) matmul
       d2 = jnp.sum(delta[:, :, 0] ** 2, axis=0)
       return act[:, 0].T ** 2 @ d2
@@ -650,10 +725,12 @@ class LayerGrads:
 
     def part(a, d):
       g = jnp.einsum("cti,ctj->cij", a, d)
-      return jnp.sum(g ** 2, axis=0)[None]
+      return jnp.sum(g**2, axis=0)[None]
 
-    return sum(jnp.sum(_chunk_map(part, [act, delta[s]], chunk), axis=0)
-               for s in range(delta.shape[0]))
+    return sum(
+      jnp.sum(_chunk_map(part, [act, delta[s]], chunk), axis=0)
+      for s in range(delta.shape[0])
+    )
 
   def _kron(self, site_view, role, leaf, chunk_size):
     del chunk_size
@@ -663,8 +740,11 @@ class LayerGrads:
     if role == "bias":
       return (jnp.full((1, 1), self._tape.batch, delta.dtype), gamma)
     if site.kind == "embed":
-      counts = jnp.zeros((site.num_rows,), delta.dtype).at[
-          act.reshape(-1)].add(valid.reshape(-1).astype(delta.dtype))
+      counts = (
+        jnp.zeros((site.num_rows,), delta.dtype)
+        .at[act.reshape(-1)]
+        .add(valid.reshape(-1).astype(delta.dtype))
+      )
       return (jnp.diag(counts) / t, gamma)
     return (jnp.einsum("ntd,nte->de", act, act) / t, gamma)
 
@@ -692,19 +772,21 @@ class LayerGrads:
       return g @ g.T
     if site.kind == "embed":
       ka = (act[:, None, :, None] == act[None, :, None, :]).astype(
-          delta.dtype)  # (B, B, T, T)
+        delta.dtype
+      )  # (B, B, T, T)
     else:
       d_in = act.shape[-1]
       if t > 1 and d_in * d_out < num_s * b * t * t:
         acts = jnp.broadcast_to(act, (num_s,) + act.shape).reshape(
-            num_s * b, t, d_in)
+          num_s * b, t, d_in
+        )
         g = jnp.einsum("cti,ctj->cij", acts, rows).reshape(num_s * b, -1)
         return g @ g.T
       ka = jnp.einsum("ntd,mud->nmtu", act, act)
     kd = jnp.einsum("itd,jud->ijtu", rows, rows).reshape(
-        num_s, b, num_s, b, t, t)
-    return jnp.einsum("nmtu,snrmtu->snrm", ka, kd).reshape(
-        num_s * b, num_s * b)
+      num_s, b, num_s, b, t, t
+    )
+    return jnp.einsum("nmtu,snrmtu->snrm", ka, kd).reshape(num_s * b, num_s * b)
 
   def combine(self, weights: Array) -> PyTree:
     """``sum_i weights[:, i] g_i`` per covered leaf; see :func:`combine`."""
@@ -712,8 +794,9 @@ class LayerGrads:
     weights = jnp.asarray(weights)
     if weights.ndim != 2 or weights.shape[1] != num_s * b:
       raise ValueError(
-          f"weights must have shape (k, S * B) = (k, {num_s * b}); got "
-          f"{tuple(weights.shape)}.")
+        f"weights must have shape (k, S * B) = (k, {num_s * b}); got "
+        f"{tuple(weights.shape)}."
+      )
     out = {}
     for leaf, s, role in self._leaf_items():
       site, act, delta, _ = self._site(s)
@@ -725,8 +808,11 @@ class LayerGrads:
         val = jnp.einsum("ksn,sntd->kd", w, delta)
       elif site.kind == "embed":
         wd = jnp.einsum("ksn,sntd->kntd", w, delta)
-        val = jnp.zeros((k,) + shape, wd.dtype).at[:, act.reshape(-1)].add(
-            wd.reshape(k, -1, shape[-1]))
+        val = (
+          jnp.zeros((k,) + shape, wd.dtype)
+          .at[:, act.reshape(-1)]
+          .add(wd.reshape(k, -1, shape[-1]))
+        )
       else:  # weight the deltas, then k matmuls over (n, t)
         wd = jnp.einsum("ksn,sntj->kntj", w, delta)
         val = jnp.einsum("nti,kntj->kij", act, wd)
@@ -740,17 +826,25 @@ class LayerGrads:
 
 def _check_chunk(chunk_size) -> None:
   if chunk_size is not None and (
-      not isinstance(chunk_size, (int, np.integer))
-      or isinstance(chunk_size, bool) or chunk_size < 1):
+    not isinstance(chunk_size, (int, np.integer))
+    or isinstance(chunk_size, bool)
+    or chunk_size < 1
+  ):
     raise ValueError(
-        f"chunk_size must be None or a positive int, got {chunk_size!r}.")
+      f"chunk_size must be None or a positive int, got {chunk_size!r}."
+    )
 
 
-def layer_statistics(apply_fn: Callable[[PyTree, PyTree], PyTree],
-                     params: PyTree, inputs: PyTree, cotangents: PyTree, *,
-                     structure: str, chunk_size: Optional[int] = None,
-                     axis_name: Optional[str] = None
-                     ) -> tuple[Any, PyTree]:
+def layer_statistics(
+  apply_fn: Callable[[PyTree, PyTree], PyTree],
+  params: PyTree,
+  inputs: PyTree,
+  cotangents: PyTree,
+  *,
+  structure: str,
+  chunk_size: int | None = None,
+  axis_name: str | None = None,
+) -> tuple[Any, PyTree]:
   """Sums of per-example statistics from layer inputs and output gradients.
 
   For sample ``s`` and example ``n`` the pseudo-gradient is
@@ -794,17 +888,24 @@ def layer_statistics(apply_fn: Callable[[PyTree, PyTree], PyTree],
   """
   if structure not in STRUCTURES:
     raise ValueError(
-        f"structure must be one of {STRUCTURES}, got {structure!r}.")
+      f"structure must be one of {STRUCTURES}, got {structure!r}."
+    )
   _check_chunk(chunk_size)
   tape = record(apply_fn, params, inputs, axis_name=axis_name)
   grads = tape.backward(cotangents)
   return grads.statistics(structure, chunk_size=chunk_size), tape.covered
 
 
-def combine(apply_fn: Callable[[PyTree, PyTree], PyTree], params: PyTree,
-            inputs: PyTree, cotangents: PyTree, weights: Array, *,
-            chunk_size: Optional[int] = None,
-            axis_name: Optional[str] = None) -> tuple[PyTree, PyTree]:
+def combine(
+  apply_fn: Callable[[PyTree, PyTree], PyTree],
+  params: PyTree,
+  inputs: PyTree,
+  cotangents: PyTree,
+  weights: Array,
+  *,
+  chunk_size: int | None = None,
+  axis_name: str | None = None,
+) -> tuple[PyTree, PyTree]:
   """Weighted sums of pseudo-gradients, ``sum_i weights[:, i] g_i``.
 
   .. math::
@@ -832,17 +933,18 @@ def combine(apply_fn: Callable[[PyTree, PyTree], PyTree], params: PyTree,
   """
   _check_chunk(chunk_size)
   lead = jax.tree.leaves(cotangents)[0].shape[:2]
-  if (np.ndim(weights) != 2
-      or np.shape(weights)[1] != int(np.prod(lead))):
+  if np.ndim(weights) != 2 or np.shape(weights)[1] != int(np.prod(lead)):
     raise ValueError(
-        f"weights must have shape (k, S * B) = (k, {int(np.prod(lead))}); "
-        f"got {np.shape(weights)}.")
+      f"weights must have shape (k, S * B) = (k, {int(np.prod(lead))}); "
+      f"got {np.shape(weights)}."
+    )
   tape = record(apply_fn, params, inputs, axis_name=axis_name)
   return tape.backward(cotangents).combine(weights), tape.covered
 
 
-def coverage(apply_fn: Callable[[PyTree, PyTree], PyTree], params: PyTree,
-             inputs: PyTree) -> PyTree:
+def coverage(
+  apply_fn: Callable[[PyTree, PyTree], PyTree], params: PyTree, inputs: PyTree
+) -> PyTree:
   """The params-shaped tree of Python bools: leaves the layer path covers.
 
   Only traces ``apply_fn`` (no FLOPs), so ``params`` and ``inputs`` may be
@@ -851,4 +953,5 @@ def coverage(apply_fn: Callable[[PyTree, PyTree], PyTree], params: PyTree,
   leaves, treedef, _, closed, _, batch = _trace(apply_fn, params, inputs)
   plan = _make_plan(closed, len(leaves), batch)
   return jax.tree_util.tree_unflatten(
-      treedef, [r is not None for r in plan.roles])
+    treedef, [r is not None for r in plan.roles]
+  )

@@ -19,7 +19,8 @@ is kept) and counted in ``num_nonfinite``.
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -57,8 +58,10 @@ def _check_common(apply_fn, likelihood, kind, interval, decay, num_samples):
   else:
     _validation.check_choice("kind", kind, _likelihoods.KINDS)
   if (apply_fn is None) != (likelihood is None):
-    raise ValueError("apply_fn and likelihood go together: give both (to "
-                     "estimate from batch=) or neither (per_example_grads=).")
+    raise ValueError(
+      "apply_fn and likelihood go together: give both (to "
+      "estimate from batch=) or neither (per_example_grads=)."
+    )
   _validation.check_static_int("num_samples", num_samples, minimum=1)
   if isinstance(interval, (int, float)) and not isinstance(interval, bool):
     if interval < 1:
@@ -70,8 +73,9 @@ def _check_common(apply_fn, likelihood, kind, interval, decay, num_samples):
 def _blend(old, new, decay, first):
   """EMA with ``decay``; the first refresh replaces (no zero-init bias)."""
   d = jnp.where(first, 0.0, jnp.asarray(decay, jnp.float32))
-  return jax.tree.map(lambda o, n: (d * o + (1 - d) * n).astype(o.dtype),
-                      old, new)
+  return jax.tree.map(
+    lambda o, n: (d * o + (1 - d) * n).astype(o.dtype), old, new
+  )
 
 
 def _refresh(state_count, interval, compute, keep, finite_of):
@@ -80,16 +84,22 @@ def _refresh(state_count, interval, compute, keep, finite_of):
   def do():
     new = compute()
     ok = finite_of(new)
-    return jax.lax.cond(ok, lambda: (new, jnp.zeros((), jnp.int32)),
-                        lambda: (keep(), jnp.ones((), jnp.int32)))
+    return jax.lax.cond(
+      ok,
+      lambda: (new, jnp.zeros((), jnp.int32)),
+      lambda: (keep(), jnp.ones((), jnp.int32)),
+    )
 
-  return jax.lax.cond(state_count % interval == 0, do,
-                      lambda: (keep(), jnp.zeros((), jnp.int32)))
+  return jax.lax.cond(
+    state_count % interval == 0, do, lambda: (keep(), jnp.zeros((), jnp.int32))
+  )
 
 
 def _missing_params(name):
-  raise ValueError(f"{name} with batch= needs params: call "
-                   "update(updates, state, params, batch=...).")
+  raise ValueError(
+    f"{name} with batch= needs params: call "
+    "update(updates, state, params, batch=...)."
+  )
 
 
 # -- diagonal -----------------------------------------------------------------
@@ -116,17 +126,17 @@ class EstimateFisherDiagState(NamedTuple):
 
 
 def estimate_fisher_diag(
-    apply_fn: Callable[[PyTree, PyTree], jax.Array] | None = None,
-    likelihood: Any = None,
-    *,
-    kind: str = "empirical",
-    interval: int = 1,
-    decay: float = 0.0,
-    num_samples: int = 1,
-    key: jax.Array | int | None = None,
-    method: str = "auto",
-    chunk_size: int | None = None,
-    axis_name: str | None = None,
+  apply_fn: Callable[[PyTree, PyTree], jax.Array] | None = None,
+  likelihood: Any = None,
+  *,
+  kind: str = "empirical",
+  interval: int = 1,
+  decay: float = 0.0,
+  num_samples: int = 1,
+  key: jax.Array | int | None = None,
+  method: str = "auto",
+  chunk_size: int | None = None,
+  axis_name: str | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   """Keeps a diagonal Fisher in the optimizer state; updates pass through.
 
@@ -173,58 +183,83 @@ def estimate_fisher_diag(
     >>> fisher.get_fisher_diag(state).shape
     (3, 2)
   """
-  likelihood = _check_common(apply_fn, likelihood, kind, interval, decay,
-                             num_samples)
+  likelihood = _check_common(
+    apply_fn, likelihood, kind, interval, decay, num_samples
+  )
 
   def init_fn(params):
-    zeros = jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), jnp.float32),
-                         params)
+    zeros = jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), jnp.float32), params)
     z = jnp.zeros((), jnp.int32)
     return EstimateFisherDiagState(z, zeros, z, z, _make_key(key))
 
-  def update_fn(updates, state, params=None, *, per_example_grads=None,
-                batch=None, **extra_args):
+  def update_fn(
+    updates,
+    state,
+    params=None,
+    *,
+    per_example_grads=None,
+    batch=None,
+    **extra_args,
+  ):
     del extra_args
     key_next, key_now = _split(state.key)
 
     def compute():
       if per_example_grads is not None:
-        _validation.check_leading_axis(per_example_grads, updates,
-                                       what="per_example_grads")
+        _validation.check_leading_axis(
+          per_example_grads, updates, what="per_example_grads"
+        )
         stat = _estimators.diagonal_from_grads(
-            per_example_grads,
-            kind="batch_squared" if kind == "batch_squared" else "empirical",
-            axis_name=axis_name)
+          per_example_grads,
+          kind="batch_squared" if kind == "batch_squared" else "empirical",
+          axis_name=axis_name,
+        )
       elif batch is not None:
         if apply_fn is None:
-          raise ValueError("batch= needs apply_fn and likelihood at "
-                           "construction; or pass per_example_grads=.")
+          raise ValueError(
+            "batch= needs apply_fn and likelihood at "
+            "construction; or pass per_example_grads=."
+          )
         if params is None:
           _missing_params("estimate_fisher_diag")
         stat = _estimators.diagonal(
-            apply_fn, params, batch, likelihood=likelihood, kind=kind,
-            num_samples=num_samples, key=key_now, method=method,
-            chunk_size=chunk_size, axis_name=axis_name)
+          apply_fn,
+          params,
+          batch,
+          likelihood=likelihood,
+          kind=kind,
+          num_samples=num_samples,
+          key=key_now,
+          method=method,
+          chunk_size=chunk_size,
+          axis_name=axis_name,
+        )
       else:
-        raise ValueError("estimate_fisher_diag needs the extra argument "
-                         "per_example_grads= or batch=.")
+        raise ValueError(
+          "estimate_fisher_diag needs the extra argument "
+          "per_example_grads= or batch=."
+        )
       return _blend(state.diag, stat.diag, decay, state.num_refreshes == 0)
 
-    if per_example_grads is not None and kind not in ("empirical",
-                                                      "batch_squared"):
+    if per_example_grads is not None and kind not in (
+      "empirical",
+      "batch_squared",
+    ):
       raise ValueError(
-          f"kind={kind!r} needs the model: pass batch=, not "
-          "per_example_grads= (which only give empirical/batch_squared).")
-    diag, skipped = _refresh(state.count, interval, compute,
-                             lambda: state.diag,
-                             _statistics.all_finite)
+        f"kind={kind!r} needs the model: pass batch=, not "
+        "per_example_grads= (which only give empirical/batch_squared)."
+      )
+    diag, skipped = _refresh(
+      state.count, interval, compute, lambda: state.diag, _statistics.all_finite
+    )
     refreshed = (state.count % interval == 0) & (skipped == 0)
     new_state = EstimateFisherDiagState(
-        count=optax.safe_increment(state.count),
-        diag=diag,
-        num_refreshes=state.num_refreshes + refreshed.astype(jnp.int32),
-        num_nonfinite=state.num_nonfinite + skipped,
-        key=key_next)
+      count=optax.safe_increment(state.count),
+      diag=diag,
+      num_refreshes=state.num_refreshes + refreshed.astype(jnp.int32),
+      num_nonfinite=state.num_nonfinite + skipped,
+      key=key_next,
+    )
     return updates, new_state
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
@@ -254,16 +289,16 @@ class EstimateFisherLowRankState(NamedTuple):
 
 
 def estimate_fisher_low_rank(
-    apply_fn: Callable[[PyTree, PyTree], jax.Array] | None = None,
-    likelihood: Any = None,
-    *,
-    rank: int,
-    kind: str = "empirical",
-    interval: int = 1,
-    num_samples: int = 1,
-    key: jax.Array | int | None = None,
-    method: str = "auto",
-    chunk_size: int | None = None,
+  apply_fn: Callable[[PyTree, PyTree], jax.Array] | None = None,
+  likelihood: Any = None,
+  *,
+  rank: int,
+  kind: str = "empirical",
+  interval: int = 1,
+  num_samples: int = 1,
+  key: jax.Array | int | None = None,
+  method: str = "auto",
+  chunk_size: int | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   """Keeps the top-``rank`` Fisher eigenpairs in the state; updates pass.
 
@@ -294,53 +329,88 @@ def estimate_fisher_low_rank(
     Array([2. , 0.5], dtype=float32)
   """
   rank = _validation.check_static_int("rank", rank, minimum=1)
-  likelihood = _check_common(apply_fn, likelihood, kind, interval, 0.0,
-                             num_samples)
+  likelihood = _check_common(
+    apply_fn, likelihood, kind, interval, 0.0, num_samples
+  )
 
   def init_fn(params):
     vecs = jax.tree.map(
-        lambda p: jnp.zeros((rank, *jnp.shape(p)), jnp.float32), params)
+      lambda p: jnp.zeros((rank, *jnp.shape(p)), jnp.float32), params
+    )
     z = jnp.zeros((), jnp.int32)
-    return EstimateFisherLowRankState(z, jnp.zeros((rank,), jnp.float32),
-                                      vecs, z, z, _make_key(key))
+    return EstimateFisherLowRankState(
+      z, jnp.zeros((rank,), jnp.float32), vecs, z, z, _make_key(key)
+    )
 
-  def update_fn(updates, state, params=None, *, per_example_grads=None,
-                batch=None, **extra_args):
+  def update_fn(
+    updates,
+    state,
+    params=None,
+    *,
+    per_example_grads=None,
+    batch=None,
+    **extra_args,
+  ):
     del extra_args
     key_next, key_now = _split(state.key)
     if per_example_grads is not None and kind != "empirical":
-      raise ValueError(f"kind={kind!r} needs batch=; per_example_grads= "
-                       "give the empirical Fisher only.")
+      raise ValueError(
+        f"kind={kind!r} needs batch=; per_example_grads= "
+        "give the empirical Fisher only."
+      )
 
     def compute():
       if per_example_grads is not None:
-        _validation.check_leading_axis(per_example_grads, updates,
-                                       what="per_example_grads")
+        _validation.check_leading_axis(
+          per_example_grads, updates, what="per_example_grads"
+        )
         stat = _estimators.low_rank_from_grads(per_example_grads, rank=rank)
       elif batch is not None:
         if apply_fn is None:
-          raise ValueError("batch= needs apply_fn and likelihood at "
-                           "construction; or pass per_example_grads=.")
+          raise ValueError(
+            "batch= needs apply_fn and likelihood at "
+            "construction; or pass per_example_grads=."
+          )
         if params is None:
           _missing_params("estimate_fisher_low_rank")
         stat = _estimators.low_rank(
-            apply_fn, params, batch, likelihood=likelihood, kind=kind,
-            rank=rank, num_samples=num_samples, key=key_now, method=method,
-            chunk_size=chunk_size)
+          apply_fn,
+          params,
+          batch,
+          likelihood=likelihood,
+          kind=kind,
+          rank=rank,
+          num_samples=num_samples,
+          key=key_now,
+          method=method,
+          chunk_size=chunk_size,
+        )
       else:
-        raise ValueError("estimate_fisher_low_rank needs the extra argument "
-                         "per_example_grads= or batch=.")
-      return (stat.eigvals.astype(jnp.float32),
-              jax.tree.map(lambda v: v.astype(jnp.float32), stat.eigvecs))
+        raise ValueError(
+          "estimate_fisher_low_rank needs the extra argument "
+          "per_example_grads= or batch=."
+        )
+      return (
+        stat.eigvals.astype(jnp.float32),
+        jax.tree.map(lambda v: v.astype(jnp.float32), stat.eigvecs),
+      )
 
     (vals, vecs), skipped = _refresh(
-        state.count, interval, compute, lambda: (state.eigvals, state.eigvecs),
-        _statistics.all_finite)
+      state.count,
+      interval,
+      compute,
+      lambda: (state.eigvals, state.eigvecs),
+      _statistics.all_finite,
+    )
     refreshed = (state.count % interval == 0) & (skipped == 0)
     return updates, EstimateFisherLowRankState(
-        count=optax.safe_increment(state.count), eigvals=vals, eigvecs=vecs,
-        num_refreshes=state.num_refreshes + refreshed.astype(jnp.int32),
-        num_nonfinite=state.num_nonfinite + skipped, key=key_next)
+      count=optax.safe_increment(state.count),
+      eigvals=vals,
+      eigvecs=vecs,
+      num_refreshes=state.num_refreshes + refreshed.astype(jnp.int32),
+      num_nonfinite=state.num_nonfinite + skipped,
+      key=key_next,
+    )
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
@@ -349,13 +419,18 @@ def estimate_fisher_low_rank(
 
 
 def _find(state: Any, cls: type) -> Any:
-  found = [s for s in jax.tree.leaves(state, is_leaf=lambda s: isinstance(
-      s, cls)) if isinstance(s, cls)]
+  found = [
+    s
+    for s in jax.tree.leaves(state, is_leaf=lambda s: isinstance(s, cls))
+    if isinstance(s, cls)
+  ]
   if not found:
     raise ValueError(f"no {cls.__name__} in this optimizer state.")
   if len(found) > 1:
-    raise ValueError(f"{len(found)} {cls.__name__}s in this optimizer state; "
-                     "index the chain state to pick one.")
+    raise ValueError(
+      f"{len(found)} {cls.__name__}s in this optimizer state; "
+      "index the chain state to pick one."
+    )
   return found[0]
 
 

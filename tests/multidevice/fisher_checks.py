@@ -34,42 +34,51 @@ def _problem():
 
 
 def _auto_mesh():
-  return jax.make_mesh((8,), ("data",),
-                       axis_types=(jax.sharding.AxisType.Auto,))
+  return jax.make_mesh(
+    (8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,)
+  )
 
 
 def _flat_vecs(stat):
-  return np.stack([np.asarray(ft.ravel(jax.tree.map(lambda a, j=j: a[j],
-                                                    stat.eigvecs)))
-                   for j in range(stat.rank)])
+  return np.stack(
+    [
+      np.asarray(ft.ravel(jax.tree.map(lambda a, j=j: a[j], stat.eigvecs)))
+      for j in range(stat.rank)
+    ]
+  )
 
 
 ESTIMATORS = {
-    "diag_empirical": functools.partial(fisher.diagonal, kind="empirical"),
-    "diag_exact_per_example": functools.partial(
-        fisher.diagonal, kind="exact", method="per_example", chunk_size=1),
-    "diag_exact_taps": functools.partial(fisher.diagonal, kind="exact"),
-    "low_rank": functools.partial(fisher.low_rank, kind="exact", rank=3),
-    "kron_kfac": functools.partial(fisher.kronecker, kind="exact"),
-    "kron_shampoo": functools.partial(fisher.kronecker, kind="empirical",
-                                      estimator="shampoo", num_iters=2),
-    "rank_one": functools.partial(fisher.rank_one, kind="exact",
-                                  scale="optimal"),
+  "diag_empirical": functools.partial(fisher.diagonal, kind="empirical"),
+  "diag_exact_per_example": functools.partial(
+    fisher.diagonal, kind="exact", method="per_example", chunk_size=1
+  ),
+  "diag_exact_taps": functools.partial(fisher.diagonal, kind="exact"),
+  "low_rank": functools.partial(fisher.low_rank, kind="exact", rank=3),
+  "kron_kfac": functools.partial(fisher.kronecker, kind="exact"),
+  "kron_shampoo": functools.partial(
+    fisher.kronecker, kind="empirical", estimator="shampoo", num_iters=2
+  ),
+  "rank_one": functools.partial(fisher.rank_one, kind="exact", scale="optimal"),
 }
 
 
 ESTIMATORS["diag_mc"] = functools.partial(
-    fisher.diagonal, kind="mc", num_samples=2, key=jax.random.key(4))
+  fisher.diagonal, kind="mc", num_samples=2, key=jax.random.key(4)
+)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _jitted(name):
   """One jit per estimator, shared by every test that uses it."""
-  return jax.jit(functools.partial(ESTIMATORS[name], ft.mlp_apply,
-                                   likelihood=fisher.Categorical()))
+  return jax.jit(
+    functools.partial(
+      ESTIMATORS[name], ft.mlp_apply, likelihood=fisher.Categorical()
+    )
+  )
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _want(name):
   """The single-device reference, computed (and compiled) once per name."""
   params, x, y = _problem()
@@ -80,8 +89,9 @@ def _compare(test, got, want, name):
   if isinstance(want, fisher.LowRankFisher):
     np.testing.assert_allclose(got.eigvals, want.eigvals, **TOL)
     v, w = _flat_vecs(got), _flat_vecs(want)
-    np.testing.assert_allclose(np.abs(v @ w.T), np.eye(want.rank),
-                               atol=1e-4, err_msg=name)
+    np.testing.assert_allclose(
+      np.abs(v @ w.T), np.eye(want.rank), atol=1e-4, err_msg=name
+    )
     chex.assert_trees_all_close(got.mean_grad, want.mean_grad, **TOL)
   else:
     chex.assert_trees_all_close(got, want, **TOL)
@@ -89,24 +99,26 @@ def _compare(test, got, want, name):
 
 
 class FisherMultiDeviceTest(parameterized.TestCase):
-
   def test_0_device_count(self):
     self.assertEqual(jax.device_count(), 8)
 
   @parameterized.parameters(*(n for n in ESTIMATORS if n != "diag_mc"))
   def test_shard_map_axis_name(self, name):
     params, x, y = _problem()
-    est = functools.partial(ESTIMATORS[name], ft.mlp_apply,
-                            likelihood=fisher.Categorical())
+    est = functools.partial(
+      ESTIMATORS[name], ft.mlp_apply, likelihood=fisher.Categorical()
+    )
     want = _want(name)
     mesh = _auto_mesh()
 
     def local(params, x, y):
       return est(params, (x, y), axis_name="data")
 
-    got = jax.jit(jax.shard_map(
-        local, mesh=mesh, in_specs=(P(), P("data"), P("data")),
-        out_specs=P()))(params, x, y)
+    got = jax.jit(
+      jax.shard_map(
+        local, mesh=mesh, in_specs=(P(), P("data"), P("data")), out_specs=P()
+      )
+    )(params, x, y)
     _compare(self, got, want, name)
 
   def test_shard_map_mc_is_finite_and_per_device(self):
@@ -114,14 +126,22 @@ class FisherMultiDeviceTest(parameterized.TestCase):
     mesh = _auto_mesh()
 
     def local(params, x, y):
-      return fisher.diagonal(ft.mlp_apply, params, (x, y),
-                             likelihood=fisher.Categorical(), kind="mc",
-                             num_samples=64, key=jax.random.key(0),
-                             axis_name="data")
+      return fisher.diagonal(
+        ft.mlp_apply,
+        params,
+        (x, y),
+        likelihood=fisher.Categorical(),
+        kind="mc",
+        num_samples=64,
+        key=jax.random.key(0),
+        axis_name="data",
+      )
 
-    got = jax.jit(jax.shard_map(
-        local, mesh=mesh, in_specs=(P(), P("data"), P("data")),
-        out_specs=P()))(params, x, y)
+    got = jax.jit(
+      jax.shard_map(
+        local, mesh=mesh, in_specs=(P(), P("data"), P("data")), out_specs=P()
+      )
+    )(params, x, y)
     exact = _want("diag_exact_taps")  # The same exact diagonal, compiled once.
     chex.assert_tree_all_finite(got)
     err = jnp.linalg.norm(ft.ravel(got.diag) - ft.ravel(exact.diag))
@@ -129,34 +149,51 @@ class FisherMultiDeviceTest(parameterized.TestCase):
 
   def test_diagonal_from_grads_axis_name(self):
     params, x, y = _problem()
-    g = ft.unravel_like(params, ft.per_example_grads_dense(
-        ft.mlp_apply, params, x, y, "categorical"))
+    g = ft.unravel_like(
+      params,
+      ft.per_example_grads_dense(ft.mlp_apply, params, x, y, "categorical"),
+    )
     want = jax.jit(fisher.diagonal_from_grads)(g)
     mesh = _auto_mesh()
-    got = jax.jit(jax.shard_map(
-        lambda g: fisher.diagonal_from_grads(g, axis_name="data"), mesh=mesh,
-        in_specs=P("data"), out_specs=P()))(g)
+    got = jax.jit(
+      jax.shard_map(
+        lambda g: fisher.diagonal_from_grads(g, axis_name="data"),
+        mesh=mesh,
+        in_specs=P("data"),
+        out_specs=P(),
+      )
+    )(g)
     chex.assert_trees_all_close(got, want, **TOL)
 
     def loss(p, ex):
       return fisher.Categorical().nll(ft.mlp_apply(p, ex[0][None])[0], ex[1])
 
-    from_loss = jax.jit(jax.shard_map(
+    from_loss = jax.jit(
+      jax.shard_map(
         lambda p, x, y: fisher.diagonal_from_loss(
-            loss, p, (x, y), chunk_size=1, axis_name="data"),
-        mesh=mesh, in_specs=(P(), P("data"), P("data")),
-        out_specs=P()))(params, x, y)
+          loss, p, (x, y), chunk_size=1, axis_name="data"
+        ),
+        mesh=mesh,
+        in_specs=(P(), P("data"), P("data")),
+        out_specs=P(),
+      )
+    )(params, x, y)
     chex.assert_trees_all_close(from_loss, want, **TOL)
 
   @parameterized.parameters(
-      *[(name, "auto") for name in ESTIMATORS],
-      *[(name, "explicit") for name in ("diag_exact_per_example", "low_rank",
-                                        "kron_kfac", "diag_mc")])
+    *[(name, "auto") for name in ESTIMATORS],
+    *[
+      (name, "explicit")
+      for name in ("diag_exact_per_example", "low_rank", "kron_kfac", "diag_mc")
+    ],
+  )
   def test_jit_batch_sharded(self, name, axis_type):
     params, x, y = _problem()
     est, want = _jitted(name), _want(name)
-    kind = {"auto": jax.sharding.AxisType.Auto,
-            "explicit": jax.sharding.AxisType.Explicit}[axis_type]
+    kind = {
+      "auto": jax.sharding.AxisType.Auto,
+      "explicit": jax.sharding.AxisType.Explicit,
+    }[axis_type]
     mesh = jax.make_mesh((8,), ("data",), axis_types=(kind,))
     xs = jax.device_put(x, NamedSharding(mesh, P("data")))
     ys = jax.device_put(y, NamedSharding(mesh, P("data")))

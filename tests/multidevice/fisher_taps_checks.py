@@ -19,21 +19,24 @@ def _apply(p, x):
 
 def _setup():
   k = jax.random.split(jax.random.key(0), 5)
-  params = {"w1": jax.random.normal(k[0], (3, 5)),
-            "b1": jax.random.normal(k[1], (5,)),
-            "w2": jax.random.normal(k[2], (5, 2))}
+  params = {
+    "w1": jax.random.normal(k[0], (3, 5)),
+    "b1": jax.random.normal(k[1], (5,)),
+    "w2": jax.random.normal(k[2], (5, 2)),
+  }
   x = jax.random.normal(k[3], (16, 4, 3))
   cot = jax.random.normal(k[4], (2, 16, 2))
   return params, x, cot
 
 
 def _stats(p, x, c):
-  return {s: _taps.layer_statistics(_apply, p, x, c, structure=s)[0]
-          for s in ("diag", "kron")}
+  return {
+    s: _taps.layer_statistics(_apply, p, x, c, structure=s)[0]
+    for s in ("diag", "kron")
+  }
 
 
 class TapsShardedTest(absltest.TestCase):
-
   def test_device_count(self):
     self.assertEqual(jax.device_count(), 8)
 
@@ -43,11 +46,15 @@ class TapsShardedTest(absltest.TestCase):
     ref = jax.jit(_stats)(params, x, cot)
     mesh = jax.make_mesh((8,), ("d",), axis_types=(AxisType.Explicit,))
     local = jax.shard_map(
-        lambda p, x, c: jax.lax.psum(_stats(p, x, c), "d"), mesh=mesh,
-        in_specs=(P(), P("d"), P(None, "d")), out_specs=P())
+      lambda p, x, c: jax.lax.psum(_stats(p, x, c), "d"),
+      mesh=mesh,
+      in_specs=(P(), P("d"), P(None, "d")),
+      out_specs=P(),
+    )
     with jax.set_mesh(mesh):
-      out = jax.jit(local)(params, jax.device_put(x, P("d")),
-                           jax.device_put(cot, P(None, "d")))
+      out = jax.jit(local)(
+        params, jax.device_put(x, P("d")), jax.device_put(cot, P(None, "d"))
+      )
     chex.assert_trees_all_close(out, ref, rtol=1e-5, atol=1e-6)
 
   def test_sharded_jit_matches_one_device(self):

@@ -6,46 +6,54 @@ from absl.testing import parameterized
 import chex
 import jax
 import jax.numpy as jnp
-import numpy as np
-import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+import numpy as np
+import optax
 
 import fisher_optax
 
 
 class NaturalGaLoreShardedTest(parameterized.TestCase):
-
   def test_eight_devices(self):
     self.assertEqual(jax.device_count(), 8)
 
   @parameterized.parameters("exact", "subspace", "randomized")
   def test_sharded_equals_unsharded(self, svd_method):
     # GSPMD (Auto) axes: XLA propagates shardings through the projections.
-    mesh = jax.make_mesh((8,), ("x",),
-                         axis_types=(jax.sharding.AxisType.Auto,))
+    mesh = jax.make_mesh((8,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
     key = jax.random.key(0)
-    params = {"w": jax.random.normal(key, (64, 16)),
-              "v": jax.random.normal(jax.random.fold_in(key, 1), (16, 40)),
-              "b": jnp.zeros((16,))}
+    params = {
+      "w": jax.random.normal(key, (64, 16)),
+      "v": jax.random.normal(jax.random.fold_in(key, 1), (16, 40)),
+      "b": jnp.zeros((16,)),
+    }
     specs = {"w": P("x", None), "v": P(None, "x"), "b": P()}
     # damping=0.1: with 1e-3 the (g - Hz)/damping cancellation amplifies
     # float32 reduction-order noise to ~1e-4, which is not what this tests.
     tx = fisher_optax.natural_galore(
-        1e-2, rank=4, update_proj_gap=2, history_size=3, damping=0.1,
-        svd_method=svd_method)
+      1e-2,
+      rank=4,
+      update_proj_gap=2,
+      history_size=3,
+      damping=0.1,
+      svd_method=svd_method,
+    )
     target = jax.random.normal(jax.random.fold_in(key, 2), (8, 40))
     # Gradients of rank 8 > rank 4, so the top-4 bases are well defined.
     loss = lambda p, x: jnp.mean(
-        (jnp.tanh(x @ p["w"] + p["b"]) @ p["v"] - target) ** 2)
+      (jnp.tanh(x @ p["w"] + p["b"]) @ p["v"] - target) ** 2
+    )
 
     def step(p, s, x):
       g = jax.grad(loss)(p, x)
       u, s = tx.update(g, s, p)
       return optax.apply_updates(p, u), s
 
-    xs = [jax.random.normal(jax.random.fold_in(key, 10 + t), (8, 64))
-          for t in range(4)]
+    xs = [
+      jax.random.normal(jax.random.fold_in(key, 10 + t), (8, 64))
+      for t in range(4)
+    ]
     p1, s1 = params, tx.init(params)
     for x in xs:
       p1, s1 = jax.jit(step)(p1, s1, x)
@@ -55,12 +63,16 @@ class NaturalGaLoreShardedTest(parameterized.TestCase):
     s2 = jax.jit(tx.init)(p2)
     sharded_step = jax.jit(step, out_shardings=(shard, None))
     for x in xs:
-      p2, s2 = sharded_step(p2, s2, jax.device_put(
-          x, NamedSharding(mesh, P(None, "x"))))
+      p2, s2 = sharded_step(
+        p2, s2, jax.device_put(x, NamedSharding(mesh, P(None, "x")))
+      )
     self.assertEqual(p2["w"].sharding, shard["w"])
     chex.assert_trees_all_close(
-        jax.tree.map(np.asarray, p2), jax.tree.map(np.asarray, p1),
-        rtol=1e-4, atol=1e-5)
+      jax.tree.map(np.asarray, p2),
+      jax.tree.map(np.asarray, p1),
+      rtol=1e-4,
+      atol=1e-5,
+    )
 
 
 if __name__ == "__main__":
