@@ -58,9 +58,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from fisher_optax import _linalg
-from fisher_optax import _validation
 from fisher_optax import fisher
+from fisher_optax.fisher import linalg
+from fisher_optax.fisher import validation
 
 PyTree = Any
 
@@ -166,7 +166,7 @@ def _low_rank_of(fisher: Any) -> tuple[jax.Array, PyTree]:
 
 
 def _check_params(params: PyTree, like: PyTree, what: str) -> None:
-  _validation.check_same_structure(
+  validation.check_same_structure(
     like, params, what=what, reference_name="the anchor's params"
   )
   for p, q in zip(jax.tree.leaves(like), jax.tree.leaves(params)):
@@ -197,7 +197,7 @@ def init_ewc_anchor(
   Returns:
     An :class:`EWCAnchor` whose penalty is identically zero.
   """
-  rank = _validation.check_static_int("rank", rank)
+  rank = validation.check_static_int("rank", rank)
   if not diagonal and rank == 0:
     raise ValueError("an EWC anchor needs diagonal=True or rank > 0.")
   zeros = lambda shape_prefix: jax.tree.map(
@@ -277,7 +277,7 @@ def _merge_low_rank(
   update: str,
 ) -> LowRankEWC:
   k_slots = _low_rank_size(old)
-  _validation.check_leading_axis(
+  validation.check_leading_axis(
     eigvecs,
     jax.tree.map(lambda v: v[0], old.vectors),
     what="low-rank Fisher eigvecs",
@@ -302,11 +302,11 @@ def _merge_low_rank(
     new_vecs,
   )
   new_scales = jnp.where(finite, jnp.maximum(eigvals, 0.0), 0.0)
-  new_proj = _linalg.tree_stacked_dot(new_vecs, theta).astype(old.scales.dtype)
+  new_proj = linalg.tree_stacked_dot(new_vecs, theta).astype(old.scales.dtype)
   scales = decay * old.scales
   proj = old.anchor_proj
   if mode == "online":
-    proj = _linalg.tree_stacked_dot(old.vectors, theta).astype(proj.dtype)
+    proj = linalg.tree_stacked_dot(old.vectors, theta).astype(proj.dtype)
 
   if update == "slots":
     if k_new > k_slots:
@@ -346,8 +346,8 @@ def _merge_low_rank(
   top = fisher.low_rank_from_grads(weighted, rank=k_slots)  # m > k_slots
   evals = (m * top.eigvals).astype(all_scales.dtype)
   evecs = top.eigvecs
-  linear = _linalg.tree_stacked_combine(all_vecs, all_scales * all_proj)
-  vb = _linalg.tree_stacked_dot(evecs, linear).astype(evals.dtype)
+  linear = linalg.tree_stacked_combine(all_vecs, all_scales * all_proj)
+  vb = linalg.tree_stacked_dot(evecs, linear).astype(evals.dtype)
   safe = jnp.where(evals > 0, evals, 1.0)
   anchor_proj = jnp.where(evals > 0, vb / safe, 0.0)
   return LowRankEWC(
@@ -421,11 +421,9 @@ def consolidate(
     anchor = fisher_optax.consolidate(anchor, params, diagonal=fisher)
     opt_state = optax.tree.set(opt_state, ewc_anchor=anchor)
   """
-  _validation.check_choice("mode", mode, _MODES)
-  _validation.check_choice(
-    "low_rank_update", low_rank_update, _LOW_RANK_UPDATES
-  )
-  _validation.check_in_unit_interval("decay", decay, closed_right=True)
+  validation.check_choice("mode", mode, _MODES)
+  validation.check_choice("low_rank_update", low_rank_update, _LOW_RANK_UPDATES)
+  validation.check_in_unit_interval("decay", decay, closed_right=True)
   if not isinstance(anchor, EWCAnchor):
     raise TypeError(
       f"anchor must be an EWCAnchor, got {type(anchor).__name__}."
@@ -506,12 +504,12 @@ def ewc_gradient(params: PyTree, anchor: EWCAnchor) -> PyTree:
   if anchor.low_rank is not None:
     lr = anchor.low_rank
     residual = (
-      _linalg.tree_stacked_dot(lr.vectors, _to_stat(params)).astype(
+      linalg.tree_stacked_dot(lr.vectors, _to_stat(params)).astype(
         lr.scales.dtype
       )
       - lr.anchor_proj
     )
-    terms.append(_linalg.tree_stacked_combine(lr.vectors, lr.scales * residual))
+    terms.append(linalg.tree_stacked_combine(lr.vectors, lr.scales * residual))
   if len(terms) == 1:
     return terms[0]
   return jax.tree.map(jnp.add, *terms)
@@ -548,7 +546,7 @@ def ewc_penalty(
       return task_loss(params, batch) + fisher_optax.ewc_penalty(
           params, anchor, strength=100.0)
   """
-  _validation.check_positive("strength", strength, allow_zero=True)
+  validation.check_positive("strength", strength, allow_zero=True)
   total = []
   if anchor.diagonal is not None:
     d = anchor.diagonal
@@ -563,7 +561,7 @@ def ewc_penalty(
   if anchor.low_rank is not None:
     lr = anchor.low_rank
     residual = (
-      _linalg.tree_stacked_dot(lr.vectors, _to_stat(params)).astype(
+      linalg.tree_stacked_dot(lr.vectors, _to_stat(params)).astype(
         lr.scales.dtype
       )
       - lr.anchor_proj
@@ -661,8 +659,8 @@ def add_ewc_gradient(
     <https://arxiv.org/abs/2509.23593>`_, 2026.
     Das et al, `AlignGuard-LoRA <https://arxiv.org/abs/2508.02079>`_, 2025.
   """
-  _validation.check_positive("strength", strength, allow_zero=True)
-  rank = _validation.check_static_int("rank", rank)
+  validation.check_positive("strength", strength, allow_zero=True)
+  rank = validation.check_static_int("rank", rank)
   if anchor is not None and not isinstance(anchor, EWCAnchor):
     raise TypeError(
       f"anchor must be an EWCAnchor, got {type(anchor).__name__}."

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from fisher_optax import _validation
+from fisher_optax.fisher import validation
 
 PyTree = Any
 ScalarOrSchedule = float | jax.Array | optax.Schedule
@@ -185,15 +185,15 @@ def scale_by_fadam(
     Hwang, `FAdam: Adam is a natural gradient optimizer using diagonal
     empirical Fisher information <https://arxiv.org/abs/2405.12807>`_, 2024
   """
-  _validation.check_in_unit_interval("b1", b1)
-  _validation.check_in_unit_interval("b2", b2)
-  _validation.check_positive("eps", eps, allow_zero=True)
-  _validation.check_positive("eps2", eps2, allow_zero=True)
-  _validation.check_positive("clip", clip)
-  _validation.check_positive("p", p)
-  _validation.check_positive("weight_decay", weight_decay, allow_zero=True)
-  _validation.check_choice("eps_mode", eps_mode, _EPS_MODES)
-  _validation.check_choice("fisher_source", fisher_source, _FISHER_SOURCES)
+  validation.check_in_unit_interval("b1", b1)
+  validation.check_in_unit_interval("b2", b2)
+  validation.check_positive("eps", eps, allow_zero=True)
+  validation.check_positive("eps2", eps2, allow_zero=True)
+  validation.check_positive("clip", clip)
+  validation.check_positive("p", p)
+  validation.check_positive("weight_decay", weight_decay, allow_zero=True)
+  validation.check_choice("eps_mode", eps_mode, _EPS_MODES)
+  validation.check_choice("fisher_source", fisher_source, _FISHER_SOURCES)
   mu_dtype = _canonical_float_dtype("mu_dtype", mu_dtype)
   fim_dtype = _canonical_float_dtype("fim_dtype", fim_dtype)
   # Python branches on floats only when they are concrete (inject_hyperparams
@@ -399,7 +399,7 @@ def fadam(
     Hwang, `FAdam: Adam is a natural gradient optimizer using diagonal
     empirical Fisher information <https://arxiv.org/abs/2405.12807>`_, 2024
   """
-  _validation.check_learning_rate(learning_rate)
+  validation.check_learning_rate(learning_rate)
   return optax.chain(
     scale_by_fadam(
       b1=b1,
@@ -435,7 +435,7 @@ def _canonical_float_dtype(name: str, dtype: Any) -> jnp.dtype | None:
 
 
 def _flatten_like(tree: PyTree, like: PyTree, what: str) -> list[Any]:
-  _validation.check_same_structure(like, tree, what=what)
+  validation.check_same_structure(like, tree, what=what)
   leaves = jax.tree.leaves(tree)
   for leaf, ref in zip(leaves, jax.tree.leaves(like)):
     if jnp.shape(leaf) != jnp.shape(ref):
@@ -462,7 +462,7 @@ def _decay_mask(
         "update(updates, state, params)."
       )
     mask = mask(params)
-  _validation.check_same_structure(updates, mask, what="weight_decay_mask")
+  validation.check_same_structure(updates, mask, what="weight_decay_mask")
   return [
     bool(m) if isinstance(m, (bool, int, np.bool_)) else m
     for m in jax.tree.leaves(mask)
@@ -485,7 +485,7 @@ def _fisher_statistic(
       "pass only one."
     )
   if per_example_grads is not None:
-    batch = _validation.check_leading_axis(
+    batch = validation.check_leading_axis(
       per_example_grads, updates, what="per_example_grads"
     )
     if batch == 0:

@@ -22,8 +22,9 @@ import jax.numpy as jnp
 import optax
 from optax.contrib import MuonDimensionNumbers
 
-from fisher_optax import _linalg
-from fisher_optax import _validation
+from fisher_optax import _matrix_roots
+from fisher_optax.fisher import linalg
+from fisher_optax.fisher import validation
 
 PyTree = Any
 FismoDimensionNumbers = MuonDimensionNumbers
@@ -253,7 +254,7 @@ def scale_by_fismo(
   beta: float | jax.Array = 0.95,
   gamma: float | jax.Array = 0.95,
   damping: float | jax.Array = 0.1,
-  ns_coeffs: Any = _linalg.QUINTIC_NS_COEFFS,
+  ns_coeffs: Any = _matrix_roots.QUINTIC_NS_COEFFS,
   ns_steps: int = 5,
   eps: float | jax.Array = 1e-8,
   mu_dtype: Any = None,
@@ -403,18 +404,18 @@ def scale_by_fismo(
     Anil et al, `Scalable Second Order Optimization for Deep Learning
     <https://arxiv.org/abs/2002.09018>`_, 2020
   """
-  _validation.check_in_unit_interval("beta", beta)
-  _validation.check_in_unit_interval("gamma", gamma, closed_right=True)
-  _validation.check_positive("damping", damping, allow_zero=True)
-  _validation.check_positive("eps", eps, allow_zero=True)
-  _validation.check_positive(
+  validation.check_in_unit_interval("beta", beta)
+  validation.check_in_unit_interval("gamma", gamma, closed_right=True)
+  validation.check_positive("damping", damping, allow_zero=True)
+  validation.check_positive("eps", eps, allow_zero=True)
+  validation.check_positive(
     "eigenvalue_floor", eigenvalue_floor, allow_zero=True
   )
-  ns_steps = _validation.check_static_int("ns_steps", ns_steps, minimum=1)
-  max_precond_dim = _validation.check_static_int(
+  ns_steps = validation.check_static_int("ns_steps", ns_steps, minimum=1)
+  max_precond_dim = validation.check_static_int(
     "max_precond_dim", max_precond_dim, minimum=0
   )
-  max_aspect_ratio = _validation.check_static_int(
+  max_aspect_ratio = validation.check_static_int(
     "max_aspect_ratio", max_aspect_ratio, minimum=1
   )
   if isinstance(precondition_interval, bool) or not isinstance(
@@ -428,11 +429,11 @@ def scale_by_fismo(
     raise ValueError(
       f"precondition_interval must be >= 1, got {precondition_interval}."
     )
-  _validation.check_choice("root_method", root_method, _ROOT_METHODS)
-  _validation.check_choice("factor_norm", factor_norm, _FACTOR_NORMS)
-  _validation.check_choice("momentum_space", momentum_space, _MOMENTUM_SPACES)
-  _validation.check_choice("grafting", grafting, _GRAFTINGS)
-  _validation.check_choice("fisher_source", fisher_source, _FISHER_SOURCES)
+  validation.check_choice("root_method", root_method, _ROOT_METHODS)
+  validation.check_choice("factor_norm", factor_norm, _FACTOR_NORMS)
+  validation.check_choice("momentum_space", momentum_space, _MOMENTUM_SPACES)
+  validation.check_choice("grafting", grafting, _GRAFTINGS)
+  validation.check_choice("fisher_source", fisher_source, _FISHER_SOURCES)
   if root_method == "cholesky" and momentum_space != "original":
     raise ValueError(
       'root_method="cholesky" gives a triangular whitening, under which '
@@ -504,19 +505,21 @@ def scale_by_fismo(
       target = stat + damping * _trace(old) / d * eye
       ok = jnp.isfinite(_trace(target))
     mixed = gamma * old + (1.0 - gamma) * target
-    new = _linalg.symmetrize(d * mixed / _trace(mixed)).astype(old.dtype)
+    new = linalg.symmetrize(d * mixed / _trace(mixed)).astype(old.dtype)
     ok &= jnp.all(jnp.isfinite(new), axis=(-2, -1), keepdims=True)
     return jnp.where(ok, new, old)
 
   def inverse_root(factor, old_root):
     if root_method == "eigh":
-      root = _linalg.matrix_inverse_root_eigh(factor, 2, floor=eigenvalue_floor)
+      root = _matrix_roots.matrix_inverse_root_eigh(
+        factor, 2, floor=eigenvalue_floor
+      )
       ok = jnp.ones(factor.shape[:-2], bool)
     elif root_method == "newton":
-      res = _linalg.matrix_inverse_root_newton(
+      res = _matrix_roots.matrix_inverse_root_newton(
         factor,
         2,
-        init=_linalg.symmetrize(old_root),
+        init=linalg.symmetrize(old_root),
         floor=eigenvalue_floor,
         max_iters=_NEWTON_MAX_ITERS,
         tol=_NEWTON_TOL,
@@ -524,7 +527,7 @@ def scale_by_fismo(
       root = res.root
       ok = res.error < _NEWTON_MAX_ERROR
     else:
-      root = _linalg.cholesky_whitening(factor, floor=eigenvalue_floor)
+      root = _matrix_roots.cholesky_whitening(factor, floor=eigenvalue_floor)
       ok = jnp.ones(factor.shape[:-2], bool)
     ok &= jnp.all(jnp.isfinite(root), axis=(-2, -1))
     return jnp.where(ok[..., None, None], root.astype(old_root.dtype), old_root)
@@ -594,7 +597,7 @@ def scale_by_fismo(
       mu_hat = optax.tree.bias_correction(mu_new, beta, count)
     if momentum_space == "original":
       mu_hat = whiten(mu_hat)
-    ortho = _linalg.newton_schulz_polar(mu_hat, coeffs, ns_steps, eps)
+    ortho = _matrix_roots.newton_schulz_polar(mu_hat, coeffs, ns_steps, eps)
     delta = ortho
     if plan.left:
       delta = jnp.matmul(wp, delta)
@@ -631,7 +634,7 @@ def scale_by_fismo(
           'fisher_source="per_example" needs the per_example_grads extra '
           "argument (updates' tree with a leading batch axis)."
         )
-      _validation.check_leading_axis(
+      validation.check_leading_axis(
         per_example_grads, updates, what="per_example_grads"
       )
       pegs = treedef.flatten_up_to(per_example_grads)
@@ -726,7 +729,7 @@ def fismo(
   beta: float | jax.Array = 0.95,
   gamma: float | jax.Array = 0.95,
   damping: float | jax.Array = 0.1,
-  ns_coeffs: Any = _linalg.QUINTIC_NS_COEFFS,
+  ns_coeffs: Any = _matrix_roots.QUINTIC_NS_COEFFS,
   ns_steps: int = 5,
   eps: float | jax.Array = 1e-8,
   weight_decay: float | jax.Array = 0.0,
@@ -819,12 +822,12 @@ def fismo(
     Jordan, `Muon: An optimizer for hidden layers
     <https://kellerjordan.github.io/posts/muon/>`_, 2024
   """
-  _validation.check_learning_rate(learning_rate)
+  validation.check_learning_rate(learning_rate)
   if adam_learning_rate is None:
     adam_learning_rate = learning_rate
   else:
-    _validation.check_learning_rate(adam_learning_rate)
-  _validation.check_positive("weight_decay", weight_decay, allow_zero=True)
+    validation.check_learning_rate(adam_learning_rate)
+  validation.check_positive("weight_decay", weight_decay, allow_zero=True)
   dims_spec = fismo_weight_dimension_numbers
 
   def param_labels(params):

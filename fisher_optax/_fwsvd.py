@@ -14,7 +14,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from fisher_optax import _validation
+from fisher_optax.fisher import validation
 
 _AXES = ("in", "out")
 _SPLITS = ("left", "balanced")
@@ -29,7 +29,7 @@ def _check_matrix(name: str, x: Any, shape: tuple[int, ...] | None = None):
 
 
 def _check_rank(rank: Any, w: jax.Array) -> int:
-  rank = _validation.check_static_int("rank", rank, minimum=1)
+  rank = validation.check_static_int("rank", rank, minimum=1)
   if rank > min(w.shape):
     raise ValueError(
       f"rank must be <= min{tuple(w.shape)} = {min(w.shape)}, got {rank}."
@@ -113,9 +113,9 @@ def fisher_weighted_svd(
   _check_matrix("w", w)
   _check_matrix("fisher_diag", fisher_diag, jnp.shape(w))
   rank = _check_rank(rank, w)
-  _validation.check_choice("weight_axis", weight_axis, _AXES)
-  _validation.check_choice("split", split, _SPLITS)
-  _validation.check_positive("eps", eps, allow_zero=True)
+  validation.check_choice("weight_axis", weight_axis, _AXES)
+  validation.check_choice("split", split, _SPLITS)
+  validation.check_positive("eps", eps, allow_zero=True)
   dtype = jnp.promote_types(w.dtype, jnp.float32)
   wf = w.astype(dtype)
   fd = jnp.asarray(fisher_diag, dtype)
@@ -207,8 +207,8 @@ def generalized_fwsvd(
   _check_matrix("left", left, (n_in, n_in))
   _check_matrix("right", right, (n_out, n_out))
   rank = _check_rank(rank, w)
-  _validation.check_positive("damping", damping, allow_zero=True)
-  _validation.check_choice("split", split, _SPLITS)
+  validation.check_positive("damping", damping, allow_zero=True)
+  validation.check_choice("split", split, _SPLITS)
   dtype = jnp.promote_types(w.dtype, jnp.float32)
   la = _damped_cholesky(jnp.asarray(left, dtype), damping)
   lb = _damped_cholesky(jnp.asarray(right, dtype), damping)

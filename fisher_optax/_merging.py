@@ -15,8 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fisher_optax import _validation
 from fisher_optax import fisher as fisher_engine
+from fisher_optax.fisher import validation
 
 PyTree = Any
 MaskOrFn = PyTree | Callable[[PyTree], PyTree] | None
@@ -57,7 +57,7 @@ def _check_like(
   check_dtype: bool,
 ) -> None:
   """Same structure and per-leaf shapes (and dtypes), naming the leaf."""
-  _validation.check_same_structure(
+  validation.check_same_structure(
     reference, other, what=what, reference_name=reference_name
   )
   for name, ref, leaf in zip(
@@ -274,8 +274,8 @@ def fisher_merge_accumulator(
     Matena et al, `Merging Models with Fisher-Weighted Averaging
     <https://arxiv.org/abs/2111.09832>`_, 2022
   """
-  _validation.check_choice("floor_mode", floor_mode, _FLOOR_MODES)
-  _validation.check_positive("fisher_floor", fisher_floor, allow_zero=True)
+  validation.check_choice("floor_mode", floor_mode, _FLOOR_MODES)
+  validation.check_positive("fisher_floor", fisher_floor, allow_zero=True)
   if not isinstance(normalize, bool):
     raise TypeError(
       f"normalize must be a bool, got {type(normalize).__name__}."
@@ -496,7 +496,7 @@ def fisher_merge(
       f"Got {num_models} models but {len(fishers)} Fishers; pass one "
       "Fisher per model."
     )
-  _validation.check_static_int("target_index", target_index)
+  validation.check_static_int("target_index", target_index)
   if not 0 <= target_index < num_models:
     raise ValueError(
       f"target_index must lie in [0, {num_models}), got {target_index}."
@@ -579,8 +579,8 @@ def merge_weight_candidates(
   Returns:
     Non-negative weights summing to one, one row per candidate.
   """
-  _validation.check_static_int("num_models", num_models, minimum=1)
-  _validation.check_static_int("num_points", num_points, minimum=1)
+  validation.check_static_int("num_models", num_models, minimum=1)
+  validation.check_static_int("num_points", num_points, minimum=1)
   if num_models == 1:
     return np.ones((1, 1), np.float32)
   if num_models == 2:

@@ -9,8 +9,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from fisher_optax import _linalg
-from fisher_optax import _validation
+from fisher_optax.fisher import linalg
+from fisher_optax.fisher import validation
 
 PyTree = Any
 _GRADIENT_SOURCES = ("mean", "per_example")
@@ -102,9 +102,9 @@ def scale_by_mfac(
     Frantar et al, `M-FAC: Efficient Matrix-Free Approximations of
     Second-Order Information <https://arxiv.org/abs/2107.03356>`_, 2021
   """
-  m = _validation.check_static_int("window_size", window_size, minimum=1)
-  _validation.check_positive("damping", damping)
-  _validation.check_choice("gradients", gradients, _GRADIENT_SOURCES)
+  m = validation.check_static_int("window_size", window_size, minimum=1)
+  validation.check_positive("damping", damping)
+  validation.check_choice("gradients", gradients, _GRADIENT_SOURCES)
   per_example = gradients == "per_example"
 
   def init_fn(params: PyTree) -> MFACState:
@@ -129,7 +129,7 @@ def scale_by_mfac(
     **extra_args: Any,
   ) -> tuple[PyTree, MFACState]:
     del params, extra_args
-    _validation.check_same_structure(
+    validation.check_same_structure(
       updates, state.grads, what="the M-FAC window (state.grads)"
     )
     if per_example:
@@ -138,7 +138,7 @@ def scale_by_mfac(
           'scale_by_mfac(gradients="per_example") needs the keyword extra '
           "per_example_grads in update()."
         )
-      k = _validation.check_leading_axis(
+      k = validation.check_leading_axis(
         per_example_grads, updates, what="per_example_grads"
       )
       if k > m:
@@ -150,17 +150,17 @@ def scale_by_mfac(
       k = 1
       rows = jax.tree.map(lambda g: g[None], updates)
     # A non-finite push leaves the window (and the write index) unchanged.
-    window, gram, pushed = _linalg.stacked_push_rows_if_finite(
+    window, gram, pushed = linalg.stacked_push_rows_if_finite(
       state.grads, state.gram, rows, state.index
     )
     index = jnp.where(pushed, (state.index + k) % m, state.index)
 
     lam = jnp.asarray(damping, gram.dtype)
     lam = jnp.maximum(lam, jnp.finfo(gram.dtype).eps * jnp.trace(gram))
-    factor = _linalg.woodbury_factor(gram, lam, 1.0 / m)
+    factor = linalg.woodbury_factor(gram, lam, 1.0 / m)
     g = jax.tree.map(lambda u, s: u.astype(s.dtype), updates, window)
     if jax.tree.leaves(g):
-      precond = _linalg.woodbury_solve(window, factor, g)
+      precond = linalg.woodbury_solve(window, factor, g)
     else:
       precond = g
     new_updates = jax.tree.map(lambda p, u: p.astype(u.dtype), precond, updates)
@@ -231,10 +231,10 @@ def mfac(
     Frantar et al, `M-FAC: Efficient Matrix-Free Approximations of
     Second-Order Information <https://arxiv.org/abs/2107.03356>`_, 2021
   """
-  _validation.check_learning_rate(learning_rate)
-  _validation.check_positive("weight_decay", weight_decay, allow_zero=True)
+  validation.check_learning_rate(learning_rate)
+  validation.check_positive("weight_decay", weight_decay, allow_zero=True)
   if momentum is not None:
-    _validation.check_in_unit_interval("momentum", momentum)
+    validation.check_in_unit_interval("momentum", momentum)
     ema = optax.ema(momentum, debias=False)
   else:
     ema = optax.identity()

@@ -48,8 +48,8 @@ import jax.numpy as jnp
 import optax
 from optax.contrib import GaLoreDimensionNumbers
 
-from fisher_optax import _linalg
-from fisher_optax import _validation
+from fisher_optax.fisher import linalg
+from fisher_optax.fisher import validation
 
 PyTree = Any
 _HIGHEST = jax.lax.Precision.HIGHEST
@@ -82,7 +82,7 @@ def _push_if_finite(
   window: PyTree, gram: jax.Array, g: PyTree, slot: jax.Array
 ) -> tuple[PyTree, jax.Array]:
   """Ring-buffer push of one gradient; a NaN/Inf ``g`` leaves the window as is."""
-  window, gram, _ = _linalg.stacked_push_rows_if_finite(
+  window, gram, _ = linalg.stacked_push_rows_if_finite(
     window, gram, jax.tree.map(lambda x: x[None], g), slot
   )
   return window, gram
@@ -106,8 +106,8 @@ def _woodbury_apply(
   dtype = _stat_dtype(gram.dtype, *jax.tree.leaves(g))
   wide = jax.tree.map(lambda s: s.astype(dtype), stacked)
   g32 = jax.tree.map(lambda x: x.astype(dtype), g)
-  factor = _linalg.woodbury_factor(gram.astype(dtype), damping, scale)
-  out = _linalg.woodbury_solve(wide, factor, g32, normalized=normalize_output)
+  factor = linalg.woodbury_factor(gram.astype(dtype), damping, scale)
+  out = linalg.woodbury_solve(wide, factor, g32, normalized=normalize_output)
   return jax.tree.map(lambda o, x: o.astype(x.dtype), out, g)
 
 
@@ -148,7 +148,7 @@ def scale_by_woodbury_fisher(
     (\lambda I_s + H^\top H)\, z = H^\top g,
 
   an ``s x s`` Cholesky solve. The Gram :math:`H^\top H` is cached and
-  updated one row per step (:func:`fisher_optax._linalg.stacked_push_rows`),
+  updated one row per step (:func:`fisher_optax.linalg.stacked_push_rows`),
   so a step costs about ``6 s d`` flops. Unfilled slots are zero and need no
   mask. With ``block_diagonal=True`` (the Natural GaLore choice) every leaf
   has its own window solve; otherwise one solve couples the whole tree (the
@@ -193,12 +193,12 @@ def scale_by_woodbury_fisher(
     Frantar et al, `M-FAC: Efficient Matrix-Free Approximations of
     Second-Order Information <https://arxiv.org/abs/2107.03356>`_, 2021
   """
-  _validation.check_choice("window_source", window_source, _WINDOW_SOURCES)
+  validation.check_choice("window_source", window_source, _WINDOW_SOURCES)
   per_example = window_source == "per_example"
-  s = _validation.check_static_int(
+  s = validation.check_static_int(
     "history_size", history_size, minimum=0 if per_example else 1
   )
-  _validation.check_positive("damping", damping)
+  validation.check_positive("damping", damping)
 
   def init_fn(params: PyTree) -> WoodburyFisherState:
     n = 0 if per_example else s
@@ -231,7 +231,7 @@ def scale_by_woodbury_fisher(
     **extra_args: Any,
   ) -> tuple[PyTree, WoodburyFisherState]:
     del params, extra_args
-    _validation.check_positive("damping", damping)
+    validation.check_positive("damping", damping)
     count_inc = optax.safe_increment(state.count)
     if per_example:
       if per_example_grads is None:
@@ -239,7 +239,7 @@ def scale_by_woodbury_fisher(
           "scale_by_woodbury_fisher(window_source='per_example') needs the "
           "per_example_grads keyword argument in update()."
         )
-      batch = _validation.check_leading_axis(
+      batch = validation.check_leading_axis(
         per_example_grads, updates, what="per_example_grads"
       )
       if batch == 0:
@@ -249,7 +249,7 @@ def scale_by_woodbury_fisher(
         out = jax.tree.map(
           lambda h, g: _woodbury_apply(
             h,
-            _linalg.tree_stacked_gram(f32(h)),
+            linalg.tree_stacked_gram(f32(h)),
             g,
             damping,
             scale=1.0 / batch,
@@ -261,7 +261,7 @@ def scale_by_woodbury_fisher(
       else:
         out = _woodbury_apply(
           per_example_grads,
-          _linalg.tree_stacked_gram(f32(per_example_grads)),
+          linalg.tree_stacked_gram(f32(per_example_grads)),
           updates,
           damping,
           scale=1.0 / batch,
@@ -269,7 +269,7 @@ def scale_by_woodbury_fisher(
         )
       return out, state._replace(count=count_inc)
 
-    _validation.check_same_structure(updates, state.window, what="state.window")
+    validation.check_same_structure(updates, state.window, what="state.window")
     slot = state.count % s
     if block_diagonal:
       pushed = jax.tree.map(
@@ -402,7 +402,7 @@ def _resolve_dim_nums(
 
 def _cholesky_qr(y: jax.Array, shift: Any = 0.0) -> jax.Array:
   """``Q = Y L^{-T}`` with ``L L^T = Y^T Y + shift I``: only matmuls."""
-  c = _linalg.symmetrize(jnp.matmul(y.T, y, precision=_HIGHEST))
+  c = linalg.symmetrize(jnp.matmul(y.T, y, precision=_HIGHEST))
   c = c + shift * jnp.eye(c.shape[0], dtype=c.dtype)
   chol = jnp.linalg.cholesky(c)
   return jax.scipy.linalg.solve_triangular(chol, y.T, lower=True).T
@@ -454,7 +454,7 @@ def _range_finder_basis(
   # Rayleigh-Ritz: rotate range(Q) onto the top singular directions.
   b = jnp.matmul(q.T, mat, precision=_HIGHEST)
   _, vecs = jnp.linalg.eigh(
-    _linalg.symmetrize(jnp.matmul(b, b.T, precision=_HIGHEST))
+    linalg.symmetrize(jnp.matmul(b, b.T, precision=_HIGHEST))
   )
   return jnp.matmul(q, vecs[:, ::-1][:, :rank], precision=_HIGHEST)
 
@@ -652,9 +652,9 @@ def scale_by_natural_galore(
   """
   if base_optimizer is None:
     base_optimizer = optax.scale_by_adam()
-  rank = _validation.check_static_int("rank", rank, minimum=1)
-  s = _validation.check_static_int("history_size", history_size)
-  n_iter = _validation.check_static_int(
+  rank = validation.check_static_int("rank", rank, minimum=1)
+  s = validation.check_static_int("history_size", history_size)
+  n_iter = validation.check_static_int(
     "svd_power_iterations", svd_power_iterations
   )
   if isinstance(update_proj_gap, bool) or (
@@ -664,13 +664,13 @@ def scale_by_natural_galore(
     raise ValueError(
       f"update_proj_gap must be a positive integer, got {update_proj_gap}."
     )
-  _validation.check_positive("damping", damping)
-  _validation.check_choice("projection_side", projection_side, _SIDES)
-  _validation.check_choice(
+  validation.check_positive("damping", damping)
+  validation.check_choice("projection_side", projection_side, _SIDES)
+  validation.check_choice(
     "window_at_refresh", window_at_refresh, _REFRESH_POLICIES
   )
-  _validation.check_choice("window_source", window_source, _WINDOW_SOURCES)
-  _validation.check_choice("svd_method", svd_method, _SVD_METHODS)
+  validation.check_choice("window_source", window_source, _WINDOW_SOURCES)
+  validation.check_choice("svd_method", svd_method, _SVD_METHODS)
   per_example = window_source == "per_example"
   windowed = s > 0 and not per_example
 
@@ -736,7 +736,7 @@ def scale_by_natural_galore(
     else:
       w32 = jnp.einsum("smj,ij->smi", w32, rot, precision=_HIGHEST)
     window = w32.astype(window.dtype)
-    return window, _linalg.tree_stacked_gram(window.astype(dtype))
+    return window, linalg.tree_stacked_gram(window.astype(dtype))
 
   def update_fn(
     updates: PyTree,
@@ -747,9 +747,9 @@ def scale_by_natural_galore(
     **extra_args: Any,
   ) -> tuple[PyTree, NaturalGaLoreState]:
     del params, extra_args
-    _validation.check_positive("damping", damping)
+    validation.check_positive("damping", damping)
     leaves, treedef = jax.tree.flatten(updates)
-    _validation.check_same_structure(
+    validation.check_same_structure(
       updates, state.projector, what="state.projector"
     )
     pe_leaves = [None] * len(leaves)
@@ -760,7 +760,7 @@ def scale_by_natural_galore(
           "scale_by_natural_galore(window_source='per_example') needs the "
           "per_example_grads keyword argument in update()."
         )
-      batch = _validation.check_leading_axis(
+      batch = validation.check_leading_axis(
         per_example_grads, updates, what="per_example_grads"
       )
       if batch == 0:
@@ -826,7 +826,7 @@ def scale_by_natural_galore(
         h = h.astype(_stat_dtype(h.dtype))
         lg = _woodbury_apply(
           h,
-          _linalg.tree_stacked_gram(h),
+          linalg.tree_stacked_gram(h),
           lg,
           damping,
           scale=1.0 / batch,
@@ -936,8 +936,8 @@ def natural_galore(
     Das, `Natural GaLore: Accelerating GaLore for memory-efficient LLM
     training and fine-tuning <https://arxiv.org/abs/2410.16029>`_, 2024
   """
-  _validation.check_learning_rate(learning_rate)
-  _validation.check_positive("weight_decay", weight_decay, allow_zero=True)
+  validation.check_learning_rate(learning_rate)
+  validation.check_positive("weight_decay", weight_decay, allow_zero=True)
   return optax.chain(
     scale_by_natural_galore(
       rank=rank,

@@ -19,8 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fisher_optax import _validation
 from fisher_optax.fisher import _rank_one_sum
+from fisher_optax.fisher import validation
 
 PyTree = Any
 RankOneSumFisher = _rank_one_sum.RankOneSumFisher
@@ -148,7 +148,7 @@ def group_obs_update(
   ):
     index = jnp.asarray(drop, jnp.int32)
   else:
-    _validation.check_same_structure(
+    validation.check_same_structure(
       params, drop, what="drop", reference_name="params"
     )
     try:
@@ -274,7 +274,7 @@ def _targets(
 def _check_sparsity(sparsity: Any) -> float:
   if not isinstance(sparsity, (int, float)) or isinstance(sparsity, bool):
     raise TypeError(f"sparsity must be a Python float, got {sparsity!r}.")
-  _validation.check_in_unit_interval("sparsity", sparsity)
+  validation.check_in_unit_interval("sparsity", sparsity)
   return float(sparsity)
 
 
@@ -306,7 +306,7 @@ def magnitude_prune(
     Array([0., 0., 3., 4.], dtype=float32)
   """
   sparsity = _check_sparsity(sparsity)
-  _validation.check_choice("scope", scope, _SCOPES)
+  validation.check_choice("scope", scope, _SCOPES)
   leaves, treedef = jax.tree.flatten(params)
   flags = _resolve_prunable(params, prunable)
   sel = [x for x, f in zip(leaves, flags) if f]
@@ -428,10 +428,10 @@ def obs_prune(
     303ed4c69846ab36c2904d3ba8573050-Abstract.html>`_, 1992
   """
   sparsity = _check_sparsity(sparsity)
-  steps = _validation.check_static_int("steps", steps, minimum=1)
-  _validation.check_choice("scope", scope, _SCOPES)
-  _validation.check_choice("update", update, _UPDATES)
-  _validation.check_positive("damping", damping)
+  steps = validation.check_static_int("steps", steps, minimum=1)
+  validation.check_choice("scope", scope, _SCOPES)
+  validation.check_choice("update", update, _UPDATES)
+  validation.check_positive("damping", damping)
   leaves, treedef = jax.tree.flatten(params)
   flags = _resolve_prunable(params, prunable)
   sel = [x for x, f in zip(leaves, flags) if f]
@@ -442,7 +442,7 @@ def obs_prune(
     grads = grad_fn(
       jax.tree.unflatten(treedef, _merge(leaves, flags, sel)), s - 1
     )
-    _validation.check_leading_axis(grads, params, what="grad_fn output")
+    validation.check_leading_axis(grads, params, what="grad_fn output")
     g_sel = [g for g, f in zip(jax.tree.leaves(grads), flags) if f]
     saliency, fisher = _score(sel, alive, g_sel, damping, block_size=block_size)
     density = (1.0 - sparsity) ** (s / steps)

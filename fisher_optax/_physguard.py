@@ -39,8 +39,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from fisher_optax import _validation
 from fisher_optax import fisher
+from fisher_optax.fisher import validation
 
 PyTree = Any
 ScalarOrSchedule = float | jax.Array | Callable[[jax.Array], jax.Array]
@@ -86,7 +86,7 @@ def init_protected_subspace(params: PyTree, max_rank: int) -> ProtectedSubspace:
   Returns:
     Zero bases and zero ranks.
   """
-  max_rank = _validation.check_static_int("max_rank", max_rank, minimum=1)
+  max_rank = validation.check_static_int("max_rank", max_rank, minimum=1)
   bases = jax.tree.map(
     lambda p: jnp.zeros(
       (max_rank,) + tuple(p.shape), jnp.promote_types(p.dtype, jnp.float32)
@@ -193,15 +193,15 @@ def protected_subspace(
     Saha et al, `Gradient Projection Memory for continual learning
     <https://arxiv.org/abs/2103.09762>`_, 2021.
   """
-  max_rank = _validation.check_static_int("max_rank", max_rank, minimum=1)
-  _validation.check_in_unit_interval("tau", tau, closed_right=True)
+  max_rank = validation.check_static_int("max_rank", max_rank, minimum=1)
+  validation.check_in_unit_interval("tau", tau, closed_right=True)
   like = jax.tree.map(
     lambda g: jax.ShapeDtypeStruct(g.shape[1:], g.dtype), per_example_grads
   )
   if existing is None:
     existing = init_protected_subspace(like, max_rank)
   else:
-    _validation.check_same_structure(
+    validation.check_same_structure(
       existing.rank,
       like,
       what="per_example_grads",
@@ -212,7 +212,7 @@ def protected_subspace(
       raise ValueError(
         f"existing bases have {sorted(rows)} rows but max_rank={max_rank}."
       )
-  _validation.check_leading_axis(
+  validation.check_leading_axis(
     per_example_grads,
     jax.tree.map(lambda b: b[0], existing.bases),
     what="per_example_grads",
@@ -272,9 +272,9 @@ def project_out_subspace(
   References:
     Zhou et al, `PhysGuard <https://arxiv.org/abs/2606.16602>`_, 2026.
   """
-  max_rank = _validation.check_static_int("max_rank", max_rank, minimum=1)
+  max_rank = validation.check_static_int("max_rank", max_rank, minimum=1)
   if not callable(alpha):
-    _validation.check_in_unit_interval("alpha", alpha, closed_right=True)
+    validation.check_in_unit_interval("alpha", alpha, closed_right=True)
   if subspace is not None and not isinstance(subspace, ProtectedSubspace):
     raise TypeError(
       f"subspace must be a ProtectedSubspace, got {type(subspace).__name__}."
@@ -291,7 +291,7 @@ def project_out_subspace(
   def update_fn(updates, state, params=None, **extra_args):
     del params, extra_args
     bases = state.protected_subspace.bases
-    _validation.check_same_structure(updates, bases, what="protected bases")
+    validation.check_same_structure(updates, bases, what="protected bases")
     a = alpha(state.count) if callable(alpha) else alpha
 
     def project(u, b):
@@ -367,9 +367,9 @@ def physguard(
   References:
     Zhou et al, `PhysGuard <https://arxiv.org/abs/2606.16602>`_, 2026.
   """
-  _validation.check_learning_rate(learning_rate)
-  _validation.check_choice("placement", placement, _PLACEMENTS)
-  _validation.check_positive("weight_decay", weight_decay, allow_zero=True)
+  validation.check_learning_rate(learning_rate)
+  validation.check_choice("placement", placement, _PLACEMENTS)
+  validation.check_positive("weight_decay", weight_decay, allow_zero=True)
   project = project_out_subspace(max_rank, alpha, subspace)
   adam = optax.scale_by_adam(b1=b1, b2=b2, eps=eps)
   decay = optax.add_decayed_weights(weight_decay, mask)

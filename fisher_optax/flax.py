@@ -328,9 +328,9 @@ def accumulate_fisher(
 
 
 def _fisher_check_leading(per_example_grads: PyTree, updates: PyTree) -> int:
-  from fisher_optax import _validation  # pylint: disable=g-import-not-at-top
+  from fisher_optax.fisher import validation  # pylint: disable=g-import-not-at-top
 
-  return _validation.check_leading_axis(
+  return validation.check_leading_axis(
     per_example_grads, updates, what="per_example_grads"
   )
 

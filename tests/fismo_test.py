@@ -14,7 +14,7 @@ import numpy as np
 import optax
 
 import fisher_optax
-from fisher_optax import _linalg
+from fisher_optax import _matrix_roots
 from tests import conformance
 
 DN = fisher_optax.FismoDimensionNumbers
@@ -218,7 +218,7 @@ class AlgorithmOracleTest(parameterized.TestCase):
       runs = _run_many(txs, params, [jgrads, jgrads])
       for factor_norm, kw, (ups, states) in zip(norms, kws, runs):
         want = numpy_fismo(
-          grads, coeffs=_linalg.QUINTIC_NS_COEFFS, steps=5, **kw
+          grads, coeffs=_matrix_roots.QUINTIC_NS_COEFFS, steps=5, **kw
         )
         with self.subTest(factor_norm=factor_norm):
           for u, s, (wu, wp, wq) in zip(ups, states, want):
@@ -406,7 +406,9 @@ class RootsTest(parameterized.TestCase):
     )
     _, states = _run(tx, params, _grads(8, (4, 3), 7))
     for t, s in enumerate(states):
-      fresh = _linalg.matrix_inverse_root_eigh(s.left_factor, 2, floor=0.0)
+      fresh = _matrix_roots.matrix_inverse_root_eigh(
+        s.left_factor, 2, floor=0.0
+      )
       if t % 3 == 0:
         np.testing.assert_allclose(s.left_root, fresh, atol=1e-5)
       else:

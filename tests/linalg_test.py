@@ -1,5 +1,5 @@
 # Copyright 2026 The fisher_optax Authors. Licensed under the Apache License 2.0.
-"""Tests for the shared numerics in ``fisher_optax._linalg``."""
+"""Tests for the shared numerics in ``fisher_optax.fisher.linalg`` and ``fisher_optax._matrix_roots``."""
 
 from absl.testing import absltest
 from absl.testing import parameterized
@@ -8,7 +8,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fisher_optax import _linalg
+from fisher_optax import _matrix_roots
+from fisher_optax.fisher import linalg
 
 
 class StackedPushRowsTest(parameterized.TestCase):
@@ -31,8 +32,8 @@ class StackedPushRowsTest(parameterized.TestCase):
       rows = jax.tree.map(
         lambda x: x.astype(jnp.float64), self._tree(jax.random.key(1), k)
       )
-      gram = _linalg.tree_stacked_gram(window)
-      push = jax.jit(_linalg.stacked_push_rows)
+      gram = linalg.tree_stacked_gram(window)
+      push = jax.jit(linalg.stacked_push_rows)
       new_window, new_gram = push(window, gram, rows, index)
       slots = [(index + i) % m for i in range(k)]
       for i, slot in enumerate(slots):
@@ -47,15 +48,15 @@ class StackedPushRowsTest(parameterized.TestCase):
           jax.tree.map(lambda x, s=slot: x[s], window),
         )
       np.testing.assert_allclose(
-        new_gram, _linalg.tree_stacked_gram(new_window), rtol=1e-12
+        new_gram, linalg.tree_stacked_gram(new_window), rtol=1e-12
       )
 
   def test_too_many_rows_raise(self):
     window = self._tree(jax.random.key(0), 2)
     rows = self._tree(jax.random.key(1), 3)
     with self.assertRaisesRegex(ValueError, "window of 2 rows"):
-      _linalg.stacked_push_rows(
-        window, _linalg.tree_stacked_gram(window), rows, 0
+      linalg.stacked_push_rows(
+        window, linalg.tree_stacked_gram(window), rows, 0
       )
 
 
@@ -66,7 +67,7 @@ class TrilInverseTest(parameterized.TestCase):
     with jax.enable_x64(True):
       a = jax.random.normal(jax.random.key(0), (3, 6, 6), jnp.float64)
       chol = jnp.linalg.cholesky(a @ jnp.swapaxes(a, -1, -2) + jnp.eye(6))
-      inv = _linalg.tril_inverse(chol)
+      inv = linalg.tril_inverse(chol)
       for c, i in zip(chol, inv):
         np.testing.assert_allclose(
           i,
@@ -104,17 +105,17 @@ class WoodburyTest(parameterized.TestCase):
       flat_x = np.concatenate([np.asarray(x[k]).ravel() for k in sorted(x)])
       expected = np.linalg.solve(dense, flat_x)
 
-      factor = _linalg.woodbury_factor(
-        _linalg.tree_stacked_gram(stacked), damping, scale
+      factor = linalg.woodbury_factor(
+        linalg.tree_stacked_gram(stacked), damping, scale
       )
-      got = _linalg.woodbury_solve(stacked, factor, x)
+      got = linalg.woodbury_solve(stacked, factor, x)
       flat_got = np.concatenate(
         [np.asarray(got[k]).ravel() for k in sorted(got)]
       )
       np.testing.assert_allclose(flat_got, expected, rtol=1e-9, atol=1e-12)
       np.testing.assert_allclose(dense @ flat_got, flat_x, rtol=1e-9, atol=1e-9)
 
-      normalized = _linalg.woodbury_solve(stacked, factor, x, normalized=True)
+      normalized = linalg.woodbury_solve(stacked, factor, x, normalized=True)
       flat_norm = np.concatenate(
         [np.asarray(normalized[k]).ravel() for k in sorted(normalized)]
       )
@@ -122,7 +123,7 @@ class WoodburyTest(parameterized.TestCase):
         flat_norm, damping * expected, rtol=1e-9, atol=1e-12
       )
 
-      diag = _linalg.woodbury_inverse_diag(stacked, factor)
+      diag = linalg.woodbury_inverse_diag(stacked, factor)
       flat_diag = np.concatenate(
         [np.asarray(diag[k]).ravel() for k in sorted(diag)]
       )
@@ -143,13 +144,13 @@ class WoodburyTest(parameterized.TestCase):
     )
     fx = np.concatenate([np.ones(6), np.arange(5.0)])
     np.testing.assert_allclose(
-      _linalg.tree_stacked_dot(stacked, x), g @ fx, rtol=1e-5
+      linalg.tree_stacked_dot(stacked, x), g @ fx, rtol=1e-5
     )
     np.testing.assert_allclose(
-      _linalg.tree_stacked_gram(stacked), g @ g.T, rtol=1e-5
+      linalg.tree_stacked_gram(stacked), g @ g.T, rtol=1e-5
     )
     z = jnp.array([1.0, -2.0, 0.5, 3.0])
-    comb = _linalg.tree_stacked_combine(stacked, z)
+    comb = linalg.tree_stacked_combine(stacked, z)
     np.testing.assert_allclose(
       np.concatenate([np.asarray(comb["a"]).ravel(), np.asarray(comb["b"])]),
       np.asarray(z) @ g,
@@ -171,14 +172,14 @@ class MatrixRootsAndPolarTest(parameterized.TestCase):
 
     x = jax.random.normal(jax.random.key(0), (7, 5))
     for mat in (x, x.T):
-      ours = jax.jit(_linalg.newton_schulz_polar)(mat)
+      ours = jax.jit(_matrix_roots.newton_schulz_polar)(mat)
       ref = jax.jit(_muon.orthogonalize_via_newton_schulz)(
-        mat, jnp.asarray(_linalg.QUINTIC_NS_COEFFS)
+        mat, jnp.asarray(_matrix_roots.QUINTIC_NS_COEFFS)
       )
       chex.assert_trees_all_close(ours, ref, atol=1e-6)
 
   @parameterized.parameters(
-    ((2.0, -1.5, 0.5), 20), (_linalg.CUBIC_NS_COEFFS, 40)
+    ((2.0, -1.5, 0.5), 20), (_matrix_roots.CUBIC_NS_COEFFS, 40)
   )
   def test_convergent_newton_schulz_is_svd_polar(self, coeffs, steps):
     with jax.enable_x64(True):
@@ -187,31 +188,37 @@ class MatrixRootsAndPolarTest(parameterized.TestCase):
       v, _ = np.linalg.qr(rng.normal(size=(2, 4, 4)))
       s = np.array([1.0, 0.7, 0.4, 0.2])
       x = jnp.asarray((u * s) @ np.swapaxes(v, -1, -2))
-      polar = _linalg.newton_schulz_polar(x, coeffs, steps)
+      polar = _matrix_roots.newton_schulz_polar(x, coeffs, steps)
       want = u @ np.swapaxes(v, -1, -2)
       np.testing.assert_allclose(polar, want, atol=1e-8)
       # The transposed (wide) input goes through the same code path.
       np.testing.assert_allclose(
-        _linalg.newton_schulz_polar(jnp.swapaxes(x, -1, -2), coeffs, steps),
+        _matrix_roots.newton_schulz_polar(
+          jnp.swapaxes(x, -1, -2), coeffs, steps
+        ),
         np.swapaxes(want, -1, -2),
         atol=1e-8,
       )
 
   def test_newton_schulz_per_step_schedule_and_bad_coeffs(self):
     x = jax.random.normal(jax.random.key(2), (4, 4))
-    sched = (_linalg.QUINTIC_NS_COEFFS,) * 3
+    sched = (_matrix_roots.QUINTIC_NS_COEFFS,) * 3
     chex.assert_trees_all_close(
-      _linalg.newton_schulz_polar(x, sched, steps=99),
-      _linalg.newton_schulz_polar(x, _linalg.QUINTIC_NS_COEFFS, steps=3),
+      _matrix_roots.newton_schulz_polar(x, sched, steps=99),
+      _matrix_roots.newton_schulz_polar(
+        x, _matrix_roots.QUINTIC_NS_COEFFS, steps=3
+      ),
     )
     with self.assertRaisesRegex(ValueError, "coefficients"):
-      _linalg.newton_schulz_polar(x, (1.0, 2.0))
+      _matrix_roots.newton_schulz_polar(x, (1.0, 2.0))
 
   @parameterized.parameters(1, 2, 4)
   def test_eigh_inverse_root(self, p):
     with jax.enable_x64(True):
       a = self._spd(3, 6, batch=(2,))
-      root = _linalg.matrix_inverse_root_eigh(jnp.asarray(a), p, floor=0.0)
+      root = _matrix_roots.matrix_inverse_root_eigh(
+        jnp.asarray(a), p, floor=0.0
+      )
       power = root
       for _ in range(p - 1):
         power = power @ root
@@ -223,7 +230,7 @@ class MatrixRootsAndPolarTest(parameterized.TestCase):
   def test_eigh_floor_bounds_the_condition_number(self):
     with jax.enable_x64(True):
       a = jnp.diag(jnp.array([1.0, 1e-12, 0.0, -1e-9]))
-      root = _linalg.matrix_inverse_root_eigh(a, 2, floor=1e-4)
+      root = _matrix_roots.matrix_inverse_root_eigh(a, 2, floor=1e-4)
       mean = 0.25
       self.assertTrue(bool(jnp.all(jnp.isfinite(root))))
       self.assertAlmostEqual(
@@ -233,8 +240,8 @@ class MatrixRootsAndPolarTest(parameterized.TestCase):
   @parameterized.parameters(1, 2, 4)
   def test_newton_cold_start_matches_eigh(self, p):
     a = jnp.asarray(self._spd(4, 8, batch=(3,)), jnp.float32)
-    res = _linalg.matrix_inverse_root_newton(a, p, floor=0.0, tol=1e-5)
-    want = _linalg.matrix_inverse_root_eigh(a, p, floor=0.0)
+    res = _matrix_roots.matrix_inverse_root_newton(a, p, floor=0.0, tol=1e-5)
+    want = _matrix_roots.matrix_inverse_root_eigh(a, p, floor=0.0)
     self.assertTrue(bool(jnp.all(res.error <= 1e-5)))
     np.testing.assert_allclose(res.root, want, rtol=2e-4, atol=2e-4)
 
@@ -242,9 +249,9 @@ class MatrixRootsAndPolarTest(parameterized.TestCase):
     a = self._spd(5, 10, cond=100.0)
     b = a + 0.05 * self._spd(6, 10)  # the factor moved a little
     a, b = jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32)
-    cold = _linalg.matrix_inverse_root_newton(b, 2, floor=0.0, tol=1e-5)
-    old = _linalg.matrix_inverse_root_eigh(a, 2, floor=0.0)
-    warm = _linalg.matrix_inverse_root_newton(
+    cold = _matrix_roots.matrix_inverse_root_newton(b, 2, floor=0.0, tol=1e-5)
+    old = _matrix_roots.matrix_inverse_root_eigh(a, 2, floor=0.0)
+    warm = _matrix_roots.matrix_inverse_root_newton(
       b, 2, init=old, floor=0.0, tol=1e-5
     )
     self.assertLess(int(warm.iterations), int(cold.iterations))
@@ -252,12 +259,12 @@ class MatrixRootsAndPolarTest(parameterized.TestCase):
       warm.root.T @ b @ warm.root, np.eye(10), atol=1e-4
     )
     with self.assertRaisesRegex(ValueError, "p=2"):
-      _linalg.matrix_inverse_root_newton(b, 4, init=old)
+      _matrix_roots.matrix_inverse_root_newton(b, 4, init=old)
 
   def test_cholesky_whitening(self):
     with jax.enable_x64(True):
       a = jnp.asarray(self._spd(7, 5, batch=(2,)))
-      w = _linalg.cholesky_whitening(a, floor=0.0)
+      w = _matrix_roots.cholesky_whitening(a, floor=0.0)
       eye = np.broadcast_to(np.eye(5), a.shape)
       np.testing.assert_allclose(
         jnp.swapaxes(w, -1, -2) @ a @ w, eye, atol=1e-10
@@ -281,7 +288,7 @@ class PushIfFiniteTest(parameterized.TestCase):
       "b": jnp.zeros((m, 3), window_dtype),
     }
     gram = jnp.zeros((m, m), jnp.float32)
-    push = jax.jit(_linalg.stacked_push_rows_if_finite)
+    push = jax.jit(linalg.stacked_push_rows_if_finite)
     for t in range(6):  # wraps around the ring; step 4 pushes a NaN
       k1, k2 = jax.random.split(jax.random.fold_in(key, t))
       x = {
@@ -302,6 +309,6 @@ class PushIfFiniteTest(parameterized.TestCase):
         )
       wide = jax.tree.map(lambda s: s.astype(jnp.float32), window)
       chex.assert_trees_all_close(
-        gram, _linalg.tree_stacked_gram(wide), rtol=1e-6, atol=1e-6
+        gram, linalg.tree_stacked_gram(wide), rtol=1e-6, atol=1e-6
       )
       self.assertEqual(gram.dtype, jnp.float32)

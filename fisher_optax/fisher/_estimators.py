@@ -22,12 +22,12 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from fisher_optax import _linalg
-from fisher_optax import _validation
 from fisher_optax.fisher import _likelihoods
 from fisher_optax.fisher import _per_example
 from fisher_optax.fisher import _statistics
 from fisher_optax.fisher import _taps
+from fisher_optax.fisher import linalg
+from fisher_optax.fisher import validation
 
 PyTree = Any
 ApplyFn = Callable[[PyTree, PyTree], jax.Array]
@@ -127,8 +127,8 @@ def _forward(
   """
   likelihood = _likelihoods.as_likelihood(likelihood)
   _likelihoods.check_kind(likelihood, kind)
-  _validation.check_choice("method", method, METHODS)
-  _validation.check_static_int("num_samples", num_samples, minimum=1)
+  validation.check_choice("method", method, METHODS)
+  validation.check_static_int("num_samples", num_samples, minimum=1)
   chunk_size = _per_example.check_chunk_size(chunk_size)
   del chunk_size
   if not isinstance(batch, (tuple, list)) or len(batch) != 2:
@@ -439,7 +439,7 @@ def _top_k(
   """Top-``rank`` eigvals of ``gram / N`` and weights ``W (M, k)`` so that
   ``V_j = sum_i W[i, j] g_i`` are orthonormal eigvecs of ``G^T G / N``."""
   m = gram.shape[0]
-  gram = _linalg.symmetrize(gram) / count
+  gram = linalg.symmetrize(gram) / count
   vals, vecs = jnp.linalg.eigh(gram)
   vals, vecs = vals[::-1], vecs[:, ::-1]
   if rank > m:  # Fewer pseudo-gradients than directions: pad with zeros.
@@ -470,7 +470,7 @@ def _combine(stacked: PyTree, weights: jax.Array) -> PyTree:
 def _low_rank_from_stacked(
   stacked: PyTree, rank: int, count: jax.Array, mean_grad: PyTree, kind: str
 ) -> _statistics.LowRankFisher:
-  vals, w = _top_k(_linalg.tree_stacked_gram(stacked), rank, count)
+  vals, w = _top_k(linalg.tree_stacked_gram(stacked), rank, count)
   return _statistics.LowRankFisher(
     vals, _combine(stacked, w), mean_grad, count, kind
   )
@@ -538,7 +538,7 @@ def low_rank(
     >>> stat.eigvals.shape, stat.eigvecs["w"].shape
     ((2,), (2, 3, 2))
   """
-  rank = _validation.check_static_int("rank", rank, minimum=1)
+  rank = validation.check_static_int("rank", rank, minimum=1)
   if _under_explicit_mesh(axis_name):
     return _in_auto_axes(
       low_rank,
@@ -615,7 +615,7 @@ def _low_rank_taps(apply_fn, ps, rank, method, chunk_size, kind):
       ps.size,
       chunk_size,
     )
-    gram = gram + _linalg.tree_stacked_gram(sub_stacked)
+    gram = gram + linalg.tree_stacked_gram(sub_stacked)
   vals, w = _top_k(gram, rank, ps.count)
   tree = ps.layers.combine(w.T)
   if sub_stacked is not None:
@@ -690,8 +690,8 @@ def rank_one(
     >>> stat.eigvecs.shape
     (1, 3, 2)
   """
-  _validation.check_choice("direction", direction, ("mean", "top_eig"))
-  _validation.check_choice("scale", scale, ("none", "optimal"))
+  validation.check_choice("direction", direction, ("mean", "top_eig"))
+  validation.check_choice("scale", scale, ("none", "optimal"))
   if _under_explicit_mesh(axis_name):
     return _in_auto_axes(
       rank_one,
@@ -940,8 +940,8 @@ def kronecker(
     Morwani et al, `A new perspective on Shampoo's preconditioner
     <https://arxiv.org/abs/2406.17748>`_, 2024
   """
-  _validation.check_choice("estimator", estimator, ("auto", "kfac", "shampoo"))
-  num_iters = _validation.check_static_int("num_iters", num_iters)
+  validation.check_choice("estimator", estimator, ("auto", "kfac", "shampoo"))
+  num_iters = validation.check_static_int("num_iters", num_iters)
   if _under_explicit_mesh(axis_name):
     return _in_auto_axes(
       kronecker,
@@ -1075,7 +1075,7 @@ def diagonal_from_grads(
     >>> fisher.diagonal_from_grads(jnp.array([[1.0], [3.0]])).diag
     Array([5.], dtype=float32)
   """
-  _validation.check_choice("kind", kind, ("empirical", "batch_squared"))
+  validation.check_choice("kind", kind, ("empirical", "batch_squared"))
   size = _per_example.check_batch_tree(
     per_example_grads, what="per_example_grads"
   )
@@ -1139,7 +1139,7 @@ def diagonal_from_loss(
     >>> fisher.diagonal_from_loss(loss, jnp.zeros(3), (x, y)).diag
     Array([0.33333334, 0.33333334, 0.33333334], dtype=float32)
   """
-  _validation.check_choice("kind", kind, ("empirical", "batch_squared"))
+  validation.check_choice("kind", kind, ("empirical", "batch_squared"))
   size = _per_example.check_batch_tree(batch)
   chunk_size = _per_example.check_chunk_size(chunk_size)
   if axis_name is not None:
@@ -1174,7 +1174,7 @@ def low_rank_from_grads(
   Same Gram-matrix trick as :func:`low_rank` on ``G`` = the given
   ``(B, *leaf)`` gradients.
   """
-  rank = _validation.check_static_int("rank", rank, minimum=1)
+  rank = validation.check_static_int("rank", rank, minimum=1)
   size = _per_example.check_batch_tree(
     per_example_grads, what="per_example_grads"
   )

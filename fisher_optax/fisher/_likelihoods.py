@@ -34,7 +34,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from fisher_optax import _validation
+from fisher_optax.fisher import validation
 
 KINDS = ("empirical", "mc", "exact", "batch_squared")
 
@@ -122,7 +122,7 @@ class Gaussian(Likelihood):
   """
 
   def __init__(self, sigma: float | jax.Array = 1.0):
-    _validation.check_positive("sigma", sigma)
+    validation.check_positive("sigma", sigma)
     self.sigma = sigma
 
   def nll(self, output, target):
@@ -235,7 +235,7 @@ def as_likelihood(likelihood: Any) -> Likelihood:
 
 def check_kind(likelihood: Likelihood, kind: str) -> str:
   """Validates ``kind`` against :data:`KINDS` and what ``likelihood`` can do."""
-  _validation.check_choice("kind", kind, KINDS)
+  validation.check_choice("kind", kind, KINDS)
   if kind not in likelihood.kinds:
     raise ValueError(
       f"kind={kind!r} needs a probabilistic likelihood, but {likelihood!r} "

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fisher_optax import _validation
+from fisher_optax.fisher import validation
 
 PyTree = Any
 
@@ -50,7 +50,7 @@ def check_batch_tree(batch: PyTree, *, what: str = "batch") -> int:
 def check_chunk_size(chunk_size: Any) -> int | None:
   if chunk_size is None:
     return None
-  return _validation.check_static_int("chunk_size", chunk_size, minimum=1)
+  return validation.check_static_int("chunk_size", chunk_size, minimum=1)
 
 
 def map_chunks(

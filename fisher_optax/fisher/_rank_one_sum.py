@@ -20,8 +20,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from fisher_optax import _linalg
-from fisher_optax import _validation
+from fisher_optax.fisher import linalg
+from fisher_optax.fisher import validation
 
 PyTree = Any
 
@@ -104,7 +104,7 @@ class RankOneSumFisher:
       self._treedef,
       [jax.ShapeDtypeStruct(s, jnp.float32) for s in self._shapes],
     )
-    _validation.check_same_structure(
+    validation.check_same_structure(
       ref, v, what=what, reference_name="the gradients"
     )
     for leaf, shape in zip(jax.tree.leaves(v), self._shapes):
@@ -136,8 +136,8 @@ class RankOneSumFisher:
     self._check(v, "v")
     lam = self.damping
     if self.block_size is None:
-      zv = _linalg.tree_stacked_dot(self.whitened, v)
-      corr = _linalg.tree_stacked_combine(self.whitened, zv)
+      zv = linalg.tree_stacked_dot(self.whitened, v)
+      corr = linalg.tree_stacked_combine(self.whitened, zv)
       return jax.tree.map(
         lambda a, c: ((a - c.astype(a.dtype)) / lam.astype(a.dtype)).astype(
           a.dtype
@@ -167,11 +167,11 @@ class RankOneSumFisher:
     lam, m = self.damping, self.num_grads
     hi = jax.lax.Precision.HIGHEST
     if self.block_size is None:
-      zv = _linalg.tree_stacked_dot(self.whitened, v)
+      zv = linalg.tree_stacked_dot(self.whitened, v)
       llz = jnp.matmul(
         self.chol.T, jnp.matmul(self.chol, zv, precision=hi), precision=hi
       )
-      corr = _linalg.tree_stacked_combine(self.whitened, llz / m)
+      corr = linalg.tree_stacked_combine(self.whitened, llz / m)
       return jax.tree.map(
         lambda a, c: (lam * a + c.astype(a.dtype)).astype(a.dtype), v, corr
       )
@@ -270,8 +270,8 @@ class RankOneSumFisher:
 
 
 def _whiten(stacked: PyTree, chol: jax.Array) -> PyTree:
-  """``Z = L^{-1} G`` as a stacked tree (see ``_linalg.tril_inverse``)."""
-  return _linalg.tree_stacked_combine(stacked, _linalg.tril_inverse(chol).T)
+  """``Z = L^{-1} G`` as a stacked tree (see ``linalg.tril_inverse``)."""
+  return linalg.tree_stacked_combine(stacked, linalg.tril_inverse(chol).T)
 
 
 def sum_of_rank_one(
@@ -330,9 +330,9 @@ def sum_of_rank_one(
     Frantar et al, `M-FAC: Efficient Matrix-Free Approximations of
     Second-Order Information <https://arxiv.org/abs/2107.03356>`_, 2021
   """
-  _validation.check_positive("damping", damping)
+  validation.check_positive("damping", damping)
   if block_size is not None:
-    _validation.check_static_int("block_size", block_size, minimum=1)
+    validation.check_static_int("block_size", block_size, minimum=1)
   leaves, treedef = jax.tree.flatten(grads)
   if not leaves:
     raise ValueError("sum_of_rank_one needs gradients with at least one leaf.")
@@ -350,8 +350,8 @@ def sum_of_rank_one(
   grads = jax.tree.map(lambda x: jnp.asarray(x, dtype), grads)
   lam = jnp.asarray(damping, dtype)
   if block_size is None:
-    factor = _linalg.woodbury_factor(
-      _linalg.tree_stacked_gram(grads), lam, 1.0 / m
+    factor = linalg.woodbury_factor(
+      linalg.tree_stacked_gram(grads), lam, 1.0 / m
     )
     return RankOneSumFisher(
       _whiten(grads, factor.chol), factor.chol, lam, None, treedef, shapes, m
@@ -370,7 +370,7 @@ def sum_of_rank_one(
       h = jnp.matmul(g.T, g, precision=jax.lax.Precision.HIGHEST)
       eye = jnp.eye(block_size, dtype=dtype)
       g = jnp.linalg.cholesky(0.5 * (h + h.T) + (m * lam / 2) * eye).T
-    f = _linalg.woodbury_factor(_linalg.tree_stacked_gram(g), form_lam, 1.0 / m)
+    f = linalg.woodbury_factor(linalg.tree_stacked_gram(g), form_lam, 1.0 / m)
     return _whiten(g, f.chol), f.chol
 
   z, chol = jax.vmap(one_block)(blocks)

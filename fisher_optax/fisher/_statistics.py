@@ -20,7 +20,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from fisher_optax import _linalg
+from fisher_optax.fisher import linalg
 
 PyTree = Any
 
@@ -111,11 +111,11 @@ class LowRankFisher:
 
   def project(self, v: PyTree) -> jax.Array:
     """Coordinates ``V v`` of shape ``(k,)``."""
-    return _linalg.tree_stacked_dot(self.eigvecs, jax.tree.map(_wide, v))
+    return linalg.tree_stacked_dot(self.eigvecs, jax.tree.map(_wide, v))
 
   def matvec(self, v: PyTree) -> PyTree:
     """``F v = V^T diag(eigvals) V v``."""
-    out = _linalg.tree_stacked_combine(
+    out = linalg.tree_stacked_combine(
       self.eigvecs, self.eigvals * self.project(v)
     )
     return jax.tree.map(lambda o, x: o.astype(x.dtype), out, v)
@@ -127,7 +127,7 @@ class LowRankFisher:
   def solve(self, v: PyTree, damping: float | jax.Array) -> PyTree:
     """``(F + damping I)^{-1} v`` in closed form (``V`` orthonormal)."""
     coef = self.eigvals / (damping * (self.eigvals + damping))
-    corr = _linalg.tree_stacked_combine(self.eigvecs, coef * self.project(v))
+    corr = linalg.tree_stacked_combine(self.eigvecs, coef * self.project(v))
     return jax.tree.map(
       lambda x, c: (_wide(x) / damping - c).astype(x.dtype), v, corr
     )
@@ -205,8 +205,8 @@ class KroneckerFisher:
 
     def leaf(l, r, x):
       m = _wide(x).reshape(matrix_shape(x.shape))
-      a, qa = jnp.linalg.eigh(_linalg.symmetrize(l))
-      b, qb = jnp.linalg.eigh(_linalg.symmetrize(r))
+      a, qa = jnp.linalg.eigh(linalg.symmetrize(l))
+      b, qb = jnp.linalg.eigh(linalg.symmetrize(r))
       inner = (qa.T @ m @ qb) / (a[:, None] * b[None, :] + damping)
       return (qa @ inner @ qb.T).reshape(x.shape).astype(x.dtype)
 

@@ -26,10 +26,10 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from fisher_optax import _validation
 from fisher_optax.fisher import _estimators
 from fisher_optax.fisher import _likelihoods
 from fisher_optax.fisher import _statistics
+from fisher_optax.fisher import validation
 
 PyTree = Any
 
@@ -56,17 +56,17 @@ def _check_common(apply_fn, likelihood, kind, interval, decay, num_samples):
     likelihood = _likelihoods.as_likelihood(likelihood)
     _likelihoods.check_kind(likelihood, kind)
   else:
-    _validation.check_choice("kind", kind, _likelihoods.KINDS)
+    validation.check_choice("kind", kind, _likelihoods.KINDS)
   if (apply_fn is None) != (likelihood is None):
     raise ValueError(
       "apply_fn and likelihood go together: give both (to "
       "estimate from batch=) or neither (per_example_grads=)."
     )
-  _validation.check_static_int("num_samples", num_samples, minimum=1)
+  validation.check_static_int("num_samples", num_samples, minimum=1)
   if isinstance(interval, (int, float)) and not isinstance(interval, bool):
     if interval < 1:
       raise ValueError(f"interval must be >= 1, got {interval}.")
-  _validation.check_in_unit_interval("decay", decay)
+  validation.check_in_unit_interval("decay", decay)
   return likelihood
 
 
@@ -206,7 +206,7 @@ def estimate_fisher_diag(
 
     def compute():
       if per_example_grads is not None:
-        _validation.check_leading_axis(
+        validation.check_leading_axis(
           per_example_grads, updates, what="per_example_grads"
         )
         stat = _estimators.diagonal_from_grads(
@@ -328,7 +328,7 @@ def estimate_fisher_low_rank(
     >>> state.eigvals
     Array([2. , 0.5], dtype=float32)
   """
-  rank = _validation.check_static_int("rank", rank, minimum=1)
+  rank = validation.check_static_int("rank", rank, minimum=1)
   likelihood = _check_common(
     apply_fn, likelihood, kind, interval, 0.0, num_samples
   )
@@ -361,7 +361,7 @@ def estimate_fisher_low_rank(
 
     def compute():
       if per_example_grads is not None:
-        _validation.check_leading_axis(
+        validation.check_leading_axis(
           per_example_grads, updates, what="per_example_grads"
         )
         stat = _estimators.low_rank_from_grads(per_example_grads, rank=rank)

@@ -1,24 +1,10 @@
 # Copyright 2026 The fisher_optax Authors. Licensed under the Apache License 2.0.
-"""Shared numerics: stacked-tree algebra and Woodbury solves.
+"""Matrix roots for Kronecker-factored preconditioners.
 
-Every consumer of a "sum of rank-one terms" Fisher (Natural GaLore's window,
-M-FAC, low-rank EWC, the engine's Gram-matrix eigenproblems) works with a
-*stacked tree*: a pytree whose leaves carry one extra leading axis ``m`` (one
-slice per gradient). The helpers below treat such a tree as an ``m x d``
-matrix ``G`` without ever flattening or concatenating leaves, so leaf
-shardings survive and XLA only all-reduces ``m`` or ``m x m`` numbers.
-
-Woodbury form (derivation in the M-FAC paper, batched Cholesky variant):
-
-.. math::
-
-  F = \\lambda I + c\\, G^\\top G, \\qquad
-  F^{-1} = \\tfrac{1}{\\lambda}\\bigl(I - G^\\top (G G^\\top
-      + \\tfrac{\\lambda}{c} I)^{-1} G\\bigr) = \\tfrac{1}{\\lambda}(I - Z^\\top Z),
-
-with ``C = G G^T + (lambda / c) I = L L^T`` and ``Z = L^{-1} G``. Zero rows of
-``G`` (an unfilled ring buffer slot) contribute nothing, so partially filled
-windows need no mask.
+Newton-Schulz polar factors (Muon's orthogonalisation), inverse p-th roots
+of symmetric positive semi-definite factors by ``eigh`` or by a coupled
+Newton iteration, and Cholesky whitening. FISMO's trust-region step is built
+from these.
 """
 
 from __future__ import annotations
@@ -28,236 +14,10 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from fisher_optax.fisher import linalg
+
 PyTree = Any
 _HIGHEST = jax.lax.Precision.HIGHEST
-
-
-def _leaf_dot(stacked_leaf: jax.Array, x_leaf: jax.Array) -> jax.Array:
-  axes = tuple(range(1, stacked_leaf.ndim))
-  return jnp.tensordot(
-    stacked_leaf,
-    x_leaf,
-    axes=(axes, tuple(range(x_leaf.ndim))),
-    precision=_HIGHEST,
-  )
-
-
-def tree_stacked_dot(stacked: PyTree, x: PyTree) -> jax.Array:
-  """Returns ``G x`` of shape ``(m,)`` for a stacked tree ``G`` and a tree ``x``."""
-  terms = jax.tree.leaves(jax.tree.map(_leaf_dot, stacked, x))
-  if not terms:
-    raise ValueError("tree_stacked_dot needs at least one leaf.")
-  return sum(t.astype(jnp.result_type(*terms)) for t in terms)
-
-
-def tree_stacked_combine(stacked: PyTree, z: jax.Array) -> PyTree:
-  """Returns ``G^T z``: the tree ``sum_k z[k] * G[k]``."""
-  return jax.tree.map(
-    lambda s: jnp.tensordot(
-      z.astype(s.dtype), s, axes=(0, 0), precision=_HIGHEST
-    ),
-    stacked,
-  )
-
-
-def tree_stacked_gram(a: PyTree, b: PyTree | None = None) -> jax.Array:
-  """Returns ``A B^T`` of shape ``(m_a, m_b)`` for stacked trees (``b=a`` default)."""
-  b = a if b is None else b
-
-  # Contract the trailing axes directly: on XLA:CPU an explicit transpose of
-  # a reshaped window is materialised and is far slower.
-  def leaf_gram(x: jax.Array, y: jax.Array) -> jax.Array:
-    axes = tuple(range(1, x.ndim))
-    return jnp.tensordot(x, y, axes=(axes, axes), precision=_HIGHEST)
-
-  terms = jax.tree.leaves(jax.tree.map(leaf_gram, a, b))
-  if not terms:
-    raise ValueError("tree_stacked_gram needs at least one leaf.")
-  return sum(terms)
-
-
-class WoodburyFactor(NamedTuple):
-  """Cholesky factor of ``C = G G^T + (damping / scale) I``.
-
-  Attributes:
-    chol: lower-triangular ``L`` with ``L L^T = C``, shape ``(m, m)``.
-    damping: ``lambda`` in ``F = lambda I + scale * G^T G``.
-  """
-
-  chol: jax.Array
-  damping: jax.Array
-
-
-def woodbury_factor(
-  gram: jax.Array, damping: jax.Array | float, scale: jax.Array | float = 1.0
-) -> WoodburyFactor:
-  """Factors ``F = damping * I + scale * G^T G`` given ``gram = G G^T``.
-
-  Args:
-    gram: ``(m, m)`` Gram matrix of the stacked gradients.
-    damping: ``lambda > 0``.
-    scale: ``c > 0``; e.g. ``1/m`` for M-FAC's mean of outer products.
-
-  Returns:
-    A :class:`WoodburyFactor` for :func:`woodbury_solve` and friends.
-  """
-  gram = 0.5 * (gram + gram.T)
-  damping = jnp.asarray(damping, gram.dtype)
-  shift = damping / jnp.asarray(scale, gram.dtype)
-  eye = jnp.eye(gram.shape[0], dtype=gram.dtype)
-  chol = jnp.linalg.cholesky(gram + shift * eye)
-  return WoodburyFactor(chol=chol, damping=damping)
-
-
-def _tri_solve(chol: jax.Array, b: jax.Array, *, transpose: bool) -> jax.Array:
-  return jax.scipy.linalg.solve_triangular(
-    chol, b, lower=True, trans=1 if transpose else 0
-  )
-
-
-def woodbury_solve(
-  stacked: PyTree,
-  factor: WoodburyFactor,
-  x: PyTree,
-  *,
-  normalized: bool = False,
-) -> PyTree:
-  """Returns ``F^{-1} x`` (or ``damping * F^{-1} x`` when ``normalized``).
-
-  Cost: two stacked contractions, ``O(m d)``, and two ``m x m`` triangular
-  solves.
-  """
-  gx = tree_stacked_dot(stacked, x).astype(factor.chol.dtype)
-  w = _tri_solve(
-    factor.chol, _tri_solve(factor.chol, gx, transpose=False), transpose=True
-  )
-  correction = tree_stacked_combine(stacked, w)
-  out = jax.tree.map(lambda a, b: a - b.astype(a.dtype), x, correction)
-  if normalized:
-    return out
-  return jax.tree.map(lambda a: a / factor.damping.astype(a.dtype), out)
-
-
-def woodbury_whiten(stacked: PyTree, factor: WoodburyFactor) -> PyTree:
-  """Returns ``Z = L^{-1} G`` as a stacked tree (``F^{-1} = (I - Z^T Z)/lambda``)."""
-  linv = tril_inverse(factor.chol)
-  return jax.tree.map(
-    lambda s: jnp.tensordot(
-      linv.astype(s.dtype), s, axes=(1, 0), precision=_HIGHEST
-    ),
-    stacked,
-  )
-
-
-def woodbury_inverse_diag(stacked: PyTree, factor: WoodburyFactor) -> PyTree:
-  """Returns the diagonal of ``F^{-1}`` as a tree shaped like one slice."""
-  z = woodbury_whiten(stacked, factor)
-  return jax.tree.map(
-    lambda zl: (
-      (1.0 - jnp.sum(jnp.square(zl), axis=0)) / factor.damping.astype(zl.dtype)
-    ),
-    z,
-  )
-
-
-def symmetrize(a: jax.Array) -> jax.Array:
-  """``(A + A^T) / 2`` over the last two axes."""
-  return 0.5 * (a + jnp.swapaxes(a, -1, -2))
-
-
-def stacked_push_rows(
-  stacked: PyTree, gram: jax.Array, rows: PyTree, index: jax.Array | int
-) -> tuple[PyTree, jax.Array]:
-  """Writes ``k`` rows into a ring buffer of ``m`` rows and refreshes its Gram.
-
-  The rows land in slots ``index, index + 1, ..., index + k - 1`` (mod ``m``),
-  overwriting the oldest entries, and only the matching rows and columns of
-  the cached ``gram = G G^T`` are recomputed: ``O(k m d)`` work instead of the
-  ``O(m^2 d)`` of a fresh :func:`tree_stacked_gram`. Entries are recomputed,
-  never accumulated, so the cache does not drift.
-
-  Args:
-    stacked: the window, a stacked tree with leading axis ``m``.
-    gram: its ``(m, m)`` Gram matrix.
-    rows: a stacked tree with leading axis ``k <= m``, same structure.
-    index: the slot of the first new row (traced ints are fine).
-
-  Returns:
-    ``(stacked, gram)`` after the push, in the dtypes of the inputs.
-  """
-  sizes = {x.shape[0] for x in jax.tree.leaves(rows)}
-  if not sizes:  # a tree without leaves: nothing to push
-    return stacked, gram
-  if len(sizes) > 1:
-    raise ValueError(f"rows disagree on the leading axis: {sorted(sizes)}.")
-  k = sizes.pop()
-  m = gram.shape[0]
-  if k > m:
-    raise ValueError(f"cannot push {k} rows into a window of {m} rows.")
-  slots = (jnp.asarray(index, jnp.int32) + jnp.arange(k, dtype=jnp.int32)) % m
-  stored = jax.tree.map(lambda s, r: r.astype(s.dtype), stacked, rows)
-
-  # Contract against the *old* window (window first: on XLA:CPU the
-  # (k, d) x (m, d)^T order of tree_stacked_gram transposes the window, and a
-  # product with the scattered window is not fused well) and patch the
-  # k x k block of the new rows afterwards.
-  # Products accumulate in the Gram's dtype (exact for a bfloat16 window).
-  def cross(s: jax.Array, r: jax.Array) -> jax.Array:
-    axes = tuple(range(1, s.ndim))
-    return jnp.tensordot(
-      s,
-      r,
-      axes=(axes, axes),
-      precision=_HIGHEST,
-      preferred_element_type=gram.dtype,
-    )
-
-  cols = sum(
-    c.astype(gram.dtype)
-    for c in jax.tree.leaves(jax.tree.map(cross, stacked, stored))
-  )  # (m, k)
-  block = sum(
-    c.astype(gram.dtype)
-    for c in jax.tree.leaves(jax.tree.map(cross, stored, stored))
-  )  # (k, k)
-  cols = cols.at[slots].set(block)
-  stacked = jax.tree.map(lambda s, r: s.at[slots].set(r), stacked, stored)
-  gram = gram.at[:, slots].set(cols).at[slots, :].set(cols.T)
-  return stacked, gram
-
-
-def stacked_push_rows_if_finite(
-  stacked: PyTree, gram: jax.Array, rows: PyTree, index: jax.Array | int
-) -> tuple[PyTree, jax.Array, jax.Array]:
-  """:func:`stacked_push_rows` that leaves the window untouched on NaN/Inf rows.
-
-  Non-finite rows are replaced by the current content of their slots, so the
-  push still touches only ``k`` rows (never selects the whole window) and the
-  cached Gram stays the exact Gram of the buffer.
-
-  Returns:
-    ``(stacked, gram, pushed)`` with ``pushed`` a boolean scalar: False when
-    any new row was non-finite (the caller keeps its write index then).
-  """
-  leaves = jax.tree.leaves(rows)
-  if not leaves:
-    return stacked, gram, jnp.asarray(True)
-  finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(r)) for r in leaves]))
-  k = leaves[0].shape[0]
-  slots = (
-    jnp.asarray(index, jnp.int32) + jnp.arange(k, dtype=jnp.int32)
-  ) % gram.shape[0]
-  rows = jax.tree.map(
-    lambda r, s: jnp.where(finite, r.astype(s.dtype), s[slots]), rows, stacked
-  )
-  stacked, gram = stacked_push_rows(stacked, gram, rows, index)
-  return stacked, gram, finite
-
-
-# -- Matrix functions for Kronecker-factored preconditioners (FISMO) ---------
-#
-# All functions below act on the last two axes and broadcast over leading
-# (batch) axes, so a stack of same-shaped factors is one batched call.
 
 # optax.contrib.muon's quintic Newton-Schulz coefficients (Jordan, 2024): fast
 # but only approximately orthogonal (singular values end in ~[0.7, 1.2]).
@@ -310,9 +70,9 @@ def newton_schulz_polar(
   Example::
 
     >>> import jax.numpy as jnp
-    >>> from fisher_optax import _linalg
-    >>> o = _linalg.newton_schulz_polar(jnp.diag(jnp.array([3., 1.])),
-    ...                                 _linalg.CUBIC_NS_COEFFS, steps=30)
+    >>> from fisher_optax import _matrix_roots
+    >>> o = _matrix_roots.newton_schulz_polar(jnp.diag(jnp.array([3., 1.])),
+    ...                                 _matrix_roots.CUBIC_NS_COEFFS, steps=30)
     >>> bool(jnp.allclose(o, jnp.eye(2), atol=1e-4))
     True
 
@@ -381,8 +141,8 @@ def matrix_inverse_root_eigh(
   Example::
 
     >>> import jax.numpy as jnp
-    >>> from fisher_optax import _linalg
-    >>> r = _linalg.matrix_inverse_root_eigh(jnp.diag(jnp.array([4., 1.])))
+    >>> from fisher_optax import _matrix_roots
+    >>> r = _matrix_roots.matrix_inverse_root_eigh(jnp.diag(jnp.array([4., 1.])))
     >>> [round(float(v), 3) for v in jnp.diag(r)]
     [0.5, 1.0]
 
@@ -392,10 +152,10 @@ def matrix_inverse_root_eigh(
   """
   if isinstance(p, bool) or not isinstance(p, int) or p < 1:
     raise ValueError(f"p must be a positive static int, got {p!r}.")
-  evals, evecs = jnp.linalg.eigh(symmetrize(a))
+  evals, evecs = jnp.linalg.eigh(linalg.symmetrize(a))
   evals = _floor_eigenvalues(evals, floor)
   scaled = evecs * (evals ** (-1.0 / p))[..., None, :]
-  return symmetrize(jnp.matmul(scaled, _mT(evecs), precision=_HIGHEST))
+  return linalg.symmetrize(jnp.matmul(scaled, _mT(evecs), precision=_HIGHEST))
 
 
 def _power_iteration_max_eig(a: jax.Array, iters: int) -> jax.Array:
@@ -480,8 +240,8 @@ def matrix_inverse_root_newton(
   Example::
 
     >>> import jax.numpy as jnp
-    >>> from fisher_optax import _linalg
-    >>> res = _linalg.matrix_inverse_root_newton(jnp.diag(jnp.array([4., 1.])))
+    >>> from fisher_optax import _matrix_roots
+    >>> res = _matrix_roots.matrix_inverse_root_newton(jnp.diag(jnp.array([4., 1.])))
     >>> [round(float(v), 3) for v in jnp.diag(res.root)]
     [0.5, 1.0]
 
@@ -496,7 +256,7 @@ def matrix_inverse_root_newton(
     raise ValueError(f"p must be a positive static int, got {p!r}.")
   if init is not None and p != 2:
     raise ValueError("A warm start (init) is only supported for p=2.")
-  a = symmetrize(a)
+  a = linalg.symmetrize(a)
   eye = _batched_eye(a)
   mean = jnp.trace(a, axis1=-2, axis2=-1)[..., None, None] / a.shape[-1]
   a = a + jnp.maximum(floor * mean, jnp.finfo(a.dtype).tiny) * eye
@@ -507,7 +267,7 @@ def matrix_inverse_root_newton(
     m0 = a
   else:
     h0 = init.astype(a.dtype)
-    m0 = symmetrize(mm(_mT(h0), mm(a, h0)))
+    m0 = linalg.symmetrize(mm(_mT(h0), mm(a, h0)))
   # Scale: M0 / c with c ~ lambda_max(M0), H0 * c^{-1/p}.
   c = _power_iteration_max_eig(m0, power_iters)
   c = jnp.where(jnp.isfinite(c) & (c > 0), c, 1.0)[..., None, None]
@@ -525,7 +285,7 @@ def matrix_inverse_root_newton(
     i, m, h, _ = carry
     t = ((p + 1) * eye - m) / p
     if init is not None:  # p == 2, keep M symmetric: M <- T M T.
-      m = symmetrize(mm(t, mm(m, t)))
+      m = linalg.symmetrize(mm(t, mm(m, t)))
     else:
       tp = t
       for _ in range(p - 1):
@@ -539,7 +299,7 @@ def matrix_inverse_root_newton(
   )
   del m
   if init is None:
-    h = symmetrize(h)
+    h = linalg.symmetrize(h)
   return NewtonRootResult(root=h, error=err, iterations=i)
 
 
@@ -564,28 +324,16 @@ def cholesky_whitening(
   Example::
 
     >>> import jax.numpy as jnp
-    >>> from fisher_optax import _linalg
+    >>> from fisher_optax import _matrix_roots
     >>> a = jnp.array([[4., 2.], [2., 3.]])
-    >>> w = _linalg.cholesky_whitening(a, floor=0.0)
+    >>> w = _matrix_roots.cholesky_whitening(a, floor=0.0)
     >>> bool(jnp.allclose(w.T @ a @ w, jnp.eye(2), atol=1e-5))
     True
   """
-  a = symmetrize(a)
+  a = linalg.symmetrize(a)
   eye = _batched_eye(a)
   mean = jnp.trace(a, axis1=-2, axis2=-1)[..., None, None] / a.shape[-1]
   a = a + jnp.maximum(floor * mean, jnp.finfo(a.dtype).tiny) * eye
   chol = jnp.linalg.cholesky(a)
   linv = jax.scipy.linalg.solve_triangular(chol, eye, lower=True)
   return _mT(linv)
-
-
-def tril_inverse(chol: jax.Array) -> jax.Array:
-  """Returns ``L^{-1}`` for lower-triangular ``L`` (batched over leading axes).
-
-  Uses an LU-based inverse: on XLA:CPU, ``triangular_solve`` with a matrix
-  right-hand side is about 100x slower than ``jnp.linalg.inv`` at
-  ``128 x 128`` (measured with jax 0.10.2), which dominated M-FAC's blocked
-  factorization. For the well-conditioned damped factors used here the LU
-  inverse is as accurate; the result is re-triangularized.
-  """
-  return jnp.tril(jnp.linalg.inv(chol))

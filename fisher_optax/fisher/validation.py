@@ -9,7 +9,9 @@ the same).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -110,3 +112,95 @@ def check_leading_axis(tree: Any, like: Any, *, what: str) -> int:
       f"{what} leaves disagree on the leading (batch) axis: {sorted(sizes)}."
     )
   return sizes.pop() if sizes else 0
+
+
+# Where a transform's Fisher comes from: one keyword, ``fisher_source``, and
+# one set of values across the library (documented in ``fisher_optax.fisher``).
+FISHER_SOURCES: tuple[str, ...] = ("batch", "per_example")
+
+
+def check_fisher_source(
+  value: Any, *, function: str, legacy: dict[str, str] | None = None
+) -> str:
+  """Validates a ``fisher_source=`` value; old spellings warn and translate.
+
+  Args:
+    value: ``"batch"`` or ``"per_example"`` (or a key of ``legacy``).
+    function: the transform's name, for messages.
+    legacy: deprecated spellings this transform accepted before, mapped to
+      their current value.
+
+  Returns:
+    The canonical value.
+  """
+  if legacy and value in legacy:
+    warn_deprecated(
+      f"{function}(fisher_source={value!r}) is deprecated; use "
+      f"fisher_source={legacy[value]!r}.",
+      stacklevel=4,
+    )
+    return legacy[value]
+  return check_choice("fisher_source", value, FISHER_SOURCES)
+
+
+# -- deprecations --------------------------------------------------------------
+
+
+class FisherOptaxDeprecationWarning(DeprecationWarning):
+  """Warned when a deprecated fisher_optax name, keyword or value is used."""
+
+
+_MISSING = object()
+
+
+def warn_deprecated(message: str, *, stacklevel: int = 3) -> None:
+  warnings.warn(message, FisherOptaxDeprecationWarning, stacklevel=stacklevel)
+
+
+def module_getattr(module: str, renamed: Mapping[str, tuple[str, Any]]):
+  """A module ``__getattr__`` serving old names with a deprecation warning.
+
+  Args:
+    module: the module's ``__name__`` (for the error message).
+    renamed: ``old name -> (new name, object)``.
+
+  Returns:
+    A function to assign to the module's ``__getattr__``.
+  """
+
+  def __getattr__(name: str) -> Any:
+    if name in renamed:
+      new, obj = renamed[name]
+      warn_deprecated(
+        f"{module}.{name} is deprecated; use {new}.", stacklevel=3
+      )
+      return obj
+    raise AttributeError(f"module {module!r} has no attribute {name!r}")
+
+  return __getattr__
+
+
+def renamed_keyword(
+  function: str,
+  old: str,
+  old_value: Any,
+  new: str,
+  new_value: Any,
+  *,
+  value_map: Mapping[Any, Any] | None = None,
+) -> Any:
+  """Resolves a renamed keyword argument (``old_value`` is ``None`` if unset).
+
+  Returns ``new_value`` when the old keyword is unset; otherwise warns and
+  returns the old value (translated by ``value_map``). Passing both raises.
+  """
+  if old_value is None:
+    return new_value
+  if new_value is not None:
+    raise TypeError(f"{function}: pass {new}= only ({old}= is deprecated).")
+  translated = value_map.get(old_value, old_value) if value_map else old_value
+  warn_deprecated(
+    f"{function}({old}={old_value!r}) is deprecated; use {new}={translated!r}.",
+    stacklevel=4,
+  )
+  return translated
