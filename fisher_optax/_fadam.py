@@ -1,5 +1,50 @@
 # Copyright 2026 The fisher_optax Authors. Licensed under the Apache License 2.0.
-"""FAdam: Adam read as natural gradient descent with a diagonal Fisher."""
+r"""FAdam: Adam read as natural gradient descent with a diagonal Fisher.
+
+:func:`scale_by_fadam` states the rule; these are the decisions taken where
+the paper and its reference implementations disagree or are silent:
+
+* ``eps_mode="paper"`` puts :math:`\hat\epsilon` outside the power as Adam's
+  :math:`\sqrt{\hat v} + \epsilon`, with the power :math:`2p` so that it has
+  the units of :math:`f^p`. This form was reconstructed from the reference
+  implementations' histories (the pytorch_optimizer 3.11+ form); we could not
+  retrieve the body of the paper's Algorithm 1 to check it.
+  ``eps_mode="v3"`` reproduces paper v3 and older ports:
+  :math:`\hat\epsilon = \epsilon \min(1, \mathrm{RMS}(g))`,
+  :math:`d = f^p + \hat\epsilon`.
+* When :math:`\mathrm{RMS}(g) = 0` (a whole leaf without gradient), both
+  modes use :math:`\hat\epsilon = \epsilon`, so zero-Fisher entries give
+  ``0 / eps`` = 0, not the ``0 / 0`` of paper v3; the decay still acts.
+* :math:`\hat\epsilon^{2p}` is floored at the smallest normal number of the
+  compute dtype, so :math:`d` never underflows to 0.
+* The clip divides by :math:`\max(1, \mathrm{RMS}/c)` as the paper writes it;
+  all FAdam_PyTorch revisions and pytorch_optimizer <= 4.0 divide by
+  :math:`\max(1, \mathrm{RMS})/c`, which differs when ``clip != 1``.
+* One step counter for all leaves (optax has no missing gradients; exclude
+  leaves from the decay with ``weight_decay_mask``).
+* A step whose gradient is non-finite (or whose natural gradient overflows)
+  leaves the state, ``count`` included, unchanged and returns NaN updates for
+  every leaf, so the failure reaches the caller; wrap the optimizer in
+  :func:`optax.apply_if_finite` to skip such steps.
+* Statistics are computed in (at least) float32 and stored, by default, in
+  ``promote(param dtype, float32)``; the updates keep the gradient's dtype.
+
+**Where the Fisher comes from** (``fisher_source``). ``"batch"`` (the paper)
+squares the mean gradient :math:`\bar g` that the transform receives as
+``updates``. ``"per_example"`` (beyond the paper and its ports) uses the true
+diagonal empirical Fisher :math:`\frac1B \sum_b g_b^2`, the engine's
+:func:`fisher_optax.fisher.diagonal_from_grads` of a ``per_example_grads``
+extra argument (the updates' tree with a leading batch axis), or a
+precomputed ``fisher`` extra argument (a
+:class:`fisher_optax.fisher.DiagonalFisher` or its ``.diag`` tree). The
+numerator and :math:`\mathrm{RMS}(g)` still use the mean gradient. Since
+:math:`\frac1B\sum_b g_b^2 = \bar g^2 + \mathrm{Var}(g_b)`, the Fisher is up
+to about :math:`B` times larger when per-example gradients are noisy, so
+unclipped steps shrink by up to :math:`B^{p}` (:math:`\sqrt B` at
+``p = 1/2``) and are no longer sign-like: retune the learning rate (typically
+upwards) and expect the clip to bind less often. The old value
+``"batch_squared"`` still means ``"batch"`` but is deprecated.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +56,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from fisher_optax import fisher
+from fisher_optax.fisher import numerics
 from fisher_optax.fisher import validation
 
 PyTree = Any
@@ -18,7 +65,7 @@ ScalarOrSchedule = float | jax.Array | optax.Schedule
 MaskOrFn = PyTree | Callable[[PyTree], PyTree] | None
 
 _EPS_MODES = ("paper", "v3")
-_FISHER_SOURCES = ("batch_squared", "per_example")
+_LEGACY_SOURCES = {"batch_squared": "batch"}
 
 
 class FAdamState(NamedTuple):
@@ -36,26 +83,51 @@ class FAdamState(NamedTuple):
   fim: optax.Updates
 
 
-def _state_dtype(leaf: Any, override: jnp.dtype | None) -> jnp.dtype:
-  # Statistics default to at least float32, also for bf16/f16 params.
-  if override is not None:
-    return override
-  return jnp.promote_types(jnp.result_type(leaf), jnp.float32)
+class _Hyper(NamedTuple):
+  """The per-step hyperparameters (floats, or arrays under inject)."""
+
+  b1: Any
+  eps: Any
+  eps2: Any
+  clip: Any
+  p: Any
+  weight_decay: Any
+  eps_mode: str
+  sqrt_p: bool  # p == 0.5, known statically: sqrt instead of a power.
 
 
-def _debiased_b2(b2: Any, count: jax.Array) -> jax.Array:
-  """Returns b2 (1 - b2^(t-1)) / (1 - b2^t) in the widest float available."""
-  # A float32 value alone moves a 25-step float64 trajectory by ~1e-6.
-  wide = jax.dtypes.canonicalize_dtype(jnp.float64)
-  b2 = jnp.asarray(b2, jnp.promote_types(jnp.result_type(b2), wide))
-  t = count.astype(b2.dtype)
-  return b2 * (1.0 - b2 ** (t - 1.0)) / (1.0 - b2**t)
+class _LeafPlan(NamedTuple):
+  """Pass 1's per-leaf results: the clips as scalar coefficients."""
+
+  g: jax.Array  # The gradient in the compute dtype.
+  sq: jax.Array  # The instantaneous Fisher diagonal.
+  b2_hat: jax.Array
+  eps_term: jax.Array
+  coef_n: jax.Array  # (1 - b1) / max(1, RMS(n) / c).
+  coef_w: jax.Array | None  # lambda / max(1, RMS(w) / c); None: no decay.
+  mean_squares: tuple[jax.Array, jax.Array]  # (ms(g), ms(g / d)).
 
 
-def _mean_square(x: jax.Array) -> jax.Array:
-  # A reduction, not a dot: a dot over sharded axes needs an explicit
-  # out_sharding under explicit-sharding meshes.
-  return jnp.mean(jnp.square(x))
+def _checked_hyper(
+  b1: Any,
+  b2: Any,
+  eps: Any,
+  eps2: Any,
+  clip: Any,
+  p: Any,
+  weight_decay: Any,
+  eps_mode: str,
+) -> _Hyper:
+  validation.check_in_unit_interval("b1", b1)
+  validation.check_in_unit_interval("b2", b2)
+  validation.check_positive("eps", eps, allow_zero=True)
+  validation.check_positive("eps2", eps2, allow_zero=True)
+  validation.check_positive("clip", clip)
+  validation.check_positive("p", p)
+  validation.check_positive("weight_decay", weight_decay, allow_zero=True)
+  validation.check_choice("eps_mode", eps_mode, _EPS_MODES)
+  sqrt_p = isinstance(p, (int, float)) and p == 0.5
+  return _Hyper(b1, eps, eps2, clip, p, weight_decay, eps_mode, sqrt_p)
 
 
 def scale_by_fadam(
@@ -71,18 +143,19 @@ def scale_by_fadam(
   fim_dtype: jax.typing.DTypeLike | None = None,
   *,
   eps_mode: str = "paper",
-  fisher_source: str = "batch_squared",
+  fisher_source: str = "batch",
 ) -> optax.GradientTransformationExtraArgs:
   r"""Rescales updates by the FAdam rule (Fisher Adam), before the lr.
 
-  For each leaf (parameter tensor) with gradient :math:`g`, at step
+  For each leaf (parameter tensor) with gradient :math:`g` and instantaneous
+  Fisher diagonal :math:`s` (:math:`g^2`, see ``fisher_source``), at step
   :math:`t = 1, 2, \dots` and with :math:`\mathrm{RMS}(x) = \sqrt{\mathrm{mean}
   (x^2)}` over that leaf's elements:
 
   .. math::
 
     \hat\beta_2 &= \beta_2 \frac{1 - \beta_2^{t-1}}{1 - \beta_2^t}, \qquad
-    f \leftarrow \hat\beta_2 f + (1 - \hat\beta_2)\, g^2 \\
+    f \leftarrow \hat\beta_2 f + (1 - \hat\beta_2)\, s \\
     \hat\epsilon &= \min(\epsilon, \epsilon_2 \mathrm{RMS}(g)), \qquad
     d = f^p + \hat\epsilon^{2p} \\
     n &= \frac{g / d}{\max(1, \mathrm{RMS}(g / d) / c)}, \qquad
@@ -90,59 +163,13 @@ def scale_by_fadam(
     w &= \frac{\theta / d}{\max(1, \mathrm{RMS}(\theta / d) / c)}, \qquad
     u = m + \lambda w .
 
-  The output :math:`u` is the step before the learning rate:
-  :func:`fadam` applies :math:`\theta \leftarrow \theta - \eta u`. With the
-  time-dependent :math:`\hat\beta_2` (exactly 0 at :math:`t = 1`), :math:`f`
-  equals Adam's bias-corrected second moment, so no further correction
-  follows. The momentum averages the preconditioned, clipped gradient and is
-  not bias-corrected. The decay :math:`\lambda\theta` is read as the gradient
-  of a Gaussian prior, so it is preconditioned by the same :math:`d` and
-  clipped on its own, and it bypasses the momentum. ``p = 1/2`` is Adam's
-  square root; ``p = 1`` the plain inverse diagonal Fisher. Clipping is per
-  leaf (no global norm). The paper's argument needs a log-likelihood loss
-  (cross-entropy, a Gaussian NLL): the squared gradient of another loss is not
-  a Fisher.
-
-  Decisions and ambiguities:
-
-  * ``eps_mode="paper"`` is the rule above; :math:`\hat\epsilon` sits outside
-    the power as Adam's :math:`\sqrt{\hat v} + \epsilon`, with the power
-    :math:`2p` so that it has the units of :math:`f^p`. This form was
-    reconstructed from the reference implementations' histories (the
-    pytorch_optimizer 3.11+ form); we could not retrieve the body of the
-    paper's Algorithm 1 to check it. ``eps_mode="v3"`` reproduces paper v3 and
-    older ports: :math:`\hat\epsilon = \epsilon \min(1, \mathrm{RMS}(g))`,
-    :math:`d = f^p + \hat\epsilon`.
-  * When :math:`\mathrm{RMS}(g) = 0` (a whole leaf without gradient), both
-    modes use :math:`\hat\epsilon = \epsilon`, so zero-Fisher entries give
-    ``0 / eps`` = 0, not the ``0 / 0`` of paper v3; the decay still acts.
-  * :math:`\hat\epsilon^{2p}` is floored at the smallest normal number of the
-    compute dtype, so :math:`d` never underflows to 0.
-  * The clip divides by :math:`\max(1, \mathrm{RMS}/c)` as the paper writes
-    it; all FAdam_PyTorch revisions and pytorch_optimizer <= 4.0 divide by
-    :math:`\max(1, \mathrm{RMS})/c`, which differs when ``clip != 1``.
-  * One step counter for all leaves (optax has no missing gradients; exclude
-    leaves from the decay with ``weight_decay_mask``).
-  * A step whose gradient is non-finite (or whose natural gradient
-    overflows) leaves the state, ``count`` included, unchanged and returns
-    NaN updates for every leaf, so the failure reaches the caller; wrap the
-    optimizer in :func:`optax.apply_if_finite` to skip such steps.
-  * Statistics are computed in (at least) float32 and stored, by default, in
-    ``promote(param dtype, float32)``; the updates keep the gradient's dtype.
-
-  ``fisher_source="per_example"`` (beyond the paper and its ports) replaces
-  :math:`g^2` in the Fisher update by the true diagonal empirical Fisher
-  :math:`\frac1B \sum_b g_b^2`, the mean of per-example squared gradients,
-  read from a ``per_example_grads`` extra argument (the updates' tree with a
-  leading batch axis) or from a ``fisher`` extra (a
-  :class:`fisher_optax.fisher.DiagonalFisher` or its ``.diag`` tree). The
-  numerator and :math:`\mathrm{RMS}(g)` still use the mean gradient
-  ``updates``. Since :math:`\frac1B\sum_b g_b^2 = \bar g^2 +
-  \mathrm{Var}(g_b)`, the Fisher is up to about :math:`B` times larger when
-  per-example gradients are noisy, so unclipped steps shrink by up to
-  :math:`B^{p}` (:math:`\sqrt B` at ``p = 1/2``) and are no longer sign-like:
-  retune the learning rate (typically upwards) and expect the clip to bind
-  less often.
+  :math:`u` is the step before the learning rate; :math:`f` equals Adam's
+  bias-corrected second moment (:math:`\hat\beta_2 = 0` at :math:`t = 1`);
+  the momentum is not bias-corrected. The decay is the gradient of a Gaussian
+  prior: preconditioned by :math:`d`, clipped on its own, outside the
+  momentum. The argument needs a log-likelihood loss (cross-entropy, a
+  Gaussian NLL). The module documentation lists the decisions taken where the
+  sources disagree (epsilon form, zero leaves, clip, non-finite steps).
 
   Args:
     b1: decay rate of the momentum of the natural gradient.
@@ -154,15 +181,16 @@ def scale_by_fadam(
       direction; ``float("inf")`` disables both clips.
     p: power of the Fisher in the preconditioner (``0.5``: Adam).
     weight_decay: :math:`\lambda`, the Fisher-preconditioned weight decay.
-    weight_decay_mask: a tree of bools with the params' structure (or a
-      callable ``params -> tree``); leaves marked ``False`` get no decay.
-      Under :func:`optax.inject_hyperparams` list a callable in
-      ``static_args``.
+    weight_decay_mask: a tree of static bools with the params' structure (or
+      a prefix of it, or a callable ``params -> tree``); leaves marked
+      ``False`` get no decay. Under :func:`optax.inject_hyperparams` list a
+      callable in ``static_args``.
     mu_dtype: dtype of the momentum; default ``promote(param, float32)``.
     fim_dtype: dtype of the Fisher diagonal; default as ``mu_dtype``.
-    eps_mode: ``"paper"`` (default) or ``"v3"``, see above.
-    fisher_source: ``"batch_squared"`` (default, the paper's
-      :math:`\bar g^2`) or ``"per_example"`` (see above).
+    eps_mode: ``"paper"`` (default) or ``"v3"`` (paper v3's epsilon).
+    fisher_source: ``"batch"`` (default, the paper's :math:`s = \bar g^2`)
+      or ``"per_example"`` (:math:`s = \frac1B \sum_b g_b^2`, from the
+      ``per_example_grads`` or ``fisher`` extra argument).
 
   Returns:
     An :class:`optax.GradientTransformationExtraArgs` with state
@@ -185,31 +213,18 @@ def scale_by_fadam(
     Hwang, `FAdam: Adam is a natural gradient optimizer using diagonal
     empirical Fisher information <https://arxiv.org/abs/2405.12807>`_, 2024
   """
-  validation.check_in_unit_interval("b1", b1)
-  validation.check_in_unit_interval("b2", b2)
-  validation.check_positive("eps", eps, allow_zero=True)
-  validation.check_positive("eps2", eps2, allow_zero=True)
-  validation.check_positive("clip", clip)
-  validation.check_positive("p", p)
-  validation.check_positive("weight_decay", weight_decay, allow_zero=True)
-  validation.check_choice("eps_mode", eps_mode, _EPS_MODES)
-  validation.check_choice("fisher_source", fisher_source, _FISHER_SOURCES)
-  mu_dtype = _canonical_float_dtype("mu_dtype", mu_dtype)
-  fim_dtype = _canonical_float_dtype("fim_dtype", fim_dtype)
+  hyper = _checked_hyper(b1, b2, eps, eps2, clip, p, weight_decay, eps_mode)
+  source = validation.check_fisher_source(
+    fisher_source, function="scale_by_fadam", legacy=_LEGACY_SOURCES
+  )
+  mu_dtype = numerics.canonical_float_dtype("mu_dtype", mu_dtype)
+  fim_dtype = numerics.canonical_float_dtype("fim_dtype", fim_dtype)
   # Python branches on floats only when they are concrete (inject_hyperparams
   # passes arrays).
   no_decay = isinstance(weight_decay, (int, float)) and weight_decay == 0
-  sqrt_p = isinstance(p, (int, float)) and p == 0.5
 
   def init_fn(params: optax.Params) -> FAdamState:
-    # zeros_like keeps a concrete input's sharding.
-    mu = jax.tree.map(
-      lambda x: jnp.zeros_like(x, _state_dtype(x, mu_dtype)), params
-    )
-    fim = jax.tree.map(
-      lambda x: jnp.zeros_like(x, _state_dtype(x, fim_dtype)), params
-    )
-    return FAdamState(count=jnp.zeros([], jnp.int32), mu=mu, fim=fim)
+    return _init_state(params, mu_dtype, fim_dtype)
 
   def update_fn(
     updates: optax.Updates,
@@ -221,111 +236,15 @@ def scale_by_fadam(
     **extra_args: Any,
   ) -> tuple[optax.Updates, FAdamState]:
     del extra_args
-    treedef = jax.tree.structure(updates)
-    grads = treedef.flatten_up_to(updates)
-    n_leaves = len(grads)
+    decay = _decay_mask(weight_decay_mask, updates, params, no_decay)
+    stats = _fisher_statistic(source, updates, per_example_grads, fisher)
+    return _fadam_update(updates, state, params, decay, stats, b2, hyper)
 
-    decay_mask = _decay_mask(weight_decay_mask, updates, params, no_decay)
-    if params is None and any(m is not False for m in decay_mask):
-      raise ValueError(
-        "scale_by_fadam applies a Fisher-preconditioned weight decay and "
-        "needs the current params: call update(updates, state, params), or "
-        "set weight_decay=0."
-      )
-    thetas = (
-      [None] * n_leaves
-      if params is None
-      else _flatten_like(params, updates, "params")
-    )
-    sq_stats = _fisher_statistic(
-      fisher_source, updates, per_example_grads, fisher
-    )
-
-    count_inc = optax.safe_increment(state.count)
-    b2_hat = _debiased_b2(b2, count_inc)
-
-    def eps_term_of(ms_g: jax.Array, cd: jnp.dtype) -> jax.Array:
-      rms_g = jnp.sqrt(ms_g)
-      if eps_mode == "paper":
-        eps_hat = jnp.minimum(eps, eps2 * rms_g)
-      else:
-        eps_hat = eps * jnp.minimum(1.0, rms_g)
-      eps_hat = jnp.where(rms_g > 0, eps_hat, eps).astype(cd)
-      term = eps_hat if (eps_mode == "v3" or sqrt_p) else eps_hat ** (2.0 * p)
-      return jnp.maximum(term, jnp.finfo(cd).tiny)
-
-    def denominator(f: jax.Array, eps_term: jax.Array) -> jax.Array:
-      return (
-        jnp.sqrt(f) if sqrt_p else f ** jnp.asarray(p, f.dtype)
-      ) + eps_term
-
-    # Pass 1: per-leaf scalars (RMS of g, n and w). The clips become scalar
-    # coefficients, so pass 2 fuses into one sweep over each leaf.
-    leaves, finite = [], []
-    for g, f_old, theta, mask, sq in zip(
-      grads, treedef.flatten_up_to(state.fim), thetas, decay_mask, sq_stats
-    ):
-      if jnp.size(g) == 0:  # Nothing to precondition; avoid mean([]) = NaN.
-        leaves.append(None)
-        continue
-      cd = jnp.promote_types(jnp.result_type(g), jnp.float32)
-      g32 = jnp.asarray(g, cd)
-      bh = b2_hat.astype(cd)
-      sq = jnp.square(g32) if sq is None else jnp.asarray(sq, cd)
-      ms_g = _mean_square(g32)
-      eps_term = eps_term_of(ms_g, cd)
-      d = denominator(bh * f_old.astype(cd) + (1.0 - bh) * sq, eps_term)
-      ms_n = _mean_square(g32 / d)
-      # (1 - b1) n / max(1, RMS(n) / c) and lambda w / max(1, RMS(w) / c) as
-      # scalar coefficients of g / d and theta / d.
-      coef_n = (1.0 - b1) / jnp.maximum(1.0, jnp.sqrt(ms_n) / clip)
-      coef_w = None
-      if mask is not False:
-        ms_w = _mean_square(jnp.asarray(theta, cd) / d)
-        coef_w = weight_decay / jnp.maximum(1.0, jnp.sqrt(ms_w) / clip)
-        if mask is not True:  # A traced mask entry.
-          coef_w = jnp.where(mask, coef_w, 0.0)
-      finite.append(jnp.isfinite(ms_g) & jnp.isfinite(ms_n))
-      leaves.append((g32, sq, bh, eps_term, coef_n, coef_w))
-
-    # Pass 2: state and output. A non-finite step keeps the state and returns
-    # NaN updates; the selects act on scalars and on the gradient, never on
-    # whole state arrays, so XLA can update the state in place.
-    ok = jnp.all(jnp.stack(finite)) if finite else jnp.array(True)
-    outs, mus, fims = [], [], []
-    for g, leaf, m_old, f_old, theta in zip(
-      grads,
-      leaves,
-      treedef.flatten_up_to(state.mu),
-      treedef.flatten_up_to(state.fim),
-      thetas,
-    ):
-      if leaf is None:
-        outs.append(g)
-        mus.append(m_old)
-        fims.append(f_old)
-        continue
-      g32, sq, bh, eps_term, coef_n, coef_w = leaf
-      cd = g32.dtype
-      zero = jnp.zeros((), cd)
-      f = jnp.where(ok, bh, 1.0) * f_old.astype(cd) + jnp.where(
-        ok, 1.0 - bh, zero
-      ) * jnp.where(ok, sq, zero)
-      d = denominator(f, jnp.where(ok, eps_term, 1.0).astype(cd))
-      m = jnp.where(ok, b1, 1.0) * m_old.astype(cd) + jnp.where(
-        ok, coef_n, zero
-      ) * (jnp.where(ok, g32, zero) / d)
-      out = m if coef_w is None else m + coef_w * (jnp.asarray(theta, cd) / d)
-      out = jnp.where(ok, out, jnp.nan)
-      outs.append(out.astype(jnp.result_type(g)))
-      mus.append(m.astype(m_old.dtype))
-      fims.append(f.astype(f_old.dtype))
-    count = jnp.where(ok, count_inc, state.count)
-    return treedef.unflatten(outs), FAdamState(
-      count=count, mu=treedef.unflatten(mus), fim=treedef.unflatten(fims)
-    )
-
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  # optax types update's state as OptState; ours is an FAdamState.
+  return optax.GradientTransformationExtraArgs(
+    init_fn,
+    update_fn,  # pyright: ignore[reportArgumentType]
+  )
 
 
 def fadam(
@@ -342,7 +261,7 @@ def fadam(
   fim_dtype: jax.typing.DTypeLike | None = None,
   *,
   eps_mode: str = "paper",
-  fisher_source: str = "batch_squared",
+  fisher_source: str = "batch",
 ) -> optax.GradientTransformationExtraArgs:
   r"""FAdam (Fisher Adam): natural gradient with a diagonal empirical Fisher.
 
@@ -375,8 +294,9 @@ def fadam(
     mu_dtype: dtype of the momentum (default: at least float32).
     fim_dtype: dtype of the Fisher diagonal (default: at least float32).
     eps_mode: ``"paper"`` or ``"v3"`` (paper v3's epsilon).
-    fisher_source: ``"batch_squared"`` or ``"per_example"`` (needs a
-      ``per_example_grads`` or ``fisher`` extra argument in ``update``).
+    fisher_source: ``"batch"`` (the squared mean gradient) or
+      ``"per_example"`` (needs a ``per_example_grads`` or ``fisher`` extra
+      argument in ``update``).
 
   Returns:
     An :class:`optax.GradientTransformationExtraArgs`.
@@ -400,6 +320,9 @@ def fadam(
     empirical Fisher information <https://arxiv.org/abs/2405.12807>`_, 2024
   """
   validation.check_learning_rate(learning_rate)
+  fisher_source = validation.check_fisher_source(
+    fisher_source, function="fadam", legacy=_LEGACY_SOURCES
+  )
   return optax.chain(
     scale_by_fadam(
       b1=b1,
@@ -419,19 +342,169 @@ def fadam(
   )
 
 
-# -- helpers -------------------------------------------------------------------
+# -- the rule, leaf by leaf ----------------------------------------------------
 
 
-def _canonical_float_dtype(name: str, dtype: Any) -> jnp.dtype | None:
-  if dtype is None:
-    return None
-  try:
-    dtype = jax.dtypes.canonicalize_dtype(dtype)
-  except TypeError as e:
-    raise TypeError(f"{name} must be a float dtype, got {dtype!r}.") from e
-  if not jnp.issubdtype(dtype, jnp.floating):
-    raise TypeError(f"{name} must be a float dtype, got {dtype}.")
-  return dtype
+def _zeros(leaf: Any, override: jnp.dtype | None) -> jax.Array:
+  # Statistics default to at least float32, also for bf16/f16 params;
+  # zeros_like keeps a concrete input's sharding.
+  dtype = numerics.compute_dtype(leaf) if override is None else override
+  return jnp.zeros_like(leaf, dtype)
+
+
+def _init_state(
+  params: optax.Params,
+  mu_dtype: jnp.dtype | None,
+  fim_dtype: jnp.dtype | None,
+) -> FAdamState:
+  return FAdamState(
+    count=jnp.zeros([], jnp.int32),
+    mu=jax.tree.map(lambda x: _zeros(x, mu_dtype), params),
+    fim=jax.tree.map(lambda x: _zeros(x, fim_dtype), params),
+  )
+
+
+def _debiased_b2(b2: Any, count: jax.typing.ArrayLike) -> jax.Array:
+  """Returns b2 (1 - b2^(t-1)) / (1 - b2^t) in the widest float available."""
+  # A float32 value alone moves a long float64 trajectory visibly.
+  wide = jax.dtypes.canonicalize_dtype(jnp.float64)
+  b2 = jnp.asarray(b2, jnp.promote_types(jnp.result_type(b2), wide))
+  t = jnp.asarray(count).astype(b2.dtype)
+  return b2 * (1.0 - b2 ** (t - 1.0)) / (1.0 - b2**t)
+
+
+def _mean_square(x: jax.Array) -> jax.Array:
+  # A reduction, not a dot: a dot over sharded axes needs an explicit
+  # out_sharding under explicit-sharding meshes.
+  return jnp.mean(jnp.square(x))
+
+
+def _eps_term(ms_g: jax.Array, cd: jnp.dtype, hp: _Hyper) -> jax.Array:
+  """The epsilon added to ``f^p``: ``eps_hat^(2p)`` (paper) or ``eps_hat``."""
+  rms_g = jnp.sqrt(ms_g)
+  if hp.eps_mode == "paper":
+    eps_hat = jnp.minimum(hp.eps, hp.eps2 * rms_g)
+  else:
+    eps_hat = hp.eps * jnp.minimum(1.0, rms_g)
+  eps_hat = jnp.where(rms_g > 0, eps_hat, hp.eps).astype(cd)
+  if hp.eps_mode == "v3" or hp.sqrt_p:
+    term = eps_hat
+  else:
+    term = eps_hat ** (2.0 * hp.p)
+  return jnp.maximum(term, jnp.finfo(cd).tiny)
+
+
+def _denominator(f: jax.Array, eps_term: jax.Array, hp: _Hyper) -> jax.Array:
+  power = jnp.sqrt(f) if hp.sqrt_p else f ** jnp.asarray(hp.p, f.dtype)
+  return power + eps_term
+
+
+def _leaf_plan(
+  g: jax.Array,
+  f_old: jax.Array,
+  theta: jax.Array | None,
+  decay: bool,
+  sq: jax.Array | None,
+  b2_hat: jax.Array,
+  hp: _Hyper,
+) -> _LeafPlan:
+  """Pass 1: the per-leaf scalars (RMS of g, n and w) of one leaf.
+
+  The clips become scalar coefficients, so pass 2 fuses into one sweep.
+  """
+  cd = numerics.compute_dtype(g)
+  g32 = jnp.asarray(g, cd)
+  bh = b2_hat.astype(cd)
+  sq = jnp.square(g32) if sq is None else jnp.asarray(sq, cd)
+  ms_g = _mean_square(g32)
+  eps_term = _eps_term(ms_g, cd, hp)
+  d = _denominator(bh * f_old.astype(cd) + (1.0 - bh) * sq, eps_term, hp)
+  ms_n = _mean_square(g32 / d)
+  coef_n = (1.0 - hp.b1) / jnp.maximum(1.0, jnp.sqrt(ms_n) / hp.clip)
+  coef_w = None
+  if decay:
+    ms_w = _mean_square(jnp.asarray(theta, cd) / d)
+    coef_w = hp.weight_decay / jnp.maximum(1.0, jnp.sqrt(ms_w) / hp.clip)
+  return _LeafPlan(g32, sq, bh, eps_term, coef_n, coef_w, (ms_g, ms_n))
+
+
+def _leaf_step(
+  g: jax.Array,
+  plan: _LeafPlan,
+  m_old: jax.Array,
+  f_old: jax.Array,
+  theta: jax.Array | None,
+  ok: jax.Array,
+  hp: _Hyper,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """Pass 2: one leaf's output, momentum and Fisher.
+
+  A non-finite step (``ok`` False) keeps the state and returns NaN. The
+  selects act on scalars and on the gradient, never on whole state arrays,
+  so XLA can update the state in place.
+  """
+  g32, cd = plan.g, plan.g.dtype
+  zero = jnp.zeros((), cd)
+  f = jnp.where(ok, plan.b2_hat, 1.0) * f_old.astype(cd) + jnp.where(
+    ok, 1.0 - plan.b2_hat, zero
+  ) * jnp.where(ok, plan.sq, zero)
+  d = _denominator(f, jnp.where(ok, plan.eps_term, 1.0).astype(cd), hp)
+  m = jnp.where(ok, hp.b1, 1.0) * m_old.astype(cd) + jnp.where(
+    ok, plan.coef_n, zero
+  ) * (jnp.where(ok, g32, zero) / d)
+  out = m
+  if plan.coef_w is not None:
+    out = m + plan.coef_w * (jnp.asarray(theta, cd) / d)
+  out = jnp.where(ok, out, jnp.nan)
+  return (
+    out.astype(jnp.result_type(g)),
+    m.astype(m_old.dtype),
+    f.astype(f_old.dtype),
+  )
+
+
+def _fadam_update(
+  updates: optax.Updates,
+  state: FAdamState,
+  params: optax.Params | None,
+  decay: list[bool],
+  stats: list[Any],
+  b2: Any,
+  hp: _Hyper,
+) -> tuple[optax.Updates, FAdamState]:
+  """One FAdam step over all leaves (two passes, see the leaf functions)."""
+  treedef = jax.tree.structure(updates)
+  grads = treedef.flatten_up_to(updates)
+  mus = treedef.flatten_up_to(state.mu)
+  fims = treedef.flatten_up_to(state.fim)
+  thetas = (
+    [None] * len(grads)
+    if params is None
+    else _flatten_like(params, updates, "params")
+  )
+  count_inc = optax.safe_increment(state.count)
+  b2_hat = _debiased_b2(b2, count_inc)
+  plans = [
+    # An empty leaf has nothing to precondition (and mean([]) is NaN).
+    None if jnp.size(g) == 0 else _leaf_plan(g, f, th, dc, sq, b2_hat, hp)
+    for g, f, th, dc, sq in zip(grads, fims, thetas, decay, stats)
+  ]
+  ok = numerics.tree_all_finite(
+    [pl.mean_squares for pl in plans if pl is not None]
+  )
+  steps = [
+    (g, m, f) if plan is None else _leaf_step(g, plan, m, f, theta, ok, hp)
+    for g, plan, m, f, theta in zip(grads, plans, mus, fims, thetas)
+  ]
+  outs, new_mus, new_fims = zip(*steps) if steps else ((), (), ())
+  return treedef.unflatten(outs), FAdamState(
+    count=jnp.where(ok, count_inc, state.count),
+    mu=treedef.unflatten(new_mus),
+    fim=treedef.unflatten(new_fims),
+  )
+
+
+# -- inputs ---------------------------------------------------------------------
 
 
 def _flatten_like(tree: PyTree, like: PyTree, what: str) -> list[Any]:
@@ -446,15 +519,23 @@ def _flatten_like(tree: PyTree, like: PyTree, what: str) -> list[Any]:
   return leaves
 
 
+def _static_bool(m: Any) -> Any:
+  # A concrete array entry (jnp.array(True)) is as static as a Python bool;
+  # anything else is left for the mask resolver to reject.
+  if isinstance(m, (int, np.ndarray, jax.Array)) and np.ndim(m) == 0:
+    try:
+      return bool(m)
+    except jax.errors.ConcretizationTypeError:
+      return m
+  return m
+
+
 def _decay_mask(
   mask: MaskOrFn, updates: PyTree, params: PyTree | None, no_decay: bool
-) -> list[Any]:
-  """Per-leaf decay flags: False, True or a traced bool."""
-  n = len(jax.tree.leaves(updates))
+) -> list[bool]:
+  """Per-leaf decay flags (static Python bools); checks params are given."""
   if no_decay:
-    return [False] * n
-  if mask is None:
-    return [True] * n
+    return [False] * len(jax.tree.leaves(updates))
   if callable(mask):
     if params is None:
       raise ValueError(
@@ -462,24 +543,29 @@ def _decay_mask(
         "update(updates, state, params)."
       )
     mask = mask(params)
-  validation.check_same_structure(updates, mask, what="weight_decay_mask")
-  return [
-    bool(m) if isinstance(m, (bool, int, np.bool_)) else m
-    for m in jax.tree.leaves(mask)
-  ]
+  if mask is not None:
+    mask = jax.tree.map(_static_bool, mask)
+  resolved = numerics.resolve_mask(mask, updates, name="weight_decay_mask")
+  decay = jax.tree.leaves(resolved)
+  if params is None and any(decay):
+    raise ValueError(
+      "scale_by_fadam applies a Fisher-preconditioned weight decay and "
+      "needs the current params: call update(updates, state, params), or "
+      "set weight_decay=0."
+    )
+  return decay
 
 
 def _fisher_statistic(
   source: str,
   updates: PyTree,
   per_example_grads: PyTree | None,
-  fisher: Any | None,
+  stat: Any | None,
 ) -> list[Any]:
   """Per-leaf instantaneous Fisher diagonal, or None for g^2."""
-  n = len(jax.tree.leaves(updates))
-  if source == "batch_squared":
-    return [None] * n
-  if per_example_grads is not None and fisher is not None:
+  if source == "batch":
+    return [None] * len(jax.tree.leaves(updates))
+  if per_example_grads is not None and stat is not None:
     raise ValueError(
       "fisher_source='per_example' got both per_example_grads and fisher; "
       "pass only one."
@@ -490,17 +576,11 @@ def _fisher_statistic(
     )
     if batch == 0:
       raise ValueError("per_example_grads has an empty batch axis.")
-    return [
-      jnp.mean(
-        jnp.square(
-          jnp.asarray(x, jnp.promote_types(jnp.result_type(x), jnp.float32))
-        ),
-        axis=0,
-      )
-      for x in jax.tree.leaves(per_example_grads)
-    ]
-  if fisher is not None:
-    diag = getattr(fisher, "diag", fisher)
+    diag = fisher.diagonal_from_grads(per_example_grads, kind="empirical")
+    return jax.tree.leaves(diag.diag)
+  if stat is not None:
+    # A fisher.DiagonalFisher (or any object with .diag) or the tree itself.
+    diag = getattr(stat, "diag", stat)
     return _flatten_like(diag, updates, "fisher.diag")
   raise ValueError(
     "fisher_source='per_example' needs a per_example_grads=... (the "

@@ -12,9 +12,10 @@ import numpy as np
 import optax
 
 import fisher_optax
+from fisher_optax.fisher import validation
 from tests import conformance
 
-# -- a float64 NumPy re-implementation of spec §1 ----------------------------
+# -- a float64 NumPy re-implementation of the rule in scale_by_fadam ----------
 
 
 def _rms(x: np.ndarray) -> float:
@@ -37,7 +38,7 @@ def numpy_fadam(
   decay=None,
   fisher_seq=None,
 ):
-  """Runs spec §1 in float64; returns the params after every step and flags.
+  """Runs the FAdam rule in float64; returns params after every step, flags.
 
   ``fisher_seq[t][i]`` replaces g^2 of leaf i at step t (per-example Fisher);
   ``decay[i]`` False turns the decay off for leaf i.
@@ -326,6 +327,24 @@ class FAdamPerExampleTest(parameterized.TestCase):
     for fb, fp in zip(s_b.fim, s_p.fim):
       self.assertTrue(bool(jnp.all(fp >= fb - 1e-7)))
       self.assertTrue(bool(jnp.any(fp > 1.5 * fb)))
+
+  def test_batch_squared_is_deprecated_batch(self):
+    theta0, _, grads, _ = _per_example_problem()
+    hp = dict(_HPARAMS)
+    lr = hp.pop("lr")
+    for factory, args in (
+      (fisher_optax.fadam, (lr,)),
+      (fisher_optax.scale_by_fadam, ()),
+    ):
+      with self.assertWarnsRegex(
+        validation.FisherOptaxDeprecationWarning, "fisher_source='batch'"
+      ) as cm:
+        old = factory(*args, fisher_source="batch_squared", **hp)
+      self.assertEqual(cm.filename, __file__)  # Points at the caller.
+      new = factory(*args, fisher_source="batch", **hp)
+      got_old, s_old = _run_fadam(old, theta0, grads, jnp.float32)
+      got_new, s_new = _run_fadam(new, theta0, grads, jnp.float32)
+      chex.assert_trees_all_equal((got_old, s_old), (got_new, s_new))
 
   def test_errors(self):
     params = {"a": jnp.ones((3, 2)), "b": jnp.ones((4,))}

@@ -45,7 +45,7 @@ class FAdamShardedTest(absltest.TestCase):
       "b": NamedSharding(mesh, P("data", "model")),
     }
 
-    for source in ("batch_squared", "per_example"):
+    for source in ("batch", "per_example"):
       tx = fisher_optax.fadam(1e-2, p=0.75, clip=0.8, fisher_source=source)
 
       def step(params, state, grads, peg, tx=tx):
