@@ -130,7 +130,7 @@ def _stats(apply_fn, params, inputs, cot, structure, chunk_size=None):
 
 @functools.partial(jax.jit, static_argnums=(0, 4, 5))
 def _jit_stats(apply_fn, params, inputs, cot, structure, chunk_size):
-  return _taps.layer_statistics(
+  return fisher_testing.layer_statistics(
     apply_fn, params, inputs, cot, structure=structure, chunk_size=chunk_size
   )
 
@@ -168,14 +168,14 @@ class LayerStatisticsTest(parameterized.TestCase):
       @jax.jit
       def run(params, inputs, cot, weights):
         out = {
-          st: _taps.layer_statistics(
+          st: fisher_testing.layer_statistics(
             apply_fn, params, inputs, cot, structure=st, chunk_size=chunk
           )[0]
           for st in ("diag", "norms", "gram")
         }
-        out["combine"] = _taps.combine(apply_fn, params, inputs, cot, weights)[
-          0
-        ]
+        out["combine"] = fisher_testing.layer_combine(
+          apply_fn, params, inputs, cot, weights
+        )[0]
         out["g"] = _pseudo_grads(apply_fn, params, inputs, cot)
         return out
 
@@ -207,10 +207,10 @@ class LayerStatisticsTest(parameterized.TestCase):
           return jax.vmap(lambda rs: vjp(rs)[0])(r)
 
         g = jax.vmap(one, in_axes=(0, 1))(ids, cot)  # (B, S, ...)
-        diag, covered = _taps.layer_statistics(
+        diag, covered = fisher_testing.layer_statistics(
           apply_fn, params, ids, cot, structure="diag"
         )
-        norms, _ = _taps.layer_statistics(
+        norms, _ = fisher_testing.layer_statistics(
           apply_fn, params, ids, cot, structure="norms"
         )
         return g, diag, norms, covered
@@ -239,7 +239,7 @@ class LayerStatisticsTest(parameterized.TestCase):
     @jax.jit
     def run(params, inputs, cot):
       return [
-        _taps.layer_statistics(
+        fisher_testing.layer_statistics(
           apply_fn, params, inputs, cot, structure="diag", chunk_size=c
         )[0]
         for c in (1, 4, None)
@@ -332,7 +332,7 @@ class LayerStatisticsTest(parameterized.TestCase):
           diag0=lg.statistics("diag"),
           want0=both.take(slice(0, 1)).statistics("diag"),
           diag12=both.take(slice(1, None)).statistics("diag"),
-          want12=_taps.layer_statistics(
+          want12=fisher_testing.layer_statistics(
             apply_fn, params, inputs, cot[1:], structure="diag"
           )[0],
         )
@@ -437,7 +437,9 @@ class NumericsAndTracingTest(parameterized.TestCase):
     @jax.jit
     @chex.assert_max_traces(n=1)
     def stats(p, x, c):
-      return _taps.layer_statistics(apply_fn, p, x, c, structure="diag")[0]
+      return fisher_testing.layer_statistics(
+        apply_fn, p, x, c, structure="diag"
+      )[0]
 
     cot = _cotangents(out_dim, dtype=jnp.float32)
     stats(params, inputs, cot)
@@ -475,7 +477,7 @@ class ErrorsTest(parameterized.TestCase):
       structure="diag",
     )
     args.update(kw)
-    return _taps.layer_statistics(**args)
+    return fisher_testing.layer_statistics(**args)
 
   def test_bad_structure(self):
     with self.assertRaisesRegex(ValueError, "structure must be one of"):
@@ -506,7 +508,7 @@ class ErrorsTest(parameterized.TestCase):
 
   def test_bad_combine_weights(self):
     with self.assertRaisesRegex(ValueError, r"weights must have shape"):
-      _taps.combine(
+      fisher_testing.layer_combine(
         fisher_testing.mlp_apply,
         self.params,
         self.x,

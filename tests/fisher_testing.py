@@ -1,6 +1,10 @@
 # Copyright 2026 The fisher_optax Authors. Licensed under the Apache License 2.0.
 """Shared test helpers: a tiny MLP and dense ``jax.jacobian`` Fisher oracles.
 
+At the end, test-only entry points to the engine's internals: layer
+statistics straight from a recorded tape (with per-example norms) and the
+Woodbury whitening, which the package computes inside its estimators.
+
 The oracles never call :mod:`fisher_optax.fisher`: they build the full
 ``P x P`` Fisher of a tiny model from the per-example Jacobian
 ``J_n = d f(x_n) / d theta`` and closed-form output statistics, so any
@@ -28,6 +32,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from fisher_optax.fisher import _taps
+from fisher_optax.fisher import linalg
 
 PyTree = Any
 
@@ -240,3 +247,118 @@ def top_eig(dense: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
   """Top-``k`` eigenpairs ``(vals (k,) descending, vecs (k, P))``."""
   vals, vecs = jnp.linalg.eigh(dense)
   return vals[::-1][:k], vecs[:, ::-1][:, :k].T
+
+
+# -- layer-statistics and Woodbury helpers only the tests use ------------------
+#
+# The engine computes these inside its estimators; the tests call them
+# directly to check the layer path and the Woodbury algebra leaf by leaf.
+
+LAYER_STRUCTURES = ("diag", "kron", "gram", "norms")
+
+
+def _check_chunk(chunk_size) -> None:
+  if chunk_size is not None and (
+    not isinstance(chunk_size, (int, np.integer))
+    or isinstance(chunk_size, bool)
+    or chunk_size < 1
+  ):
+    raise ValueError(
+      f"chunk_size must be None or a positive int, got {chunk_size!r}."
+    )
+
+
+def layer_norms(layer_grads: Any) -> PyTree:
+  """``|g_i|^2`` per covered leaf, ``(S * B,)`` ordered ``i = s * B + n``.
+
+  The "ghost norm" of a (weight-shared) dense layer,
+  :math:`\\langle a a^\\top, \\delta \\delta^\\top \\rangle`, from a
+  ``_taps.LayerGrads`` (reads its per-site views).
+  """
+  out = {}
+  for leaf, s, role in layer_grads._leaf_items():
+    site, act, delta, _ = layer_grads._site(s)
+    if role == "bias":
+      out[leaf] = jnp.sum(jnp.sum(delta, axis=2) ** 2, axis=-1).reshape(-1)
+      continue
+    if site.kind == "embed":
+      same = (act[:, :, None] == act[:, None, :]).astype(delta.dtype)
+    elif act.shape[1] == 1:
+      a2 = jnp.sum(act[:, 0] ** 2, axis=-1)
+      out[leaf] = (jnp.sum(delta[:, :, 0] ** 2, axis=-1) * a2).reshape(-1)
+      continue
+    else:
+      same = jnp.einsum("ntd,nud->ntu", act, act)
+    dd = jnp.einsum("sntd,snud->sntu", delta, delta)
+    out[leaf] = jnp.einsum("ntu,sntu->sn", same, dd).reshape(-1)
+  return layer_grads._unflatten(out)
+
+
+def layer_statistics(
+  apply_fn: Callable[[PyTree, PyTree], PyTree],
+  params: PyTree,
+  inputs: PyTree,
+  cotangents: PyTree,
+  *,
+  structure: str,
+  chunk_size: int | None = None,
+  axis_name: str | None = None,
+) -> tuple[Any, PyTree]:
+  """``(stats, covered)`` of ``_taps.record(...).backward(cotangents)``.
+
+  ``structure`` is one of ``LayerGrads.statistics``' (``"diag"``,
+  ``"kron"``, ``"gram"``) or ``"norms"`` (:func:`layer_norms`);
+  ``cotangents`` is ``(S, B, *out_shape)``.
+  """
+  if structure not in LAYER_STRUCTURES:
+    raise ValueError(
+      f"structure must be one of {LAYER_STRUCTURES}, got {structure!r}."
+    )
+  _check_chunk(chunk_size)
+  tape = _taps.record(apply_fn, params, inputs, axis_name=axis_name)
+  grads = tape.backward(cotangents)
+  if structure == "norms":
+    return layer_norms(grads), tape.covered
+  return grads.statistics(structure, chunk_size=chunk_size), tape.covered
+
+
+def layer_combine(
+  apply_fn: Callable[[PyTree, PyTree], PyTree],
+  params: PyTree,
+  inputs: PyTree,
+  cotangents: PyTree,
+  weights: jax.Array,
+  *,
+  axis_name: str | None = None,
+) -> tuple[PyTree, PyTree]:
+  """``(sum_i weights[:, i] g_i, covered)``; ``weights`` is ``(k, S * B)``."""
+  lead = jax.tree.leaves(cotangents)[0].shape[:2]
+  if np.ndim(weights) != 2 or np.shape(weights)[1] != int(np.prod(lead)):
+    raise ValueError(
+      f"weights must have shape (k, S * B) = (k, {int(np.prod(lead))}); "
+      f"got {np.shape(weights)}."
+    )
+  tape = _taps.record(apply_fn, params, inputs, axis_name=axis_name)
+  return tape.backward(cotangents).combine(weights), tape.covered
+
+
+def woodbury_whiten(stacked: PyTree, factor: Any) -> PyTree:
+  """``Z = L^{-1} G`` as a stacked tree (``F^{-1} = (I - Z^T Z)/lambda``)."""
+  linv = linalg.tril_inverse(factor.chol)
+  return jax.tree.map(
+    lambda s: jnp.tensordot(
+      linv.astype(s.dtype), s, axes=(1, 0), precision=jax.lax.Precision.HIGHEST
+    ),
+    stacked,
+  )
+
+
+def woodbury_inverse_diag(stacked: PyTree, factor: Any) -> PyTree:
+  """The diagonal of ``F^{-1}`` of a ``linalg.woodbury_factor``, one slice."""
+  z = woodbury_whiten(stacked, factor)
+  return jax.tree.map(
+    lambda zl: (
+      (1.0 - jnp.sum(jnp.square(zl), axis=0)) / factor.damping.astype(zl.dtype)
+    ),
+    z,
+  )

@@ -65,16 +65,22 @@ the usual models; the per-example path needs the first one too.
 
 Ordering: statistics indexed by ``i`` run over ``i = s * B + n``.
 
-**One pass.** :func:`layer_statistics` and :func:`combine` each trace and run
-their own forward pass. A caller that also needs the outputs and the batch
-gradient can share one forward pass (and, for the empirical Fisher, one
-backward pass)::
+**One pass.** :func:`record` traces the model once with taps in place; a
+caller that also needs the outputs and the batch gradient shares that
+forward pass (and, for the empirical Fisher, one backward pass):
 
-  tape = record(apply_fn, params, inputs)      # forward, taps in place
-  r = d_loss_d_outputs(tape.outputs, targets)  # (B, *out)
-  grad_sum, layer_grads = tape.gradient(r)     # one backward: grad + delta
-  diag = layer_grads.statistics("diag")        # sum_n g_n^2, covered leaves
-  deltas = tape.backward(cotangents)           # S more (mc / exact), vmapped
+>>> import jax.numpy as jnp
+>>> from fisher_optax.fisher import _taps
+>>> apply_fn = lambda p, x: x @ p["w"] + p["b"]
+>>> params = {"w": jnp.ones((3, 2)), "b": jnp.zeros(2)}
+>>> tape = _taps.record(apply_fn, params, jnp.ones((4, 3)))  # taps in place
+>>> r = tape.outputs - 1.0  # d loss / d outputs, (B, *out)
+>>> grad_sum, layer_grads = tape.gradient(r)  # one backward: grad + delta
+>>> layer_grads.statistics("diag")["w"].shape  # sum_n g_n^2
+(3, 2)
+>>> more = tape.backward(jnp.stack([r, -r]))  # S more cotangents, vmapped
+>>> more.statistics("gram").shape  # <g_i, g_j>, i = s * B + n
+(8, 8)
 
 References:
   Goodfellow, `Efficient per-example gradient computations
@@ -99,10 +105,12 @@ import jax.extend.core as jex
 import jax.numpy as jnp
 import numpy as np
 
+from fisher_optax.fisher import numerics
+
 Array = jax.Array
 PyTree = Any
 
-STRUCTURES = ("diag", "kron", "gram", "norms")
+STRUCTURES = ("diag", "kron", "gram")
 
 # Call-like primitives whose body is looked into (and inlined when it holds a
 # tapped layer), with the name of the parameter holding the body.
@@ -217,14 +225,32 @@ def _is_bias_view(eqn, kind) -> bool:
   )
 
 
-def _scan(
-  jaxpr,
-  env: dict,
-  path: tuple[int, ...],
-  batch: int,
-  plan: _Plan,
-  uses: list[list[tuple[str, int]]],
-) -> list:
+@dataclasses.dataclass
+class _Walk:
+  """Matching state shared by the recursive walk over (sub-)jaxprs.
+
+  ``uses[leaf]`` lists every use of a parameter leaf as ``(role, site)``;
+  a leaf is covered when its only use is one matched role.
+  """
+
+  batch: int
+  plan: _Plan
+  uses: list[list[tuple[str, int]]]
+
+  def other(self, kind) -> None:
+    """Records an opaque use of a (viewed) parameter leaf."""
+    if kind is not None and kind[0] in ("param", "bias"):
+      self.uses[kind[1]].append(("other", -1))
+
+  def add_site(self, site: _Site, role: str) -> int:
+    index = len(self.plan.sites)
+    self.plan.sites.append(site)
+    self.plan.site_at[site.path] = index
+    self.uses[site.kernel].append((role, index))
+    return index
+
+
+def _scan(jaxpr, env: dict, path: tuple[int, ...], walk: _Walk) -> list:
   """Walks a jaxpr, matching layers; returns the kinds of its outputs.
 
   ``env`` maps a variable to ``("param", leaf)`` (a leaf, possibly cast),
@@ -232,96 +258,117 @@ def _scan(
   dense product with a single consumer chain).
   """
   counts = _var_uses(jaxpr)
-
-  def other(kind):
-    if kind is not None and kind[0] in ("param", "bias"):
-      uses[kind[1]].append(("other", -1))
-
   for i, eqn in enumerate(jaxpr.eqns):
     kinds = [env.get(v) if isinstance(v, jex.Var) else None for v in eqn.invars]
     if not any(kinds):
       continue
     here = path + (i,)
-    name = eqn.primitive.name
-    sub = _sub_jaxpr(eqn)
-    if sub is not None:
-      inner, _ = sub
-      inner_env = {v: k for v, k in zip(inner.invars, kinds) if k}
-      n_sites = len(plan.sites)
-      out_kinds = _scan(inner, inner_env, here, batch, plan, uses)
-      if len(plan.sites) > n_sites:
-        plan.inline.add(here)
-      for v, k in zip(eqn.outvars, out_kinds):
-        if k is not None:
-          env[v] = k
-      continue
-    if name in _PASS_THROUGH and kinds[0] is not None and len(kinds) == 1:
-      k = kinds[0]
-      if k[0] in ("param", "bias") or (
-        k[0] == "site" and counts[eqn.invars[0]] == 1
-      ):
-        env[eqn.outvars[0]] = k
-        continue
-    if (
-      name == "dot_general"
-      and (kinds[0] is None or kinds[0][0] == "site")
-      and kinds[1] is not None
-      and kinds[1][0] == "param"
-      and _is_dense(eqn, batch)
-    ):
-      site = len(plan.sites)
-      plan.sites.append(_Site("dense", here, kinds[1][1]))
-      plan.site_at[here] = site
-      uses[kinds[1][1]].append(("kernel", site))
-      if counts[eqn.outvars[0]] == 1:
-        env[eqn.outvars[0]] = ("site", site)
-      continue
-    if (
-      name == "gather"
-      and kinds[0] is not None
-      and kinds[1] is None
-      and kinds[0][0] == "param"
-      and _is_embed(eqn, batch)
-    ):
-      site = len(plan.sites)
-      plan.sites.append(
-        _Site(
-          "embed",
-          here,
-          kinds[0][1],
-          mode=eqn.params["mode"],
-          num_rows=eqn.invars[0].aval.shape[0],
-        )
-      )
-      plan.site_at[here] = site
-      uses[kinds[0][1]].append(("table", site))
-      continue
-    if name in ("reshape", "broadcast_in_dim") and _is_bias_view(eqn, kinds[0]):
-      env[eqn.outvars[0]] = ("bias", kinds[0][1])
-      continue
-    if name == "add" and len(kinds) == 2:
-      for j in (0, 1):
-        site_k, bias_k = kinds[j], kinds[1 - j]
-        if (
-          site_k is not None
-          and site_k[0] == "site"
-          and bias_k is not None
-          and bias_k[0] == "bias"
-          and eqn.invars[j].aval.shape[-1] == eqn.invars[1 - j].aval.shape[-1]
-          and eqn.outvars[0].aval.shape == eqn.invars[j].aval.shape
-        ):
-          site = plan.sites[site_k[1]]
-          if site.bias is None:
-            site.bias = bias_k[1]
-            uses[bias_k[1]].append(("bias", site_k[1]))
-            break
-      else:
-        for k in kinds:
-          other(k)
-      continue
-    for k in kinds:
-      other(k)
+    if _sub_jaxpr(eqn) is not None:
+      _scan_call(eqn, kinds, env, here, walk)
+    elif not _match(eqn, kinds, env, here, walk, counts):
+      for k in kinds:
+        walk.other(k)
   return [env.get(v) if isinstance(v, jex.Var) else None for v in jaxpr.outvars]
+
+
+def _scan_call(eqn, kinds: list, env: dict, here: tuple[int, ...], walk: _Walk):
+  """Walks a call's body; the call is inlined at eval if it holds a site."""
+  inner, _ = _sub_jaxpr(eqn)  # pyright: ignore[reportGeneralTypeIssues]
+  inner_env = {v: k for v, k in zip(inner.invars, kinds) if k}
+  n_sites = len(walk.plan.sites)
+  out_kinds = _scan(inner, inner_env, here, walk)
+  if len(walk.plan.sites) > n_sites:
+    walk.plan.inline.add(here)
+  for v, k in zip(eqn.outvars, out_kinds):
+    if k is not None:
+      env[v] = k
+
+
+def _match(
+  eqn, kinds: list, env: dict, here: tuple[int, ...], walk: _Walk, counts
+) -> bool:
+  """Records the cast, layer or bias an equation forms; False if none."""
+  name = eqn.primitive.name
+  first = kinds[0]
+  if name in _PASS_THROUGH:
+    ok = (
+      len(kinds) == 1
+      and first is not None
+      and (
+        first[0] in ("param", "bias")
+        or (first[0] == "site" and counts[eqn.invars[0]] == 1)
+      )
+    )
+    if ok:
+      env[eqn.outvars[0]] = first
+    return ok
+  if name == "dot_general":
+    return _match_dense(eqn, kinds, env, here, walk, counts)
+  if name == "gather":
+    return _match_embed(eqn, kinds, here, walk)
+  if name in ("reshape", "broadcast_in_dim") and _is_bias_view(eqn, first):
+    env[eqn.outvars[0]] = ("bias", first[1])
+    return True
+  if name == "add" and len(kinds) == 2:
+    return _match_bias_add(eqn, kinds, walk)
+  return False
+
+
+def _match_dense(eqn, kinds, env, here, walk: _Walk, counts) -> bool:
+  """``x @ W``: a site whose product may be followed by a bias."""
+  x_kind, w_kind = kinds
+  if (
+    (x_kind is not None and x_kind[0] != "site")
+    or w_kind is None
+    or w_kind[0] != "param"
+    or not _is_dense(eqn, walk.batch)
+  ):
+    return False
+  site = walk.add_site(_Site("dense", here, w_kind[1]), "kernel")
+  if counts[eqn.outvars[0]] == 1:
+    env[eqn.outvars[0]] = ("site", site)
+  return True
+
+
+def _match_embed(eqn, kinds, here, walk: _Walk) -> bool:
+  """``table[ids]``: a row gather of a parameter table."""
+  table, ids = kinds[0], kinds[1]
+  if (
+    table is None
+    or ids is not None
+    or table[0] != "param"
+    or not _is_embed(eqn, walk.batch)
+  ):
+    return False
+  site = _Site(
+    "embed",
+    here,
+    table[1],
+    mode=eqn.params["mode"],
+    num_rows=eqn.invars[0].aval.shape[0],
+  )
+  walk.add_site(site, "table")
+  return True
+
+
+def _match_bias_add(eqn, kinds, walk: _Walk) -> bool:
+  """``site + bias view``: the site's bias, if it has none yet."""
+  for j in (0, 1):
+    site_k, bias_k = kinds[j], kinds[1 - j]
+    if (
+      site_k is not None
+      and site_k[0] == "site"
+      and bias_k is not None
+      and bias_k[0] == "bias"
+      and eqn.invars[j].aval.shape[-1] == eqn.invars[1 - j].aval.shape[-1]
+      and eqn.outvars[0].aval.shape == eqn.invars[j].aval.shape
+    ):
+      site = walk.plan.sites[site_k[1]]
+      if site.bias is None:
+        site.bias = bias_k[1]
+        walk.uses[bias_k[1]].append(("bias", site_k[1]))
+        return True
+  return False
 
 
 def _make_plan(closed, num_leaves: int, batch: int) -> _Plan:
@@ -330,7 +377,7 @@ def _make_plan(closed, num_leaves: int, batch: int) -> _Plan:
   env = {
     v: ("param", i) for i, v in enumerate(closed.jaxpr.invars[:num_leaves])
   }
-  out_kinds = _scan(closed.jaxpr, env, (), batch, plan, uses)
+  out_kinds = _scan(closed.jaxpr, env, (), _Walk(batch, plan, uses))
   for k in out_kinds:  # a leaf returned as an output is an opaque use
     if k is not None and k[0] in ("param", "bias"):
       uses[k[1]].append(("other", -1))
@@ -424,6 +471,7 @@ def _trace(apply_fn, params, inputs):
 # Public: recording a forward pass and pulling cotangents back to the taps.
 
 
+@dataclasses.dataclass
 class LayerTape:
   """A traced forward pass with zero taps on every matched layer.
 
@@ -431,25 +479,14 @@ class LayerTape:
   (static), ``outputs`` the model outputs of the recorded forward pass.
   """
 
-  def __init__(
-    self,
-    plan: _Plan,
-    treedef,
-    leaves,
-    covered_list,
-    outputs,
-    pullback,
-    acts,
-    batch: int,
-  ):
-    self._plan = plan
-    self._treedef = treedef
-    self._leaves = leaves
-    self._covered = covered_list
-    self.outputs = outputs
-    self._pullback = pullback
-    self._acts = acts
-    self.batch = batch
+  _plan: _Plan
+  _treedef: Any
+  _leaves: list[Any]
+  _covered: list[bool]
+  outputs: PyTree
+  _pullback: Callable[..., Any]
+  _acts: tuple[Any, ...]
+  batch: int
 
   @property
   def covered(self) -> PyTree:
@@ -599,10 +636,6 @@ def record(
 # Statistics from (a, delta).
 
 
-def _f32(x: Array) -> Array:
-  return x.astype(jnp.promote_types(x.dtype, jnp.float32))
-
-
 def _chunk_map(
   fn: Callable[..., Array], xs: Sequence[Array], chunk: int
 ) -> Array:
@@ -642,11 +675,11 @@ class LayerGrads:
   def _site(self, s: int):
     site = self._tape._plan.sites[s]
     b = self._tape.batch
-    delta = _f32(self._deltas[s])
+    delta = numerics.widen(self._deltas[s])
     delta = delta.reshape(delta.shape[0], b, -1, delta.shape[-1])
     act = self._tape._acts[s]
     if site.kind == "dense":
-      act = _f32(act).reshape(b, -1, act.shape[-1])
+      act = numerics.widen(act).reshape(b, -1, act.shape[-1])
       return site, act, delta, None
     ids = act.reshape(b, -1).astype(jnp.int32)
     rows = site.num_rows
@@ -672,7 +705,27 @@ class LayerGrads:
   def statistics(
     self, structure: str, *, chunk_size: int | None = None
   ) -> PyTree:
-    """Sums over samples and examples; see :func:`layer_statistics`."""
+    """Sums of per-example statistics over samples and examples.
+
+    For sample ``s`` and example ``n`` the pseudo-gradient is
+    :math:`g_{s,n} = J_n^\\top r_{s,n}`. For every covered leaf, without
+    forming any ``g``: ``"diag"`` gives :math:`\\sum_{s,n} g_{s,n}^2` (leaf
+    shaped); ``"kron"`` the K-FAC sums ``(A_sum, Gamma_sum)``: for a kernel
+    ``A_sum = sum_n mean_t a a^T`` (``(d_in, d_in)``; an embedding's is the
+    diagonal of row counts) and ``Gamma_sum = sum_{s,n,t} delta delta^T``,
+    for a bias ``A_sum = [[B]]``; ``"gram"`` one ``(S * B, S * B)`` array
+    :math:`\\sum_{\\text{covered}} \\langle g_i, g_j \\rangle`.
+
+    Args:
+      structure: ``"diag"``, ``"kron"`` or ``"gram"``.
+      chunk_size: examples per chunk where per-example layer gradients must
+        be formed (weight-shared diagonal); ``None`` picks a chunk of about
+        ``2**24`` elements.
+
+    Returns:
+      A params-shaped tree with ``None`` at uncovered leaves, or the Gram
+      matrix. Float32 or wider.
+    """
     if structure not in STRUCTURES:
       raise ValueError(
         f"structure must be one of {STRUCTURES}, got {structure!r}."
@@ -690,9 +743,7 @@ class LayerGrads:
       for _, s, role in self._leaf_items():
         total = total + self._gram(site(s), role, chunk_size)
       return total
-    fn = {"diag": self._diag, "kron": self._kron, "norms": self._norms}[
-      structure
-    ]
+    fn = {"diag": self._diag, "kron": self._kron}[structure]
     out = {
       leaf: fn(site(s), role, leaf, chunk_size)
       for leaf, s, role in self._leaf_items()
@@ -748,21 +799,6 @@ class LayerGrads:
       return (jnp.diag(counts) / t, gamma)
     return (jnp.einsum("ntd,nte->de", act, act) / t, gamma)
 
-  def _norms(self, site_view, role, leaf, chunk_size):
-    del leaf, chunk_size
-    site, act, delta, _ = site_view
-    if role == "bias":
-      return jnp.sum(jnp.sum(delta, axis=2) ** 2, axis=-1).reshape(-1)
-    if site.kind == "embed":
-      same = (act[:, :, None] == act[:, None, :]).astype(delta.dtype)
-    elif act.shape[1] == 1:
-      a2 = jnp.sum(act[:, 0] ** 2, axis=-1)
-      return (jnp.sum(delta[:, :, 0] ** 2, axis=-1) * a2).reshape(-1)
-    else:
-      same = jnp.einsum("ntd,nud->ntu", act, act)
-    dd = jnp.einsum("sntd,snud->sntu", delta, delta)
-    return jnp.einsum("ntu,sntu->sn", same, dd).reshape(-1)
-
   def _gram(self, site_view, role, chunk_size):
     site, act, delta, _ = site_view
     num_s, b, t, d_out = delta.shape
@@ -789,7 +825,15 @@ class LayerGrads:
     return jnp.einsum("nmtu,snrmtu->snrm", ka, kd).reshape(num_s * b, num_s * b)
 
   def combine(self, weights: Array) -> PyTree:
-    """``sum_i weights[:, i] g_i`` per covered leaf; see :func:`combine`."""
+    """Weighted sums of pseudo-gradients, ``sum_i weights[:, i] g_i``.
+
+    Args:
+      weights: ``(k, S * B)``, columns ordered ``i = s * B + n``.
+
+    Returns:
+      A params-shaped tree, each covered leaf with a leading ``k`` axis,
+      ``None`` elsewhere.
+    """
     num_s, b = self.num_samples, self._tape.batch
     weights = jnp.asarray(weights)
     if weights.ndim != 2 or weights.shape[1] != num_s * b:
@@ -800,7 +844,9 @@ class LayerGrads:
     out = {}
     for leaf, s, role in self._leaf_items():
       site, act, delta, _ = self._site(s)
-      w = _f32(weights).astype(jnp.promote_types(weights.dtype, delta.dtype))
+      w = numerics.widen(weights).astype(
+        jnp.promote_types(weights.dtype, delta.dtype)
+      )
       w = w.reshape(-1, num_s, b)
       shape = self._tape._leaves[leaf].shape
       k = w.shape[0]
@@ -821,125 +867,7 @@ class LayerGrads:
 
 
 # --------------------------------------------------------------------------
-# The engine contract.
-
-
-def _check_chunk(chunk_size) -> None:
-  if chunk_size is not None and (
-    not isinstance(chunk_size, (int, np.integer))
-    or isinstance(chunk_size, bool)
-    or chunk_size < 1
-  ):
-    raise ValueError(
-      f"chunk_size must be None or a positive int, got {chunk_size!r}."
-    )
-
-
-def layer_statistics(
-  apply_fn: Callable[[PyTree, PyTree], PyTree],
-  params: PyTree,
-  inputs: PyTree,
-  cotangents: PyTree,
-  *,
-  structure: str,
-  chunk_size: int | None = None,
-  axis_name: str | None = None,
-) -> tuple[Any, PyTree]:
-  """Sums of per-example statistics from layer inputs and output gradients.
-
-  For sample ``s`` and example ``n`` the pseudo-gradient is
-  :math:`g_{s,n} = J_n^\\top r_{s,n}` with ``r = cotangents[s, n]``. For every
-  covered leaf this returns, without forming any ``g``:
-
-  .. math::
-
-    \\texttt{diag} = \\sum_{s,n} g_{s,n}^2, \\quad
-    \\texttt{norms}_{i} = \\lVert g_i \\rVert^2, \\quad
-    \\texttt{gram}_{ij} = \\sum_{\\text{covered}} \\langle g_i, g_j \\rangle,
-
-  and for ``"kron"`` the K-FAC sums ``(A_sum, Gamma_sum)``: for a kernel
-  ``A_sum = sum_n mean_t a a^T`` (``(d_in, d_in)``; an embedding's is the
-  diagonal of row counts) and ``Gamma_sum = sum_{s,n,t} delta delta^T``; for a
-  bias ``A_sum = [[B]]``.
-
-  Args:
-    apply_fn: ``apply_fn(params, inputs) -> outputs`` (leading batch axis):
-      a Linen ``model.apply``, an NNX merge function or a plain function.
-    params: the parameters.
-    inputs: batch inputs with leading axis ``B``.
-    cotangents: ``(S, B, *out_shape)`` (a pytree like the outputs, each leaf
-      with the leading ``S`` axis).
-    structure: ``"diag"``, ``"kron"``, ``"gram"`` or ``"norms"``.
-    chunk_size: examples per chunk where per-example layer gradients must be
-      formed (weight-shared diagonal); ``None`` picks a chunk of about
-      ``2**24`` elements.
-    axis_name: inside ``shard_map``, the batch axis name (see :func:`record`).
-
-  Returns:
-    ``(stats, covered)``: ``covered`` is a params-shaped tree of Python bools;
-    ``stats`` is params-shaped with ``None`` at uncovered leaves (``"diag"``:
-    leaf shape; ``"norms"``: ``(S * B,)`` ordered ``s * B + n``; ``"kron"``: a
-    pair), or one ``(S * B, S * B)`` array for ``"gram"``. Float32 or wider.
-
-  Example::
-
-    stats, covered = layer_statistics(
-        model.apply, params, x, cotangents, structure="diag")
-  """
-  if structure not in STRUCTURES:
-    raise ValueError(
-      f"structure must be one of {STRUCTURES}, got {structure!r}."
-    )
-  _check_chunk(chunk_size)
-  tape = record(apply_fn, params, inputs, axis_name=axis_name)
-  grads = tape.backward(cotangents)
-  return grads.statistics(structure, chunk_size=chunk_size), tape.covered
-
-
-def combine(
-  apply_fn: Callable[[PyTree, PyTree], PyTree],
-  params: PyTree,
-  inputs: PyTree,
-  cotangents: PyTree,
-  weights: Array,
-  *,
-  chunk_size: int | None = None,
-  axis_name: str | None = None,
-) -> tuple[PyTree, PyTree]:
-  """Weighted sums of pseudo-gradients, ``sum_i weights[:, i] g_i``.
-
-  .. math::
-
-    \\texttt{out}_k = \\sum_{i} w_{k,i}\\, g_i, \\qquad
-    g_{s \\cdot B + n} = J_n^\\top r_{s,n}.
-
-  Args:
-    apply_fn: as in :func:`layer_statistics`.
-    params: the parameters.
-    inputs: batch inputs with leading axis ``B``.
-    cotangents: ``(S, B, *out_shape)``.
-    weights: ``(k, S * B)``.
-    chunk_size: unused (kept for symmetry with :func:`layer_statistics`).
-    axis_name: inside ``shard_map``, the batch axis name.
-
-  Returns:
-    ``(tree, covered)``: params-shaped, each covered leaf with a leading ``k``
-    axis, ``None`` elsewhere; ``covered`` as in :func:`layer_statistics`.
-
-  Example::
-
-    mean_grad, covered = combine(
-        model.apply, params, x, cotangents[None], jnp.full((1, B), 1 / B))
-  """
-  _check_chunk(chunk_size)
-  lead = jax.tree.leaves(cotangents)[0].shape[:2]
-  if np.ndim(weights) != 2 or np.shape(weights)[1] != int(np.prod(lead)):
-    raise ValueError(
-      f"weights must have shape (k, S * B) = (k, {int(np.prod(lead))}); "
-      f"got {np.shape(weights)}."
-    )
-  tape = record(apply_fn, params, inputs, axis_name=axis_name)
-  return tape.backward(cotangents).combine(weights), tape.covered
+# Coverage without running the model.
 
 
 def coverage(

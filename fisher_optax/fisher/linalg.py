@@ -138,28 +138,6 @@ def woodbury_solve(
   return jax.tree.map(lambda a: a / factor.damping.astype(a.dtype), out)
 
 
-def woodbury_whiten(stacked: PyTree, factor: WoodburyFactor) -> PyTree:
-  """Returns ``Z = L^{-1} G`` as a stacked tree (``F^{-1} = (I - Z^T Z)/lambda``)."""
-  linv = tril_inverse(factor.chol)
-  return jax.tree.map(
-    lambda s: jnp.tensordot(
-      linv.astype(s.dtype), s, axes=(1, 0), precision=_HIGHEST
-    ),
-    stacked,
-  )
-
-
-def woodbury_inverse_diag(stacked: PyTree, factor: WoodburyFactor) -> PyTree:
-  """Returns the diagonal of ``F^{-1}`` as a tree shaped like one slice."""
-  z = woodbury_whiten(stacked, factor)
-  return jax.tree.map(
-    lambda zl: (
-      (1.0 - jnp.sum(jnp.square(zl), axis=0)) / factor.damping.astype(zl.dtype)
-    ),
-    z,
-  )
-
-
 def symmetrize(a: jax.Array) -> jax.Array:
   """``(A + A^T) / 2`` over the last two axes."""
   return 0.5 * (a + jnp.swapaxes(a, -1, -2))

@@ -9,7 +9,7 @@ from jax.sharding import AxisType
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from fisher_optax.fisher import _taps
+from tests import fisher_testing
 
 
 def _apply(p, x):
@@ -31,7 +31,7 @@ def _setup():
 
 def _stats(p, x, c):
   return {
-    s: _taps.layer_statistics(_apply, p, x, c, structure=s)[0]
+    s: fisher_testing.layer_statistics(_apply, p, x, c, structure=s)[0]
     for s in ("diag", "kron")
   }
 
