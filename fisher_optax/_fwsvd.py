@@ -13,7 +13,10 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+from fisher_optax import fisher
+from fisher_optax.fisher import numerics
 from fisher_optax.fisher import validation
 
 _AXES = ("in", "out")
@@ -37,6 +40,19 @@ def _check_rank(rank: Any, w: jax.Array) -> int:
   return rank
 
 
+def _kernel_diag(fisher_diag: Any) -> Any:
+  """The kernel's Fisher diagonal from an array or a ``DiagonalFisher``."""
+  if not isinstance(fisher_diag, fisher.DiagonalFisher):
+    return fisher_diag
+  diag = fisher_diag.diag
+  if not isinstance(diag, (jax.Array, np.ndarray)):
+    raise TypeError(
+      "fisher_diag: a DiagonalFisher of several leaves holds no single "
+      "kernel's Fisher; pass that kernel's leaf of its .diag."
+    )
+  return diag
+
+
 def _truncated(wt: jax.Array, rank: int, split: str):
   u, s, vt = jnp.linalg.svd(wt, full_matrices=False)
   u, s, vt = u[:, :rank], s[:rank], vt[:rank]
@@ -48,7 +64,7 @@ def _truncated(wt: jax.Array, rank: int, split: str):
 
 def fisher_weighted_svd(
   w: jax.Array,
-  fisher_diag: jax.Array,
+  fisher_diag: jax.Array | fisher.DiagonalFisher,
   rank: int,
   *,
   weight_axis: str = "in",
@@ -84,8 +100,9 @@ def fisher_weighted_svd(
 
   Args:
     w: the kernel, shape ``(n_in, n_out)``.
-    fisher_diag: its diagonal Fisher, same shape, non-negative (e.g. the
-      leaf of ``fisher_optax.fisher.diagonal(...).diag``).
+    fisher_diag: its diagonal Fisher, same shape, non-negative: an array
+      (e.g. that kernel's leaf of ``fisher_optax.fisher.diagonal(...).diag``)
+      or a :class:`fisher_optax.fisher.DiagonalFisher` of the kernel alone.
     rank: the target rank, a static int ``<= min(n_in, n_out)``.
     weight_axis: ``"in"`` or ``"out"`` (ignored when ``two_sided``).
     two_sided: weigh both input and output features.
@@ -106,17 +123,28 @@ def fisher_weighted_svd(
     >>> a.shape, b.shape
     ((6, 2), (2, 4))
 
+  With the engine's diagonal of per-example gradients ``(B, 6, 4)``:
+
+    >>> from fisher_optax import fisher
+    >>> g = jax.random.normal(jax.random.key(1), (8, 6, 4))
+    >>> stat = fisher.diagonal_from_grads(g)
+    >>> a, b = fisher_optax.fisher_weighted_svd(w, stat, rank=2)
+    >>> a2, b2 = fisher_optax.fisher_weighted_svd(w, stat.diag, rank=2)
+    >>> bool(jnp.allclose(a @ b, a2 @ b2))
+    True
+
   References:
     Hsu et al, `Language model compression with weighted low-rank
     factorization <https://arxiv.org/abs/2207.00112>`_, 2022
   """
   _check_matrix("w", w)
+  fisher_diag = _kernel_diag(fisher_diag)
   _check_matrix("fisher_diag", fisher_diag, jnp.shape(w))
   rank = _check_rank(rank, w)
   validation.check_choice("weight_axis", weight_axis, _AXES)
   validation.check_choice("split", split, _SPLITS)
   validation.check_positive("eps", eps, allow_zero=True)
-  dtype = jnp.promote_types(w.dtype, jnp.float32)
+  dtype = numerics.compute_dtype(w)
   wf = w.astype(dtype)
   fd = jnp.asarray(fisher_diag, dtype)
   rows = jnp.sqrt(jnp.sum(fd, axis=1) + eps)
@@ -209,7 +237,7 @@ def generalized_fwsvd(
   rank = _check_rank(rank, w)
   validation.check_positive("damping", damping, allow_zero=True)
   validation.check_choice("split", split, _SPLITS)
-  dtype = jnp.promote_types(w.dtype, jnp.float32)
+  dtype = numerics.compute_dtype(w)
   la = _damped_cholesky(jnp.asarray(left, dtype), damping)
   lb = _damped_cholesky(jnp.asarray(right, dtype), damping)
   wt = jnp.matmul(

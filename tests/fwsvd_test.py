@@ -84,6 +84,19 @@ class FWSVDTest(parameterized.TestCase):
     a, b = fisher_optax.fisher_weighted_svd(w, jnp.ones((4, 3)), 1)
     self.assertEqual((a.dtype, b.dtype), (jnp.bfloat16, jnp.bfloat16))
 
+  def test_accepts_engine_diagonal_fisher(self):
+    with jax.enable_x64(True):
+      w, _, _, _ = _problem(6)
+      g = jax.random.normal(jax.random.key(7), (9, N_IN, N_OUT), jnp.float64)
+      stat = fisher.diagonal_from_grads(g)
+      for kw in ({}, {"weight_axis": "out"}, {"two_sided": True}):
+        got = fisher_optax.fisher_weighted_svd(w, stat, 2, **kw)
+        want = fisher_optax.fisher_weighted_svd(w, stat.diag, 2, **kw)
+        np.testing.assert_array_equal(got[0] @ got[1], want[0] @ want[1])
+      several = fisher.diagonal_from_grads({"a": g, "b": g})
+      with self.assertRaisesRegex(TypeError, "leaf of its .diag"):
+        fisher_optax.fisher_weighted_svd(w, several, 2)
+
   def test_bad_inputs_raise(self):
     w = jnp.ones((4, 3))
     with self.assertRaisesRegex(ValueError, "rank must be <="):
