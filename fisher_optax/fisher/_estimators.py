@@ -27,6 +27,7 @@ from fisher_optax.fisher import _per_example
 from fisher_optax.fisher import _statistics
 from fisher_optax.fisher import _taps
 from fisher_optax.fisher import linalg
+from fisher_optax.fisher import numerics
 from fisher_optax.fisher import validation
 
 PyTree = Any
@@ -34,15 +35,35 @@ ApplyFn = Callable[[PyTree, PyTree], jax.Array]
 METHODS = ("auto", "taps", "per_example")
 
 
-class _Pass(NamedTuple):
-  """What every estimator needs after the forward/backward pass."""
+class _Options(NamedTuple):
+  """The arguments every model-based estimator shares (see :func:`diagonal`)."""
 
+  likelihood: Any
+  kind: str
+  num_samples: int
+  key: jax.Array | None
+  method: str
+  chunk_size: int | None
+  axis_name: str | None
+
+
+class _Pass(NamedTuple):
+  """What every estimator needs after the forward/backward pass.
+
+  ``apply_fn``, ``params``, ``inputs``, ``cotangents``, ``size`` and
+  ``chunk_size`` also define the per-example problem ``g_{s,n} = J_n^T
+  r_{s,n}``; :func:`_uncovered` restricts it to some leaves.
+  """
+
+  apply_fn: ApplyFn
+  params: PyTree  # pcast to varying under axis_name
   inputs: PyTree
   cotangents: jax.Array  # (S, B, *out)
-  mean_grad: PyTree  # global mean, float32, or None without targets
-  count: jax.Array  # global int32 N
-  params: PyTree  # pcast to varying under axis_name
   size: int  # local B
+  chunk_size: int | None
+  axis_name: str | None
+  mean_grad: PyTree = None  # global mean, float32, or None without targets
+  count: Any = None  # global int32 N
   layers: Any = None  # _taps.LayerGrads of the cotangents, on the layer path
   covered: PyTree = None  # params-shaped Python bools, on the layer path
 
@@ -67,8 +88,8 @@ def _in_auto_axes(
   apply_fn: ApplyFn,
   params: PyTree,
   batch: Any,
-  key: jax.Array | None,
-  **kwargs,
+  opts: _Options,
+  **extra,
 ) -> Any:
   """Runs ``fn`` with the mesh's Explicit axes switched to Auto.
 
@@ -76,7 +97,10 @@ def _in_auto_axes(
   ambiguous for Explicit sharding; under Auto, XLA picks the all-reduces and
   the replicated statistic comes back.
   """
-  inner = lambda p, b, k: fn(apply_fn, p, b, key=k, **kwargs)
+  kwargs = opts._asdict()
+  key = kwargs.pop("key")
+  del kwargs["axis_name"]  # None under an Explicit mesh
+  inner = lambda p, b, k: fn(apply_fn, p, b, key=k, **kwargs, **extra)
   replicated = jax.sharding.PartitionSpec()
   return jax.sharding.auto_axes(inner, out_sharding=replicated)(
     params, batch, key
@@ -89,12 +113,6 @@ def _psum(x: PyTree, axis_name: str | None) -> PyTree:
   return jax.lax.psum(x, axis_name)
 
 
-def _f32(tree: PyTree) -> PyTree:
-  return jax.tree.map(
-    lambda x: x.astype(jnp.promote_types(x.dtype, jnp.float32)), tree
-  )
-
-
 def _check_apply_outputs(out: Any, size: int) -> None:
   if not isinstance(out, jax.Array) or out.ndim < 1 or out.shape[0] != size:
     shape = getattr(out, "shape", type(out).__name__)
@@ -104,33 +122,15 @@ def _check_apply_outputs(out: Any, size: int) -> None:
     )
 
 
-def _forward(
-  apply_fn: ApplyFn,
-  params: PyTree,
-  batch: Any,
-  *,
-  likelihood: Any,
-  kind: str,
-  num_samples: int,
-  key: jax.Array | None,
-  method: str,
-  chunk_size: int | None,
-  axis_name: str | None,
-  layers: bool = False,
-) -> tuple[_Pass, _likelihoods.Likelihood]:
-  """Validates the arguments and runs the shared forward/backward pass.
-
-  With ``layers``, the forward pass is recorded with taps on the dense and
-  embedding layers (:func:`_taps.record`): the mean gradient and the layer
-  ``delta`` then share one backward pass (``empirical``), or the ``delta``
-  of all ``S`` cotangents come from one more vmapped backward.
-  """
-  likelihood = _likelihoods.as_likelihood(likelihood)
-  _likelihoods.check_kind(likelihood, kind)
-  validation.check_choice("method", method, METHODS)
-  validation.check_static_int("num_samples", num_samples, minimum=1)
-  chunk_size = _per_example.check_chunk_size(chunk_size)
-  del chunk_size
+def _check_arguments(
+  params: PyTree, batch: Any, opts: _Options
+) -> tuple[_likelihoods.Likelihood, PyTree, Any, int]:
+  """Validates the shared arguments: ``(likelihood, inputs, targets, B)``."""
+  likelihood = _likelihoods.as_likelihood(opts.likelihood)
+  _likelihoods.check_kind(likelihood, opts.kind)
+  validation.check_choice("method", opts.method, METHODS)
+  validation.check_static_int("num_samples", opts.num_samples, minimum=1)
+  _per_example.check_chunk_size(opts.chunk_size)
   if not isinstance(batch, (tuple, list)) or len(batch) != 2:
     raise ValueError(
       "batch must be a pair (inputs, targets); got "
@@ -142,7 +142,7 @@ def _forward(
   size = _per_example.check_batch_tree(
     inputs if targets is None else (inputs, targets), what="batch"
   )
-  if kind == "mc" and key is None:
+  if opts.kind == "mc" and opts.key is None:
     raise ValueError(
       "kind='mc' samples labels from the model and needs key=, a PRNG key."
     )
@@ -152,7 +152,26 @@ def _forward(
         f"params{jax.tree_util.keystr(path)} must be an array, "
         f"got {type(leaf).__name__}."
       )
+  return likelihood, inputs, targets, size
 
+
+def _forward(
+  apply_fn: ApplyFn,
+  params: PyTree,
+  batch: Any,
+  opts: _Options,
+  *,
+  layers: bool = False,
+) -> _Pass:
+  """Validates the arguments and runs the shared forward/backward pass.
+
+  With ``layers``, the forward pass is recorded with taps on the dense and
+  embedding layers (:func:`_taps.record`): the mean gradient and the layer
+  ``delta`` then share one backward pass (``empirical``), or the ``delta``
+  of all ``S`` cotangents come from one more vmapped backward.
+  """
+  likelihood, inputs, targets, size = _check_arguments(params, batch, opts)
+  kind, key, axis_name = opts.kind, opts.key, opts.axis_name
   if axis_name is not None:
     # Replicated params are device-invariant, so autodiff would psum their
     # cotangents and mix examples across devices: make them varying.
@@ -168,11 +187,12 @@ def _forward(
     out = tape.outputs
     pull = lambda r: tape.gradient(r)
   else:
+    tape = None
     out, vjp = jax.vjp(lambda p: apply_fn(p, inputs), params)
     pull = lambda r: (vjp(r)[0], None)
   _check_apply_outputs(out, size)
   cot = _likelihoods.output_cotangents(
-    likelihood, kind, out, targets, key=key, num_samples=num_samples
+    likelihood, kind, out, targets, key=key, num_samples=opts.num_samples
   )
   count = _psum(jnp.asarray(size, jnp.int32), axis_name)
   mean_grad, layer_grads = None, None
@@ -184,19 +204,24 @@ def _forward(
         likelihood, "empirical", out, targets
       )[0]
     sums, layer_grads = pull(r_emp)
-    mean_grad = jax.tree.map(lambda s: s / count, _psum(_f32(sums), axis_name))
-  if layers and (kind != "empirical" or layer_grads is None):
+    mean_grad = jax.tree.map(
+      lambda s: s / count, _psum(numerics.widen(sums), axis_name)
+    )
+  if tape is not None and (kind != "empirical" or layer_grads is None):
     layer_grads = tape.backward(cot)
   return _Pass(
+    apply_fn,
+    params,
     inputs,
     cot,
+    size,
+    opts.chunk_size,
+    axis_name,
     mean_grad,
     count,
-    params,
-    size,
     layer_grads,
-    tape.covered if layers else None,
-  ), likelihood
+    tape.covered if tape is not None else None,
+  )
 
 
 def _batch_major(cot: jax.Array) -> jax.Array:
@@ -204,11 +229,22 @@ def _batch_major(cot: jax.Array) -> jax.Array:
 
 
 def _pseudo_grad_chunk(
-  apply_fn: ApplyFn, params: PyTree
+  ps: _Pass,
 ) -> Callable[[tuple[PyTree, jax.Array]], PyTree]:
   """``(inputs_chunk, cot_chunk (c, S, *out)) -> g (c, S, *params)``."""
-  one = _per_example.pseudo_grads_fn(apply_fn, params)
+  one = _per_example.pseudo_grads_fn(ps.apply_fn, ps.params)
   return lambda xs: jax.vmap(one)(*xs)
+
+
+def _reduce_pseudo_grads(ps: _Pass, chunk_sum: Callable[[PyTree], PyTree]):
+  """``sum_chunks chunk_sum(pseudo-gradients of the chunk)``."""
+  pg = _pseudo_grad_chunk(ps)
+  return _per_example.reduce_chunks(
+    lambda xs: chunk_sum(pg(xs)),
+    (ps.inputs, _batch_major(ps.cotangents)),
+    ps.size,
+    ps.chunk_size,
+  )
 
 
 # -- the layer-statistics path -------------------------------------------------
@@ -231,11 +267,17 @@ def _check_covered(covered: PyTree, method: str) -> None:
     )
 
 
-def _split(params: PyTree, covered: PyTree) -> tuple[list[Any], Callable]:
-  """Uncovered leaves and a function rebuilding params from them."""
-  leaves, treedef = jax.tree.flatten(params)
-  flags = jax.tree.leaves(covered)
+def _uncovered(ps: _Pass) -> _Pass | None:
+  """The per-example problem of the leaves the layer path does not cover.
+
+  Its ``params`` is the list of uncovered leaves (``None`` if there are
+  none); the covered leaves are held fixed inside its ``apply_fn``.
+  """
+  leaves, treedef = jax.tree.flatten(ps.params)
+  flags = jax.tree.leaves(ps.covered)
   idx = [i for i, c in enumerate(flags) if not c]
+  if not idx:
+    return None
 
   def rebuild(sub):
     full = list(leaves)
@@ -243,31 +285,49 @@ def _split(params: PyTree, covered: PyTree) -> tuple[list[Any], Callable]:
       full[i] = leaf
     return jax.tree.unflatten(treedef, full)
 
-  return [leaves[i] for i in idx], rebuild
+  apply_fn = ps.apply_fn
+  return ps._replace(
+    apply_fn=lambda q, x: apply_fn(rebuild(q), x),
+    params=[leaves[i] for i in idx],
+  )
+
+
+def _merge(
+  stats: PyTree,
+  covered: PyTree,
+  uncovered: list[Any] | None,
+  covered_fn: Callable[[Any], Any] = numerics.widen,
+) -> PyTree:
+  """Params-shaped: ``covered_fn(stat)`` at covered leaves, the next entry of
+  ``uncovered`` (per-example path results, in leaf order) elsewhere.
+
+  ``stats`` has ``covered``'s structure down to its leaves (a leaf's
+  statistic may be a pair; ``None`` where not covered).
+  """
+  it = iter(uncovered or ())
+  return jax.tree.map(
+    lambda c, s: covered_fn(s) if c else next(it), covered, stats
+  )
 
 
 # -- structure: diagonal -------------------------------------------------------
 
 
-def _diag_sums(
-  apply_fn: ApplyFn,
-  params: PyTree,
-  inputs: PyTree,
-  cot: jax.Array,
-  size: int,
-  chunk_size: int | None,
-) -> PyTree:
+def _diag_sums(ps: _Pass) -> PyTree:
   """``sum_{s,n} g_{s,n}^2`` by the per-example path."""
-  pg = _pseudo_grad_chunk(apply_fn, params)
-
-  def chunk_sum(xs):
-    return jax.tree.map(
-      lambda g: jnp.sum(jnp.square(_f32(g)), axis=(0, 1)), pg(xs)
-    )
-
-  return _per_example.reduce_chunks(
-    chunk_sum, (inputs, _batch_major(cot)), size, chunk_size
+  return _reduce_pseudo_grads(
+    ps,
+    lambda g: jax.tree.map(
+      lambda x: jnp.sum(jnp.square(numerics.widen(x)), axis=(0, 1)), g
+    ),
   )
+
+
+def _diag_sums_taps(ps: _Pass) -> PyTree:
+  """``sum_{s,n} g_{s,n}^2``: layer statistics, per-example elsewhere."""
+  stats = ps.layers.statistics("diag", chunk_size=ps.chunk_size)
+  sub = _uncovered(ps)
+  return _merge(stats, ps.covered, _diag_sums(sub) if sub else None)
 
 
 def diagonal(
@@ -319,8 +379,7 @@ def diagonal(
     gradients are not masked: they make ``diag`` non-finite (check
     ``.is_finite()``), so a bad example is never silently averaged away.
 
-  Example::
-
+  Example:
     >>> import jax, jax.numpy as jnp
     >>> from fisher_optax import fisher
     >>> params = {"w": jnp.ones((3, 2))}
@@ -335,64 +394,20 @@ def diagonal(
     Kunstner et al, `Limitations of the empirical Fisher approximation for
     natural gradient descent <https://arxiv.org/abs/1905.12558>`_, 2019
   """
-  if _under_explicit_mesh(axis_name):
-    return _in_auto_axes(
-      diagonal,
-      apply_fn,
-      params,
-      batch,
-      key,
-      likelihood=likelihood,
-      kind=kind,
-      num_samples=num_samples,
-      method=method,
-      chunk_size=chunk_size,
-    )
-  ps, _ = _forward(
-    apply_fn,
-    params,
-    batch,
-    likelihood=likelihood,
-    kind=kind,
-    num_samples=num_samples,
-    key=key,
-    method=method,
-    chunk_size=chunk_size,
-    axis_name=axis_name,
-    layers=_use_taps(method),
+  opts = _Options(
+    likelihood, kind, num_samples, key, method, chunk_size, axis_name
   )
+  if _under_explicit_mesh(axis_name):
+    return _in_auto_axes(diagonal, apply_fn, params, batch, opts)
+  ps = _forward(apply_fn, params, batch, opts, layers=_use_taps(method))
   if kind == "batch_squared":
     diag = jax.tree.map(jnp.square, ps.mean_grad)
     return _statistics.DiagonalFisher(diag, ps.mean_grad, ps.count, kind)
-
-  sums = None
   if _use_taps(method):
-    stats = ps.layers.statistics("diag", chunk_size=chunk_size)
-    covered = ps.covered
-    _check_covered(covered, method)
-    sub, rebuild = _split(ps.params, covered)
-    if sub:
-      sub_sums = _diag_sums(
-        lambda q, x: apply_fn(rebuild(q), x),
-        sub,
-        ps.inputs,
-        ps.cotangents,
-        ps.size,
-        chunk_size,
-      )
-      it = iter(sub_sums)
-      sums = jax.tree.map(
-        lambda s, c: _f32(s) if c else next(it),
-        stats,
-        covered,
-        is_leaf=lambda s: s is None,
-      )
-    else:
-      sums = _f32(stats)
-  if sums is None:
-    sums = _diag_sums(
-      apply_fn, ps.params, ps.inputs, ps.cotangents, ps.size, chunk_size
-    )
+    _check_covered(ps.covered, method)
+    sums = _diag_sums_taps(ps)
+  else:
+    sums = _diag_sums(ps)
   diag = jax.tree.map(lambda s: s / ps.count, _psum(sums, axis_name))
   return _statistics.DiagonalFisher(diag, ps.mean_grad, ps.count, kind)
 
@@ -400,21 +415,18 @@ def diagonal(
 # -- structure: low rank -------------------------------------------------------
 
 
-def _stacked_pseudo_grads(
-  apply_fn: ApplyFn,
-  params: PyTree,
-  inputs: PyTree,
-  cot: jax.Array,
-  size: int,
-  chunk_size: int | None,
-) -> PyTree:
+def _stacked_pseudo_grads(ps: _Pass) -> PyTree:
   """All pseudo-gradients as a stacked tree ``(S*B, *leaf)``, s-major."""
-  one = _per_example.pseudo_grads_fn(apply_fn, params)
+  one = _per_example.pseudo_grads_fn(ps.apply_fn, ps.params)
   g = _per_example.map_chunks(
-    lambda xr: one(*xr), (inputs, _batch_major(cot)), size, chunk_size
+    lambda xr: one(*xr),
+    (ps.inputs, _batch_major(ps.cotangents)),
+    ps.size,
+    ps.chunk_size,
   )
   return jax.tree.map(
-    lambda a: _f32(jnp.moveaxis(a, 1, 0).reshape(-1, *a.shape[2:])), g
+    lambda a: numerics.widen(jnp.moveaxis(a, 1, 0).reshape(-1, *a.shape[2:])),
+    g,
   )
 
 
@@ -526,8 +538,7 @@ def low_rank(
     switched to Auto (:func:`jax.sharding.auto_axes`) and return replicated
     statistics.
 
-  Example::
-
+  Example:
     >>> import jax, jax.numpy as jnp
     >>> from fisher_optax import fisher
     >>> params = {"w": jnp.ones((3, 2))}
@@ -539,45 +550,24 @@ def low_rank(
     ((2,), (2, 3, 2))
   """
   rank = validation.check_static_int("rank", rank, minimum=1)
+  opts = _Options(
+    likelihood, kind, num_samples, key, method, chunk_size, axis_name
+  )
   if _under_explicit_mesh(axis_name):
     return _in_auto_axes(
-      low_rank,
-      apply_fn,
-      params,
-      batch,
-      key,
-      likelihood=likelihood,
-      kind=kind,
-      num_samples=num_samples,
-      method=method,
-      chunk_size=chunk_size,
-      rank=rank,
-      per_leaf=per_leaf,
+      low_rank, apply_fn, params, batch, opts, rank=rank, per_leaf=per_leaf
     )
   use_layers = _use_taps(method) and not per_leaf and axis_name is None
-  ps, _ = _forward(
-    apply_fn,
-    params,
-    batch,
-    likelihood=likelihood,
-    kind=kind,
-    num_samples=num_samples,
-    key=key,
-    method=method,
-    chunk_size=chunk_size,
-    axis_name=axis_name,
-    layers=use_layers,
-  )
+  ps = _forward(apply_fn, params, batch, opts, layers=use_layers)
   if kind == "batch_squared":
     stacked = jax.tree.map(lambda m: m[None], ps.mean_grad)
     count = jnp.ones((), jnp.int32)
   else:
     count = ps.count
     if use_layers:
-      return _low_rank_taps(apply_fn, ps, rank, method, chunk_size, kind)
-    stacked = _stacked_pseudo_grads(
-      apply_fn, ps.params, ps.inputs, ps.cotangents, ps.size, chunk_size
-    )
+      _check_covered(ps.covered, method)
+      return _low_rank_taps(ps, rank, kind)
+    stacked = _stacked_pseudo_grads(ps)
     if axis_name is not None:
       stacked = _gather_rows(stacked, axis_name)
   if per_leaf:
@@ -598,41 +588,38 @@ def low_rank(
   )
 
 
-def _low_rank_taps(apply_fn, ps, rank, method, chunk_size, kind):
+def _low_rank_taps(
+  ps: _Pass, rank: int, kind: str
+) -> _statistics.LowRankFisher:
   """Global low rank with the Gram of covered leaves from layer statistics."""
-  gram = ps.layers.statistics("gram", chunk_size=chunk_size)
-  covered = ps.covered
-  _check_covered(covered, method)
-  sub, rebuild = _split(ps.params, covered)
-  gram = _f32(gram)
+  gram = numerics.widen(ps.layers.statistics("gram", chunk_size=ps.chunk_size))
+  sub = _uncovered(ps)
   sub_stacked = None
-  if sub:
-    sub_stacked = _stacked_pseudo_grads(
-      lambda q, x: apply_fn(rebuild(q), x),
-      sub,
-      ps.inputs,
-      ps.cotangents,
-      ps.size,
-      chunk_size,
-    )
+  if sub is not None:
+    sub_stacked = _stacked_pseudo_grads(sub)
     gram = gram + linalg.tree_stacked_gram(sub_stacked)
   vals, w = _top_k(gram, rank, ps.count)
   tree = ps.layers.combine(w.T)
   if sub_stacked is not None:
-    it = iter(_combine(sub_stacked, w))
-    tree = jax.tree.map(
-      lambda t, c: _f32(t) if c else next(it),
-      tree,
-      covered,
-      is_leaf=lambda t: t is None,
-    )
+    tree = _merge(tree, ps.covered, _combine(sub_stacked, w))
   return _statistics.LowRankFisher(
-    vals, _f32(tree), ps.mean_grad, ps.count, kind
+    vals, numerics.widen(tree), ps.mean_grad, ps.count, kind
   )
 
 
 def _norm(tree: PyTree) -> jax.Array:
   return jnp.sqrt(sum(jnp.sum(jnp.square(x)) for x in jax.tree.leaves(tree)))
+
+
+def _quadratic_form_jvp(ps: _Pass, v: PyTree) -> jax.Array:
+  """``v^T F v = (1/N) sum_{s,n} <r_{s,n}, (J v)_n>^2``, one jvp."""
+  tangent = jax.tree.map(lambda t, p: t.astype(p.dtype), v, ps.params)
+  _, jv = jax.jvp(lambda p: ps.apply_fn(p, ps.inputs), (ps.params,), (tangent,))
+  dots = jnp.sum(
+    numerics.widen(ps.cotangents) * numerics.widen(jv)[None],
+    axis=tuple(range(2, ps.cotangents.ndim)),
+  )
+  return _psum(jnp.sum(jnp.square(dots)), ps.axis_name) / ps.count
 
 
 def rank_one(
@@ -679,8 +666,7 @@ def rank_one(
     A :class:`LowRankFisher` with ``k = 1``. A zero mean gradient gives a
     zero direction and eigenvalue 0.
 
-  Example::
-
+  Example:
     >>> import jax.numpy as jnp
     >>> from fisher_optax import fisher
     >>> x, y = jnp.eye(3)[jnp.array([0, 1, 2, 0])], jnp.array([0, 1, 1, 0])
@@ -692,52 +678,27 @@ def rank_one(
   """
   validation.check_choice("direction", direction, ("mean", "top_eig"))
   validation.check_choice("scale", scale, ("none", "optimal"))
+  opts = _Options(
+    likelihood, kind, num_samples, key, method, chunk_size, axis_name
+  )
   if _under_explicit_mesh(axis_name):
     return _in_auto_axes(
       rank_one,
       apply_fn,
       params,
       batch,
-      key,
-      likelihood=likelihood,
-      kind=kind,
-      num_samples=num_samples,
-      method=method,
-      chunk_size=chunk_size,
+      opts,
       direction=direction,
       scale=scale,
     )
   if direction == "top_eig":
-    return low_rank(
-      apply_fn,
-      params,
-      batch,
-      likelihood=likelihood,
-      kind=kind,
-      rank=1,
-      num_samples=num_samples,
-      key=key,
-      method=method,
-      chunk_size=chunk_size,
-      axis_name=axis_name,
-    )
+    return low_rank(apply_fn, params, batch, rank=1, **opts._asdict())
   if isinstance(batch, (tuple, list)) and len(batch) == 2 and batch[1] is None:
     raise ValueError(
       "rank_one(direction='mean') needs targets for the mean "
       "gradient; got targets=None."
     )
-  ps, _ = _forward(
-    apply_fn,
-    params,
-    batch,
-    likelihood=likelihood,
-    kind=kind,
-    num_samples=num_samples,
-    key=key,
-    method=method,
-    chunk_size=chunk_size,
-    axis_name=axis_name,
-  )
+  ps = _forward(apply_fn, params, batch, opts)
   mu = ps.mean_grad
   norm = _norm(mu)
   safe = jnp.where(norm > 0, norm, 1.0)
@@ -745,14 +706,7 @@ def rank_one(
   if scale == "none" or kind == "batch_squared":
     val = jnp.square(norm)
   else:
-    # v^T F v = (1/N) sum_{s,n} <r_{s,n}, (J v)_n>^2, one jvp over the batch.
-    tangent = jax.tree.map(lambda t, p: t.astype(p.dtype), v, ps.params)
-    _, jv = jax.jvp(lambda p: apply_fn(p, ps.inputs), (ps.params,), (tangent,))
-    dots = jnp.sum(
-      _f32(ps.cotangents) * _f32(jv)[None],
-      axis=tuple(range(2, ps.cotangents.ndim)),
-    )
-    val = _psum(jnp.sum(jnp.square(dots)), axis_name) / ps.count
+    val = _quadratic_form_jvp(ps, v)
   eigvecs = jax.tree.map(lambda x: x[None], v)
   return _statistics.LowRankFisher(
     jnp.reshape(val, (1,)), eigvecs, mu, ps.count, kind
@@ -768,111 +722,96 @@ def _as_matrix(g: jax.Array) -> jax.Array:
 
 
 def _kron_pass(
-  apply_fn: ApplyFn,
-  params: PyTree,
-  inputs: PyTree,
-  cot: jax.Array,
-  size: int,
-  chunk_size: int | None,
-  leaf_fn: Callable[..., jax.Array],
-  extra: PyTree,
+  ps: _Pass, leaf_fn: Callable[..., jax.Array], extra: PyTree
 ) -> PyTree:
   """``sum_{s,n} leaf_fn(G_{s,n} as a matrix, extra_leaf)`` per leaf."""
-  pg = _pseudo_grad_chunk(apply_fn, params)
 
-  def chunk_sum(xs):
-    g = pg(xs)
-
+  def chunk_sum(g):
     def leaf(gl, e):
-      mats = _as_matrix(_f32(gl).reshape(-1, *gl.shape[2:]))
+      mats = _as_matrix(numerics.widen(gl).reshape(-1, *gl.shape[2:]))
       return jax.tree.map(
         lambda t: jnp.sum(t, axis=0), jax.vmap(lambda m: leaf_fn(m, e))(mats)
       )
 
     return jax.tree.map(leaf, g, extra)
 
-  return _per_example.reduce_chunks(
-    chunk_sum, (inputs, _batch_major(cot)), size, chunk_size
-  )
+  return _psum(_reduce_pseudo_grads(ps, chunk_sum), ps.axis_name)
 
 
 def _hp(a, b):
   return jnp.matmul(a, b, precision=jax.lax.Precision.HIGHEST)
 
 
-def _shampoo_factors(
-  apply_fn, params, inputs, cot, size, chunk_size, count, axis_name, num_iters
-):
+def _safe_div(num: jax.Array, den: jax.Array) -> jax.Array:
+  """``num / den``, and 0 where ``den <= 0`` (no 0/0)."""
+  return jnp.where(den > 0, num / jnp.where(den > 0, den, 1.0), 0.0)
+
+
+def _shampoo_step(ps: _Pass) -> tuple[PyTree, PyTree]:
+  """One Shampoo step: ``E[G G^T]`` and ``E[G^T G] / tr(E[G G^T])``."""
+  count = ps.count
+  dummy = jax.tree.map(lambda p: jnp.zeros(()), ps.params)
+  sums = _kron_pass(ps, lambda m, _: (_hp(m, m.T), _hp(m.T, m)), dummy)
+  # Mapped over params: a leaf's sums are a pair (params may hold tuples).
+  left = jax.tree.map(lambda _, s: s[0] / count, ps.params, sums)
+  right = jax.tree.map(
+    lambda _, s: _safe_div(s[1] / count, jnp.trace(s[0]) / count),
+    ps.params,
+    sums,
+  )
+  return left, right
+
+
+def _shampoo_factors(ps: _Pass, num_iters: int) -> tuple[PyTree, PyTree]:
   """Nearest-Kronecker factors from per-example (pseudo-)gradients.
 
-  ``num_iters = 0``: one Shampoo step, ``left = E[G G^T]``,
-  ``right = E[G^T G] / tr(E[G G^T])``. Otherwise alternate
-  ``L <- E[G R G^T] / |R|^2``, ``R <- E[G^T L G] / |L|^2`` from ``R = I``.
+  ``num_iters = 0``: one Shampoo step (:func:`_shampoo_step`). Otherwise
+  alternate ``L <- E[G R G^T] / |R|^2``, ``R <- E[G^T L G] / |L|^2`` from
+  ``R = I``.
   """
-  dummy = jax.tree.map(lambda p: jnp.zeros(()), params)
   if num_iters == 0:
-    sums = _kron_pass(
-      apply_fn,
-      params,
-      inputs,
-      cot,
-      size,
-      chunk_size,
-      lambda m, _: (_hp(m, m.T), _hp(m.T, m)),
-      dummy,
-    )
-    sums = _psum(sums, axis_name)
-    is_pair = lambda x: isinstance(x, tuple)
-    left = jax.tree.map(lambda s: s[0] / count, sums, is_leaf=is_pair)
+    return _shampoo_step(ps)
+  count = ps.count
 
-    def right_fn(s):
-      tr = jnp.trace(s[0]) / count
-      return jnp.where(tr > 0, s[1] / count / jnp.where(tr > 0, tr, 1.0), 0.0)
-
-    right = jax.tree.map(right_fn, sums, is_leaf=is_pair)
-    return left, right
-  wide = lambda p: jnp.promote_types(p.dtype, jnp.float32)
-  right = jax.tree.map(
-    lambda p: jnp.eye(_statistics.matrix_shape(p.shape)[1], dtype=wide(p)),
-    params,
-  )
-
-  def safe_div(s, f):
-    n2 = jnp.sum(jnp.square(f))
-    return jnp.where(n2 > 0, s / count / jnp.where(n2 > 0, n2, 1.0), 0.0)
+  def normalised(s, f):
+    return _safe_div(s / count, jnp.sum(jnp.square(f)))
 
   def one_round(_, lr):
     _, right = lr
-    s = _kron_pass(
-      apply_fn,
-      params,
-      inputs,
-      cot,
-      size,
-      chunk_size,
-      lambda m, r: _hp(_hp(m, r), m.T),
-      right,
-    )
-    left = jax.tree.map(safe_div, _psum(s, axis_name), right)
-    s = _kron_pass(
-      apply_fn,
-      params,
-      inputs,
-      cot,
-      size,
-      chunk_size,
-      lambda m, l: _hp(_hp(m.T, l), m),
-      left,
-    )
-    return left, jax.tree.map(safe_div, _psum(s, axis_name), left)
+    s = _kron_pass(ps, lambda m, r: _hp(_hp(m, r), m.T), right)
+    left = jax.tree.map(normalised, s, right)
+    s = _kron_pass(ps, lambda m, l: _hp(_hp(m.T, l), m), left)
+    return left, jax.tree.map(normalised, s, left)
 
-  left = jax.tree.map(
-    lambda p: jnp.zeros((_statistics.matrix_shape(p.shape)[0],) * 2, wide(p)),
-    params,
-  )
+  def eye_and_zeros(p):
+    rows, cols = _statistics.matrix_shape(p.shape)
+    dtype = numerics.compute_dtype(p)
+    return jnp.zeros((rows, rows), dtype), jnp.eye(cols, dtype=dtype)
+
+  init = jax.tree.map(eye_and_zeros, ps.params)
+  left = jax.tree.map(lambda _, t: t[0], ps.params, init)
+  right = jax.tree.map(lambda _, t: t[1], ps.params, init)
   # One trace of the two passes whatever num_iters is.
-  left, right = jax.lax.fori_loop(0, num_iters, one_round, (left, right))
-  return left, right
+  return jax.lax.fori_loop(0, num_iters, one_round, (left, right))
+
+
+def _kfac_factors(ps: _Pass, num_iters: int) -> tuple[PyTree, PyTree, bool]:
+  """K-FAC factors of covered leaves, Shampoo-style ones elsewhere.
+
+  Returns ``(left, right, mixed)``; ``mixed`` when some leaf is not covered.
+  """
+  stats = _psum(
+    ps.layers.statistics("kron", chunk_size=ps.chunk_size), ps.axis_name
+  )
+  sub = _uncovered(ps)
+  sub_l, sub_r = _shampoo_factors(sub, num_iters) if sub else (None, None)
+  left = _merge(
+    stats, ps.covered, sub_l, lambda s: numerics.widen(s[0]) / ps.count
+  )
+  right = _merge(
+    stats, ps.covered, sub_r, lambda s: numerics.widen(s[1]) / ps.count
+  )
+  return left, right, sub is not None
 
 
 def kronecker(
@@ -923,8 +862,7 @@ def kronecker(
   Returns:
     A :class:`KroneckerFisher` with float32 factors.
 
-  Example::
-
+  Example:
     >>> import jax.numpy as jnp
     >>> from fisher_optax import fisher
     >>> x, y = jnp.eye(3)[jnp.array([0, 1, 2, 0])], jnp.array([0, 1, 1, 0])
@@ -942,18 +880,16 @@ def kronecker(
   """
   validation.check_choice("estimator", estimator, ("auto", "kfac", "shampoo"))
   num_iters = validation.check_static_int("num_iters", num_iters)
+  opts = _Options(
+    likelihood, kind, num_samples, key, method, chunk_size, axis_name
+  )
   if _under_explicit_mesh(axis_name):
     return _in_auto_axes(
       kronecker,
       apply_fn,
       params,
       batch,
-      key,
-      likelihood=likelihood,
-      kind=kind,
-      num_samples=num_samples,
-      method=method,
-      chunk_size=chunk_size,
+      opts,
       estimator=estimator,
       num_iters=num_iters,
     )
@@ -966,71 +902,19 @@ def kronecker(
   use_taps = estimator != "shampoo" and _use_taps(
     "taps" if estimator == "kfac" else method
   )
-  ps, _ = _forward(
-    apply_fn,
-    params,
-    batch,
-    likelihood=likelihood,
-    kind=kind,
-    num_samples=num_samples,
-    key=key,
-    method=method,
-    chunk_size=chunk_size,
-    axis_name=axis_name,
-    layers=use_taps,
-  )
-  inputs, cot, size, count = ps.inputs, ps.cotangents, ps.size, ps.count
+  ps = _forward(apply_fn, params, batch, opts, layers=use_taps)
   if kind == "batch_squared":
     left, right = _batch_squared_kron(ps.mean_grad, num_iters)
-    return _statistics.KroneckerFisher(
-      left, right, ps.mean_grad, count, kind, "shampoo"
-    )
-  if not use_taps:
-    left, right = _shampoo_factors(
-      apply_fn,
-      ps.params,
-      inputs,
-      cot,
-      size,
-      chunk_size,
-      count,
-      axis_name,
-      num_iters,
-    )
-    return _statistics.KroneckerFisher(
-      left, right, ps.mean_grad, count, kind, "shampoo"
-    )
-  stats = ps.layers.statistics("kron", chunk_size=chunk_size)
-  covered = ps.covered
-  _check_covered(covered, "taps" if estimator == "kfac" else method)
-  stats = _psum(stats, axis_name)
-  sub, rebuild = _split(ps.params, covered)
-  if sub:
-    sl, sr = _shampoo_factors(
-      lambda q, x: apply_fn(rebuild(q), x),
-      sub,
-      inputs,
-      cot,
-      size,
-      chunk_size,
-      count,
-      axis_name,
-      num_iters,
-    )
-    it_l, it_r = iter(sl), iter(sr)
-  is_stat = lambda s: s is None or isinstance(s, tuple)
-  left = jax.tree.map(
-    lambda s: _f32(s[0]) / count if s is not None else next(it_l),
-    stats,
-    is_leaf=is_stat,
-  )
-  right = jax.tree.map(
-    lambda s: _f32(s[1]) / count if s is not None else next(it_r),
-    stats,
-    is_leaf=is_stat,
-  )
+    estimator_name = "shampoo"
+  elif not use_taps:
+    left, right = _shampoo_factors(ps, num_iters)
+    estimator_name = "shampoo"
+  else:
+    _check_covered(ps.covered, "taps" if estimator == "kfac" else method)
+    left, right, mixed = _kfac_factors(ps, num_iters)
+    estimator_name = "mixed" if mixed else "kfac"
   return _statistics.KroneckerFisher(
-    left, right, ps.mean_grad, count, kind, "mixed" if sub else "kfac"
+    left, right, ps.mean_grad, ps.count, kind, estimator_name
   )
 
 
@@ -1046,10 +930,9 @@ def _batch_squared_kron(mean_grad: PyTree, num_iters: int):
     return l, r
 
   pairs = jax.tree.map(leaf, mean_grad)
-  is_pair = lambda x: isinstance(x, tuple)
   return (
-    jax.tree.map(lambda p: p[0], pairs, is_leaf=is_pair),
-    jax.tree.map(lambda p: p[1], pairs, is_leaf=is_pair),
+    jax.tree.map(lambda _, p: p[0], mean_grad, pairs),
+    jax.tree.map(lambda _, p: p[1], mean_grad, pairs),
   )
 
 
@@ -1068,8 +951,7 @@ def diagonal_from_grads(
   ``(mean_n g_n)^2``. ``mean_grad`` is ``mean_n g_n``. Non-finite gradients
   propagate into ``diag``.
 
-  Example::
-
+  Example:
     >>> import jax.numpy as jnp
     >>> from fisher_optax import fisher
     >>> fisher.diagonal_from_grads(jnp.array([[1.0], [3.0]])).diag
@@ -1080,7 +962,7 @@ def diagonal_from_grads(
     per_example_grads, what="per_example_grads"
   )
   count = _psum(jnp.asarray(size, jnp.int32), axis_name)
-  g = _f32(per_example_grads)
+  g = numerics.widen(per_example_grads)
   mean = jax.tree.map(
     lambda s: s / count,
     _psum(jax.tree.map(lambda x: jnp.sum(x, 0), g), axis_name),
@@ -1130,8 +1012,7 @@ def diagonal_from_loss(
   Returns:
     A :class:`DiagonalFisher` with ``mean_grad`` = ``bar g``.
 
-  Example::
-
+  Example:
     >>> import jax.numpy as jnp
     >>> from fisher_optax import fisher
     >>> loss = lambda w, ex: 0.5 * (ex[0] @ w - ex[1]) ** 2
@@ -1148,7 +1029,9 @@ def diagonal_from_loss(
     )
 
   def chunk_sums(examples):
-    g = _f32(jax.vmap(lambda ex: jax.grad(loss_fn)(params, ex))(examples))
+    g = numerics.widen(
+      jax.vmap(lambda ex: jax.grad(loss_fn)(params, ex))(examples)
+    )
     return (
       jax.tree.map(lambda a: jnp.sum(a, 0), g),
       jax.tree.map(lambda a: jnp.sum(jnp.square(a), 0), g),
@@ -1178,7 +1061,7 @@ def low_rank_from_grads(
   size = _per_example.check_batch_tree(
     per_example_grads, what="per_example_grads"
   )
-  g = _f32(per_example_grads)
+  g = numerics.widen(per_example_grads)
   count = jnp.asarray(size, jnp.int32)
   mean = jax.tree.map(lambda x: jnp.mean(x, 0), g)
   return _low_rank_from_stacked(g, rank, count, mean, "empirical")

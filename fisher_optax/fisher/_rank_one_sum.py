@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from fisher_optax.fisher import linalg
+from fisher_optax.fisher import numerics
 from fisher_optax.fisher import validation
 
 PyTree = Any
@@ -99,7 +100,28 @@ class RankOneSumFisher:
     """``d``, the number of parameters."""
     return sum(math.prod(s) for s in self._shapes)
 
-  def _check(self, v: PyTree, what: str) -> None:
+  @property
+  def count(self) -> jax.Array:
+    """``m`` as an int32 scalar: the Fisher is a mean over ``m`` gradients."""
+    return jnp.asarray(self._num_grads, jnp.int32)
+
+  @property
+  def kind(self) -> str:
+    """``"empirical"``: a mean of outer products of the given gradients."""
+    return "empirical"
+
+  def check_compatible(self, v: PyTree, what: str = "v") -> None:
+    """Raises ``ValueError`` unless ``v`` is shaped like one gradient.
+
+    Every product checks its argument this way; callers that only read the
+    factor (e.g. a pruner combining ``inverse_diag`` with the weights) can
+    check their own trees with it.
+
+    Args:
+      v: a tree that should have the gradients' structure and leaf shapes
+        (without the stacking axis ``m``).
+      what: the argument's name in the error message.
+    """
     ref = jax.tree.unflatten(
       self._treedef,
       [jax.ShapeDtypeStruct(s, jnp.float32) for s in self._shapes],
@@ -114,26 +136,26 @@ class RankOneSumFisher:
           "(one gradient without the stacking axis)."
         )
 
+  # Deprecated private spelling of check_compatible, kept for old callers.
+  _check = check_compatible
+
+  def is_finite(self) -> jax.Array:
+    """Whether the factor (``Z``, ``L`` and the damping) is finite."""
+    return numerics.tree_all_finite((self.whitened, self.chol, self.damping))
+
   def _to_blocks(self, v: PyTree) -> jax.Array:
     nb = self.chol.shape[0]
     return _flat_blocks(v, self.block_size, nb, ())
 
   def _from_blocks(self, x: jax.Array, like: PyTree) -> PyTree:
-    flat = x.reshape(-1)
-    leaves, offset = [], 0
-    for leaf, shape in zip(jax.tree.leaves(like), self._shapes):
-      n = math.prod(shape)
-      leaves.append(
-        flat[offset : offset + n].reshape(shape).astype(jnp.result_type(leaf))
-      )
-      offset += n
-    return jax.tree.unflatten(self._treedef, leaves)
+    out = numerics.unravel(x.reshape(-1)[: self.dim], like)
+    return jax.tree.map(lambda o, l: o.astype(jnp.result_type(l)), out, like)
 
   # -- products ------------------------------------------------------------------
 
   def ihvp(self, v: PyTree) -> PyTree:
     """Returns ``F^{-1} v`` in ``O(d m)``, in ``v``'s dtypes."""
-    self._check(v, "v")
+    self.check_compatible(v, "v")
     lam = self.damping
     if self.block_size is None:
       zv = linalg.tree_stacked_dot(self.whitened, v)
@@ -157,13 +179,20 @@ class RankOneSumFisher:
     ) / lam
     return self._from_blocks(out, v)
 
-  def solve(self, v: PyTree) -> PyTree:
-    """Alias of :meth:`ihvp` (``F x = v``)."""
+  def solve(self, v: PyTree, damping: None = None) -> PyTree:
+    """Returns ``F^{-1} v``: :meth:`ihvp` under the statistics' interface.
+
+    Args:
+      v: a tree shaped like one gradient.
+      damping: must be ``None``: the damping is part of the factorization
+        (:func:`sum_of_rank_one`); refactor to change it.
+    """
+    _check_own_damping(damping, "solve")
     return self.ihvp(v)
 
   def matvec(self, v: PyTree) -> PyTree:
     """Returns ``F v`` in ``O(d m + m^2)`` (``G = L Z``, never stored)."""
-    self._check(v, "v")
+    self.check_compatible(v, "v")
     lam, m = self.damping, self.num_grads
     hi = jax.lax.Precision.HIGHEST
     if self.block_size is None:
@@ -202,8 +231,12 @@ class RankOneSumFisher:
       jnp.vdot(a, b) for a, b in zip(jax.tree.leaves(v), jax.tree.leaves(fv))
     )
 
-  def inverse_diag(self) -> PyTree:
-    """Returns the diagonal of ``F^{-1}`` shaped like one gradient, ``O(d m)``."""
+  def inverse_diag(self, damping: None = None) -> PyTree:
+    """Returns the diagonal of ``F^{-1}`` shaped like one gradient, ``O(d m)``.
+
+    ``damping`` must be ``None`` (the factor's own), as in :meth:`solve`.
+    """
+    _check_own_damping(damping, "inverse_diag")
     lam = self.damping
     if self.block_size is None:
       return jax.tree.map(
@@ -269,6 +302,14 @@ class RankOneSumFisher:
     return (eye - cross) / self.damping
 
 
+def _check_own_damping(damping: Any, method: str) -> None:
+  if damping is not None:
+    raise ValueError(
+      f"RankOneSumFisher.{method} uses the damping it was factored with; "
+      "pass damping=None, or call sum_of_rank_one again with the new damping."
+    )
+
+
 def _whiten(stacked: PyTree, chol: jax.Array) -> PyTree:
   """``Z = L^{-1} G`` as a stacked tree (see ``linalg.tril_inverse``)."""
   return linalg.tree_stacked_combine(stacked, linalg.tril_inverse(chol).T)
@@ -308,17 +349,16 @@ def sum_of_rank_one(
       ``B x B`` numbers.
 
   Returns:
-    A :class:`RankOneSumFisher` with ``ihvp``, ``inverse_diag``,
-    ``inverse_entry``, ``inverse_submatrix``, ``matvec`` and
-    ``quadratic_form``. Statistics are float32 (float64 for float64 inputs).
+    A :class:`RankOneSumFisher` with ``ihvp`` (also ``solve``),
+    ``inverse_diag``, ``inverse_entry``, ``inverse_submatrix``, ``matvec``,
+    ``quadratic_form``, ``is_finite`` and ``check_compatible``. Statistics are float32 (float64 for float64 inputs).
 
   Raises:
     ValueError: for a non-positive damping, leaves without a common leading
       axis, or no leaves at all.
     TypeError: for a non-integer ``block_size``.
 
-  Example::
-
+  Example:
     >>> import jax, jax.numpy as jnp
     >>> from fisher_optax import fisher
     >>> g = {"w": jax.random.normal(jax.random.key(0), (8, 3, 2))}
@@ -346,7 +386,7 @@ def sum_of_rank_one(
   if m < 1:
     raise ValueError("grads must hold at least one gradient (m >= 1).")
   shapes = tuple(tuple(jnp.shape(x)[1:]) for x in leaves)
-  dtype = jnp.promote_types(jnp.result_type(*leaves), jnp.float32)
+  dtype = numerics.compute_dtype(jnp.result_type(*leaves))
   grads = jax.tree.map(lambda x: jnp.asarray(x, dtype), grads)
   lam = jnp.asarray(damping, dtype)
   if block_size is None:

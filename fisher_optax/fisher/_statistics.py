@@ -8,36 +8,70 @@ dataclasses registered with :func:`jax.tree_util.register_dataclass`, so
 ``jit``, ``vmap``, sharding and checkpointing (orbax, with an abstract
 target from ``jax.eval_shape``) treat them like any other pytree. Statistics
 are float32 (or wider); vectors passed to ``matvec``/``solve`` keep their
-own dtype.
+own dtype. All of them satisfy :class:`FisherStatistic`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import jax
 import jax.numpy as jnp
 
 from fisher_optax.fisher import linalg
+from fisher_optax.fisher import numerics
 
 PyTree = Any
+
+
+@runtime_checkable
+class FisherStatistic(Protocol):
+  """The interface every Fisher statistic of the engine implements.
+
+  :class:`DiagonalFisher`, :class:`LowRankFisher`, :class:`KroneckerFisher`
+  and :class:`~fisher_optax.fisher.RankOneSumFisher` all answer these, so a
+  consumer (a preconditioner, a penalty, a pruner) can take any of them.
+  Vectors ``v`` are trees shaped like the parameters; results keep ``v``'s
+  dtypes. ``damping`` is a float or a scalar array ``lambda >= 0``; a
+  :class:`~fisher_optax.fisher.RankOneSumFisher` is factored with its damping
+  and takes ``damping=None`` (meaning its own).
+
+  Attributes:
+    kind: the Fisher kind the statistic estimates (``"empirical"``, ``"mc"``,
+      ``"exact"`` or ``"batch_squared"``).
+    count: int32 number of examples (or gradients) the statistic is a mean
+      over.
+  """
+
+  @property
+  def kind(self) -> str: ...
+
+  @property
+  def count(self) -> jax.Array: ...
+
+  def matvec(self, v: PyTree) -> PyTree:
+    """``F v``."""
+    ...
+
+  def quadratic_form(self, v: PyTree) -> jax.Array:
+    """``v^T F v``."""
+    ...
+
+  def solve(self, v: PyTree, damping: Any) -> PyTree:
+    """``(F + damping I)^{-1} v``."""
+    ...
+
+  def is_finite(self) -> jax.Array:
+    """A scalar bool: every stored number is finite."""
+    ...
 
 
 def _register(cls, data, meta):
   return jax.tree_util.register_dataclass(
     dataclasses.dataclass(frozen=True)(cls), data_fields=data, meta_fields=meta
   )
-
-
-def all_finite(tree: PyTree) -> jax.Array:
-  leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]
-  return jnp.all(jnp.stack(leaves)) if leaves else jnp.asarray(True)
-
-
-def _wide(x: jax.Array) -> jax.Array:
-  return x.astype(jnp.promote_types(x.dtype, jnp.float32))
 
 
 class DiagonalFisher:
@@ -58,25 +92,33 @@ class DiagonalFisher:
   def matvec(self, v: PyTree) -> PyTree:
     """``F v``, in ``v``'s dtype."""
     return jax.tree.map(
-      lambda d, x: (d * _wide(x)).astype(x.dtype), self.diag, v
+      lambda d, x: (d * numerics.widen(x)).astype(x.dtype), self.diag, v
     )
 
   def quadratic_form(self, v: PyTree) -> jax.Array:
     """``v^T F v`` (a float32 scalar)."""
     terms = jax.tree.leaves(
-      jax.tree.map(lambda d, x: jnp.sum(d * jnp.square(_wide(x))), self.diag, v)
+      jax.tree.map(
+        lambda d, x: jnp.sum(d * jnp.square(numerics.widen(x))), self.diag, v
+      )
     )
     return sum(terms, jnp.zeros((), jnp.float32))
 
   def solve(self, v: PyTree, damping: float | jax.Array) -> PyTree:
     """``(F + damping I)^{-1} v``."""
     return jax.tree.map(
-      lambda d, x: (_wide(x) / (d + damping)).astype(x.dtype), self.diag, v
+      lambda d, x: (numerics.widen(x) / (d + damping)).astype(x.dtype),
+      self.diag,
+      v,
     )
+
+  def inverse_diag(self, damping: float | jax.Array) -> PyTree:
+    """The diagonal of ``(F + damping I)^{-1}``, params-shaped."""
+    return jax.tree.map(lambda d: 1.0 / (d + damping), self.diag)
 
   def is_finite(self) -> jax.Array:
     """Whether every entry is finite (non-finite inputs propagate here)."""
-    return all_finite(self.diag)
+    return numerics.tree_all_finite(self.diag)
 
 
 DiagonalFisher = _register(
@@ -111,7 +153,7 @@ class LowRankFisher:
 
   def project(self, v: PyTree) -> jax.Array:
     """Coordinates ``V v`` of shape ``(k,)``."""
-    return linalg.tree_stacked_dot(self.eigvecs, jax.tree.map(_wide, v))
+    return linalg.tree_stacked_dot(self.eigvecs, numerics.widen(v))
 
   def matvec(self, v: PyTree) -> PyTree:
     """``F v = V^T diag(eigvals) V v``."""
@@ -129,11 +171,24 @@ class LowRankFisher:
     coef = self.eigvals / (damping * (self.eigvals + damping))
     corr = linalg.tree_stacked_combine(self.eigvecs, coef * self.project(v))
     return jax.tree.map(
-      lambda x, c: (_wide(x) / damping - c).astype(x.dtype), v, corr
+      lambda x, c: (numerics.widen(x) / damping - c).astype(x.dtype), v, corr
+    )
+
+  def inverse_diag(self, damping: float | jax.Array) -> PyTree:
+    """The diagonal of ``(F + damping I)^{-1}``, params-shaped.
+
+    ``1 / damping - sum_j eigvals[j] v_j^2 / (damping (eigvals[j] +
+    damping))``, in ``O(k d)``.
+    """
+    coef = self.eigvals / (damping * (self.eigvals + damping))
+    return jax.tree.map(
+      lambda u: 1.0 / damping - jnp.tensordot(coef, jnp.square(u), axes=1),
+      self.eigvecs,
     )
 
   def is_finite(self) -> jax.Array:
-    return jnp.logical_and(all_finite(self.eigvals), all_finite(self.eigvecs))
+    """Whether every eigenvalue and eigenvector entry is finite."""
+    return numerics.tree_all_finite((self.eigvals, self.eigvecs))
 
 
 LowRankFisher = _register(
@@ -179,7 +234,7 @@ class KroneckerFisher:
     """``F v`` leaf by leaf: ``left @ V @ right``."""
 
     def leaf(l, r, x):
-      m = _wide(x).reshape(matrix_shape(x.shape))
+      m = numerics.widen(x).reshape(matrix_shape(x.shape))
       return (l @ m @ r).reshape(x.shape).astype(x.dtype)
 
     return jax.tree.map(leaf, self.left, self.right, v)
@@ -188,7 +243,7 @@ class KroneckerFisher:
     """``v^T F v = sum_leaves <V, left V right>``."""
 
     def leaf(l, r, x):
-      m = _wide(x).reshape(matrix_shape(x.shape))
+      m = numerics.widen(x).reshape(matrix_shape(x.shape))
       return jnp.sum(m * (l @ m @ r))
 
     return sum(
@@ -204,27 +259,54 @@ class KroneckerFisher:
     """
 
     def leaf(l, r, x):
-      m = _wide(x).reshape(matrix_shape(x.shape))
-      a, qa = jnp.linalg.eigh(linalg.symmetrize(l))
-      b, qb = jnp.linalg.eigh(linalg.symmetrize(r))
-      inner = (qa.T @ m @ qb) / (a[:, None] * b[None, :] + damping)
+      m = numerics.widen(x).reshape(matrix_shape(x.shape))
+      (qa, qb), denom = _kron_eigen(l, r, damping)
+      inner = (qa.T @ m @ qb) / denom
       return (qa @ inner @ qb.T).reshape(x.shape).astype(x.dtype)
 
     return jax.tree.map(leaf, self.left, self.right, v)
 
-  def diagonal(self, like: PyTree | None = None) -> PyTree:
-    """The diagonal of ``left ⊗ right``, shaped like ``like`` (default
-    ``mean_grad``; matrix-shaped ``(m, n)`` leaves when both are ``None``)."""
+  def inverse_diag(
+    self, damping: float | jax.Array, like: PyTree | None = None
+  ) -> PyTree:
+    """The diagonal of ``(left ⊗ right + damping I)^{-1}`` (two ``eigh``).
+
+    Entry ``(p, q)`` is ``sum_ij Q_a[p,i]^2 Q_b[q,j]^2 / (a_i b_j +
+    damping)``. Shaped like ``like`` as in :meth:`diagonal`.
+    """
+
+    def leaf(l, r):
+      (qa, qb), denom = _kron_eigen(l, r, damping)
+      return jnp.square(qa) @ (1.0 / denom) @ jnp.square(qb).T
+
+    return self._shaped_like(jax.tree.map(leaf, self.left, self.right), like)
+
+  def _shaped_like(self, mats: PyTree, like: PyTree | None) -> PyTree:
     like = self.mean_grad if like is None else like
-    mats = jax.tree.map(
-      lambda l, r: jnp.outer(jnp.diag(l), jnp.diag(r)), self.left, self.right
-    )
     if like is None:
       return mats
     return jax.tree.map(lambda d, p: d.reshape(jnp.shape(p)), mats, like)
 
+  def diagonal(self, like: PyTree | None = None) -> PyTree:
+    """The diagonal of ``left ⊗ right``, shaped like ``like`` (default
+    ``mean_grad``; matrix-shaped ``(m, n)`` leaves when both are ``None``)."""
+    mats = jax.tree.map(
+      lambda l, r: jnp.outer(jnp.diag(l), jnp.diag(r)), self.left, self.right
+    )
+    return self._shaped_like(mats, like)
+
   def is_finite(self) -> jax.Array:
-    return jnp.logical_and(all_finite(self.left), all_finite(self.right))
+    """Whether every entry of both factors is finite."""
+    return numerics.tree_all_finite((self.left, self.right))
+
+
+def _kron_eigen(
+  left: jax.Array, right: jax.Array, damping: float | jax.Array
+) -> tuple[tuple[jax.Array, jax.Array], jax.Array]:
+  """``((Q_a, Q_b), a b^T + damping)`` from the factors' ``eigh``."""
+  a, qa = jnp.linalg.eigh(linalg.symmetrize(left))
+  b, qb = jnp.linalg.eigh(linalg.symmetrize(right))
+  return (qa, qb), a[:, None] * b[None, :] + damping
 
 
 KroneckerFisher = _register(
