@@ -160,6 +160,14 @@ class ProjectOutSubspaceTest(parameterized.TestCase):
     np.testing.assert_allclose(b @ np.ravel(first["w"]), 0.0, atol=1e-5)
     chex.assert_trees_all_close(second, u, atol=1e-6)
 
+  def test_bf16_params_float32_bases(self):
+    params = {"w": jnp.ones((3, 2), jnp.bfloat16)}
+    tx = fisher_optax.project_out_subspace(2)
+    state = tx.init(params)
+    self.assertEqual(state.protected_subspace.bases["w"].dtype, jnp.float32)
+    out, _ = tx.update(params, state, params)
+    chex.assert_trees_all_equal(out, params)  # Empty basis: the identity.
+
   @parameterized.parameters("after", "before")
   def test_physguard_placement(self, placement):
     sub, params, _ = self._setup()
