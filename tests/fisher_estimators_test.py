@@ -673,14 +673,23 @@ class OperationsTest(parameterized.TestCase):
       flat_v = ft.ravel(v)
       ops = jax.jit(
         lambda stats, v: {
-          k: (s.matvec(v), s.quadratic_form(v), s.solve(v, 0.3))
+          k: (
+            s.matvec(v),
+            s.quadratic_form(v),
+            s.solve(v, 0.3),
+            s.inverse_diag(0.3),
+            s.is_finite(),
+          )
           for k, s in stats.items()
         }
       )(stats, v)
       for structure, stat in stats.items():
         with self.subTest(structure=structure):
+          self.assertIsInstance(stat, fisher.FisherStatistic)
+          self.assertEqual(int(stat.count), N)
           dense = self._dense_of(stat, params)
-          matvec, quad, solved = ops[structure]
+          matvec, quad, solved, inv_diag, finite = ops[structure]
+          self.assertTrue(bool(finite))
           np.testing.assert_allclose(
             ft.ravel(matvec), dense @ flat_v, rtol=1e-9, atol=1e-12
           )
@@ -692,10 +701,67 @@ class OperationsTest(parameterized.TestCase):
             rtol=1e-8,
             atol=1e-10,
           )
+          np.testing.assert_allclose(
+            ft.ravel(inv_diag),
+            jnp.diag(jnp.linalg.inv(damped)),
+            rtol=1e-8,
+            atol=1e-10,
+          )
           # Registered pytrees: jit, vmap and tree ops see the arrays only.
           out = jax.jit(lambda s: s)(stat)
           self.assertEqual(out.kind, "exact")
           chex.assert_trees_all_close(out, stat)
+
+
+class RankOneSumInterfaceTest(absltest.TestCase):
+  """M-FAC's factored statistic under the shared statistic interface."""
+
+  def test_interface_and_dense_inverse_diag(self):
+    with jax.enable_x64(True):
+      k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
+      grads = {
+        "b": jax.random.normal(k1, (5, 4), jnp.float64),
+        "w": jax.random.normal(k2, (5, 3, 2), jnp.float64),
+      }
+      v = ft.unravel_like(
+        jax.tree.map(lambda g: g[0], grads),
+        jax.random.normal(k3, (10,), jnp.float64),
+      )
+
+      @jax.jit  # Both forms in one compile.
+      def run(grads, v):
+        out = {}
+        for name, block_size in (("full", None), ("blocked", 4)):
+          f = fisher.sum_of_rank_one(grads, 0.1, block_size=block_size)
+          out[name] = (f.solve(v), f.ihvp(v), f.inverse_diag(), f.is_finite())
+        return out
+
+      out = run(grads, v)
+      g = jnp.concatenate([grads["b"], grads["w"].reshape(5, -1)], 1)
+      blocks = jnp.arange(10) // 4
+      for name, mask in (
+        ("full", jnp.ones((10, 10))),
+        ("blocked", (blocks[:, None] == blocks[None, :]).astype(jnp.float64)),
+      ):
+        with self.subTest(name):
+          solved, ihvp, inv_diag, finite = out[name]
+          chex.assert_trees_all_equal(solved, ihvp)
+          dense = 0.1 * jnp.eye(10) + mask * (g.T @ g) / 5
+          np.testing.assert_allclose(
+            ft.ravel(inv_diag), jnp.diag(jnp.linalg.inv(dense)), rtol=1e-9
+          )
+          self.assertTrue(bool(finite))
+      f = fisher.sum_of_rank_one(grads, 0.1)
+      self.assertIsInstance(f, fisher.FisherStatistic)
+      self.assertEqual((int(f.count), f.kind), (5, "empirical"))
+      with self.assertRaisesRegex(ValueError, "damping=None"):
+        f.solve(v, 0.2)
+      with self.assertRaisesRegex(ValueError, "damping=None"):
+        f.inverse_diag(0.2)
+      f.check_compatible(v)
+      f._check(v, "v")  # The old private spelling still works.
+      with self.assertRaisesRegex(ValueError, "params leaf has shape"):
+        f.check_compatible(dict(v, w=jnp.ones((2, 3))), what="params")
 
 
 class FromGradsTest(absltest.TestCase):

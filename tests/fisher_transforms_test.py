@@ -149,6 +149,30 @@ class EstimateFisherDiagTest(parameterized.TestCase):
       fisher.get_fisher_diag(istate), fisher.get_fisher_diag(state), rtol=1e-6
     )
 
+  def test_inject_interval_decay_and_seed(self):
+    """interval, decay and an int seed become state arrays and still work."""
+    params, x, y = _problem()
+    g = _grads(params, x, y)
+    upd = jax.tree.map(lambda a: jnp.mean(a, 0), g)
+    kw = dict(interval=2, decay=0.5, key=3)
+    tx = fisher.estimate_fisher_diag(**kw)
+    inj = optax.inject_hyperparams(
+      fisher.estimate_fisher_diag, static_args=("num_samples",)
+    )(**kw)
+
+    @jax.jit  # Both transforms, three steps: one compile.
+    def run(s1, s2, g):
+      for i in range(3):
+        scaled = jax.tree.map(lambda a: a * (i + 1.0), g)
+        _, s1 = tx.update(upd, s1, per_example_grads=scaled)
+        _, s2 = inj.update(upd, s2, per_example_grads=scaled, unknown=1.0)
+      return s1, s2
+
+    s1, s2 = run(tx.init(params), inj.init(params), g)
+    self.assertEqual(set(s2.hyperparams), {"interval", "decay", "key"})
+    chex.assert_trees_all_close(s2.inner_state, s1, rtol=1e-6)
+    self.assertEqual(int(s1.num_refreshes), 2)
+
   def test_bad_inputs(self):
     params, x, y = _problem()
     g = _grads(params, x, y)

@@ -21,38 +21,71 @@ so it allows only ``empirical`` and ``batch_squared``.
 **Structures.** :func:`diagonal`, :func:`low_rank` (global or per leaf),
 :func:`rank_one`, :func:`kronecker` (and, from a bare per-example loss or
 given per-example gradients, :func:`diagonal_from_loss`,
-:func:`diagonal_from_grads`, :func:`low_rank_from_grads`); each returns a registered pytree
-(:class:`DiagonalFisher`, :class:`LowRankFisher`, :class:`KroneckerFisher`)
-of float32 *means* with ``count``, ``kind`` and the mean loss gradient
-``mean_grad`` from the same pass, with ``matvec``, ``quadratic_form`` and
-``solve(v, damping)``.
+:func:`diagonal_from_grads`, :func:`low_rank_from_grads`); each returns a
+registered pytree (:class:`DiagonalFisher`, :class:`LowRankFisher`,
+:class:`KroneckerFisher`) of float32 *means* with ``count``, ``kind`` and the
+mean loss gradient ``mean_grad`` from the same pass.
+:func:`sum_of_rank_one` factors the damped mean of ``m`` stacked gradients'
+outer products once (M-FAC's statistic, :class:`RankOneSumFisher`).
+
+**One interface.** Every statistic is a :class:`FisherStatistic`: ``F v``
+(``matvec``), ``v^T F v`` (``quadratic_form``), ``(F + damping I)^{-1} v``
+(``solve(v, damping)``), the diagonal of that inverse (``inverse_diag``),
+``count``, ``kind`` and a finite check (``is_finite()``). A
+:class:`RankOneSumFisher` carries the damping it was factored with, so its
+``solve`` and ``inverse_diag`` take ``damping=None``.
 
 **Transforms.** :func:`estimate_fisher_diag` and
 :func:`estimate_fisher_low_rank` keep a statistic in the optimizer state,
 refreshed every ``interval`` steps from a ``per_example_grads=`` or
-``batch=`` extra argument, so it can feed other transforms in a chain.
+``batch=(inputs, targets)`` extra argument, so it can feed other transforms
+in a chain.
+
+**Where the Fisher comes from: ``fisher_source``.** One keyword and two
+values across every transform that can take its Fisher from either place:
+
+- ``"batch"``: from the mini-batch mean gradient the transform receives as
+  ``updates``: squared (FAdam), a window of past ones (M-FAC, the windowed
+  Woodbury preconditioner, Natural GaLore), or factor statistics (FISMO).
+  Needs no extra argument.
+- ``"per_example"``: from per-example gradients passed in ``update`` as the
+  extra argument ``per_example_grads=`` (the updates' tree with a leading
+  batch axis, e.g. from :func:`per_example_grads`).
+
+The transforms that take it are ``fadam``/``scale_by_fadam``,
+``fismo``/``scale_by_fismo``, ``mfac``/``scale_by_mfac``, the windowed
+Woodbury preconditioner and ``natural_galore``/``scale_by_natural_galore``.
+Older spellings keep working with a ``FisherOptaxDeprecationWarning``: the
+keywords ``gradients=`` (M-FAC) and ``window_source=`` (Woodbury, Natural
+GaLore), and the values ``"batch_squared"``, ``"mean"`` and ``"history"``
+(all meaning ``"batch"``). The estimator transforms above are not switched
+by ``fisher_source``: they use whichever extra argument is given, and their
+``batch=`` is the data ``(inputs, targets)`` the model is run on.
 
 **Paths.** ``method="auto"`` uses layer statistics (zero taps on dense and
 embedding pre-activations) where they apply and the generic per-example path
 (:func:`per_example_grads`-style ``vmap`` of VJPs, chunked by
 ``chunk_size``) elsewhere; both give the same numbers.
 
-Example::
-
-  import jax, jax.numpy as jnp
-  from fisher_optax import fisher
-
-  def apply_fn(params, x):                       # (B, 3) -> (B, 2) logits
-    return jnp.tanh(x @ params["w1"]) @ params["w2"]
-
-  params = {"w1": jnp.ones((3, 4)) / 2, "w2": jnp.ones((4, 2)) / 4}
-  x, y = jax.random.normal(jax.random.key(0), (8, 3)), jnp.arange(8) % 2
-  stat = fisher.diagonal(apply_fn, params, (x, y),
-                         likelihood=fisher.Categorical(), kind="exact")
-  stat.diag, stat.mean_grad, stat.count           # Fisher, gradient, N
-  top = fisher.low_rank(apply_fn, params, (x, y),
-                        likelihood=fisher.Categorical(), kind="mc",
-                        key=jax.random.key(1), rank=4)
+Example:
+  >>> import jax, jax.numpy as jnp
+  >>> from fisher_optax import fisher
+  >>> def apply_fn(params, x):  # (B, 3) -> (B, 2) logits
+  ...   return jnp.tanh(x @ params["w1"]) @ params["w2"]
+  >>> params = {"w1": jnp.ones((3, 4)) / 2, "w2": jnp.ones((4, 2)) / 4}
+  >>> x, y = jax.random.normal(jax.random.key(0), (8, 3)), jnp.arange(8) % 2
+  >>> stat = fisher.diagonal(apply_fn, params, (x, y),
+  ...                        likelihood=fisher.Categorical(), kind="exact")
+  >>> stat.diag["w1"].shape, stat.mean_grad["w2"].shape, int(stat.count)
+  ((3, 4), (4, 2), 8)
+  >>> top = fisher.low_rank(apply_fn, params, (x, y),
+  ...                       likelihood=fisher.Categorical(), kind="mc",
+  ...                       key=jax.random.key(1), rank=4)
+  >>> isinstance(top, fisher.FisherStatistic), top.kind
+  (True, 'mc')
+  >>> step = top.solve(stat.mean_grad, damping=1e-3)  # (F + 1e-3 I)^{-1} g
+  >>> bool(top.is_finite())
+  True
 """
 
 from fisher_optax.fisher._estimators import diagonal
@@ -73,6 +106,7 @@ from fisher_optax.fisher._per_example import per_example_grads
 from fisher_optax.fisher._rank_one_sum import RankOneSumFisher
 from fisher_optax.fisher._rank_one_sum import sum_of_rank_one
 from fisher_optax.fisher._statistics import DiagonalFisher
+from fisher_optax.fisher._statistics import FisherStatistic
 from fisher_optax.fisher._statistics import KroneckerFisher
 from fisher_optax.fisher._statistics import LowRankFisher
 from fisher_optax.fisher._transforms import EstimateFisherDiagState
@@ -89,13 +123,14 @@ __all__ = [
   "DiagonalFisher",
   "EstimateFisherDiagState",
   "EstimateFisherLowRankState",
+  "FisherStatistic",
   "Gaussian",
   "HeteroscedasticGaussian",
   "KroneckerFisher",
   "Likelihood",
   "LossLikelihood",
   "LowRankFisher",
-  "RankOneSumFisher",  # M-FAC static inverse (issue 9)
+  "RankOneSumFisher",
   "diagonal",
   "diagonal_from_grads",
   "diagonal_from_loss",

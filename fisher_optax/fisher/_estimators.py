@@ -102,9 +102,8 @@ def _in_auto_axes(
   del kwargs["axis_name"]  # None under an Explicit mesh
   inner = lambda p, b, k: fn(apply_fn, p, b, key=k, **kwargs, **extra)
   replicated = jax.sharding.PartitionSpec()
-  return jax.sharding.auto_axes(inner, out_sharding=replicated)(
-    params, batch, key
-  )
+  auto = jax.sharding.auto_axes(inner, out_sharding=replicated)
+  return auto(params, batch, key)  # pyright: ignore[reportCallIssue]
 
 
 def _psum(x: PyTree, axis_name: str | None) -> PyTree:
@@ -721,9 +720,7 @@ def _as_matrix(g: jax.Array) -> jax.Array:
   return g.reshape(g.shape[0], *_statistics.matrix_shape(g.shape[1:]))
 
 
-def _kron_pass(
-  ps: _Pass, leaf_fn: Callable[..., jax.Array], extra: PyTree
-) -> PyTree:
+def _kron_pass(ps: _Pass, leaf_fn: Callable[..., Any], extra: PyTree) -> PyTree:
   """``sum_{s,n} leaf_fn(G_{s,n} as a matrix, extra_leaf)`` per leaf."""
 
   def chunk_sum(g):

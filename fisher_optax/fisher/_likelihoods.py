@@ -224,8 +224,9 @@ def as_likelihood(likelihood: Any) -> Likelihood:
   """Returns a :class:`Likelihood`; callables become :class:`LossLikelihood`."""
   if isinstance(likelihood, Likelihood):
     return likelihood
+  loss: Any = likelihood  # any callable loss(output, target)
   if callable(likelihood):
-    return LossLikelihood(likelihood)
+    return LossLikelihood(loss)
   raise TypeError(
     "likelihood must be a fisher_optax.fisher likelihood (Categorical(), "
     "Gaussian(sigma), Bernoulli(), HeteroscedasticGaussian()) or a "

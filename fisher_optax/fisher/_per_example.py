@@ -140,8 +140,7 @@ def per_example_grads(
       int.
     ValueError: ``batch`` leaves disagree on ``B``, or ``chunk_size < 1``.
 
-  Example::
-
+  Example:
     >>> import jax, jax.numpy as jnp
     >>> from fisher_optax import fisher
     >>> loss = lambda w, ex: 0.5 * (ex[0] @ w - ex[1]) ** 2

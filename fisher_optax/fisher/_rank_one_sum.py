@@ -14,6 +14,7 @@ ever forming a ``d x d`` matrix: ``F^{-1} v`` and the full diagonal of
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -144,8 +145,9 @@ class RankOneSumFisher:
     return numerics.tree_all_finite((self.whitened, self.chol, self.damping))
 
   def _to_blocks(self, v: PyTree) -> jax.Array:
-    nb = self.chol.shape[0]
-    return _flat_blocks(v, self.block_size, nb, ())
+    if self.block_size is None:
+      raise ValueError("only a blocked factor has blocks.")
+    return _flat_blocks(v, self.block_size, self.chol.shape[0], ())
 
   def _from_blocks(self, x: jax.Array, like: PyTree) -> PyTree:
     out = numerics.unravel(x.reshape(-1)[: self.dim], like)
@@ -227,9 +229,10 @@ class RankOneSumFisher:
   def quadratic_form(self, v: PyTree) -> jax.Array:
     """Returns ``v^T F v``."""
     fv = self.matvec(v)
-    return sum(
+    terms = [
       jnp.vdot(a, b) for a, b in zip(jax.tree.leaves(v), jax.tree.leaves(fv))
-    )
+    ]
+    return functools.reduce(jnp.add, terms)
 
   def inverse_diag(self, damping: None = None) -> PyTree:
     """Returns the diagonal of ``F^{-1}`` shaped like one gradient, ``O(d m)``.
@@ -377,12 +380,12 @@ def sum_of_rank_one(
   if not leaves:
     raise ValueError("sum_of_rank_one needs gradients with at least one leaf.")
   sizes = {jnp.shape(x)[0] if jnp.ndim(x) else None for x in leaves}
-  if None in sizes or len(sizes) != 1:
+  m = next(iter(sizes))
+  if m is None or len(sizes) != 1:
     raise ValueError(
       "grads must be stacked: every leaf needs the same leading axis m, got "
       f"leading sizes {sorted(str(s) for s in sizes)}."
     )
-  m = sizes.pop()
   if m < 1:
     raise ValueError("grads must hold at least one gradient (m >= 1).")
   shapes = tuple(tuple(jnp.shape(x)[1:]) for x in leaves)

@@ -68,12 +68,7 @@ class FisherStatistic(Protocol):
     ...
 
 
-def _register(cls, data, meta):
-  return jax.tree_util.register_dataclass(
-    dataclasses.dataclass(frozen=True)(cls), data_fields=data, meta_fields=meta
-  )
-
-
+@dataclasses.dataclass(frozen=True)
 class DiagonalFisher:
   """Diagonal Fisher ``F = diag(diag)``.
 
@@ -121,11 +116,14 @@ class DiagonalFisher:
     return numerics.tree_all_finite(self.diag)
 
 
-DiagonalFisher = _register(
-  DiagonalFisher, ["diag", "mean_grad", "count"], ["kind"]
+jax.tree_util.register_dataclass(
+  DiagonalFisher,
+  data_fields=["diag", "mean_grad", "count"],
+  meta_fields=["kind"],
 )
 
 
+@dataclasses.dataclass(frozen=True)
 class LowRankFisher:
   """Low-rank Fisher ``F = sum_j eigvals[j] v_j v_j^T``.
 
@@ -191,8 +189,10 @@ class LowRankFisher:
     return numerics.tree_all_finite((self.eigvals, self.eigvecs))
 
 
-LowRankFisher = _register(
-  LowRankFisher, ["eigvals", "eigvecs", "mean_grad", "count"], ["kind"]
+jax.tree_util.register_dataclass(
+  LowRankFisher,
+  data_fields=["eigvals", "eigvecs", "mean_grad", "count"],
+  meta_fields=["kind"],
 )
 
 
@@ -203,6 +203,7 @@ def matrix_shape(shape: tuple[int, ...]) -> tuple[int, int]:
   return (math.prod(shape[:-1]), shape[-1])
 
 
+@dataclasses.dataclass(frozen=True)
 class KroneckerFisher:
   """Per-leaf Kronecker-factored Fisher ``F_leaf = left ⊗ right``.
 
@@ -309,8 +310,8 @@ def _kron_eigen(
   return (qa, qb), a[:, None] * b[None, :] + damping
 
 
-KroneckerFisher = _register(
+jax.tree_util.register_dataclass(
   KroneckerFisher,
-  ["left", "right", "mean_grad", "count"],
-  ["kind", "estimator"],
+  data_fields=["left", "right", "mean_grad", "count"],
+  meta_fields=["kind", "estimator"],
 )

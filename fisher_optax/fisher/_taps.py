@@ -170,6 +170,14 @@ def _sub_jaxpr(eqn) -> tuple[Any, Sequence[Any]] | None:
   return None
 
 
+def _call_body(eqn) -> tuple[Any, Sequence[Any]]:
+  """(open jaxpr, consts) of an equation known to be a call."""
+  sub = _sub_jaxpr(eqn)
+  if sub is None:
+    raise ValueError(f"{eqn.primitive.name} is not a call-like equation.")
+  return sub
+
+
 def _var_uses(jaxpr) -> dict[Any, int]:
   counts: dict[Any, int] = {}
   for eqn in jaxpr.eqns:
@@ -273,7 +281,7 @@ def _scan(jaxpr, env: dict, path: tuple[int, ...], walk: _Walk) -> list:
 
 def _scan_call(eqn, kinds: list, env: dict, here: tuple[int, ...], walk: _Walk):
   """Walks a call's body; the call is inlined at eval if it holds a site."""
-  inner, _ = _sub_jaxpr(eqn)  # pyright: ignore[reportGeneralTypeIssues]
+  inner, _ = _call_body(eqn)
   inner_env = {v: k for v, k in zip(inner.invars, kinds) if k}
   n_sites = len(walk.plan.sites)
   out_kinds = _scan(inner, inner_env, here, walk)
@@ -422,7 +430,7 @@ def _eval(jaxpr, consts, args, path, plan: _Plan, taps, acts: dict) -> list:
     here = path + (i,)
     invals = [read(v) for v in eqn.invars]
     if here in plan.inline:
-      inner, inner_consts = _sub_jaxpr(eqn)
+      inner, inner_consts = _call_body(eqn)
       outs = _eval(inner, inner_consts, invals, here, plan, taps, acts)
     else:
       outs = _bind(eqn, invals)
@@ -598,7 +606,7 @@ def record(
       if here in plan.site_at:
         out_shapes[plan.site_at[here]] = eqn.outvars[0].aval
       if here in plan.inline:
-        _collect(_sub_jaxpr(eqn)[0], here)
+        _collect(_call_body(eqn)[0], here)
 
   _collect(closed.jaxpr, ())
   taps = []

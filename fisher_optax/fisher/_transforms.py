@@ -28,19 +28,25 @@ import optax
 
 from fisher_optax.fisher import _estimators
 from fisher_optax.fisher import _likelihoods
-from fisher_optax.fisher import _statistics
+from fisher_optax.fisher import numerics
 from fisher_optax.fisher import validation
 
 PyTree = Any
 
 
 def _make_key(key: jax.Array | int | None) -> jax.Array:
-  """Raw uint32 key data: plain arrays for chex, orbax and tree utilities."""
+  """Raw uint32 key data: plain arrays for chex, orbax and tree utilities.
+
+  An integer seed may also come as a scalar array (``inject_hyperparams``
+  turns numbers into arrays).
+  """
   if key is None:
     key = 0
-  if isinstance(key, int):
+  if isinstance(key, int) or (
+    jnp.ndim(key) == 0 and jnp.issubdtype(jnp.result_type(key), jnp.integer)
+  ):
     key = jax.random.key(key)
-  if jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
+  if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
     key = jax.random.key_data(key)
   return key
 
@@ -95,11 +101,78 @@ def _refresh(state_count, interval, compute, keep, finite_of):
   )
 
 
-def _missing_params(name):
-  raise ValueError(
-    f"{name} with batch= needs params: call "
-    "update(updates, state, params, batch=...)."
+def _refresh_counters(state: Any, interval: Any, skipped: jax.Array) -> dict:
+  """The state's ``count``, ``num_refreshes`` and ``num_nonfinite`` after a
+  step whose refresh (if due) was ``skipped`` or not."""
+  refreshed = (state.count % interval == 0) & (skipped == 0)
+  return dict(
+    count=optax.safe_increment(state.count),
+    num_refreshes=state.num_refreshes + refreshed.astype(jnp.int32),
+    num_nonfinite=state.num_nonfinite + skipped,
   )
+
+
+def _statistic(
+  name: str,
+  updates: PyTree,
+  params: PyTree,
+  per_example_grads: PyTree,
+  batch: Any,
+  *,
+  apply_fn: Callable[[PyTree, PyTree], jax.Array] | None,
+  from_grads: Callable[[PyTree], Any],
+  from_model: Callable[..., Any],
+) -> Any:
+  """The engine's statistic from whichever extra argument was given.
+
+  ``from_model(apply_fn, params, batch)`` runs on ``batch=``,
+  ``from_grads(per_example_grads)`` on ``per_example_grads=``.
+  """
+  if per_example_grads is not None:
+    validation.check_leading_axis(
+      per_example_grads, updates, what="per_example_grads"
+    )
+    return from_grads(per_example_grads)
+  if batch is None:
+    raise ValueError(
+      f"{name} needs the extra argument per_example_grads= or batch=."
+    )
+  if apply_fn is None:
+    raise ValueError(
+      "batch= needs apply_fn and likelihood at "
+      "construction; or pass per_example_grads=."
+    )
+  if params is None:
+    raise ValueError(
+      f"{name} with batch= needs params: call "
+      "update(updates, state, params, batch=...)."
+    )
+  return from_model(apply_fn, params, batch)
+
+
+def _update_fn(step: Callable[..., Any]):
+  """An ``update_fn`` that passes ``updates`` through and refreshes the state.
+
+  ``step(updates, state, params, per_example_grads, batch, key)`` returns the
+  new state (its ``key`` is replaced by the next one); unknown extra
+  arguments are ignored, as in any optax transform.
+  """
+
+  def update_fn(
+    updates,
+    state,
+    params=None,
+    *,
+    per_example_grads=None,
+    batch=None,
+    **extra_args,
+  ):
+    del extra_args
+    key_next, key_now = _split(state.key)
+    new_state = step(updates, state, params, per_example_grads, batch, key_now)
+    return updates, new_state._replace(key=key_next)
+
+  return update_fn
 
 
 # -- diagonal -----------------------------------------------------------------
@@ -166,8 +239,7 @@ def estimate_fisher_diag(
     An :class:`optax.GradientTransformationExtraArgs` whose ``update`` takes
     ``per_example_grads=`` or ``batch=`` and returns ``updates`` unchanged.
 
-  Example::
-
+  Example:
     >>> import jax, jax.numpy as jnp, optax
     >>> from fisher_optax import fisher
     >>> apply_fn = lambda p, x: x @ p
@@ -192,55 +264,17 @@ def estimate_fisher_diag(
     z = jnp.zeros((), jnp.int32)
     return EstimateFisherDiagState(z, zeros, z, z, _make_key(key))
 
-  def update_fn(
-    updates,
-    state,
-    params=None,
-    *,
-    per_example_grads=None,
-    batch=None,
-    **extra_args,
-  ):
-    del extra_args
-    key_next, key_now = _split(state.key)
+  model_kwargs = dict(
+    likelihood=likelihood,
+    kind=kind,
+    num_samples=num_samples,
+    method=method,
+    chunk_size=chunk_size,
+    axis_name=axis_name,
+  )
+  grads_kind = "batch_squared" if kind == "batch_squared" else "empirical"
 
-    def compute():
-      if per_example_grads is not None:
-        validation.check_leading_axis(
-          per_example_grads, updates, what="per_example_grads"
-        )
-        stat = _estimators.diagonal_from_grads(
-          per_example_grads,
-          kind="batch_squared" if kind == "batch_squared" else "empirical",
-          axis_name=axis_name,
-        )
-      elif batch is not None:
-        if apply_fn is None:
-          raise ValueError(
-            "batch= needs apply_fn and likelihood at "
-            "construction; or pass per_example_grads=."
-          )
-        if params is None:
-          _missing_params("estimate_fisher_diag")
-        stat = _estimators.diagonal(
-          apply_fn,
-          params,
-          batch,
-          likelihood=likelihood,
-          kind=kind,
-          num_samples=num_samples,
-          key=key_now,
-          method=method,
-          chunk_size=chunk_size,
-          axis_name=axis_name,
-        )
-      else:
-        raise ValueError(
-          "estimate_fisher_diag needs the extra argument "
-          "per_example_grads= or batch=."
-        )
-      return _blend(state.diag, stat.diag, decay, state.num_refreshes == 0)
-
+  def step(updates, state, params, per_example_grads, batch, key):
     if per_example_grads is not None and kind not in (
       "empirical",
       "batch_squared",
@@ -249,20 +283,36 @@ def estimate_fisher_diag(
         f"kind={kind!r} needs the model: pass batch=, not "
         "per_example_grads= (which only give empirical/batch_squared)."
       )
-    diag, skipped = _refresh(
-      state.count, interval, compute, lambda: state.diag, _statistics.all_finite
-    )
-    refreshed = (state.count % interval == 0) & (skipped == 0)
-    new_state = EstimateFisherDiagState(
-      count=optax.safe_increment(state.count),
-      diag=diag,
-      num_refreshes=state.num_refreshes + refreshed.astype(jnp.int32),
-      num_nonfinite=state.num_nonfinite + skipped,
-      key=key_next,
-    )
-    return updates, new_state
 
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+    def compute():
+      stat = _statistic(
+        "estimate_fisher_diag",
+        updates,
+        params,
+        per_example_grads,
+        batch,
+        apply_fn=apply_fn,
+        from_grads=lambda g: _estimators.diagonal_from_grads(
+          g, kind=grads_kind, axis_name=axis_name
+        ),
+        from_model=lambda fn, p, b: _estimators.diagonal(
+          fn, p, b, key=key, **model_kwargs
+        ),
+      )
+      return _blend(state.diag, stat.diag, decay, state.num_refreshes == 0)
+
+    diag, skipped = _refresh(
+      state.count,
+      interval,
+      compute,
+      lambda: state.diag,
+      numerics.tree_all_finite,
+    )
+    return EstimateFisherDiagState(
+      diag=diag, key=state.key, **_refresh_counters(state, interval, skipped)
+    )
+
+  return optax.GradientTransformationExtraArgs(init_fn, _update_fn(step))
 
 
 # -- low rank -----------------------------------------------------------------
@@ -317,8 +367,7 @@ def estimate_fisher_low_rank(
     An :class:`optax.GradientTransformationExtraArgs`; read the statistic
     with :func:`get_fisher_low_rank`.
 
-  Example::
-
+  Example:
     >>> import jax.numpy as jnp
     >>> from fisher_optax import fisher
     >>> tx = fisher.estimate_fisher_low_rank(rank=2)
@@ -342,17 +391,16 @@ def estimate_fisher_low_rank(
       z, jnp.zeros((rank,), jnp.float32), vecs, z, z, _make_key(key)
     )
 
-  def update_fn(
-    updates,
-    state,
-    params=None,
-    *,
-    per_example_grads=None,
-    batch=None,
-    **extra_args,
-  ):
-    del extra_args
-    key_next, key_now = _split(state.key)
+  model_kwargs = dict(
+    likelihood=likelihood,
+    kind=kind,
+    rank=rank,
+    num_samples=num_samples,
+    method=method,
+    chunk_size=chunk_size,
+  )
+
+  def step(updates, state, params, per_example_grads, batch, key):
     if per_example_grads is not None and kind != "empirical":
       raise ValueError(
         f"kind={kind!r} needs batch=; per_example_grads= "
@@ -360,36 +408,18 @@ def estimate_fisher_low_rank(
       )
 
     def compute():
-      if per_example_grads is not None:
-        validation.check_leading_axis(
-          per_example_grads, updates, what="per_example_grads"
-        )
-        stat = _estimators.low_rank_from_grads(per_example_grads, rank=rank)
-      elif batch is not None:
-        if apply_fn is None:
-          raise ValueError(
-            "batch= needs apply_fn and likelihood at "
-            "construction; or pass per_example_grads=."
-          )
-        if params is None:
-          _missing_params("estimate_fisher_low_rank")
-        stat = _estimators.low_rank(
-          apply_fn,
-          params,
-          batch,
-          likelihood=likelihood,
-          kind=kind,
-          rank=rank,
-          num_samples=num_samples,
-          key=key_now,
-          method=method,
-          chunk_size=chunk_size,
-        )
-      else:
-        raise ValueError(
-          "estimate_fisher_low_rank needs the extra argument "
-          "per_example_grads= or batch=."
-        )
+      stat = _statistic(
+        "estimate_fisher_low_rank",
+        updates,
+        params,
+        per_example_grads,
+        batch,
+        apply_fn=apply_fn,
+        from_grads=lambda g: _estimators.low_rank_from_grads(g, rank=rank),
+        from_model=lambda fn, p, b: _estimators.low_rank(
+          fn, p, b, key=key, **model_kwargs
+        ),
+      )
       return (
         stat.eigvals.astype(jnp.float32),
         jax.tree.map(lambda v: v.astype(jnp.float32), stat.eigvecs),
@@ -400,19 +430,16 @@ def estimate_fisher_low_rank(
       interval,
       compute,
       lambda: (state.eigvals, state.eigvecs),
-      _statistics.all_finite,
+      numerics.tree_all_finite,
     )
-    refreshed = (state.count % interval == 0) & (skipped == 0)
-    return updates, EstimateFisherLowRankState(
-      count=optax.safe_increment(state.count),
+    return EstimateFisherLowRankState(
       eigvals=vals,
       eigvecs=vecs,
-      num_refreshes=state.num_refreshes + refreshed.astype(jnp.int32),
-      num_nonfinite=state.num_nonfinite + skipped,
-      key=key_next,
+      key=state.key,
+      **_refresh_counters(state, interval, skipped),
     )
 
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  return optax.GradientTransformationExtraArgs(init_fn, _update_fn(step))
 
 
 # -- reading the statistic from a (chain) state -------------------------------

@@ -23,6 +23,7 @@ windows need no mask.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -47,7 +48,8 @@ def tree_stacked_dot(stacked: PyTree, x: PyTree) -> jax.Array:
   terms = jax.tree.leaves(jax.tree.map(_leaf_dot, stacked, x))
   if not terms:
     raise ValueError("tree_stacked_dot needs at least one leaf.")
-  return sum(t.astype(jnp.result_type(*terms)) for t in terms)
+  dtype = jnp.result_type(*terms)
+  return functools.reduce(jnp.add, [t.astype(dtype) for t in terms])
 
 
 def tree_stacked_combine(stacked: PyTree, z: jax.Array) -> PyTree:
@@ -73,7 +75,7 @@ def tree_stacked_gram(a: PyTree, b: PyTree | None = None) -> jax.Array:
   terms = jax.tree.leaves(jax.tree.map(leaf_gram, a, b))
   if not terms:
     raise ValueError("tree_stacked_gram needs at least one leaf.")
-  return sum(terms)
+  return functools.reduce(jnp.add, terms)
 
 
 class WoodburyFactor(NamedTuple):
@@ -190,14 +192,12 @@ def stacked_push_rows(
       preferred_element_type=gram.dtype,
     )
 
-  cols = sum(
-    c.astype(gram.dtype)
-    for c in jax.tree.leaves(jax.tree.map(cross, stacked, stored))
-  )  # (m, k)
-  block = sum(
-    c.astype(gram.dtype)
-    for c in jax.tree.leaves(jax.tree.map(cross, stored, stored))
-  )  # (k, k)
+  def total(a: PyTree, b: PyTree) -> jax.Array:
+    terms = jax.tree.leaves(jax.tree.map(cross, a, b))
+    return functools.reduce(jnp.add, [c.astype(gram.dtype) for c in terms])
+
+  cols = total(stacked, stored)  # (m, k)
+  block = total(stored, stored)  # (k, k)
   cols = cols.at[slots].set(block)
   stacked = jax.tree.map(lambda s, r: s.at[slots].set(r), stacked, stored)
   gram = gram.at[:, slots].set(cols).at[slots, :].set(cols.T)
