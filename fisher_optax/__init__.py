@@ -31,8 +31,8 @@ from fisher_optax._fadam import fadam
 from fisher_optax._fadam import scale_by_fadam
 
 # FISMO (_fismo.py)
-from fisher_optax._fismo import FismoDimensionNumbers
-from fisher_optax._fismo import FismoState
+from fisher_optax._fismo import FISMODimensionNumbers
+from fisher_optax._fismo import FISMOState
 from fisher_optax._fismo import fismo
 from fisher_optax._fismo import scale_by_fismo
 
@@ -85,8 +85,8 @@ __all__ = [
   "scale_by_fadam",
   # FISMO
   "fismo",
-  "FismoDimensionNumbers",
-  "FismoState",
+  "FISMODimensionNumbers",
+  "FISMOState",
   "scale_by_fismo",
   # Natural GaLore and the Woodbury Fisher preconditioner
   "natural_galore",
@@ -133,3 +133,16 @@ __all__ = [
   "fisher_weighted_svd",
   "generalized_fwsvd",
 ]
+
+# Old names, served with a FisherOptaxDeprecationWarning (not in __all__).
+__getattr__ = fisher.validation.module_getattr(
+  __name__,
+  {
+    # FISMO
+    "FismoDimensionNumbers": (
+      "fisher_optax.FISMODimensionNumbers",
+      FISMODimensionNumbers,
+    ),
+    "FismoState": ("fisher_optax.FISMOState", FISMOState),
+  },
+)

@@ -8,7 +8,12 @@ momentum, orthogonalise it by Newton-Schulz and map the result back. With
 :math:`P = Q = I` it is exactly Muon.
 
 The routing of leaves (``MuonDimensionNumbers``, reshapes of N-D leaves,
-batch axes, an Adam fallback) mirrors :func:`optax.contrib.muon`.
+batch axes, an Adam fallback) mirrors :func:`optax.contrib.muon`; it is
+resolved by the shared :mod:`fisher_optax._matrix_view`. Per leaf, the step
+is a chain of module-level pure functions: :func:`_update_factors` (the
+statistics :func:`_statistic`, their EMA :func:`_ema_factor` and the root
+refresh :func:`_inverse_root`), then :func:`_momentum` and
+:func:`_direction`, tied together by :func:`_leaf_update`.
 """
 
 from __future__ import annotations
@@ -23,11 +28,13 @@ import optax
 from optax.contrib import MuonDimensionNumbers
 
 from fisher_optax import _matrix_roots
+from fisher_optax import _matrix_view as matrix_view
 from fisher_optax.fisher import linalg
+from fisher_optax.fisher import numerics
 from fisher_optax.fisher import validation
 
 PyTree = Any
-FismoDimensionNumbers = MuonDimensionNumbers
+FISMODimensionNumbers = MuonDimensionNumbers
 WeightDimNumOrFn = (
   MuonDimensionNumbers | PyTree | Callable[[PyTree], PyTree] | None
 )
@@ -37,7 +44,6 @@ _FACTOR_NORMS = ("pre_ema", "paper")
 _ROOT_METHODS = ("eigh", "newton", "cholesky")
 _MOMENTUM_SPACES = ("whitened", "original")
 _GRAFTINGS = ("none", "muon_norm")
-_FISHER_SOURCES = ("batch", "per_example")
 # A warm-started Newton root that ends with max|H^T F H - I| above this is
 # discarded and the previous root kept (as Distributed Shampoo does).
 _NEWTON_MAX_ERROR = 0.1
@@ -45,7 +51,7 @@ _NEWTON_TOL = 1e-4
 _NEWTON_MAX_ITERS = 30
 
 
-class FismoState(NamedTuple):
+class FISMOState(NamedTuple):
   """State of :func:`scale_by_fismo`.
 
   Per-leaf entries are ``optax.MaskedNode()`` where they do not apply (leaves
@@ -72,163 +78,318 @@ class FismoState(NamedTuple):
   fallback: optax.OptState
 
 
+# Old spellings, served with a FisherOptaxDeprecationWarning.
+__getattr__ = validation.module_getattr(
+  __name__,
+  {
+    "FismoState": ("FISMOState", FISMOState),
+    "FismoDimensionNumbers": ("FISMODimensionNumbers", FISMODimensionNumbers),
+  },
+)
+
+
 # -- routing -----------------------------------------------------------------
 
 
-def _is_dim_leaf(x: Any) -> bool:
-  return x is None or isinstance(x, MuonDimensionNumbers)
-
-
-def _normalize_axes(
-  ndim: int, dim_nums: MuonDimensionNumbers
-) -> tuple[tuple[int, ...], tuple[int, ...]]:
-  as_tuple = lambda a: (a,) if isinstance(a, int) else tuple(a)
-  red = tuple(ax % ndim for ax in as_tuple(dim_nums.reduction_axis))
-  out = tuple(ax % ndim for ax in as_tuple(dim_nums.output_axis))
-  return red, out
-
-
-def _check_leaf_dims(
-  name: str, shape: tuple[int, ...], dim_nums: MuonDimensionNumbers
-) -> None:
-  ndim = len(shape)
-  if ndim < 2:
-    raise ValueError(
-      f"FISMO cannot route leaf {name} with shape {shape}: a leaf given "
-      "dimension numbers must have rank >= 2. Give it None to send it to "
-      "the fallback optimizer."
-    )
-  as_tuple = lambda a: (a,) if isinstance(a, int) else tuple(a)
-  axes = as_tuple(dim_nums.reduction_axis) + as_tuple(dim_nums.output_axis)
-  if any(not -ndim <= ax < ndim for ax in axes):
-    raise ValueError(
-      f"Dimension numbers {dim_nums} for leaf {name} are out of range for "
-      f"shape {shape}."
-    )
-  red, out = _normalize_axes(ndim, dim_nums)
-  if (
-    not red
-    or not out
-    or set(red) & set(out)
-    or len(set(red)) != len(red)
-    or len(set(out)) != len(out)
-  ):
-    raise ValueError(
-      f"Dimension numbers {dim_nums} for leaf {name} (shape {shape}) must "
-      "name non-empty, disjoint reduction and output axes."
-    )
-
-
-def resolve_dimension_numbers(spec: WeightDimNumOrFn, tree: PyTree) -> PyTree:
-  """Returns a tree like ``tree`` of ``MuonDimensionNumbers`` or ``None``.
-
-  Rules: ``None`` gives every rank-2 leaf the default ``(0, 1)`` numbers; a
-  single ``MuonDimensionNumbers`` is given to every leaf of rank >= 2; a tree
-  (possibly a prefix of ``tree``, with ``None`` for fallback leaves) or a
-  callable returning one is used as given. Invalid numbers raise
-  ``ValueError`` naming the leaf.
-
-  Args:
-    spec: the user's ``weight_dimension_numbers``.
-    tree: params or updates (only shapes are read).
-
-  Returns:
-    The resolved tree (``optax.MaskedNode`` subtrees are kept).
-  """
-  if spec is None:
-    return jax.tree.map(
-      lambda x: MuonDimensionNumbers() if jnp.ndim(x) == 2 else None, tree
-    )
-  if isinstance(spec, MuonDimensionNumbers):
-    return jax.tree.map(lambda x: spec if jnp.ndim(x) >= 2 else None, tree)
-  if callable(spec):
-    spec = spec(tree)
-  try:
-    resolved = jax.tree.map(
-      lambda d, sub: jax.tree.map(lambda _: d, sub),
-      spec,
-      tree,
-      is_leaf=_is_dim_leaf,
-    )
-  except (ValueError, TypeError) as e:
-    raise ValueError(
-      "weight_dimension_numbers must be a tree of MuonDimensionNumbers/None "
-      "with the structure of (a prefix of) the params.\n"
-      f"  params: {jax.tree.structure(tree)}\n"
-      f"  weight_dimension_numbers: "
-      f"{jax.tree.structure(spec, is_leaf=_is_dim_leaf)}"
-    ) from e
-  for (path, leaf), dn in zip(
-    jax.tree_util.tree_flatten_with_path(tree)[0],
-    jax.tree.structure(tree).flatten_up_to(resolved),
-  ):
-    if dn is not None:
-      _check_leaf_dims(jax.tree_util.keystr(path), jnp.shape(leaf), dn)
-  return resolved
-
-
 class _Plan(NamedTuple):
-  """Static per-leaf layout: (batch, m, n) view and preconditioned sides."""
+  """Static per-leaf layout: the matrix view and the preconditioned sides."""
 
-  transpose: tuple[int, ...]
-  flat_shape: tuple[int, int, int]
-  unflat_shape: tuple[int, ...]
+  view: matrix_view.LeafPlan
   left: bool
   right: bool
 
 
-def _plan(
-  shape: tuple[int, ...],
-  dim_nums: MuonDimensionNumbers,
+def _plans(
+  spec: WeightDimNumOrFn,
+  tree: PyTree,
   max_precond_dim: int,
   max_aspect_ratio: int,
-) -> _Plan:
-  ndim = len(shape)
-  red, out = _normalize_axes(ndim, dim_nums)
-  batch = tuple(a for a in range(ndim) if a not in red + out)
-  transpose = batch + red + out
-  size = lambda axes: math.prod(shape[a] for a in axes)
-  m, n = size(red), size(out)
-  left, right = m <= max_precond_dim, n <= max_precond_dim
-  if max(m, n) > max_aspect_ratio * min(m, n):  # very rectangular: small side
-    left, right = left and m <= n, right and n < m
-  return _Plan(
-    transpose=transpose,
-    flat_shape=(size(batch), m, n),
-    unflat_shape=tuple(shape[a] for a in transpose),
-    left=left,
-    right=right,
-  )
+) -> list[_Plan | None]:
+  """One :class:`_Plan` (or ``None``: fallback) per leaf of ``tree``.
+
+  As in Distributed Shampoo, a side longer than ``max_precond_dim`` is not
+  preconditioned, and a very rectangular leaf only on its smaller side.
+  """
+  out: list[_Plan | None] = []
+  for view in matrix_view.plans(spec, tree):
+    if view is None:
+      out.append(None)
+      continue
+    m, n = view.rows, view.cols
+    left, right = m <= max_precond_dim, n <= max_precond_dim
+    if max(m, n) > max_aspect_ratio * min(m, n):
+      left, right = left and m <= n, right and n < m
+    out.append(_Plan(view=view, left=left, right=right))
+  return out
 
 
-def _to_matrix(x: jax.Array, plan: _Plan) -> jax.Array:
-  return x.transpose(plan.transpose).reshape(plan.flat_shape)
-
-
-def _from_matrix(x: jax.Array, plan: _Plan) -> jax.Array:
-  inverse = tuple(
-    sorted(range(len(plan.transpose)), key=lambda i: plan.transpose[i])
-  )
-  return x.reshape(plan.unflat_shape).transpose(inverse)
-
-
-# -- the update --------------------------------------------------------------
+# -- per-leaf mathematics ------------------------------------------------------
 
 _mT = lambda a: jnp.swapaxes(a, -1, -2)
 _mm = lambda a, b: jnp.matmul(a, b, precision=_HIGHEST)
+
+
+class _Options(NamedTuple):
+  """The hyperparameters a leaf update reads (numbers may be traced)."""
+
+  beta: Any
+  gamma: Any
+  damping: Any
+  coeffs: jax.Array
+  ns_steps: int
+  eps: Any
+  nesterov: bool
+  root_method: str
+  factor_norm: str
+  momentum_space: str
+  grafting: str
+  eigenvalue_floor: Any
 
 
 def _eye_like(batch: int, d: int, dtype: Any) -> jax.Array:
   return jnp.broadcast_to(jnp.eye(d, dtype=dtype), (batch, d, d))
 
 
-def _stat_dtype(dtype: Any) -> Any:
-  # Factors and roots: float32, or float64 for float64 params (oracle tests).
-  return jnp.promote_types(dtype, jnp.float32)
-
-
 def _trace(a: jax.Array) -> jax.Array:
   return jnp.trace(a, axis1=-2, axis2=-1)[..., None, None]
+
+
+def _statistic(
+  x: jax.Array, per_example: jax.Array | None, side_dim: int, left: bool
+) -> jax.Array:
+  """``X X^T / n`` (left) or ``X^T X / m`` (right), batch or per-example.
+
+  Args:
+    x: ``(b, m, n)`` gradient, already whitened on the other side.
+    per_example: ``(B, b, m, n)`` per-example gradients (whitened the same
+      way) or ``None``; if given, the statistic is their mean outer product.
+    side_dim: the other side's size (``n`` for left, ``m`` for right).
+    left: which side's statistic.
+  """
+  if per_example is None:
+    outer = _mm(x, _mT(x)) if left else _mm(_mT(x), x)
+    return outer / side_dim
+  pattern = "kbmn,kbpn->bmp" if left else "kbmn,kbmp->bnp"
+  outer = jnp.einsum(pattern, per_example, per_example, precision=_HIGHEST)
+  return outer / (side_dim * per_example.shape[0])
+
+
+def _ema_factor(
+  old: jax.Array, stat: jax.Array, d: int, opts: _Options
+) -> jax.Array:
+  """``norm_d(gamma old + (1 - gamma) target(stat))``; ``old`` if not finite.
+
+  ``"pre_ema"`` trace-normalises the statistic before the damping (an
+  all-zero statistic keeps ``old``); ``"paper"`` damps it as it is.
+  """
+  eye = jnp.eye(d, dtype=old.dtype)
+  stat = stat.astype(old.dtype)
+  damping = opts.damping
+  if opts.factor_norm == "pre_ema":
+    tr = _trace(stat)
+    ok = jnp.isfinite(tr) & (tr > jnp.finfo(old.dtype).tiny)
+    normed = d * stat / jnp.where(ok, tr, 1.0)
+    target = (normed + damping * eye) / (1.0 + damping)
+  else:  # Algorithm 1 as written.
+    target = stat + damping * _trace(old) / d * eye
+    ok = jnp.isfinite(_trace(target))
+  mixed = opts.gamma * old + (1.0 - opts.gamma) * target
+  new = linalg.symmetrize(d * mixed / _trace(mixed)).astype(old.dtype)
+  ok &= jnp.all(jnp.isfinite(new), axis=(-2, -1), keepdims=True)
+  return jnp.where(ok, new, old)
+
+
+def _inverse_root(
+  factor: jax.Array, old_root: jax.Array, opts: _Options
+) -> jax.Array:
+  """A whitening factor of ``factor``; ``old_root`` where it fails."""
+  floor = opts.eigenvalue_floor
+  if opts.root_method == "eigh":
+    root = _matrix_roots.matrix_inverse_root_eigh(factor, 2, floor=floor)
+    ok = jnp.ones(factor.shape[:-2], bool)
+  elif opts.root_method == "newton":
+    res = _matrix_roots.matrix_inverse_root_newton(
+      factor,
+      2,
+      init=linalg.symmetrize(old_root),
+      floor=floor,
+      max_iters=_NEWTON_MAX_ITERS,
+      tol=_NEWTON_TOL,
+    )
+    root = res.root
+    ok = res.error < _NEWTON_MAX_ERROR
+  else:
+    root = _matrix_roots.cholesky_whitening(factor, floor=floor)
+    ok = jnp.ones(factor.shape[:-2], bool)
+  ok &= jnp.all(jnp.isfinite(root), axis=(-2, -1))
+  return jnp.where(ok[..., None, None], root.astype(old_root.dtype), old_root)
+
+
+def _refresh_factor(
+  old: jax.Array,
+  old_root: jax.Array,
+  stat: jax.Array,
+  d: int,
+  finite: jax.Array,
+  refresh: jax.Array,
+  opts: _Options,
+) -> tuple[jax.Array, jax.Array]:
+  """EMA of one factor, then (on refresh steps) its inverse root."""
+  new = jnp.where(finite, _ema_factor(old, stat, d, opts), old)
+  root = jax.lax.cond(
+    refresh, lambda: _inverse_root(new, old_root, opts), lambda: old_root
+  )
+  return new, root
+
+
+def _update_factors(
+  gm: jax.Array,
+  pe: jax.Array | None,
+  plan: _Plan,
+  factors: tuple[Any, Any, Any, Any],
+  finite: jax.Array,
+  refresh: jax.Array,
+  opts: _Options,
+) -> tuple[Any, Any, Any, Any]:
+  """One Gauss-Seidel sweep: ``P`` from the cached ``Q`` root, then ``Q``.
+
+  Args:
+    gm: ``(b, m, n)`` gradient matrices (zeroed if not finite).
+    pe: ``(B, b, m, n)`` per-example gradient matrices or ``None``.
+    plan: the leaf's plan.
+    factors: ``(P, Q, P root, Q root)``, ``MaskedNode`` on unused sides.
+    finite: whether this step's gradients are finite.
+    refresh: whether the roots are recomputed this step.
+    opts: the hyperparameters.
+
+  Returns:
+    The new ``(P, Q, P root, Q root)``.
+  """
+  p, q, wp, wq = factors
+  _, m, n = plan.view.stacked_shape
+  if plan.left:
+    y = _mm(gm, wq) if plan.right else gm
+    ype = None if pe is None else (_mm(pe, wq) if plan.right else pe)
+    stat = _statistic(y, ype, n, True)
+    p, wp = _refresh_factor(p, wp, stat, m, finite, refresh, opts)
+  if plan.right:
+    z = _mm(_mT(wp), gm) if plan.left else gm
+    zpe = None if pe is None else (_mm(_mT(wp), pe) if plan.left else pe)
+    stat = _statistic(z, zpe, m, False)
+    q, wq = _refresh_factor(q, wq, stat, n, finite, refresh, opts)
+  return p, q, wp, wq
+
+
+def _momentum(
+  x: jax.Array, mu_prev: jax.Array, count: jax.Array, opts: _Options
+) -> tuple[jax.Array, jax.Array]:
+  """Muon's momentum EMA: the new momentum and its bias-corrected read-out."""
+  beta = opts.beta
+  mu_new = (1.0 - beta) * x + beta * mu_prev  # optax's update_moment order.
+  if opts.nesterov:
+    mu_hat = beta * optax.tree.bias_correction(
+      mu_new, beta, optax.safe_increment(count)
+    ) + (1.0 - beta) * optax.tree.bias_correction(x, beta, count)
+  else:
+    mu_hat = optax.tree.bias_correction(mu_new, beta, count)
+  return mu_new, mu_hat
+
+
+def _direction(
+  mu_hat: jax.Array, plan: _Plan, wp: Any, wq: Any, opts: _Options
+) -> jax.Array:
+  """``P^{-1/2} Polar(M) Q^{-1/2}`` (optionally grafted to Polar's norm)."""
+  if opts.momentum_space == "original":  # Whiten after accumulation.
+    if plan.left:
+      mu_hat = jnp.matmul(_mT(wp), mu_hat)
+    if plan.right:
+      mu_hat = jnp.matmul(mu_hat, wq)
+  ortho = _matrix_roots.newton_schulz_polar(
+    mu_hat, opts.coeffs, opts.ns_steps, opts.eps
+  )
+  delta = ortho
+  if plan.left:
+    delta = jnp.matmul(wp, delta)
+  if plan.right:
+    delta = jnp.matmul(delta, _mT(wq))
+  if opts.grafting == "muon_norm":
+    fro = lambda a: jnp.sqrt(
+      jnp.sum(jnp.square(a), axis=(-2, -1), keepdims=True)
+    )
+    delta = delta * (fro(ortho) / jnp.maximum(fro(delta), 1e-30))
+  return delta
+
+
+def _leaf_update(
+  g: jax.Array,
+  peg: jax.Array | None,
+  plan: _Plan,
+  leaf_state: tuple[Any, Any, Any, Any, Any],
+  count: jax.Array,
+  refresh: jax.Array,
+  opts: _Options,
+) -> tuple[jax.Array, tuple[Any, Any, Any, Any, Any]]:
+  """FISMO's step for one leaf.
+
+  Args:
+    g: the leaf's gradient.
+    peg: its per-example gradients ``(B, *g.shape)`` or ``None``.
+    plan: its plan.
+    leaf_state: ``(momentum, P, Q, P root, Q root)``.
+    count: the incremented step count (for the bias correction).
+    refresh: whether the roots are recomputed this step.
+    opts: the hyperparameters.
+
+  Returns:
+    The update (NaN if ``g`` or ``peg`` is not finite, with the state then
+    unchanged) and the new ``leaf_state``.
+  """
+  mu, *factors = leaf_state
+  view = plan.view
+  sd = numerics.compute_dtype(g.dtype)
+  gm = view.to_matrices(g).astype(sd)
+  finite = jnp.all(jnp.isfinite(gm))
+  gm = jnp.where(finite, gm, 0.0)
+  pe = None
+  if peg is not None:
+    pe = jax.vmap(view.to_matrices)(peg).astype(sd)
+    finite &= jnp.all(jnp.isfinite(pe))
+    pe = jnp.where(finite, pe, 0.0)
+  p, q, wp, wq = _update_factors(
+    gm, pe, plan, tuple(factors), finite, refresh, opts
+  )
+  x = gm
+  if opts.momentum_space == "whitened":
+    if plan.left:
+      x = _mm(_mT(wp), x)
+    if plan.right:
+      x = jnp.matmul(x, wq)
+  mu_prev = view.to_matrices(mu).astype(sd)
+  mu_new, mu_hat = _momentum(x, mu_prev, count, opts)
+  delta = _direction(mu_hat, plan, wp, wq, opts)
+  delta = jnp.where(finite, delta, jnp.nan)
+  mu_new = jnp.where(finite, mu_new, mu_prev)
+  if plan.left:
+    wp = jnp.where(finite, wp, factors[2])
+  if plan.right:
+    wq = jnp.where(finite, wq, factors[3])
+  out = view.from_matrix(delta).astype(g.dtype)
+  mu_out = view.from_matrix(mu_new).astype(mu.dtype)
+  return out, (mu_out, p, q, wp, wq)
+
+
+def _init_leaf(
+  x: jax.Array, plan: _Plan | None, mu_dtype: Any
+) -> tuple[Any, Any, Any, Any, Any]:
+  """``(momentum, P, Q, P root, Q root)`` for one leaf: zeros and identities."""
+  masked = optax.MaskedNode()
+  if plan is None:
+    return (masked, masked, masked, masked, masked)
+  b, m, n = plan.view.stacked_shape
+  sd = numerics.compute_dtype(x.dtype)
+  left = _eye_like(b, m, sd) if plan.left else masked
+  right = _eye_like(b, n, sd) if plan.right else masked
+  return (jnp.zeros(x.shape, mu_dtype or x.dtype), left, right, left, right)
 
 
 def _skip_nonfinite(
@@ -239,15 +400,146 @@ def _skip_nonfinite(
 
   def update_fn(updates, state, params=None, **extra_args):
     new_updates, new_state = inner.update(updates, state, params, **extra_args)
-    finite = jnp.array(True)
-    for leaf in jax.tree.leaves(updates):
-      finite &= jnp.all(jnp.isfinite(leaf))
+    finite = numerics.tree_all_finite(updates)
     new_state = jax.tree.map(
       lambda n, o: jnp.where(finite, n, o), new_state, state
     )
     return new_updates, new_state
 
   return optax.GradientTransformationExtraArgs(inner.init, update_fn)
+
+
+def _check_options(
+  beta: Any,
+  gamma: Any,
+  damping: Any,
+  ns_coeffs: Any,
+  ns_steps: Any,
+  eps: Any,
+  nesterov: bool,
+  precondition_interval: Any,
+  root_method: str,
+  factor_norm: str,
+  momentum_space: str,
+  grafting: str,
+  eigenvalue_floor: Any,
+) -> _Options:
+  """Validates :func:`scale_by_fismo`'s hyperparameters (concrete ones)."""
+  validation.check_in_unit_interval("beta", beta)
+  validation.check_in_unit_interval("gamma", gamma, closed_right=True)
+  validation.check_positive("damping", damping, allow_zero=True)
+  validation.check_positive("eps", eps, allow_zero=True)
+  validation.check_positive(
+    "eigenvalue_floor", eigenvalue_floor, allow_zero=True
+  )
+  ns_steps = validation.check_static_int("ns_steps", ns_steps, minimum=1)
+  if isinstance(precondition_interval, bool) or not isinstance(
+    precondition_interval, (int, jax.Array)
+  ):
+    raise TypeError(
+      "precondition_interval must be an int, got "
+      f"{type(precondition_interval).__name__}."
+    )
+  if isinstance(precondition_interval, int) and precondition_interval < 1:
+    raise ValueError(
+      f"precondition_interval must be >= 1, got {precondition_interval}."
+    )
+  validation.check_choice("root_method", root_method, _ROOT_METHODS)
+  validation.check_choice("factor_norm", factor_norm, _FACTOR_NORMS)
+  validation.check_choice("momentum_space", momentum_space, _MOMENTUM_SPACES)
+  validation.check_choice("grafting", grafting, _GRAFTINGS)
+  if root_method == "cholesky" and momentum_space != "original":
+    raise ValueError(
+      'root_method="cholesky" gives a triangular whitening, under which '
+      'whitened momentum is not meaningful: use momentum_space="original".'
+    )
+  coeffs = jnp.asarray(ns_coeffs)
+  if coeffs.ndim not in (1, 2) or coeffs.shape[-1] != 3:
+    raise ValueError(
+      f"ns_coeffs must have shape (3,) or (k, 3), got {coeffs.shape}."
+    )
+  return _Options(
+    beta=beta,
+    gamma=gamma,
+    damping=damping,
+    coeffs=coeffs,
+    ns_steps=ns_steps,
+    eps=eps,
+    nesterov=nesterov,
+    root_method=root_method,
+    factor_norm=factor_norm,
+    momentum_space=momentum_space,
+    grafting=grafting,
+    eigenvalue_floor=eigenvalue_floor,
+  )
+
+
+def _per_example_leaves(
+  fisher_source: str,
+  per_example_grads: PyTree | None,
+  updates: PyTree,
+  treedef: Any,
+) -> list[Any]:
+  """The ``per_example_grads`` leaves (``None`` each for batch statistics)."""
+  if fisher_source == "batch":
+    return [None] * treedef.num_leaves
+  if per_example_grads is None:
+    raise ValueError(
+      'fisher_source="per_example" needs the per_example_grads extra '
+      "argument (updates' tree with a leading batch axis)."
+    )
+  validation.check_leading_axis(
+    per_example_grads, updates, what="per_example_grads"
+  )
+  return treedef.flatten_up_to(per_example_grads)
+
+
+def _leaf_states(state: FISMOState, treedef: Any) -> list[tuple[Any, ...]]:
+  """Per leaf, ``(momentum, P, Q, P root, Q root)`` from ``state``."""
+  fields = (
+    state.momentum,
+    state.left_factor,
+    state.right_factor,
+    state.left_root,
+    state.right_root,
+  )
+  try:
+    flat = [treedef.flatten_up_to(f) for f in fields]
+  except (ValueError, TypeError) as e:
+    raise ValueError(
+      "updates do not match the FISMO state built by init (different "
+      f"tree structure).\n  updates: {treedef}\n  state.momentum: "
+      f"{jax.tree.structure(state.momentum)}"
+    ) from e
+  return list(zip(*flat))
+
+
+def _state_from_leaves(
+  treedef: Any,
+  count: jax.Array,
+  leaf_states: list[tuple[Any, ...]],
+  fallback: optax.OptState,
+) -> FISMOState:
+  fields = list(zip(*leaf_states)) or [()] * 5
+  mu, p, q, wp, wq = (treedef.unflatten(list(f)) for f in fields)
+  return FISMOState(
+    count=count,
+    momentum=mu,
+    left_factor=p,
+    right_factor=q,
+    left_root=wp,
+    right_root=wq,
+    fallback=fallback,
+  )
+
+
+def _fallback_view(
+  treedef: Any, leaves: list[Any], plans: list[_Plan | None]
+) -> PyTree:
+  """The tree the fallback sees: its own leaves, ``MaskedNode`` elsewhere."""
+  return treedef.unflatten(
+    [x if p is None else optax.MaskedNode() for x, p in zip(leaves, plans)]
+  )
 
 
 def scale_by_fismo(
@@ -294,20 +586,20 @@ def scale_by_fismo(
   :math:`\langle G, \Delta\rangle` subject to
   :math:`\|P^{1/2} \Delta Q^{1/2}\|_2 \le 1`; :math:`P = Q = I` is Muon.
 
-  **Decisions on the spec's ambiguities** (tested in ``tests/fismo_test.py``):
+  **Decisions where the paper leaves a choice** (each one tested):
 
-  * A1, ``factor_norm``: read literally (``"paper"``),
+  * ``factor_norm``: read literally (``"paper"``),
     :math:`L = S_P + \mu \operatorname{tr}(P)/m\, I` mixes the trace-``m``
-    factor with *unnormalised* statistics, so at realistic gradient scales
-    (1e-3) the factors stay at the identity and FISMO silently becomes Muon.
+    factor with *unnormalised* statistics, so at small gradient scales the
+    factors stay at the identity and FISMO silently becomes Muon.
     The default ``"pre_ema"`` trace-normalises first,
     :math:`L = (m S_P / \operatorname{tr} S_P + \mu I)/(1 + \mu)` (relative
     damping), which makes the whole update invariant to the gradient scale.
-  * A2, damping: Algorithm 1's :math:`\mu \operatorname{tr}(P_{old})/m`
+  * damping: Algorithm 1's :math:`\mu \operatorname{tr}(P_{old})/m`
     (Theorem 1's :math:`\operatorname{tr}(Q^{-1})` variant is not offered);
     the paper gives no defaults, ours are :math:`\beta=\gamma=0.95`,
-    :math:`\mu=0.1` (the best of 0.01/0.1 in a digits pilot).
-  * A3, roots: the inverse square roots are recomputed in float32 every
+    :math:`\mu=0.1`.
+  * roots: the inverse square roots are recomputed in float32 every
     ``precondition_interval`` steps (``lax.cond`` on the step count only) and
     cached in the state. Between refreshes the Gauss-Seidel sweep uses the
     cached (stale) :math:`P^{-1/2}`; with ``precondition_interval=1`` and
@@ -318,25 +610,25 @@ def scale_by_fismo(
     equal to the symmetric root up to a small rotation (the first refresh,
     from the identity, is exact); a root that fails to converge is discarded
     and the previous one kept. ``"eigh"``: exact symmetric roots with a
-    relative eigenvalue floor, but an eigendecomposition costs hundreds of
-    matmuls on CPU (``benchmarks/fismo_speed.py``: 1.32x Muon's step time
-    with Newton at the default interval 10, 1.83x with eigh).
+    relative eigenvalue floor, but an eigendecomposition costs far more than
+    the few matmuls of a warm-started Newton refresh (``benchmarks/fismo_speed.py``
+    times both).
     ``"cholesky"``: :math:`W = L^{-\top}`; a triangular whitening, valid only
     with ``momentum_space="original"`` (checked), where the step depends on
     :math:`P` alone and not on which whitening is used.
-  * A4: Muon's quintic coefficients, 5 steps (optax's defaults).
-  * A5, ``grafting``: ``"none"`` (paper) or ``"muon_norm"``, which rescales
+  * Newton-Schulz: Muon's quintic coefficients, 5 steps (optax's defaults).
+  * ``grafting``: ``"none"`` (paper) or ``"muon_norm"``, which rescales
     :math:`\Delta` to the Frobenius norm of :math:`\mathrm{Polar}(M)` so
     that Muon learning rates transfer (the unscaled step is larger: the mean
     inverse eigenvalue of a trace-normalised factor is >= 1).
-  * A6, ``momentum_space``: ``"whitened"`` (paper; the momentum goes stale
+  * ``momentum_space``: ``"whitened"`` (paper; the momentum goes stale
     as :math:`P, Q` move) or ``"original"`` (Mousse: momentum on :math:`G`,
     whitened after accumulation).
-  * A7, ``fisher_source``: ``"batch"`` uses the mini-batch gradient (paper).
+  * ``fisher_source``: ``"batch"`` uses the mini-batch gradient (paper).
     ``"per_example"`` (beyond the paper) averages the statistics over
     per-example gradients, passed as the ``per_example_grads`` extra argument
     (``updates``' tree with a leading batch axis).
-  * A8: biases, embeddings and other non-matrix leaves follow Muon's
+  * routing: biases, embeddings and other non-matrix leaves follow Muon's
     convention: ``weight_dimension_numbers`` routes them (``None`` leaves) to
     ``fallback`` (default :func:`optax.scale_by_adam`).
   * Momentum is Muon's EMA with bias correction (``nesterov`` as in optax);
@@ -364,15 +656,15 @@ def scale_by_fismo(
     nesterov: Muon's Nesterov momentum (not in the paper).
     precondition_interval: steps between root refreshes (step 0 refreshes).
     root_method: ``"eigh"``, ``"newton"`` or ``"cholesky"`` (see above).
-    factor_norm: ``"pre_ema"`` (scale-invariant) or ``"paper"`` (A1).
-    momentum_space: ``"whitened"`` or ``"original"`` (A6).
-    grafting: ``"none"`` or ``"muon_norm"`` (A5).
+    factor_norm: ``"pre_ema"`` (scale-invariant) or ``"paper"``.
+    momentum_space: ``"whitened"`` or ``"original"``.
+    grafting: ``"none"`` or ``"muon_norm"``.
     max_precond_dim: sides longer than this stay unpreconditioned (static).
     max_aspect_ratio: two-sided only if ``max(m,n) <= ratio * min(m,n)``.
     eigenvalue_floor: relative floor of the factors' eigenvalues in the roots.
-    fisher_source: ``"batch"`` or ``"per_example"`` (A7).
+    fisher_source: ``"batch"`` or ``"per_example"`` (see above).
     weight_dimension_numbers: ``MuonDimensionNumbers`` routing, as in
-      :func:`optax.contrib.muon`: ``None`` (rank-2 leaves), one spec (every
+      :func:`optax.contrib.muon`: ``None`` (rank-2 leaves), one object (every
       leaf of rank >= 2), a tree/prefix with ``None`` for fallback leaves, or
       a callable returning one (under ``inject_hyperparams`` list a callable
       in ``static_args``).
@@ -404,322 +696,119 @@ def scale_by_fismo(
     Anil et al, `Scalable Second Order Optimization for Deep Learning
     <https://arxiv.org/abs/2002.09018>`_, 2020
   """
-  validation.check_in_unit_interval("beta", beta)
-  validation.check_in_unit_interval("gamma", gamma, closed_right=True)
-  validation.check_positive("damping", damping, allow_zero=True)
-  validation.check_positive("eps", eps, allow_zero=True)
-  validation.check_positive(
-    "eigenvalue_floor", eigenvalue_floor, allow_zero=True
+  opts = _check_options(
+    beta,
+    gamma,
+    damping,
+    ns_coeffs,
+    ns_steps,
+    eps,
+    nesterov,
+    precondition_interval,
+    root_method,
+    factor_norm,
+    momentum_space,
+    grafting,
+    eigenvalue_floor,
   )
-  ns_steps = validation.check_static_int("ns_steps", ns_steps, minimum=1)
   max_precond_dim = validation.check_static_int(
     "max_precond_dim", max_precond_dim, minimum=0
   )
   max_aspect_ratio = validation.check_static_int(
     "max_aspect_ratio", max_aspect_ratio, minimum=1
   )
-  if isinstance(precondition_interval, bool) or not isinstance(
-    precondition_interval, (int, jax.Array)
-  ):
-    raise TypeError(
-      "precondition_interval must be an int, got "
-      f"{type(precondition_interval).__name__}."
-    )
-  if isinstance(precondition_interval, int) and precondition_interval < 1:
-    raise ValueError(
-      f"precondition_interval must be >= 1, got {precondition_interval}."
-    )
-  validation.check_choice("root_method", root_method, _ROOT_METHODS)
-  validation.check_choice("factor_norm", factor_norm, _FACTOR_NORMS)
-  validation.check_choice("momentum_space", momentum_space, _MOMENTUM_SPACES)
-  validation.check_choice("grafting", grafting, _GRAFTINGS)
-  validation.check_choice("fisher_source", fisher_source, _FISHER_SOURCES)
-  if root_method == "cholesky" and momentum_space != "original":
-    raise ValueError(
-      'root_method="cholesky" gives a triangular whitening, under which '
-      'whitened momentum is not meaningful: use momentum_space="original".'
-    )
-  coeffs = jnp.asarray(ns_coeffs)
-  if coeffs.ndim not in (1, 2) or coeffs.shape[-1] != 3:
-    raise ValueError(
-      f"ns_coeffs must have shape (3,) or (k, 3), got {coeffs.shape}."
-    )
-  mu_dtype = None if mu_dtype is None else jnp.dtype(mu_dtype)
+  source = validation.check_fisher_source(
+    fisher_source, function="scale_by_fismo"
+  )
+  mu_dtype = numerics.canonical_float_dtype("mu_dtype", mu_dtype)
   fallback_tx = _skip_nonfinite(
     optax.scale_by_adam() if fallback is None else fallback
   )
-  masked = optax.MaskedNode()
 
-  def plans(tree):
-    dims = resolve_dimension_numbers(weight_dimension_numbers, tree)
-    treedef = jax.tree.structure(tree)
-    leaves = treedef.flatten_up_to(tree)
-    plan_list = [
-      None
-      if d is None
-      else _plan(tuple(jnp.shape(x)), d, max_precond_dim, max_aspect_ratio)
-      for x, d in zip(leaves, treedef.flatten_up_to(dims))
-    ]
-    return treedef, leaves, plan_list
-
-  def fallback_view(treedef, leaves, plan_list):
-    return treedef.unflatten(
-      [x if p is None else masked for x, p in zip(leaves, plan_list)]
+  def plans(tree: PyTree) -> tuple[Any, list[Any], list[_Plan | None]]:
+    leaves, treedef = jax.tree.flatten(tree)
+    spec = weight_dimension_numbers
+    return (
+      treedef,
+      leaves,
+      _plans(spec, tree, max_precond_dim, max_aspect_ratio),
     )
 
-  def init_fn(params: optax.Params) -> FismoState:
+  def init_fn(params: optax.Params) -> FISMOState:
     treedef, leaves, plan_list = plans(params)
-    mom, lf, rf, lr, rr = [], [], [], [], []
-    for x, p in zip(leaves, plan_list):
-      if p is None:
-        for lst in (mom, lf, rf, lr, rr):
-          lst.append(masked)
-        continue
-      mom.append(jnp.zeros(x.shape, mu_dtype or x.dtype))
-      b, m, n = p.flat_shape
-      sd = _stat_dtype(x.dtype)
-      lf.append(_eye_like(b, m, sd) if p.left else masked)
-      lr.append(_eye_like(b, m, sd) if p.left else masked)
-      rf.append(_eye_like(b, n, sd) if p.right else masked)
-      rr.append(_eye_like(b, n, sd) if p.right else masked)
-    unflat = treedef.unflatten
-    return FismoState(
-      count=jnp.zeros([], jnp.int32),
-      momentum=unflat(mom),
-      left_factor=unflat(lf),
-      right_factor=unflat(rf),
-      left_root=unflat(lr),
-      right_root=unflat(rr),
-      fallback=fallback_tx.init(fallback_view(treedef, leaves, plan_list)),
+    leaf_states = [
+      _init_leaf(x, p, mu_dtype) for x, p in zip(leaves, plan_list)
+    ]
+    fallback_state = fallback_tx.init(
+      _fallback_view(treedef, leaves, plan_list)
     )
-
-  def ema_factor(old, stat, d):
-    eye = jnp.eye(d, dtype=old.dtype)
-    stat = stat.astype(old.dtype)
-    if factor_norm == "pre_ema":
-      tr = _trace(stat)
-      ok = jnp.isfinite(tr) & (tr > jnp.finfo(old.dtype).tiny)
-      normed = d * stat / jnp.where(ok, tr, 1.0)
-      target = (normed + damping * eye) / (1.0 + damping)
-    else:  # Algorithm 1 as written.
-      target = stat + damping * _trace(old) / d * eye
-      ok = jnp.isfinite(_trace(target))
-    mixed = gamma * old + (1.0 - gamma) * target
-    new = linalg.symmetrize(d * mixed / _trace(mixed)).astype(old.dtype)
-    ok &= jnp.all(jnp.isfinite(new), axis=(-2, -1), keepdims=True)
-    return jnp.where(ok, new, old)
-
-  def inverse_root(factor, old_root):
-    if root_method == "eigh":
-      root = _matrix_roots.matrix_inverse_root_eigh(
-        factor, 2, floor=eigenvalue_floor
-      )
-      ok = jnp.ones(factor.shape[:-2], bool)
-    elif root_method == "newton":
-      res = _matrix_roots.matrix_inverse_root_newton(
-        factor,
-        2,
-        init=linalg.symmetrize(old_root),
-        floor=eigenvalue_floor,
-        max_iters=_NEWTON_MAX_ITERS,
-        tol=_NEWTON_TOL,
-      )
-      root = res.root
-      ok = res.error < _NEWTON_MAX_ERROR
-    else:
-      root = _matrix_roots.cholesky_whitening(factor, floor=eigenvalue_floor)
-      ok = jnp.ones(factor.shape[:-2], bool)
-    ok &= jnp.all(jnp.isfinite(root), axis=(-2, -1))
-    return jnp.where(ok[..., None, None], root.astype(old_root.dtype), old_root)
-
-  def statistic(x, per_example, side_dim, left):
-    # x: (b, m, n) already whitened on the other side; per_example: (B, b, m,
-    # n) or None. Returns X X^T / n (left) or X^T X / m (right).
-    if per_example is None:
-      outer = _mm(x, _mT(x)) if left else _mm(_mT(x), x)
-      return outer / side_dim
-    outer = (
-      jnp.einsum("kbmn,kbpn->bmp", per_example, per_example, precision=_HIGHEST)
-      if left
-      else jnp.einsum(
-        "kbmn,kbmp->bnp", per_example, per_example, precision=_HIGHEST
-      )
-    )
-    return outer / (side_dim * per_example.shape[0])
-
-  def leaf_update(
-    g, plan, mu, p_old, q_old, wp_old, wq_old, peg, count, refresh
-  ):
-    _, m, n = plan.flat_shape
-    sd = _stat_dtype(g.dtype)
-    gm = _to_matrix(g, plan).astype(sd)
-    finite = jnp.all(jnp.isfinite(gm))
-    gm = jnp.where(finite, gm, 0.0)
-    pe = None
-    if peg is not None:
-      pe = jax.vmap(lambda x: _to_matrix(x, plan))(peg).astype(sd)
-      finite &= jnp.all(jnp.isfinite(pe))
-      pe = jnp.where(finite, pe, 0.0)
-    p_new, q_new, wp, wq = p_old, q_old, wp_old, wq_old
-    if plan.left:  # Gauss-Seidel: P from the cached Q root, then Q from P's.
-      y = _mm(gm, wq_old) if plan.right else gm
-      ype = None if pe is None else (_mm(pe, wq_old) if plan.right else pe)
-      p_new = ema_factor(p_old, statistic(y, ype, n, True), m)
-      p_new = jnp.where(finite, p_new, p_old)
-      wp = jax.lax.cond(
-        refresh, lambda: inverse_root(p_new, wp_old), lambda: wp_old
-      )
-    z = _mm(_mT(wp), gm) if plan.left else gm
-    if plan.right:
-      zpe = None if pe is None else (_mm(_mT(wp), pe) if plan.left else pe)
-      q_new = ema_factor(q_old, statistic(z, zpe, m, False), n)
-      q_new = jnp.where(finite, q_new, q_old)
-      wq = jax.lax.cond(
-        refresh, lambda: inverse_root(q_new, wq_old), lambda: wq_old
-      )
-
-    def whiten(x):
-      if plan.left:
-        x = jnp.matmul(_mT(wp), x)
-      return jnp.matmul(x, wq) if plan.right else x
-
-    if momentum_space == "whitened":
-      x = jnp.matmul(z, wq) if plan.right else z
-    else:
-      x = gm
-    mu_prev = _to_matrix(mu, plan).astype(sd)
-    mu_new = (1.0 - beta) * x + beta * mu_prev  # optax's update_moment order.
-    if nesterov:
-      mu_hat = beta * optax.tree.bias_correction(
-        mu_new, beta, optax.safe_increment(count)
-      ) + (1.0 - beta) * optax.tree.bias_correction(x, beta, count)
-    else:
-      mu_hat = optax.tree.bias_correction(mu_new, beta, count)
-    if momentum_space == "original":
-      mu_hat = whiten(mu_hat)
-    ortho = _matrix_roots.newton_schulz_polar(mu_hat, coeffs, ns_steps, eps)
-    delta = ortho
-    if plan.left:
-      delta = jnp.matmul(wp, delta)
-    if plan.right:
-      delta = jnp.matmul(delta, _mT(wq))
-    if grafting == "muon_norm":
-      fro = lambda a: jnp.sqrt(
-        jnp.sum(jnp.square(a), axis=(-2, -1), keepdims=True)
-      )
-      delta = delta * (fro(ortho) / jnp.maximum(fro(delta), 1e-30))
-    delta = jnp.where(finite, delta, jnp.nan)
-    mu_new = jnp.where(finite, mu_new, mu_prev)
-    if plan.left:
-      wp = jnp.where(finite, wp, wp_old)
-    if plan.right:
-      wq = jnp.where(finite, wq, wq_old)
-    out = _from_matrix(delta, plan).astype(g.dtype)
-    mu_out = _from_matrix(mu_new, plan).astype(mu.dtype)
-    return out, mu_out, p_new, q_new, wp, wq
+    count = jnp.zeros([], jnp.int32)
+    return _state_from_leaves(treedef, count, leaf_states, fallback_state)
 
   def update_fn(
     updates: optax.Updates,
-    state: FismoState,
+    state: FISMOState,
     params: optax.Params | None = None,
     *,
     per_example_grads: optax.Updates | None = None,
     **extra_args: Any,
-  ) -> tuple[optax.Updates, FismoState]:
+  ) -> tuple[optax.Updates, FISMOState]:
     del params, extra_args
     treedef, leaves, plan_list = plans(updates)
-    if fisher_source == "per_example":
-      if per_example_grads is None:
-        raise ValueError(
-          'fisher_source="per_example" needs the per_example_grads extra '
-          "argument (updates' tree with a leading batch axis)."
-        )
-      validation.check_leading_axis(
-        per_example_grads, updates, what="per_example_grads"
-      )
-      pegs = treedef.flatten_up_to(per_example_grads)
-    else:
-      pegs = [None] * len(leaves)
-    fields = (
-      state.momentum,
-      state.left_factor,
-      state.right_factor,
-      state.left_root,
-      state.right_root,
-    )
-    try:
-      flat_fields = [treedef.flatten_up_to(f) for f in fields]
-    except (ValueError, TypeError) as e:
-      raise ValueError(
-        "updates do not match the FISMO state built by init (different "
-        f"tree structure).\n  updates: {treedef}\n  state.momentum: "
-        f"{jax.tree.structure(state.momentum)}"
-      ) from e
-    count_inc = optax.safe_increment(state.count)
+    pegs = _per_example_leaves(source, per_example_grads, updates, treedef)
+    old_states = _leaf_states(state, treedef)
+    count_inc = jnp.asarray(optax.safe_increment(state.count))
     refresh = (state.count % precondition_interval) == 0
-    outs = {k: [] for k in ("upd", "mu", "p", "q", "wp", "wq")}
-    for i, (g, plan) in enumerate(zip(leaves, plan_list)):
-      mu, p, q, wp, wq = (f[i] for f in flat_fields)
+    fb_view = _fallback_view(treedef, leaves, plan_list)
+    fb_updates, fb_state = fallback_tx.update(fb_view, state.fallback, None)
+    new_updates, new_states = [], []
+    for g, peg, plan, old, fb in zip(
+      leaves, pegs, plan_list, old_states, treedef.flatten_up_to(fb_updates)
+    ):
       if plan is None:
-        outs["upd"].append(masked)
-        for k, v in zip(("mu", "p", "q", "wp", "wq"), (mu, p, q, wp, wq)):
-          outs[k].append(v)
+        new_updates.append(fb)
+        new_states.append(old)
         continue
-      if jnp.shape(mu) != jnp.shape(g):
+      if jnp.shape(old[0]) != jnp.shape(g):
         raise ValueError(
           f"FISMO state for a leaf of shape {jnp.shape(g)} was built for "
-          f"shape {jnp.shape(mu)}; re-run init on the current params."
+          f"shape {jnp.shape(old[0])}; re-run init on the current params."
         )
-      res = leaf_update(g, plan, mu, p, q, wp, wq, pegs[i], count_inc, refresh)
-      for k, v in zip(("upd", "mu", "p", "q", "wp", "wq"), res):
-        outs[k].append(v)
-    fb_updates, fb_state = fallback_tx.update(
-      fallback_view(treedef, leaves, plan_list), state.fallback, None
-    )
-    fb_leaves = treedef.flatten_up_to(fb_updates)
-    new_updates = treedef.unflatten(
-      [
-        f if p is None else u
-        for u, f, p in zip(outs["upd"], fb_leaves, plan_list)
-      ]
-    )
-    unflat = treedef.unflatten
-    return new_updates, FismoState(
-      count=count_inc,
-      momentum=unflat(outs["mu"]),
-      left_factor=unflat(outs["p"]),
-      right_factor=unflat(outs["q"]),
-      left_root=unflat(outs["wp"]),
-      right_root=unflat(outs["wq"]),
-      fallback=fb_state,
-    )
+      u, new = _leaf_update(g, peg, plan, old, count_inc, refresh, opts)
+      new_updates.append(u)
+      new_states.append(new)
+    new_state = _state_from_leaves(treedef, count_inc, new_states, fb_state)
+    return treedef.unflatten(new_updates), new_state
 
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  return optax.GradientTransformationExtraArgs(
+    init_fn,
+    update_fn,  # pyright: ignore[reportArgumentType]
+  )
 
 
 def _scale_by_shape(
   weight_dimension_numbers: WeightDimNumOrFn,
   consistent_rms: float | jax.Array | None,
+  name: str,
 ) -> optax.GradientTransformation:
   """Muon's width scaling, with FISMO's routing (optax.contrib.muon's)."""
 
   def update_fn(updates, state, params=None):
     del params
-    dims = resolve_dimension_numbers(weight_dimension_numbers, updates)
+    leaves, treedef = jax.tree.flatten(updates)
+    views = matrix_view.plans(weight_dimension_numbers, updates, name=name)
 
-    def scale(u, d):
-      if d is None:
+    def scale(u, view):
+      if view is None:
         return u
-      red, out = _normalize_axes(u.ndim, d)
-      fan_in = math.prod(u.shape[a] for a in red)
-      fan_out = math.prod(u.shape[a] for a in out)
+      fan_in, fan_out = view.rows, view.cols
       if consistent_rms is None:
         factor = math.sqrt(max(1.0, fan_out / fan_in))
       else:
         factor = math.sqrt(max(fan_in, fan_out)) * consistent_rms
       return (factor * u).astype(u.dtype)
 
-    return jax.tree.map(scale, updates, dims), state
+    return treedef.unflatten(list(map(scale, leaves, views))), state
 
   return optax.GradientTransformation(optax.init_empty_state, update_fn)
 
@@ -829,12 +918,12 @@ def fismo(
     validation.check_learning_rate(adam_learning_rate)
   validation.check_positive("weight_decay", weight_decay, allow_zero=True)
   dims_spec = fismo_weight_dimension_numbers
+  name = "fismo_weight_dimension_numbers"
 
   def param_labels(params):
-    dims = resolve_dimension_numbers(dims_spec, params)
-    return jax.tree.map(
-      lambda x, d: "adam" if d is None else "fismo", params, dims
-    )
+    dims = matrix_view.resolve(dims_spec, params, name=name)
+    labels = ["adam" if d is None else "fismo" for d in dims]
+    return jax.tree.structure(params).unflatten(labels)
 
   return optax.partition(
     transforms={
@@ -859,7 +948,7 @@ def fismo(
           fisher_source=fisher_source,
           weight_dimension_numbers=dims_spec,
         ),
-        _scale_by_shape(dims_spec, consistent_rms),
+        _scale_by_shape(dims_spec, consistent_rms, name),
         optax.add_decayed_weights(weight_decay, weight_decay_mask),
         optax.scale_by_learning_rate(learning_rate),
       ),

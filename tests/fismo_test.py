@@ -17,7 +17,7 @@ import fisher_optax
 from fisher_optax import _matrix_roots
 from tests import conformance
 
-DN = fisher_optax.FismoDimensionNumbers
+DN = fisher_optax.FISMODimensionNumbers
 EXACT_NS = ((2.0, -1.5, 0.5), 24)  # convergent quintic: the exact polar.
 
 # -- a float64 NumPy re-implementation of Algorithm 1 (spec §1) ---------------
@@ -669,6 +669,26 @@ class IntegrationTest(parameterized.TestCase):
     inner = state.inner_states["fismo"].inner_state[0]
     self.assertEqual(inner.left_factor["w"].dtype, jnp.float32)
     self.assertEqual(inner.momentum["w"].dtype, jnp.bfloat16)
+
+
+class DeprecatedNamesTest(absltest.TestCase):
+  def test_old_casing_warns_and_is_the_new_class(self):
+    from fisher_optax import _fismo  # pylint: disable=g-import-not-at-top
+
+    for module in (fisher_optax, _fismo):
+      for old, new in (
+        ("FismoState", fisher_optax.FISMOState),
+        ("FismoDimensionNumbers", fisher_optax.FISMODimensionNumbers),
+      ):
+        with self.subTest(module=module.__name__, name=old):
+          with self.assertWarns(
+            fisher_optax.fisher.validation.FisherOptaxDeprecationWarning
+          ):
+            self.assertIs(getattr(module, old), new)
+    self.assertNotIn("FismoState", fisher_optax.__all__)
+    self.assertIn("FISMOState", fisher_optax.__all__)
+    with self.assertRaises(AttributeError):
+      _ = fisher_optax.FismoNothing  # pyright: ignore[reportAttributeAccessIssue]
 
 
 class FismoConformanceTest(

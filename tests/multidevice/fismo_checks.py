@@ -35,8 +35,8 @@ class FismoShardedTest(absltest.TestCase):
       "b": NamedSharding(mesh, P("model")),
     }
     dims = {
-      "w": fisher_optax.FismoDimensionNumbers(),
-      "stack": fisher_optax.FismoDimensionNumbers(1, 2),
+      "w": fisher_optax.FISMODimensionNumbers(),
+      "stack": fisher_optax.FISMODimensionNumbers(1, 2),
       "b": None,
     }
     grads_seq = [
