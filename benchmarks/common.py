@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from fisher_optax import models
+from examples.common import models
 
 PyTree = Any
 RESULTS_DIR = pathlib.Path(__file__).resolve().parent / "results"

@@ -48,10 +48,10 @@ import numpy as np
 import optax
 
 from benchmarks import common
+from examples.common import datasets
+from examples.common import models
 import fisher_optax
-from fisher_optax import datasets
 from fisher_optax import fisher
-from fisher_optax import models
 
 _SMALL = flags.DEFINE_bool("small", False, "seconds-long smoke run")
 _SEEDS = flags.DEFINE_integer("seeds", 3, "number of seeds")

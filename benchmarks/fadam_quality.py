@@ -35,8 +35,8 @@ import numpy as np
 import optax
 
 from benchmarks import common
+from examples.common import datasets
 import fisher_optax
-from fisher_optax import datasets
 
 _SMALL = flags.DEFINE_bool("small", False, "2 epochs, 2x2 grid, 2 seeds.")
 _OUT = flags.DEFINE_string("out_dir", None, "Results dir (default results/).")

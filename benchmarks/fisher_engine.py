@@ -41,8 +41,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import common
+from examples.common import models
 from fisher_optax import fisher
-from fisher_optax import models
 from fisher_optax.fisher import _taps
 
 _SMALL = flags.DEFINE_bool("small", False, "Tiny models, few rounds (smoke).")

@@ -29,8 +29,8 @@ import numpy as np
 import optax
 
 from benchmarks import common
+from examples.common import datasets
 import fisher_optax
-from fisher_optax import datasets
 
 _SMALL = flags.DEFINE_bool("small", False, "Tiny budget smoke run.")
 _SEEDS = flags.DEFINE_integer("seeds", 5, "Seeds for the final runs.")

@@ -36,8 +36,8 @@ import numpy as np
 import optax
 
 from benchmarks import common
+from examples.common import datasets
 import fisher_optax
-from fisher_optax import datasets
 from fisher_optax import fisher
 
 _SMALL = flags.DEFINE_bool("small", False, "seconds-long smoke run")

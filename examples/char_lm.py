@@ -18,7 +18,7 @@
 #
 # Python ships its own help text (`pydoc_data.topics`, about 0.7 MB), so this
 # language model needs no download. A small decoder-only transformer
-# (`fisher_optax.models.CharTransformer`) is trained with AdamW, FAdam and
+# (`common.models.CharTransformer`) is trained with AdamW, FAdam and
 # FISMO through `nnx.Optimizer`; we plot training loss and validation
 # bits per character, then sample some text.
 #
@@ -38,14 +38,14 @@ import matplotlib
 
 matplotlib.use("Agg")
 import _notebook
+from common import datasets
+from common import models
 import matplotlib.pyplot as plt
 import numpy as np
 import optax
 from tqdm.auto import tqdm
 
 import fisher_optax
-from fisher_optax import datasets
-from fisher_optax import models
 
 flags.DEFINE_integer("steps", 1000, "Training steps per optimizer.")
 flags.DEFINE_integer("batch_size", 32, "Sequences per batch.")

@@ -43,15 +43,15 @@ import matplotlib
 
 matplotlib.use("Agg")
 import _notebook
+from common import datasets
+from common import models
 import matplotlib.pyplot as plt
 import numpy as np
 import optax
 from tqdm.auto import tqdm
 
 import fisher_optax
-from fisher_optax import datasets
 from fisher_optax import fisher
-from fisher_optax import models
 
 flags.DEFINE_integer("steps", 300, "Training steps per task.")
 flags.DEFINE_integer("batch_size", 32, "Mini-batch size.")

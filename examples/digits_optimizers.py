@@ -36,14 +36,14 @@ import matplotlib
 
 matplotlib.use("Agg")
 import _notebook
+from common import datasets
+from common import models
 import matplotlib.pyplot as plt
 import numpy as np
 import optax
 from tqdm.auto import tqdm
 
 import fisher_optax
-from fisher_optax import datasets
-from fisher_optax import models
 
 flags.DEFINE_integer("steps", 600, "Training steps per optimizer.")
 flags.DEFINE_integer("batch_size", 64, "Mini-batch size.")

@@ -41,15 +41,15 @@ import matplotlib
 
 matplotlib.use("Agg")
 import _notebook
+from common import datasets
+from common import models
 import matplotlib.pyplot as plt
 import numpy as np
 import optax
 from tqdm.auto import tqdm
 
 import fisher_optax
-from fisher_optax import datasets
 from fisher_optax import fisher
-from fisher_optax import models
 
 flags.DEFINE_integer(
   "steps", 500, "Training steps of the base and of the fine-tuning."

@@ -42,15 +42,15 @@ import matplotlib
 
 matplotlib.use("Agg")
 import _notebook
+from common import datasets
+from common import models
 import matplotlib.pyplot as plt
 import numpy as np
 import optax
 from tqdm.auto import tqdm
 
 import fisher_optax
-from fisher_optax import datasets
 from fisher_optax import fisher
-from fisher_optax import models
 
 flags.DEFINE_integer("steps", 300, "Training steps.")
 flags.DEFINE_integer("per_device_batch", 16, "Examples per device per step.")

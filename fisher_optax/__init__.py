@@ -5,9 +5,8 @@ The public API is flat, like optax's: ``fisher_optax.fadam``,
 ``fisher_optax.scale_by_fismo``, ``fisher_optax.fisher.diagonal`` and so on.
 The Fisher estimator engine lives in :mod:`fisher_optax.fisher`. Modules
 with optional dependencies are imported explicitly: :mod:`fisher_optax.flax`
-(Flax adapters), :mod:`fisher_optax.checkpoint` (orbax),
-:mod:`fisher_optax.datasets` and :mod:`fisher_optax.models` (examples),
-``python -m fisher_optax.demo`` and ``python -m fisher_optax.merge``.
+(Flax adapters) and :mod:`fisher_optax.checkpoint` (orbax); the command
+line is ``python -m fisher_optax.merge`` (``fisher-merge``).
 """
 
 __version__ = "0.1.0.dev0"

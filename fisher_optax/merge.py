@@ -43,8 +43,8 @@ no arguments. It must return either
 * a function ``apply_fn(params, inputs) -> outputs`` (e.g.
   ``lambda p, x: linen_module.apply({"params": p}, x)``), differentiated
   with respect to every floating leaf of the checkpoint;
-* or a pair ``(apply_fn, params)``, as :func:`fisher_optax.models.functional`
-  returns (``--model fisher_optax.models:digits_mlp``); the checkpoint must
+* or a pair ``(apply_fn, params)``, as ``examples.common.models.functional``
+  returns (``--model examples.common.models:digits_mlp``); the checkpoint must
   have the leaves and shapes of ``params``.
 
 The inputs are ``--inputs-key`` (default ``x``) of the ``.npz`` file, the

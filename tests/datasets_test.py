@@ -1,11 +1,11 @@
 # Copyright 2026 The fisher_optax Authors. Licensed under the Apache License 2.0.
-"""Tests for fisher_optax.datasets."""
+"""Tests for examples.common.datasets."""
 
 from absl.testing import absltest
 from absl.testing import parameterized
 import numpy as np
 
-from fisher_optax import datasets
+from examples.common import datasets
 
 
 class DigitsTest(parameterized.TestCase):

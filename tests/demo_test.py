@@ -1,5 +1,5 @@
 # Copyright 2026 The fisher_optax Authors. Licensed under the Apache License 2.0.
-"""Runs ``python -m fisher_optax.demo --small`` end to end."""
+"""Runs ``python -m examples.demo --small`` end to end, from the repo root."""
 
 import json
 import pathlib
@@ -9,6 +9,8 @@ import tempfile
 
 from absl.testing import absltest
 
+_ROOT = pathlib.Path(__file__).resolve().parent.parent
+
 
 class DemoTest(absltest.TestCase):
   def test_small_demo_runs_and_reports_every_part(self):
@@ -17,10 +19,11 @@ class DemoTest(absltest.TestCase):
         [
           sys.executable,
           "-m",
-          "fisher_optax.demo",
+          "examples.demo",
           "--small",
           f"--out_dir={out}",
         ],
+        cwd=_ROOT,
         capture_output=True,
         text=True,
         timeout=900,

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fisher_optax import models
+from examples.common import models
 from fisher_optax.fisher import _taps
 from tests import fisher_testing
 

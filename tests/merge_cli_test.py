@@ -47,7 +47,7 @@ def make_apply_fn():
 
 
 def make_apply_fn_and_template():
-  """A ``(apply_fn, params)`` factory, as ``fisher_optax.models`` returns."""
+  """A ``(apply_fn, params)`` factory, as ``examples.common.models`` returns."""
   return make_apply_fn(), {
     "w": np.zeros((4, 5), np.float32),
     "v": np.zeros((5, 3), np.float32),

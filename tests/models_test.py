@@ -1,5 +1,5 @@
 # Copyright 2026 The fisher_optax Authors. Licensed under the Apache License 2.0.
-"""Tests for fisher_optax.models."""
+"""Tests for examples.common.models."""
 
 from absl.testing import absltest
 import chex
@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fisher_optax import models
+from examples.common import models
 
 
 class ModelsTest(absltest.TestCase):

@@ -1,8 +1,8 @@
 # Copyright 2026 The fisher_optax Authors. Licensed under the Apache License 2.0.
-"""A tour of fisher_optax on scikit-learn's digits: ``python -m fisher_optax.demo``.
+"""A tour of fisher_optax on scikit-learn's digits: ``python -m examples.demo``.
 
-Needs the examples extra (``pip install 'fisher_optax[examples]'``). In about a
-minute or two on a laptop CPU it
+Run it from the repository root with the examples extra installed
+(``pip install -e '.[examples]'``). In a minute or two on a laptop CPU it
 
 1. trains the same MLP with AdamW and with the library's optimizers (FAdam,
    FISMO, Natural GaLore, M-FAC);
@@ -36,10 +36,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from examples.common import datasets
+from examples.common import models
 import fisher_optax
-from fisher_optax import datasets
 from fisher_optax import fisher
-from fisher_optax import models
 
 flags.DEFINE_integer("steps", 400, "Training steps per optimizer and task.")
 flags.DEFINE_integer("batch_size", 64, "Mini-batch size.")
