@@ -13,6 +13,10 @@ __version__ = "0.1.0.dev0"
 
 from fisher_optax import fisher
 
+# Gradient accumulation with a Fisher over every micro-batch (_accumulation.py)
+from fisher_optax._accumulation import AccumulateFisherState
+from fisher_optax._accumulation import accumulate_fisher
+
 # EWC penalties (_ewc.py)
 from fisher_optax._ewc import AddEWCGradientState
 from fisher_optax._ewc import DiagonalEWC
@@ -78,6 +82,9 @@ from fisher_optax._physguard import protected_subspace
 __all__ = [
   "__version__",
   "fisher",
+  # Gradient accumulation
+  "accumulate_fisher",
+  "AccumulateFisherState",
   # FAdam
   "fadam",
   "FAdamState",

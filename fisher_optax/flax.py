@@ -24,11 +24,10 @@ arguments. The adapters here produce extras with exactly that structure:
 forwards extra arguments to ``tx.update``. :func:`apply_gradients` and the
 :class:`TrainState` subclass do.
 
-**Gradient accumulation.** ``optax.MultiSteps`` calls the inner ``update`` on
-every micro-batch but keeps the inner state only when it emits, so a
-transform that reads per-example gradients sees only the *last* micro-batch's
-extras. :func:`accumulate_fisher` is the accumulation path that makes a
-diagonal Fisher estimate see every micro-batch.
+**Gradient accumulation.** :func:`fisher_optax.accumulate_fisher` (which
+needs no Flax) is re-exported here as ``accumulate_fisher``: it makes a
+diagonal Fisher estimate see every micro-batch, where ``optax.MultiSteps``
+hands the inner transform only the last micro-batch's extras.
 
 Example (NNX)::
 
@@ -47,7 +46,7 @@ Example (NNX)::
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import flax
 from flax import nnx
@@ -56,7 +55,11 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from fisher_optax import fisher as _fisher
+from fisher_optax import fisher
+
+# Re-exported: the same objects as fisher_optax.accumulate_fisher & co.
+from fisher_optax._accumulation import AccumulateFisherState
+from fisher_optax._accumulation import accumulate_fisher
 
 PyTree = Any
 Filter = Any
@@ -111,7 +114,7 @@ def nnx_per_example_grads(
   def pure_loss(p, example):
     return loss_fn(nnx.merge(graphdef, p, rest), example)
 
-  return _fisher.per_example_grads(
+  return fisher.per_example_grads(
     pure_loss, pure_params, batch, chunk_size=chunk_size
   )
 
@@ -210,129 +213,6 @@ class TrainState(train_state.TrainState):
   ):
     new = apply_gradients(self, grads, **(tx_kwargs or {}))
     return new.replace(**kwargs) if kwargs else new
-
-
-# -- gradient accumulation -------------------------------------------------
-
-
-class AccumulateFisherState(NamedTuple):
-  """State of :func:`accumulate_fisher`.
-
-  Attributes:
-    mini_step: micro-batches seen since the last emit (int32).
-    grad_sum: running sum of micro-batch mean gradients.
-    sq_sum: running sum of squared per-example gradients.
-    count: examples accumulated.
-    inner_state: the wrapped transform's state.
-  """
-
-  mini_step: jax.Array
-  grad_sum: PyTree
-  sq_sum: PyTree
-  count: jax.Array
-  inner_state: Any
-
-
-def accumulate_fisher(
-  inner: optax.GradientTransformation, every_k: int
-) -> optax.GradientTransformationExtraArgs:
-  """Gradient accumulation whose diagonal Fisher sees every micro-batch.
-
-  Like ``optax.MultiSteps(inner, every_k)``: updates are zero on the first
-  ``every_k - 1`` micro-batches, and on the ``every_k``-th the inner transform
-  runs once on the mean gradient. In addition, every micro-batch's
-  ``per_example_grads`` extra (required) is folded into running sums, and the
-  inner transform receives ``fisher=`` a
-  :class:`fisher_optax.fisher.DiagonalFisher` of kind ``"empirical"`` over all
-  ``every_k * B`` examples. Per-example gradients are never stored across
-  micro-batches, so memory is ``2P`` on top of the inner state.
-
-  With plain ``optax.MultiSteps`` the inner transform would see only the last
-  micro-batch's ``per_example_grads`` (a ``1/every_k`` sample of the data).
-
-  Args:
-    inner: a transform that accepts a ``fisher=`` DiagonalFisher extra (e.g.
-      ``fisher_optax.fadam(..., fisher_source="per_example")``).
-    every_k: micro-batches per update (static int >= 1).
-
-  Returns:
-    A ``GradientTransformationExtraArgs``.
-  """
-  if isinstance(every_k, bool) or not isinstance(every_k, int) or every_k < 1:
-    raise ValueError(f"every_k must be an int >= 1, got {every_k!r}.")
-  inner = optax.with_extra_args_support(inner)
-
-  def init_fn(params):
-    zeros = jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), jnp.float32), params)
-    return AccumulateFisherState(
-      mini_step=jnp.zeros([], jnp.int32),
-      grad_sum=zeros,
-      sq_sum=zeros,
-      count=jnp.zeros([], jnp.int32),
-      inner_state=inner.init(params),
-    )
-
-  def update_fn(
-    updates, state, params=None, *, per_example_grads=None, **extra_args
-  ):
-    if per_example_grads is None:
-      raise ValueError(
-        "accumulate_fisher needs a per_example_grads= extra on "
-        "every micro-batch."
-      )
-    batch = _fisher_check_leading(per_example_grads, updates)
-    grad_sum = jax.tree.map(
-      lambda s, g: s + g.astype(jnp.float32), state.grad_sum, updates
-    )
-    sq_sum = jax.tree.map(
-      lambda s, g: s + jnp.sum(jnp.square(g.astype(jnp.float32)), axis=0),
-      state.sq_sum,
-      per_example_grads,
-    )
-    count = state.count + batch
-    mini_step = state.mini_step + 1
-
-    def emit(_):
-      mean_grad = jax.tree.map(
-        lambda s, u: (s / every_k).astype(u.dtype), grad_sum, updates
-      )
-      stat = _fisher.DiagonalFisher(
-        diag=jax.tree.map(lambda s: s / count, sq_sum),
-        mean_grad=jax.tree.map(lambda s: s / every_k, grad_sum),
-        count=count,
-        kind="empirical",
-      )
-      new_updates, inner_state = inner.update(
-        mean_grad, state.inner_state, params, fisher=stat, **extra_args
-      )
-      zeros = jax.tree.map(jnp.zeros_like, grad_sum)
-      return new_updates, AccumulateFisherState(
-        jnp.zeros([], jnp.int32),
-        zeros,
-        zeros,
-        jnp.zeros([], jnp.int32),
-        inner_state,
-      )
-
-    def skip(_):
-      return (
-        jax.tree.map(jnp.zeros_like, updates),
-        AccumulateFisherState(
-          mini_step, grad_sum, sq_sum, count, state.inner_state
-        ),
-      )
-
-    return jax.lax.cond(mini_step >= every_k, emit, skip, None)
-
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
-
-
-def _fisher_check_leading(per_example_grads: PyTree, updates: PyTree) -> int:
-  from fisher_optax.fisher import validation  # pylint: disable=g-import-not-at-top
-
-  return validation.check_leading_axis(
-    per_example_grads, updates, what="per_example_grads"
-  )
 
 
 del flax

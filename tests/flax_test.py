@@ -1,6 +1,10 @@
 # Copyright 2026 The fisher_optax Authors. Licensed under the Apache License 2.0.
 """Tests for the Flax adapters in fisher_optax.flax."""
 
+import subprocess
+import sys
+import textwrap
+
 from absl.testing import absltest
 from absl.testing import parameterized
 import chex
@@ -213,6 +217,38 @@ class AccumulateFisherTest(absltest.TestCase):
     # optax.MultiSteps hands only the last micro-batch's extras to the inner
     # transform, so its Fisher (and hence its step) differs.
     self.assertGreater(float(jnp.max(jnp.abs(u_multi["w"] - ref["w"]))), 1e-4)
+
+  def test_core_export_is_the_adapter_and_needs_no_flax(self):
+    self.assertIs(fisher_optax.accumulate_fisher, fo_flax.accumulate_fisher)
+    self.assertIs(
+      fisher_optax.AccumulateFisherState, fo_flax.AccumulateFisherState
+    )
+    # In a process where flax cannot be imported, the core one still steps.
+    script = textwrap.dedent("""
+      import sys
+      sys.modules["flax"] = None  # any `import flax` now fails
+      import jax.numpy as jnp
+      import optax
+      import fisher_optax
+      tx = fisher_optax.accumulate_fisher(optax.sgd(1.0), every_k=2)
+      params = {"w": jnp.ones(3)}
+      state = tx.init(params)
+      pex = {"w": jnp.arange(6.0).reshape(2, 3)}
+      grads = {"w": pex["w"].mean(0)}
+      for _ in range(2):
+        u, state = tx.update(grads, state, params, per_example_grads=pex)
+      assert "flax" not in [m.split(".")[0] for m in sys.modules if sys.modules[m]]
+      print(u["w"].tolist(), int(state.count))
+    """)
+    proc = subprocess.run(
+      [sys.executable, "-c", script],
+      capture_output=True,
+      text=True,
+      timeout=300,
+      check=False,
+    )
+    self.assertEqual(proc.returncode, 0, proc.stderr[-3000:])
+    self.assertEqual(proc.stdout.split(), ["[-1.5,", "-2.5,", "-3.5]", "0"])
 
   def test_errors(self):
     params, _, _, _ = self._setup()

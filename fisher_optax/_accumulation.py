@@ -1,0 +1,168 @@
+# Copyright 2026 The fisher_optax Authors. Licensed under the Apache License 2.0.
+"""Gradient accumulation whose diagonal Fisher sees every micro-batch.
+
+``optax.MultiSteps`` calls the inner ``update`` on every micro-batch but keeps
+the inner state only when it emits, so a transform that reads per-example
+gradients sees only the *last* micro-batch's extras. :func:`accumulate_fisher`
+folds every micro-batch's per-example gradients into a running diagonal
+Fisher and hands the inner transform the whole accumulation's statistic.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from fisher_optax import fisher
+from fisher_optax.fisher import validation
+
+PyTree = Any
+
+
+class AccumulateFisherState(NamedTuple):
+  """State of :func:`accumulate_fisher`.
+
+  Attributes:
+    mini_step: micro-batches seen since the last emit (int32).
+    grad_sum: running sum of micro-batch mean gradients.
+    sq_sum: running sum of squared per-example gradients.
+    count: examples accumulated.
+    inner_state: the wrapped transform's state.
+  """
+
+  mini_step: jax.Array
+  grad_sum: PyTree
+  sq_sum: PyTree
+  count: jax.Array
+  inner_state: Any
+
+
+def _zeros_f32(tree: PyTree) -> PyTree:
+  # The running sums are float32 whatever the parameters' dtype, so that
+  # bfloat16 models do not accumulate in bfloat16.
+  return jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), jnp.float32), tree)
+
+
+def _fresh_state(like: PyTree, inner_state: Any) -> AccumulateFisherState:
+  return AccumulateFisherState(
+    mini_step=jnp.zeros([], jnp.int32),
+    grad_sum=_zeros_f32(like),
+    sq_sum=_zeros_f32(like),
+    count=jnp.zeros([], jnp.int32),
+    inner_state=inner_state,
+  )
+
+
+def _fold(
+  state: AccumulateFisherState, updates: PyTree, per_example_grads: PyTree
+) -> AccumulateFisherState:
+  """Adds one micro-batch: its mean gradient and its squared per-example ones."""
+  batch = validation.check_leading_axis(
+    per_example_grads, updates, what="per_example_grads"
+  )
+  grad_sum = jax.tree.map(
+    lambda s, g: s + g.astype(jnp.float32), state.grad_sum, updates
+  )
+  sq_sum = jax.tree.map(
+    lambda s, g: s + jnp.sum(jnp.square(g.astype(jnp.float32)), axis=0),
+    state.sq_sum,
+    per_example_grads,
+  )
+  return AccumulateFisherState(
+    state.mini_step + 1,
+    grad_sum,
+    sq_sum,
+    state.count + batch,
+    state.inner_state,
+  )
+
+
+def _statistic(state: AccumulateFisherState, every_k: int):
+  """The empirical diagonal Fisher over every accumulated example."""
+  return fisher.DiagonalFisher(
+    diag=jax.tree.map(lambda s: s / state.count, state.sq_sum),
+    mean_grad=jax.tree.map(lambda s: s / every_k, state.grad_sum),
+    count=state.count,
+    kind="empirical",
+  )
+
+
+def accumulate_fisher(
+  inner: optax.GradientTransformation, every_k: int
+) -> optax.GradientTransformationExtraArgs:
+  """Gradient accumulation whose diagonal Fisher sees every micro-batch.
+
+  Like ``optax.MultiSteps(inner, every_k)``: updates are zero on the first
+  ``every_k - 1`` micro-batches, and on the ``every_k``-th the inner transform
+  runs once on the mean gradient. In addition, every micro-batch's
+  ``per_example_grads`` extra (required) is folded into running sums, and the
+  inner transform receives ``fisher=`` a
+  :class:`fisher_optax.fisher.DiagonalFisher` of kind ``"empirical"`` over all
+  ``every_k * B`` examples. Per-example gradients are never stored across
+  micro-batches, so memory is ``2P`` on top of the inner state.
+
+  With plain ``optax.MultiSteps`` the inner transform would see only the last
+  micro-batch's ``per_example_grads`` (a ``1/every_k`` sample of the data).
+
+  Args:
+    inner: a transform that accepts a ``fisher=`` DiagonalFisher extra (e.g.
+      ``fisher_optax.fadam(..., fisher_source="per_example")``).
+    every_k: micro-batches per update (static int >= 1).
+
+  Returns:
+    A ``GradientTransformationExtraArgs``.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax, fisher_optax
+    >>> tx = fisher_optax.accumulate_fisher(
+    ...     fisher_optax.fadam(0.1, fisher_source="per_example"), every_k=2)
+    >>> params = {"w": jnp.ones(3)}
+    >>> state = tx.init(params)
+    >>> pex = {"w": jnp.arange(12.0).reshape(4, 3)}  # 4 examples
+    >>> grads = jax.tree.map(lambda g: g.mean(0), pex)
+    >>> u, state = tx.update(grads, state, params, per_example_grads=pex)
+    >>> print(u["w"])  # accumulating: no step yet
+    [0. 0. 0.]
+    >>> u, state = tx.update(grads, state, params, per_example_grads=pex)
+    >>> bool(jnp.all(u["w"] < 0)), int(state.mini_step)
+    (True, 0)
+  """
+  if isinstance(every_k, bool) or not isinstance(every_k, int) or every_k < 1:
+    raise ValueError(f"every_k must be an int >= 1, got {every_k!r}.")
+  inner = optax.with_extra_args_support(inner)
+
+  def init_fn(params):
+    return _fresh_state(params, inner.init(params))
+
+  def update_fn(
+    updates, state, params=None, *, per_example_grads=None, **extra_args
+  ):
+    if per_example_grads is None:
+      raise ValueError(
+        "accumulate_fisher needs a per_example_grads= extra on "
+        "every micro-batch."
+      )
+    state = _fold(state, updates, per_example_grads)
+
+    def emit(state):
+      mean_grad = jax.tree.map(
+        lambda s, u: (s / every_k).astype(u.dtype), state.grad_sum, updates
+      )
+      new_updates, inner_state = inner.update(
+        mean_grad,
+        state.inner_state,
+        params,
+        fisher=_statistic(state, every_k),
+        **extra_args,
+      )
+      return new_updates, _fresh_state(state.grad_sum, inner_state)
+
+    def skip(state):
+      return jax.tree.map(jnp.zeros_like, updates), state
+
+    return jax.lax.cond(state.mini_step >= every_k, emit, skip, state)
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
