@@ -759,7 +759,6 @@ class RankOneSumInterfaceTest(absltest.TestCase):
       with self.assertRaisesRegex(ValueError, "damping=None"):
         f.inverse_diag(0.2)
       f.check_compatible(v)
-      f._check(v, "v")  # The old private spelling still works.
       with self.assertRaisesRegex(ValueError, "params leaf has shape"):
         f.check_compatible(dict(v, w=jnp.ones((2, 3))), what="params")
 

@@ -17,7 +17,8 @@ global example count.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, NamedTuple
+import functools
+from typing import Any, NamedTuple, TypeVar, cast
 
 import jax
 import jax.numpy as jnp
@@ -79,31 +80,28 @@ def _explicit_axes() -> tuple[str, ...]:
   )
 
 
-def _under_explicit_mesh(axis_name: str | None) -> bool:
-  return axis_name is None and bool(_explicit_axes())
+_F = TypeVar("_F", bound=Callable[..., Any])
 
 
-def _in_auto_axes(
-  fn: Callable[..., Any],
-  apply_fn: ApplyFn,
-  params: PyTree,
-  batch: Any,
-  opts: _Options,
-  **extra,
-) -> Any:
-  """Runs ``fn`` with the mesh's Explicit axes switched to Auto.
+def _auto_axes_under_explicit_mesh(fn: _F) -> _F:
+  """Runs an estimator with the mesh's Explicit axes switched to Auto.
 
   Batch contractions (sums over a sharded batch axis, Gram matrices) are
   ambiguous for Explicit sharding; under Auto, XLA picks the all-reduces and
-  the replicated statistic comes back.
+  the replicated statistic comes back. Without an Explicit mesh, or under
+  ``axis_name`` (``shard_map``), ``fn`` runs as it is.
   """
-  kwargs = opts._asdict()
-  key = kwargs.pop("key")
-  del kwargs["axis_name"]  # None under an Explicit mesh
-  inner = lambda p, b, k: fn(apply_fn, p, b, key=k, **kwargs, **extra)
-  replicated = jax.sharding.PartitionSpec()
-  auto = jax.sharding.auto_axes(inner, out_sharding=replicated)
-  return auto(params, batch, key)  # pyright: ignore[reportCallIssue]
+
+  @functools.wraps(fn)
+  def wrapper(apply_fn, params, batch, *, key=None, axis_name=None, **kwargs):
+    if axis_name is not None or not _explicit_axes():
+      return fn(apply_fn, params, batch, key=key, axis_name=axis_name, **kwargs)
+    inner = lambda p, b, k: fn(apply_fn, p, b, key=k, **kwargs)
+    replicated = jax.sharding.PartitionSpec()
+    auto = jax.sharding.auto_axes(inner, out_sharding=replicated)
+    return auto(params, batch, key)  # pyright: ignore[reportCallIssue]
+
+  return cast(_F, wrapper)
 
 
 def _psum(x: PyTree, axis_name: str | None) -> PyTree:
@@ -329,6 +327,7 @@ def _diag_sums_taps(ps: _Pass) -> PyTree:
   return _merge(stats, ps.covered, _diag_sums(sub) if sub else None)
 
 
+@_auto_axes_under_explicit_mesh
 def diagonal(
   apply_fn: ApplyFn,
   params: PyTree,
@@ -396,8 +395,6 @@ def diagonal(
   opts = _Options(
     likelihood, kind, num_samples, key, method, chunk_size, axis_name
   )
-  if _under_explicit_mesh(axis_name):
-    return _in_auto_axes(diagonal, apply_fn, params, batch, opts)
   ps = _forward(apply_fn, params, batch, opts, layers=_use_taps(method))
   if kind == "batch_squared":
     diag = jax.tree.map(jnp.square, ps.mean_grad)
@@ -487,6 +484,7 @@ def _low_rank_from_stacked(
   )
 
 
+@_auto_axes_under_explicit_mesh
 def low_rank(
   apply_fn: ApplyFn,
   params: PyTree,
@@ -552,10 +550,6 @@ def low_rank(
   opts = _Options(
     likelihood, kind, num_samples, key, method, chunk_size, axis_name
   )
-  if _under_explicit_mesh(axis_name):
-    return _in_auto_axes(
-      low_rank, apply_fn, params, batch, opts, rank=rank, per_leaf=per_leaf
-    )
   use_layers = _use_taps(method) and not per_leaf and axis_name is None
   ps = _forward(apply_fn, params, batch, opts, layers=use_layers)
   if kind == "batch_squared":
@@ -621,6 +615,7 @@ def _quadratic_form_jvp(ps: _Pass, v: PyTree) -> jax.Array:
   return _psum(jnp.sum(jnp.square(dots)), ps.axis_name) / ps.count
 
 
+@_auto_axes_under_explicit_mesh
 def rank_one(
   apply_fn: ApplyFn,
   params: PyTree,
@@ -680,16 +675,6 @@ def rank_one(
   opts = _Options(
     likelihood, kind, num_samples, key, method, chunk_size, axis_name
   )
-  if _under_explicit_mesh(axis_name):
-    return _in_auto_axes(
-      rank_one,
-      apply_fn,
-      params,
-      batch,
-      opts,
-      direction=direction,
-      scale=scale,
-    )
   if direction == "top_eig":
     return low_rank(apply_fn, params, batch, rank=1, **opts._asdict())
   if isinstance(batch, (tuple, list)) and len(batch) == 2 and batch[1] is None:
@@ -811,6 +796,7 @@ def _kfac_factors(ps: _Pass, num_iters: int) -> tuple[PyTree, PyTree, bool]:
   return left, right, sub is not None
 
 
+@_auto_axes_under_explicit_mesh
 def kronecker(
   apply_fn: ApplyFn,
   params: PyTree,
@@ -880,16 +866,6 @@ def kronecker(
   opts = _Options(
     likelihood, kind, num_samples, key, method, chunk_size, axis_name
   )
-  if _under_explicit_mesh(axis_name):
-    return _in_auto_axes(
-      kronecker,
-      apply_fn,
-      params,
-      batch,
-      opts,
-      estimator=estimator,
-      num_iters=num_iters,
-    )
   if estimator == "kfac" and method == "per_example":
     raise ValueError(
       "estimator='kfac' needs layer statistics (method='auto' "

@@ -51,6 +51,12 @@ class RankOneSumFisher:
   flattened parameters (``jax.flatten_util.ravel_pytree`` order), and every
   block has its own ``m x m`` factor.
 
+  A :class:`~fisher_optax.fisher.FisherStatistic` whose damping is built in:
+  ``solve(v)`` (= :meth:`ihvp`) and ``inverse_diag()`` take ``damping=None``;
+  ``count`` is ``m`` and ``kind`` is ``"empirical"``. Callers that combine
+  the factor with trees of their own check them with
+  :meth:`check_compatible`.
+
   Attributes:
     whitened: ``Z``; a stacked tree (leading axis ``m``) shaped like the
       gradients, or ``(num_blocks, r, block_size)`` when blocked, with
