@@ -182,6 +182,47 @@ class IsotropicMuonTest(parameterized.TestCase):
           out[2 * i][0], out[2 * i + 1][0], atol=1e-6, rtol=1e-5
         )
 
+  def test_muon_options_pass_through(self):
+    """Every option fismo() shares with muon() acts as muon()'s does."""
+    params = {"w": jnp.ones((5, 3)), "v": jnp.ones((3, 3)), "b": jnp.ones(4)}
+    dims = {"w": DN(), "v": DN(), "b": None}
+    shared = dict(
+      eps=1e-3,  # Small gradients below: eps and eps_root matter.
+      weight_decay=0.1,
+      weight_decay_mask={"w": True, "v": False, "b": True},
+      nesterov=False,
+      adam_b1=0.5,
+      adam_b2=0.6,
+      adam_eps_root=1e-4,
+      adam_weight_decay=0.2,
+      adam_learning_rate=1e-1,
+      consistent_rms=0.2,
+    )
+    grads = [
+      jax.tree.map(
+        lambda x, g=g: (
+          1e-2 * jnp.cos(g * x + jnp.arange(x.size).reshape(x.shape))
+        ),
+        params,
+      )
+      for g in (0.3, 1.1, 2.5)
+    ]
+    txs = []
+    for kw in (shared, dict(shared, mu_dtype=jnp.bfloat16)):
+      txs += [
+        fisher_optax.fismo(
+          3e-2, gamma=1.0, fismo_weight_dimension_numbers=dims, **kw
+        ),
+        optax.contrib.muon(3e-2, muon_weight_dimension_numbers=dims, **kw),
+      ]
+    out = _run_many(txs, params, [grads] * 4)
+    chex.assert_trees_all_close(out[0][0], out[1][0], atol=1e-6, rtol=1e-5)
+    # bf16 momentum: both round it (differently); the steps stay aligned.
+    for a, b in zip(jax.tree.leaves(out[2][0]), jax.tree.leaves(out[3][0])):
+      self.assertGreater(_cos(a, b), 0.95)
+    inner = out[2][1][0].inner_states["fismo"].inner_state[0]
+    self.assertEqual(inner.momentum["w"].dtype, jnp.bfloat16)
+
   def test_huge_damping_is_muon(self):
     params = {"w": jnp.ones((6, 4))}
     grads = [{"w": g} for g in _grads(0, (6, 4), 3)]
@@ -257,6 +298,26 @@ class AlgorithmOracleTest(parameterized.TestCase):
         float(np.linalg.svd(whitened, compute_uv=False).sum()),
         places=8,
       )
+
+  def test_muon_norm_grafting_keeps_polar_frobenius_norm(self):
+    """grafting="muon_norm" rescales the step to ||Polar(M)||_F."""
+    grads = _grads(12, (6, 4), 3)
+    params = jnp.zeros((6, 4))
+    kw = dict(gamma=0.5, precondition_interval=1, ns_coeffs=EXACT_NS[0])
+    kw["ns_steps"] = EXACT_NS[1]
+    (plain, _), (graft, _) = _run_many(
+      [
+        fisher_optax.scale_by_fismo(**kw),
+        fisher_optax.scale_by_fismo(grafting="muon_norm", **kw),
+      ],
+      params,
+      [grads, grads],
+    )
+    for a, b in zip(plain, graft):
+      self.assertAlmostEqual(_cos(a, b), 1.0, places=5)
+      # The exact polar factor of a 6x4 matrix has Frobenius norm 2.
+      self.assertAlmostEqual(float(np.linalg.norm(b)), 2.0, places=3)
+      self.assertGreater(float(np.linalg.norm(a)), 2.0)
 
   def test_identity_polar_gives_inverse_kronecker_step(self):
     """ns_coeffs=(1,0,0) makes Polar(X) = X/|X|_F: D ∝ P^-1 G Q^-1 (§7.4)."""
