@@ -59,12 +59,11 @@ checkpoint's tree, so it can be passed straight to ``merge``.
 from __future__ import annotations
 
 import argparse
-from collections.abc import Sequence
-import functools
+from collections.abc import Callable, Sequence
 import importlib
 import re
 import sys
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -72,6 +71,8 @@ import numpy as np
 
 from fisher_optax import _checkpoint_io
 from fisher_optax import _merging
+from fisher_optax import fisher
+from fisher_optax.fisher import numerics
 
 PyTree = Any
 
@@ -84,15 +85,7 @@ class MergeInputError(ValueError):
 
 
 def _path_str(path: tuple[Any, ...]) -> str:
-  parts = []
-  for k in path:
-    for attr in ("key", "idx", "name"):
-      if hasattr(k, attr):
-        parts.append(str(getattr(k, attr)))
-        break
-    else:
-      parts.append(str(k))
-  return "/".join(parts)
+  return jax.tree_util.keystr(path, simple=True, separator="/")
 
 
 def _flat(tree: PyTree) -> dict[str, Any]:
@@ -102,9 +95,8 @@ def _flat(tree: PyTree) -> dict[str, Any]:
 
 
 def _is_float(x: Any) -> bool:
-  return np.issubdtype(np.asarray(x).dtype, np.floating) or (
-    jnp.issubdtype(np.asarray(x).dtype, jnp.floating)
-  )
+  # jnp's check also knows the ml_dtypes floats (bfloat16, float8s).
+  return jnp.issubdtype(np.asarray(x).dtype, jnp.floating)
 
 
 # -- validation ----------------------------------------------------------------
@@ -133,20 +125,35 @@ def _check_leaves(
       )
 
 
+def _check_each_leaf(
+  ref: dict[str, Any],
+  tree: dict[str, Any],
+  problem: Callable[[Any, Any], str | None],
+  *,
+  name: str,
+) -> None:
+  """Raises on the first leaf where ``problem(leaf, ref_leaf)`` says one."""
+  for k, r in ref.items():
+    message = problem(tree[k], r)
+    if message is not None:
+      raise MergeInputError(f"{name} leaf {k!r} {message}")
+
+
 def validate_model(
   ref: dict[str, Any], model: dict[str, Any], *, ref_name: str, name: str
 ) -> None:
   """Same leaves, shapes and dtypes as the reference; finite floats."""
   _check_leaves(ref, model, ref_name=ref_name, name=name)
-  for k, r in ref.items():
-    x = model[k]
-    if np.asarray(x).dtype != np.asarray(r).dtype:
-      raise MergeInputError(
-        f"{name} leaf {k!r} has dtype {np.asarray(x).dtype} but "
-        f"{ref_name}'s has dtype {np.asarray(r).dtype}."
-      )
-    if _is_float(x) and not np.all(np.isfinite(np.asarray(x, np.float32))):
-      raise MergeInputError(f"{name} leaf {k!r} has non-finite values.")
+
+  def problem(x, r):
+    x, r = np.asarray(x), np.asarray(r)
+    if x.dtype != r.dtype:
+      return f"has dtype {x.dtype} but {ref_name}'s has dtype {r.dtype}."
+    if _is_float(x) and not np.all(np.isfinite(x.astype(np.float32))):
+      return "has non-finite values."
+    return None
+
+  _check_each_leaf(ref, model, problem, name=name)
 
 
 def validate_fisher(
@@ -154,23 +161,25 @@ def validate_fisher(
 ) -> None:
   """Same leaves and shapes as the model; floating, finite, non-negative."""
   _check_leaves(ref, fisher, ref_name=ref_name, name=name)
-  for k, r in ref.items():
-    f = fisher[k]
+
+  def problem(f, r):
     if not _is_float(r):
-      continue  # Not merged; its Fisher is ignored.
+      return None  # Not merged; its Fisher is ignored.
     if not _is_float(f):
-      raise MergeInputError(
-        f"{name} leaf {k!r} has dtype {np.asarray(f).dtype}; a Fisher must "
-        "be floating point."
+      return (
+        f"has dtype {np.asarray(f).dtype}; a Fisher must be floating point."
       )
     f32 = np.asarray(f, np.float32)
     if not np.all(np.isfinite(f32)):
-      raise MergeInputError(f"{name} leaf {k!r} has non-finite values.")
+      return "has non-finite values."
     if np.any(f32 < 0):
-      raise MergeInputError(
-        f"{name} leaf {k!r} has {int(np.sum(f32 < 0))} negative entries; "
-        "a diagonal Fisher is non-negative."
+      return (
+        f"has {int(np.sum(f32 < 0))} negative entries; a diagonal Fisher is "
+        "non-negative."
       )
+    return None
+
+  _check_each_leaf(ref, fisher, problem, name=name)
 
 
 def _build_mask(
@@ -196,6 +205,66 @@ def _build_mask(
 
 
 # -- merge ---------------------------------------------------------------------
+
+
+def _check_merge_args(
+  n_models: int,
+  n_fishers: int,
+  weights: Sequence[float] | None,
+  target_index: int,
+  fisher_floor: float,
+) -> np.ndarray:
+  """Validates the arguments of :func:`merge_checkpoints`; returns weights."""
+  if n_models < 1:
+    raise MergeInputError("Give at least one model.")
+  if n_fishers != n_models:
+    raise MergeInputError(
+      f"Got {n_models} models but {n_fishers} Fishers; give one "
+      "Fisher per model, in the same order."
+    )
+  if weights is None:
+    weights = [1.0] * n_models
+  if len(weights) != n_models:
+    raise MergeInputError(f"Got {len(weights)} weights for {n_models} models.")
+  w = np.asarray(weights, np.float64)
+  if not np.all(np.isfinite(w)) or np.any(w < 0) or not np.any(w > 0):
+    raise MergeInputError(
+      f"Weights must be finite, >= 0 and not all zero, got {list(weights)}."
+    )
+  if not 0 <= target_index < n_models:
+    raise MergeInputError(
+      f"--target-index must lie in [0, {n_models}), got {target_index}."
+    )
+  if fisher_floor < 0 or not np.isfinite(fisher_floor):
+    raise MergeInputError(
+      f"--floor must be finite and >= 0, got {fisher_floor}."
+    )
+  return w
+
+
+def _load_pair(
+  params: PyTree,
+  model_name: str,
+  fisher_path: str,
+  target: PyTree,
+  ref_name: str,
+) -> tuple[PyTree, PyTree]:
+  """Checks a model against the target and loads its Fisher in its shape."""
+  flat_target = _flat(target)
+  validate_model(flat_target, _flat(params), ref_name=ref_name, name=model_name)
+  if jax.tree.structure(params) != jax.tree.structure(target):
+    raise MergeInputError(
+      f"{model_name} has the leaves of {ref_name} but a different "
+      "container structure."
+    )
+  fisher_tree = _flat(_checkpoint_io.load_tree(fisher_path))
+  validate_fisher(
+    flat_target, fisher_tree, ref_name=model_name, name=fisher_path
+  )
+  # Fishers mirror the model's containers (e.g. lists vs dicts).
+  return params, jax.tree.unflatten(
+    jax.tree.structure(params), [fisher_tree[k] for k in _flat(params)]
+  )
 
 
 def merge_checkpoints(
@@ -232,33 +301,29 @@ def merge_checkpoints(
 
   Raises:
     MergeInputError: inconsistent inputs (the message names file and leaf).
+
+  Example:
+    >>> import pathlib, tempfile
+    >>> import numpy as np
+    >>> from flax import serialization
+    >>> from fisher_optax import merge
+    >>> tmp = pathlib.Path(tempfile.mkdtemp())
+    >>> def write(name, w):
+    ...   data = serialization.msgpack_serialize({"w": np.float32(w)})
+    ...   (tmp / name).write_bytes(data)
+    ...   return str(tmp / name)
+    >>> models = [write("a.msgpack", [1, 1]), write("b.msgpack", [3, 3])]
+    >>> fishers = [write("fa.msgpack", [1, 3]), write("fb.msgpack", [1, 1])]
+    >>> out = str(tmp / "merged.msgpack")
+    >>> merge.merge_checkpoints(models, fishers, out)
+    'msgpack'
+    >>> merged = serialization.msgpack_restore(pathlib.Path(out).read_bytes())
+    >>> print(merged["w"])  # (F_a w_a + F_b w_b) / (F_a + F_b), per entry
+    [2.  1.5]
   """
-  if len(models) < 1:
-    raise MergeInputError("Give at least one model.")
-  if len(fishers) != len(models):
-    raise MergeInputError(
-      f"Got {len(models)} models but {len(fishers)} Fishers; give one "
-      "Fisher per model, in the same order."
-    )
-  if weights is None:
-    weights = [1.0] * len(models)
-  if len(weights) != len(models):
-    raise MergeInputError(
-      f"Got {len(weights)} weights for {len(models)} models."
-    )
-  w = np.asarray(weights, np.float64)
-  if not np.all(np.isfinite(w)) or np.any(w < 0) or not np.any(w > 0):
-    raise MergeInputError(
-      f"Weights must be finite, >= 0 and not all zero, got {list(weights)}."
-    )
-  if not 0 <= target_index < len(models):
-    raise MergeInputError(
-      f"--target-index must lie in [0, {len(models)}), got {target_index}."
-    )
-  if fisher_floor < 0 or not np.isfinite(fisher_floor):
-    raise MergeInputError(
-      f"--floor must be finite and >= 0, got {fisher_floor}."
-    )
+  w = _check_merge_args(
+    len(models), len(fishers), weights, target_index, fisher_floor
+  )
   # Fail on a bad destination before any work.
   fmt = _checkpoint_io.check_destination(
     output, output_format, overwrite=overwrite
@@ -266,43 +331,26 @@ def merge_checkpoints(
   for p in list(models) + list(fishers):
     _checkpoint_io.detect_format(p)
 
-  order = [target_index] + [i for i in range(len(models)) if i != target_index]
-  target = _checkpoint_io.load_tree(models[target_index])
-  flat_target = _flat(target)
   ref_name = models[target_index]
-  mask = _build_mask(flat_target, keep_target, target)
+  target = _checkpoint_io.load_tree(ref_name)
   acc = _merging.fisher_merge_accumulator(
-    fisher_floor, floor_mode=floor_mode, normalize=normalize, merge_mask=mask
+    fisher_floor,
+    floor_mode=floor_mode,
+    normalize=normalize,
+    merge_mask=_build_mask(_flat(target), keep_target, target),
   )
   # Donating the state lets XLA update the two running buffers in place.
   init, add = jax.jit(acc.init), jax.jit(acc.add, donate_argnums=0)
-  state = None
-  for i in order:
-    params = (
-      target if i == target_index else _checkpoint_io.load_tree(models[i])
-    )
-    validate_model(
-      flat_target, _flat(params), ref_name=ref_name, name=models[i]
-    )
-    if jax.tree.structure(params) != jax.tree.structure(target):
-      raise MergeInputError(
-        f"{models[i]} has the leaves of {ref_name} but a different "
-        "container structure."
-      )
-    fisher = _checkpoint_io.load_tree(fishers[i])
-    validate_fisher(
-      flat_target, _flat(fisher), ref_name=models[i], name=fishers[i]
-    )
-    # Fishers mirror the model's containers (e.g. lists vs dicts).
-    fisher = jax.tree.unflatten(
-      jax.tree.structure(params), [_flat(fisher)[k] for k in _flat(params)]
-    )
-    weight = jnp.float32(w[i])
-    if state is None:
-      state = init(params, fisher, weight)
-    else:
-      state = add(state, params, fisher, weight)
-    del params, fisher
+  state = init(
+    *_load_pair(target, ref_name, fishers[target_index], target, ref_name),
+    jnp.float32(w[target_index]),
+  )
+  for i in range(len(models)):
+    if i != target_index:
+      params = _checkpoint_io.load_tree(models[i])
+      pair = _load_pair(params, models[i], fishers[i], target, ref_name)
+      state = add(state, *pair, jnp.float32(w[i]))
+      del params, pair  # one model and its Fisher in memory at a time
   merged = jax.device_get(acc.finalize(state))
   return _checkpoint_io.save_tree(output, merged, fmt=fmt, overwrite=overwrite)
 
@@ -332,16 +380,179 @@ def _strip_value(path: str) -> str:
   return path.removesuffix("/value")
 
 
-def _likelihood(name: str, sigma: float):
-  from fisher_optax import fisher  # pylint: disable=g-import-not-at-top
+def _unflatten(flat: dict[str, Any]) -> dict[str, Any]:
+  out: dict[str, Any] = {}
+  for k, v in flat.items():
+    node = out
+    parts = k.split("/")
+    for p in parts[:-1]:
+      node = node.setdefault(p, {})
+    node[parts[-1]] = v
+  return out
 
-  if name == "categorical":
-    return fisher.Categorical()
-  if name == "bernoulli":
-    return fisher.Bernoulli()
-  if name == "gaussian":
-    return fisher.Gaussian(sigma)
-  raise ValueError(f"Unknown likelihood {name!r}.")
+
+_LIKELIHOODS = {
+  "categorical": lambda sigma: fisher.Categorical(),
+  "bernoulli": lambda sigma: fisher.Bernoulli(),
+  "gaussian": lambda sigma: fisher.Gaussian(sigma),
+}
+
+
+def _likelihood(name: str, sigma: float):
+  if name not in _LIKELIHOODS:
+    raise ValueError(f"Unknown likelihood {name!r}.")
+  return _LIKELIHOODS[name](sigma)
+
+
+def _load_examples(
+  data: str, inputs_key: str, targets_key: str, *, kind: str
+) -> tuple[np.ndarray, np.ndarray | None]:
+  """``(inputs, targets or None)`` from an ``.npz`` file, never unpickling."""
+  try:
+    arrays = np.load(data, allow_pickle=False)
+  except ValueError as e:
+    raise ValueError(f"Cannot read {data!r} without unpickling: {e}") from e
+  if inputs_key not in arrays:
+    raise ValueError(
+      f"{data!r} has no array {inputs_key!r}; it has {list(arrays.keys())}."
+    )
+  y = arrays[targets_key] if targets_key in arrays else None
+  if kind == "empirical" and y is None:
+    raise ValueError(
+      f"--kind empirical needs targets {targets_key!r} in {data!r}."
+    )
+  return arrays[inputs_key], y
+
+
+def _subsample(n: int, max_examples: int, seed: int) -> np.ndarray:
+  """Sorted indices of at most ``max_examples`` of ``n`` examples."""
+  if n <= max_examples:
+    return np.arange(n)
+  rng = np.random.default_rng(seed)
+  return np.sort(rng.choice(n, max_examples, replace=False))
+
+
+class _Model(NamedTuple):
+  """A model ready for the engine: what to differentiate, and how back."""
+
+  apply_fn: Callable[[PyTree, Any], Any]
+  params: PyTree
+  # Maps the Fisher (a tree like ``params``) to {checkpoint leaf path: array}.
+  to_flat: Callable[[PyTree], dict[str, Any]]
+
+
+def _nnx_model(module: Any, tree: PyTree, params_path: str) -> _Model:
+  """Loads the checkpoint into an NNX module; the Fisher is over its Params."""
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+
+  from fisher_optax import flax as fo_flax  # pylint: disable=g-import-not-at-top
+
+  if hasattr(module, "eval"):
+    module.eval()  # no dropout
+  _, param_state, rest = nnx.split(module, nnx.Param, ...)
+  by_key = {_strip_value(k): v for k, v in _flat(tree).items()}
+  wanted = _flat(nnx.to_pure_dict(param_state))
+  for k, ref in wanted.items():
+    if k not in by_key:
+      raise MergeInputError(
+        f"{params_path} lacks parameter {k!r} of the model."
+      )
+    if np.shape(by_key[k]) != np.shape(ref):
+      raise MergeInputError(
+        f"{params_path} leaf {k!r} has shape {np.shape(by_key[k])} but "
+        f"the model's has shape {np.shape(ref)}."
+      )
+  rest_keys = _flat(nnx.to_pure_dict(rest))
+  unknown = [k for k in by_key if k not in wanted and k not in rest_keys]
+  if unknown:
+    raise MergeInputError(
+      f"{params_path} has leaf {unknown[0]!r}, which the model lacks."
+    )
+  nnx.replace_by_pure_dict(
+    param_state, _unflatten({k: by_key[k] for k in wanted})
+  )
+  rest_loaded = {k: by_key[k] for k in rest_keys if k in by_key}
+  if rest_loaded:
+    nnx.replace_by_pure_dict(rest, _unflatten(rest_loaded))
+  nnx.update(module, param_state, rest)
+  apply_fn, params = fo_flax.nnx_apply_fn(module)
+  return _Model(apply_fn, params, lambda d: _flat(nnx.to_pure_dict(d)))
+
+
+def _function_model(
+  built: Any, tree: PyTree, model: str, params_path: str
+) -> _Model:
+  """An ``apply_fn`` (or ``(apply_fn, params)``) over the checkpoint's tree.
+
+  The Fisher is over every floating leaf; the others (step counters, integer
+  buffers) are passed through unchanged.
+  """
+  flat_tree = _flat(tree)
+  if isinstance(built, tuple) and len(built) == 2 and callable(built[0]):
+    _check_leaves(
+      _flat(built[1]), flat_tree, ref_name=f"{model}'s params", name=params_path
+    )
+    built = built[0]
+  if not callable(built):
+    raise TypeError(
+      f"{model}() returned a {type(built).__name__}; expected an "
+      "nnx.Module, an apply_fn(params, inputs) or (apply_fn, params)."
+    )
+  keys = [k for k, v in flat_tree.items() if _is_float(v)]
+  leaves, treedef = jax.tree.flatten(tree)
+  is_float = [_is_float(v) for v in leaves]
+
+  def apply_fn(p, inputs):
+    it = iter(p)
+    full = [next(it) if f else v for v, f in zip(leaves, is_float)]
+    return built(treedef.unflatten(full), inputs)
+
+  params = [v for v, f in zip(leaves, is_float) if f]
+  return _Model(apply_fn, params, lambda d: dict(zip(keys, d)))
+
+
+def _build_model(
+  factory: Callable[[], Any], tree: PyTree, model: str, params_path: str
+) -> _Model:
+  built = factory()
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+
+  if isinstance(built, nnx.Module):
+    return _nnx_model(built, tree, params_path)
+  return _function_model(built, tree, model, params_path)
+
+
+def _mean_diagonal(
+  model: _Model,
+  x: np.ndarray,
+  y: np.ndarray | None,
+  idx: np.ndarray,
+  *,
+  batch_size: int,
+  seed: int,
+  **estimator: Any,
+) -> PyTree:
+  """The engine's ``fisher.diagonal`` averaged over ``idx``, batch by batch.
+
+  Batches are weighted by their size, so the result is the mean over the
+  examples whatever the batch size; ``estimator`` are ``fisher.diagonal``'s
+  keywords (likelihood, kind, num_samples).
+  """
+
+  @jax.jit
+  def batch_sum(p, xb, yb, key):
+    stat = fisher.diagonal(model.apply_fn, p, (xb, yb), key=key, **estimator)
+    return jax.tree.map(lambda d: d * xb.shape[0], stat.diag)
+
+  total = None
+  key = jax.random.key(seed)
+  for start in range(0, len(idx), batch_size):
+    sel = idx[start : start + batch_size]
+    key, sub = jax.random.split(key)
+    yb = None if y is None else jnp.asarray(y[sel])
+    d = batch_sum(model.params, jnp.asarray(x[sel]), yb, sub)
+    total = d if total is None else jax.tree.map(jnp.add, total, d)
+  return jax.tree.map(lambda v: np.asarray(v / len(idx), np.float32), total)
 
 
 def compute_fisher(
@@ -366,13 +577,29 @@ def compute_fisher(
 
   See the module docstring for the ``model`` contract. The Fisher is the mean
   over examples of the engine's ``fisher.diagonal`` (batches weighted by
-  size) and mirrors the checkpoint's tree.
+  size) and mirrors the checkpoint's tree: leaves that get no Fisher (not a
+  parameter, not floating point) are zeros.
+
+  Args:
+    model: ``"package.module:factory"``.
+    params_path: the model's checkpoint.
+    data: an ``.npz`` file with the inputs (and targets).
+    output: destination path of the Fisher.
+    likelihood: ``"categorical"``, ``"bernoulli"`` or ``"gaussian"``.
+    sigma: the Gaussian likelihood's standard deviation.
+    kind: ``"exact"``, ``"mc"`` or ``"empirical"`` (needs targets).
+    num_samples: label samples per example for ``kind="mc"``.
+    max_examples: examples drawn at random (with ``seed``) at most.
+    batch_size: examples per compiled batch.
+    inputs_key: the inputs' array in ``data``.
+    targets_key: the targets' array in ``data``.
+    seed: seed of the subsample and of ``kind="mc"``'s labels.
+    output_format: ``"msgpack"``/``"orbax"``, or inferred from ``output``.
+    overwrite: replace an existing output (only once the Fisher is written).
 
   Returns:
     The format written.
   """
-  from fisher_optax import fisher  # pylint: disable=g-import-not-at-top
-
   fmt = _checkpoint_io.check_destination(
     output, output_format, overwrite=overwrite
   )
@@ -380,131 +607,22 @@ def compute_fisher(
     raise ValueError("--max-examples and --batch-size must be >= 1.")
   factory = _load_factory(model)
   tree = _checkpoint_io.load_tree(params_path)
-  try:
-    arrays = np.load(data, allow_pickle=False)
-  except ValueError as e:
-    raise ValueError(f"Cannot read {data!r} without unpickling: {e}") from e
-  if inputs_key not in arrays:
-    raise ValueError(
-      f"{data!r} has no array {inputs_key!r}; it has {list(arrays.keys())}."
-    )
-  x = arrays[inputs_key]
-  y = arrays[targets_key] if targets_key in arrays else None
-  if kind == "empirical" and y is None:
-    raise ValueError(
-      f"--kind empirical needs targets {targets_key!r} in {data!r}."
-    )
-  n = x.shape[0]
-  idx = np.arange(n)
-  if n > max_examples:
-    idx = np.sort(
-      np.random.default_rng(seed).choice(n, max_examples, replace=False)
-    )
-
-  flat_tree = _flat(tree)
-  built = factory()
-  from flax import nnx  # pylint: disable=g-import-not-at-top
-
-  if isinstance(built, nnx.Module):
-    if hasattr(built, "eval"):
-      built.eval()
-    graphdef, param_state, rest = nnx.split(built, nnx.Param, ...)
-    by_key = {_strip_value(k): v for k, v in flat_tree.items()}
-    wanted = _flat(nnx.to_pure_dict(param_state))
-    for k, ref in wanted.items():
-      if k not in by_key:
-        raise MergeInputError(
-          f"{params_path} lacks parameter {k!r} of the model."
-        )
-      if np.shape(by_key[k]) != np.shape(ref):
-        raise MergeInputError(
-          f"{params_path} leaf {k!r} has shape {np.shape(by_key[k])} but "
-          f"the model's has shape {np.shape(ref)}."
-        )
-    rest_keys = _flat(nnx.to_pure_dict(rest))
-    unknown = [k for k in by_key if k not in wanted and k not in rest_keys]
-    if unknown:
-      raise MergeInputError(
-        f"{params_path} has leaf {unknown[0]!r}, which the model lacks."
-      )
-    nnx.replace_by_pure_dict(
-      param_state, _unflatten({k: by_key[k] for k in wanted})
-    )
-    rest_loaded = {k: by_key[k] for k in rest_keys if k in by_key}
-    if rest_loaded:
-      nnx.replace_by_pure_dict(rest, _unflatten(rest_loaded))
-    params = param_state
-
-    def apply_fn(p, inputs):
-      return nnx.merge(graphdef, p, rest)(inputs)
-
-    def to_flat(diag):
-      return _flat(nnx.to_pure_dict(diag))
-  else:
-    if (
-      isinstance(built, tuple) and len(built) == 2 and callable(built[0])
-    ):  # (apply_fn, params template)
-      template = _flat(built[1])
-      _check_leaves(
-        template, flat_tree, ref_name=f"{model}'s params", name=params_path
-      )
-      for k, ref in template.items():
-        if np.shape(flat_tree[k]) != np.shape(ref):
-          raise MergeInputError(
-            f"{params_path} leaf {k!r} has shape {np.shape(flat_tree[k])} "
-            f"but the model's has shape {np.shape(ref)}."
-          )
-      built = built[0]
-    if not callable(built):
-      raise TypeError(
-        f"{model}() returned a {type(built).__name__}; expected an "
-        "nnx.Module, an apply_fn(params, inputs) or (apply_fn, params)."
-      )
-    keys = [k for k, v in flat_tree.items() if _is_float(v)]
-    leaves, treedef = jax.tree.flatten(tree)
-    is_float = [_is_float(v) for v in leaves]
-
-    def apply_fn(p, inputs):
-      it = iter(p)
-      full = [next(it) if f else v for v, f in zip(leaves, is_float)]
-      return built(treedef.unflatten(full), inputs)
-
-    params = [v for v, f in zip(leaves, is_float) if f]
-
-    def to_flat(diag):
-      return dict(zip(keys, diag))
-
-  like = _likelihood(likelihood, sigma)
-
-  @jax.jit
-  def batch_diag(p, xb, yb, key):
-    stat = fisher.diagonal(
-      apply_fn,
-      p,
-      (xb, yb),
-      likelihood=like,
-      kind=kind,
-      num_samples=num_samples,
-      key=key,
-    )
-    return stat.diag
-
-  total = None
-  key = jax.random.key(seed)
-  for start in range(0, len(idx), batch_size):
-    sel = idx[start : start + batch_size]
-    key, sub = jax.random.split(key)
-    d = batch_diag(
-      params,
-      jnp.asarray(x[sel]),
-      None if y is None else jnp.asarray(y[sel]),
-      sub,
-    )
-    d = jax.tree.map(functools.partial(jnp.multiply, len(sel)), d)
-    total = d if total is None else jax.tree.map(jnp.add, total, d)
-  diag = jax.tree.map(lambda v: np.asarray(v / len(idx), np.float32), total)
-  flat_diag = to_flat(diag)
-  if not all(np.all(np.isfinite(v)) for v in flat_diag.values()):
+  x, y = _load_examples(data, inputs_key, targets_key, kind=kind)
+  idx = _subsample(x.shape[0], max_examples, seed)
+  built = _build_model(factory, tree, model, params_path)
+  diag = _mean_diagonal(
+    built,
+    x,
+    y,
+    idx,
+    batch_size=batch_size,
+    seed=seed,
+    likelihood=_likelihood(likelihood, sigma),
+    kind=kind,
+    num_samples=num_samples,
+  )
+  flat_diag = built.to_flat(diag)
+  if not bool(numerics.tree_all_finite(flat_diag)):
     raise ValueError(
       "The Fisher has non-finite entries (non-finite model "
       "outputs?); nothing written."
@@ -518,17 +636,6 @@ def compute_fisher(
   return _checkpoint_io.save_tree(output, out, fmt=fmt, overwrite=overwrite)
 
 
-def _unflatten(flat: dict[str, Any]) -> dict[str, Any]:
-  out: dict[str, Any] = {}
-  for k, v in flat.items():
-    node = out
-    parts = k.split("/")
-    for p in parts[:-1]:
-      node = node.setdefault(p, {})
-    node[parts[-1]] = v
-  return out
-
-
 # -- entry point ---------------------------------------------------------------
 
 
@@ -539,8 +646,16 @@ def _parser() -> argparse.ArgumentParser:
     "2022) and diagonal Fisher computation.",
   )
   sub = parser.add_subparsers(dest="command", required=True)
+  _add_merge_options(
+    sub.add_parser("merge", help="merge checkpoints given their Fishers")
+  )
+  _add_fisher_options(
+    sub.add_parser("fisher", help="compute a checkpoint's diagonal Fisher")
+  )
+  return parser
 
-  m = sub.add_parser("merge", help="merge checkpoints given their Fishers")
+
+def _add_merge_options(m: argparse.ArgumentParser) -> None:
   m.add_argument(
     "--models",
     nargs="+",
@@ -562,7 +677,12 @@ def _parser() -> argparse.ArgumentParser:
     help="one weight per model (default equal)",
   )
   m.add_argument(
-    "--floor", type=float, default=1e-6, help="Fisher floor (default 1e-6)"
+    "--floor",
+    dest="fisher_floor",
+    metavar="FLOOR",
+    type=float,
+    default=1e-6,
+    help="Fisher floor (default 1e-6)",
   )
   m.add_argument(
     "--floor-mode",
@@ -590,14 +710,21 @@ def _parser() -> argparse.ArgumentParser:
     help="replace an existing output (only on success)",
   )
 
-  f = sub.add_parser("fisher", help="compute a checkpoint's diagonal Fisher")
+
+def _add_fisher_options(f: argparse.ArgumentParser) -> None:
   f.add_argument(
     "--model",
     required=True,
     metavar="MODULE:FACTORY",
     help="factory() -> nnx.Module or apply_fn(params, inputs)",
   )
-  f.add_argument("--params", required=True, help="the model's checkpoint")
+  f.add_argument(
+    "--params",
+    dest="params_path",
+    metavar="PARAMS",
+    required=True,
+    help="the model's checkpoint",
+  )
   f.add_argument("--data", required=True, help=".npz dataset")
   f.add_argument("--output", required=True, help="output Fisher path")
   f.add_argument(
@@ -627,50 +754,23 @@ def _parser() -> argparse.ArgumentParser:
   f.add_argument("--seed", type=int, default=0)
   f.add_argument("--output-format", choices=_checkpoint_io.FORMATS)
   f.add_argument("--overwrite", action="store_true")
-  return parser
 
 
 def run(argv: Sequence[str] | None = None) -> int:
   """Console entry point (``fisher-merge``); returns the exit status."""
-  args = _parser().parse_args(argv)
+  # Every option's dest is the keyword of the function that runs it.
+  kwargs = vars(_parser().parse_args(argv))
+  command = _COMMANDS[kwargs.pop("command")]
   try:
-    if args.command == "merge":
-      fmt = merge_checkpoints(
-        args.models,
-        args.fishers,
-        args.output,
-        weights=args.weights,
-        fisher_floor=args.floor,
-        floor_mode=args.floor_mode,
-        normalize=args.normalize,
-        keep_target=args.keep_target,
-        target_index=args.target_index,
-        output_format=args.output_format,
-        overwrite=args.overwrite,
-      )
-    else:
-      fmt = compute_fisher(
-        args.model,
-        args.params,
-        args.data,
-        args.output,
-        likelihood=args.likelihood,
-        sigma=args.sigma,
-        kind=args.kind,
-        num_samples=args.num_samples,
-        max_examples=args.max_examples,
-        batch_size=args.batch_size,
-        inputs_key=args.inputs_key,
-        targets_key=args.targets_key,
-        seed=args.seed,
-        output_format=args.output_format,
-        overwrite=args.overwrite,
-      )
+    fmt = command(**kwargs)
   except (ValueError, TypeError, OSError, ImportError) as e:
     print(f"fisher-merge: error: {e}", file=sys.stderr)
     return 1
-  print(f"wrote {args.output} ({fmt})")
+  print(f"wrote {kwargs['output']} ({fmt})")
   return 0
+
+
+_COMMANDS = {"merge": merge_checkpoints, "fisher": compute_fisher}
 
 
 if __name__ == "__main__":
