@@ -11,7 +11,6 @@ import optax
 
 import fisher_optax
 from fisher_optax import fisher
-from tests import conformance
 from tests import fisher_testing as ft
 
 
@@ -497,29 +496,6 @@ class EWCValidationTest(parameterized.TestCase):
     tx = fisher_optax.add_ewc_gradient(1.0)
     with self.assertRaisesRegex(ValueError, "tree structure"):
       tx.update(p, tx.init(p), {"a": p["a"]})
-
-
-def _ewc_adam(learning_rate, strength=0.5):
-  return optax.chain(
-    fisher_optax.add_ewc_gradient(strength), optax.adam(learning_rate)
-  )
-
-
-class EWCConformanceTest(
-  conformance.OptimizerConformance, parameterized.TestCase
-):
-  """The add_ewc_gradient + adam chain (empty anchor) through the suite."""
-
-  FACTORY = staticmethod(_ewc_adam)
-  KWARGS = {"learning_rate": 1e-1, "strength": 0.5}
-  INJECTABLE = ("learning_rate", "strength")
-  CONVERGENCE_STEPS = {
-    "parabola": 1000,
-    "rosenbrock": 3000,
-    "matrix_parabola": 1000,
-    "mixed_tensors": 1000,
-  }
-  TARGET_KWARGS = {"rosenbrock": {"learning_rate": 1e-2}}
 
 
 if __name__ == "__main__":
