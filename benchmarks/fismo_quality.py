@@ -12,7 +12,7 @@ tuning seed and scored on the *validation* split; the best lr is then rerun
 with ``--seeds`` fresh seeds (init and data order) and scored on the *test*
 split (digits) or held-out text (LM). Muon/FISMO route hidden matrices to
 themselves and embeddings, head, biases and norms to AdamW with a fixed lr
-(spec fismo.md §6), identical for both.
+(Muon's convention), identical for both.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ _TASKS = flags.DEFINE_list("tasks", ["digits", "charlm"], "Tasks to run.")
 DN = optax.contrib.MuonDimensionNumbers
 # lr grids, one per arm, same size (the tuning budget). AdamW's and Muon's are
 # centred on their usual lrs; FISMO's on a one-seed digits pilot (validation
-# split), since its lr does not transfer from Muon (spec A5).
+# split), since its lr does not transfer from Muon (see grafting).
 GRIDS = {
   "adamw": (1e-3, 3e-3, 1e-2),
   "muon": (3e-3, 1e-2, 3e-2),

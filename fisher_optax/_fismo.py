@@ -605,14 +605,14 @@ def scale_by_fismo(
     cached (stale) :math:`P^{-1/2}`; with ``precondition_interval=1`` and
     ``root_method="eigh"`` the step is exactly Algorithm 1.
     ``"newton"`` (default): matmul-only coupled Newton iteration
-    warm-started from the (symmetrised) cached root, usually 1-3 iterations;
+    warm-started from the (symmetrised) cached root, so a few iterations;
     it returns a whitening factor :math:`W` (:math:`W W^\top = P^{-1}`)
     equal to the symmetric root up to a small rotation (the first refresh,
     from the identity, is exact); a root that fails to converge is discarded
     and the previous one kept. ``"eigh"``: exact symmetric roots with a
-    relative eigenvalue floor, but an eigendecomposition costs far more than
-    the few matmuls of a warm-started Newton refresh (``benchmarks/fismo_speed.py``
-    times both).
+    relative eigenvalue floor, but an eigendecomposition costs far more
+    than the few matmuls of a warm-started Newton refresh
+    (``benchmarks/fismo_speed.py`` times both).
     ``"cholesky"``: :math:`W = L^{-\top}`; a triangular whitening, valid only
     with ``momentum_space="original"`` (checked), where the step depends on
     :math:`P` alone and not on which whitening is used.

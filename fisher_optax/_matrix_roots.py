@@ -1,10 +1,33 @@
 # Copyright 2026 The fisher_optax Authors. Licensed under the Apache License 2.0.
-"""Matrix roots for Kronecker-factored preconditioners.
+"""Matrix roots and polar factors for Kronecker-factored preconditioners.
 
-Newton-Schulz polar factors (Muon's orthogonalisation), inverse p-th roots
-of symmetric positive semi-definite factors by ``eigh`` or by a coupled
-Newton iteration, and Cholesky whitening. FISMO's trust-region step is built
-from these.
+Every function acts on the last two axes and broadcasts over leading (batch)
+axes, so a stack of same-shaped matrices is one batched call.
+
+* :func:`newton_schulz_polar`: the polar factor :math:`U V^\top` of a
+  matrix by Newton-Schulz, Muon's orthogonalisation (coefficients
+  :data:`QUINTIC_NS_COEFFS` as in ``optax.contrib.muon``, or the classical
+  :data:`CUBIC_NS_COEFFS`).
+* :func:`matrix_inverse_root_eigh`: the symmetric inverse ``p``-th root of a
+  positive semi-definite matrix by an eigendecomposition, with a relative
+  eigenvalue floor.
+* :func:`matrix_inverse_root_newton`: the same root by a coupled Newton
+  iteration (matmuls only), optionally warm-started from a previous root;
+  returns a :class:`NewtonRootResult` with the residual, so a caller can
+  keep its old root when the iteration fails.
+* :func:`cholesky_whitening`: a triangular whitening factor
+  :math:`W = L^{-\top}` (:math:`W^\top A W = I`), the cheapest of the three.
+
+FISMO (:func:`fisher_optax.scale_by_fismo`) whitens gradients with these
+roots and orthogonalises its momentum with :func:`newton_schulz_polar`.
+
+Example:
+  >>> import jax.numpy as jnp
+  >>> from fisher_optax import _matrix_roots as roots
+  >>> a = jnp.array([[4.0, 0.0], [0.0, 1.0]])
+  >>> w = roots.matrix_inverse_root_eigh(a)  # a^{-1/2}
+  >>> bool(jnp.allclose(w @ a @ w, jnp.eye(2), atol=1e-5))
+  True
 """
 
 from __future__ import annotations
@@ -16,7 +39,6 @@ import jax.numpy as jnp
 
 from fisher_optax.fisher import linalg
 
-PyTree = Any
 _HIGHEST = jax.lax.Precision.HIGHEST
 
 # optax.contrib.muon's quintic Newton-Schulz coefficients (Jordan, 2024): fast
@@ -67,12 +89,11 @@ def newton_schulz_polar(
   Returns:
     The (approximate) polar factor, shaped and typed like ``x``.
 
-  Example::
-
+  Example:
     >>> import jax.numpy as jnp
-    >>> from fisher_optax import _matrix_roots
-    >>> o = _matrix_roots.newton_schulz_polar(jnp.diag(jnp.array([3., 1.])),
-    ...                                 _matrix_roots.CUBIC_NS_COEFFS, steps=30)
+    >>> from fisher_optax import _matrix_roots as roots
+    >>> x = jnp.diag(jnp.array([3.0, 1.0]))
+    >>> o = roots.newton_schulz_polar(x, roots.CUBIC_NS_COEFFS, steps=30)
     >>> bool(jnp.allclose(o, jnp.eye(2), atol=1e-4))
     True
 
@@ -138,11 +159,10 @@ def matrix_inverse_root_eigh(
   Returns:
     ``A^{-1/p}``, symmetric, same shape and dtype as ``a``.
 
-  Example::
-
+  Example:
     >>> import jax.numpy as jnp
-    >>> from fisher_optax import _matrix_roots
-    >>> r = _matrix_roots.matrix_inverse_root_eigh(jnp.diag(jnp.array([4., 1.])))
+    >>> from fisher_optax import _matrix_roots as roots
+    >>> r = roots.matrix_inverse_root_eigh(jnp.diag(jnp.array([4.0, 1.0])))
     >>> [round(float(v), 3) for v in jnp.diag(r)]
     [0.5, 1.0]
 
@@ -215,8 +235,8 @@ def matrix_inverse_root_newton(
   :math:`M_k = H_k^\top A H_k`, so :math:`H_k` converges to a *whitening
   factor* of ``A`` (:math:`H H^\top = A^{-1}`); it equals :math:`A^{-1/2}`
   up to an orthogonal factor that is the identity when ``init`` commutes with
-  ``A``. A warm start near the answer converges in 1-3 iterations instead of
-  10-20.
+  ``A``. A warm start near the answer needs far fewer iterations than a
+  cold start from the identity.
 
   ``A`` gets a ridge of ``floor`` times its mean eigenvalue first. The scale
   comes from a few power iterations (the iteration converges for spectra in
@@ -237,13 +257,15 @@ def matrix_inverse_root_newton(
     A :class:`NewtonRootResult`; check ``error`` and fall back (e.g. keep the
     previous root) if it is large or not finite.
 
-  Example::
-
+  Example:
     >>> import jax.numpy as jnp
-    >>> from fisher_optax import _matrix_roots
-    >>> res = _matrix_roots.matrix_inverse_root_newton(jnp.diag(jnp.array([4., 1.])))
+    >>> from fisher_optax import _matrix_roots as roots
+    >>> a = jnp.diag(jnp.array([4.0, 1.0]))
+    >>> res = roots.matrix_inverse_root_newton(a)
     >>> [round(float(v), 3) for v in jnp.diag(res.root)]
     [0.5, 1.0]
+    >>> bool(res.error < 1e-4)  # converged: below the default tol
+    True
 
   References:
     Guo & Higham, `A Schur-Newton Method for the Matrix p'th Root and its
@@ -321,12 +343,11 @@ def cholesky_whitening(
   Returns:
     Upper-triangular ``W``, same shape and dtype as ``a``.
 
-  Example::
-
+  Example:
     >>> import jax.numpy as jnp
-    >>> from fisher_optax import _matrix_roots
-    >>> a = jnp.array([[4., 2.], [2., 3.]])
-    >>> w = _matrix_roots.cholesky_whitening(a, floor=0.0)
+    >>> from fisher_optax import _matrix_roots as roots
+    >>> a = jnp.array([[4.0, 2.0], [2.0, 3.0]])
+    >>> w = roots.cholesky_whitening(a, floor=0.0)
     >>> bool(jnp.allclose(w.T @ a @ w, jnp.eye(2), atol=1e-5))
     True
   """

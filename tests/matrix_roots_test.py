@@ -1,5 +1,5 @@
 # Copyright 2026 The fisher_optax Authors. Licensed under the Apache License 2.0.
-"""Tests for Newton-Schulz and the matrix roots in ``fisher_optax._matrix_roots``."""
+"""Tests for Newton-Schulz and the matrix roots (``_matrix_roots``)."""
 
 from absl.testing import absltest
 from absl.testing import parameterized

@@ -27,7 +27,7 @@ class FismoShardedTest(absltest.TestCase):
       "stack": jnp.asarray(rng.normal(size=(4, 8, 6)), jnp.float32),
       "b": jnp.asarray(rng.normal(size=(8,)), jnp.float32),
     }
-    # Whole matrices per device for the stacked leaf (spec §5), a sharded
+    # Whole matrices per device for the stacked leaf, a sharded
     # matrix for "w": both must give the single-device numbers.
     shardings = {
       "w": NamedSharding(mesh, P("data", "model")),
