@@ -217,6 +217,45 @@ def commit(tmp: pathlib.Path, path: pathlib.Path) -> None:
     os.replace(tmp, path)  # atomic for files, also over an existing one
 
 
+def write_atomically(path: pathlib.Path, tree: PyTree, *, fmt: str) -> None:
+  """Writes ``tree`` as it is to a temporary sibling, then renames it over ``path``.
+
+  The one writer of both formats: nothing is visible at ``path`` until the
+  write is complete, and a failed write leaves no temporary file behind.
+  Check the destination first (:func:`check_destination`).
+
+  Args:
+    path: the destination (``*.msgpack`` file or orbax directory).
+    tree: for msgpack, nested dicts of arrays; for orbax, any pytree orbax
+      saves (NamedTuples and ``nnx.State`` included).
+    fmt: ``"msgpack"`` or ``"orbax"``.
+  """
+  tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
+  try:
+    if fmt == MSGPACK:
+      from flax import serialization  # pylint: disable=g-import-not-at-top
+
+      data = serialization.msgpack_serialize(tree)
+      fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.tmp-")
+      tmp = pathlib.Path(name)
+      with os.fdopen(fd, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    else:
+      import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+
+      with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save(os.path.abspath(tmp), tree)
+        ckptr.wait_until_finished()
+    commit(tmp, path)
+  finally:
+    if tmp.is_dir():
+      shutil.rmtree(tmp, ignore_errors=True)
+    elif tmp.exists():
+      tmp.unlink()
+
+
 def save_tree(
   path: str | os.PathLike[str],
   tree: PyTree,
@@ -228,7 +267,9 @@ def save_tree(
 
   The tree is written to a temporary sibling of ``path`` and renamed into
   place only when complete, so an interrupted write never leaves a partial
-  output and an existing ``path`` is replaced only on success.
+  output and an existing ``path`` is replaced only on success. Containers
+  are written as nested dicts (NamedTuples by field name, ``nnx.State`` as
+  its pure dict), leaves as numpy arrays.
 
   Args:
     path: the destination (``*.msgpack`` file or orbax directory).
@@ -238,32 +279,19 @@ def save_tree(
 
   Returns:
     The format written.
+
+  Example:
+    >>> import pathlib, tempfile
+    >>> import numpy as np
+    >>> from fisher_optax import _checkpoint_io
+    >>> tmp = tempfile.TemporaryDirectory()  # removed when collected
+    >>> path = pathlib.Path(tmp.name) / "params.msgpack"
+    >>> _checkpoint_io.save_tree(path, {"w": np.arange(3.0)})
+    'msgpack'
+    >>> _checkpoint_io.load_tree(path)
+    {'w': array([0., 1., 2.])}
   """
   path = pathlib.Path(path)
   fmt = check_destination(path, fmt, overwrite=overwrite)
-  plain = _to_plain(tree)
-  tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
-  try:
-    if fmt == MSGPACK:
-      from flax import serialization  # pylint: disable=g-import-not-at-top
-
-      data = serialization.msgpack_serialize(plain)
-      fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.tmp-")
-      tmp = pathlib.Path(name)
-      with os.fdopen(fd, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    else:
-      import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
-
-      with ocp.StandardCheckpointer() as ckptr:
-        ckptr.save(os.path.abspath(tmp), plain)
-        ckptr.wait_until_finished()
-    commit(tmp, path)
-  finally:
-    if tmp.is_dir():
-      shutil.rmtree(tmp, ignore_errors=True)
-    elif tmp.exists():
-      tmp.unlink()
+  write_atomically(path, _to_plain(tree), fmt=fmt)
   return fmt

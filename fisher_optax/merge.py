@@ -307,7 +307,8 @@ def merge_checkpoints(
     >>> import numpy as np
     >>> from flax import serialization
     >>> from fisher_optax import merge
-    >>> tmp = pathlib.Path(tempfile.mkdtemp())
+    >>> tmp_dir = tempfile.TemporaryDirectory()  # removed when collected
+    >>> tmp = pathlib.Path(tmp_dir.name)
     >>> def write(name, w):
     ...   data = serialization.msgpack_serialize({"w": np.float32(w)})
     ...   (tmp / name).write_bytes(data)
