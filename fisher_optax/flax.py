@@ -29,18 +29,24 @@ needs no Flax) is re-exported here as ``accumulate_fisher``: it makes a
 diagonal Fisher estimate see every micro-batch, where ``optax.MultiSteps``
 hands the inner transform only the last micro-batch's extras.
 
-Example (NNX)::
+Example (NNX):
 
-  model = MyModel(rngs=nnx.Rngs(0))
-  optimizer = nnx.Optimizer(model, fisher_optax.fadam(1e-3, fisher_source=
-      "per_example"), wrt=nnx.Param)
-
-  @nnx.jit
-  def train_step(model, optimizer, x, y):
-    loss_fn = lambda m, ex: cross_entropy(m(ex[0][None]), ex[1][None])
-    grads = nnx.grad(lambda m: batch_loss(m, x, y))(model)
-    pex = fo_flax.nnx_per_example_grads(loss_fn, model, (x, y))
-    optimizer.update(model, grads, per_example_grads=pex)
+  >>> import jax.numpy as jnp, optax, fisher_optax
+  >>> from flax import nnx
+  >>> import fisher_optax.flax as fo_flax
+  >>> model = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
+  >>> tx = fisher_optax.fadam(1e-3, fisher_source="per_example")
+  >>> optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+  >>> x, y = jnp.ones((4, 3)), jnp.array([0, 1, 0, 1])
+  >>> ce = optax.softmax_cross_entropy_with_integer_labels
+  >>> grads = nnx.grad(lambda m: ce(m(x), y).mean())(model)
+  >>> pex = fo_flax.nnx_per_example_grads(
+  ...     lambda m, ex: ce(m(ex[0]), ex[1]), model, (x, y))
+  >>> pex["kernel"].shape  # one gradient per example, in the optimizer's tree
+  (4, 3, 2)
+  >>> _ = optimizer.update(model, grads, per_example_grads=pex)
+  >>> int(optimizer.step[...])
+  1
 """
 
 from __future__ import annotations
@@ -128,8 +134,8 @@ def nnx_obj_fn(
 ) -> Callable[[PyTree], jax.Array]:
   """Returns ``obj_fn(params) = loss_fn(model_with(params), *args, **kwargs)``.
 
-  ``params`` is the pure state ``nnx.Optimizer`` passes to ``tx.update``
-  (flax issue #4545), so the closure works as an ``obj_fn=`` extra.
+  ``params`` is the pure state ``nnx.Optimizer`` passes to ``tx.update`` (not
+  the module), so the closure works as an ``obj_fn=`` extra.
   """
   graphdef, _, rest = _split(model, wrt)
 
@@ -165,6 +171,14 @@ def nnx_mask(
   Use it wherever optax takes a mask (``optax.masked``, ``weight_decay_mask``)
   with ``nnx.Optimizer``; e.g. ``nnx_mask(model, nnx.PathContains("kernel"))``
   decays kernels only.
+
+  Example:
+    >>> from flax import nnx
+    >>> import fisher_optax.flax as fo_flax
+    >>> model = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
+    >>> mask = fo_flax.nnx_mask(model, nnx.PathContains("kernel"))
+    >>> mask["kernel"], mask["bias"]
+    (True, False)
   """
   predicate = nnx.filterlib.to_predicate(select)
   _, params, _ = _split(model, wrt)
