@@ -1,6 +1,7 @@
 # Copyright 2026 The fisher_optax Authors. Licensed under the Apache License 2.0.
 """Runs ``python -m examples.demo --small`` end to end, from the repo root."""
 
+import importlib.util
 import json
 import pathlib
 import subprocess
@@ -13,6 +14,11 @@ _ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 class DemoTest(absltest.TestCase):
+  def test_demo_and_toy_modules_are_not_in_the_package(self):
+    # The wheel ships fisher_optax only; these live in examples/.
+    for name in ("demo", "datasets", "models"):
+      self.assertIsNone(importlib.util.find_spec(f"fisher_optax.{name}"))
+
   def test_small_demo_runs_and_reports_every_part(self):
     with tempfile.TemporaryDirectory() as out:
       proc = subprocess.run(
