@@ -15,6 +15,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 PyTree = Any
 MaskOrFn = PyTree | Callable[[PyTree], PyTree] | None
@@ -70,7 +71,11 @@ def tree_all_finite(tree: PyTree) -> jax.Array:
     >>> bool(numerics.tree_all_finite({"a": jnp.ones(2), "b": jnp.nan}))
     False
   """
-  leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]
+  leaves = [
+    jnp.all(jnp.isfinite(x))
+    for x in jax.tree.leaves(tree)
+    if jnp.issubdtype(jnp.result_type(x), jnp.inexact)
+  ]
   return jnp.all(jnp.stack(leaves)) if leaves else jnp.asarray(True)
 
 
@@ -131,4 +136,84 @@ def unravel(flat: jax.Array, like: PyTree) -> PyTree:
   parts = jnp.split(flat, np.cumsum(sizes)[:-1]) if leaves else []
   return jax.tree.unflatten(
     treedef, [p.reshape(np.shape(x)) for p, x in zip(parts, leaves)]
+  )
+
+
+# -- the non-finite policy -----------------------------------------------------
+
+
+def tree_select(pred: jax.Array, on_true: PyTree, on_false: PyTree) -> PyTree:
+  """``jnp.where(pred, on_true, on_false)`` leaf by leaf, PRNG keys included."""
+
+  def select(a: Any, b: Any) -> Any:
+    if jnp.issubdtype(jnp.result_type(a), jax.dtypes.prng_key):
+      data = jnp.where(pred, jax.random.key_data(a), jax.random.key_data(b))
+      return jax.random.wrap_key_data(data, impl=jax.random.key_impl(a))
+    return jnp.where(pred, a, b)
+
+  return jax.tree.map(select, on_true, on_false)
+
+
+def skip_nonfinite_step(
+  step: Callable[[], tuple[PyTree, Any]],
+  updates: PyTree,
+  state: Any,
+  *,
+  inputs: PyTree = (),
+) -> tuple[PyTree, Any]:
+  """The one non-finite policy of every fisher_optax transform.
+
+  A step whose gradient (``updates``) or other inputs (per-example
+  gradients, Fisher statistics) hold a NaN or an infinity never runs: the
+  step is behind :func:`jax.lax.cond`, so no decomposition (SVD, ``eigh``,
+  Cholesky, a Newton iteration) ever sees the bad values, which matters
+  because LAPACK's SVD on an infinite matrix need not terminate on XLA:CPU.
+  A finite step whose new state or updates are not finite (squares of
+  1e30-sized gradients overflow float32) is treated the same way. Either
+  way the state is left unchanged except for its ``notfinite_count``
+  (incremented, like :func:`optax.apply_if_finite`'s), and the updates are
+  NaN so that :func:`optax.apply_if_finite` and the user see the bad step.
+
+  Args:
+    step: a thunk computing ``(new_updates, new_state)`` from finite inputs.
+    updates: the incoming updates (gradients).
+    state: the transform's state: a NamedTuple with an int32
+      ``notfinite_count`` field.
+    inputs: any other arrays the step reads (checked for finiteness too).
+
+  Returns:
+    ``(updates, state)`` after the policy.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from typing import NamedTuple
+    >>> from fisher_optax.fisher import numerics
+    >>> class State(NamedTuple):
+    ...   total: jnp.ndarray
+    ...   notfinite_count: jnp.ndarray
+    >>> state = State(jnp.zeros(()), jnp.zeros((), jnp.int32))
+    >>> g = jnp.array([1.0, jnp.inf])
+    >>> step = lambda: (-g, state._replace(total=state.total + g.sum()))
+    >>> u, state = numerics.skip_nonfinite_step(step, g, state)
+    >>> bool(jnp.isnan(u).all()), float(state.total), int(state.notfinite_count)
+    (True, 0.0, 1)
+  """
+  out_shape = jax.eval_shape(step)
+
+  def skipped() -> tuple[PyTree, Any]:
+    nan = jax.tree.map(
+      lambda s: jnp.full(s.shape, jnp.nan, s.dtype), out_shape[0]
+    )
+    return nan, state
+
+  ok_in = tree_all_finite((updates, inputs))
+  new_updates, new_state = jax.lax.cond(ok_in, step, skipped)
+  ok = ok_in & tree_all_finite((new_updates, new_state))
+  new_state = jax.tree.map(lambda a, b: tree_select(ok, a, b), new_state, state)
+  new_updates = jax.tree.map(
+    lambda u: jnp.where(ok, u, jnp.asarray(jnp.nan, u.dtype)), new_updates
+  )
+  count = state.notfinite_count
+  return new_updates, new_state._replace(
+    notfinite_count=jnp.where(ok, count, optax.safe_increment(count))
   )
