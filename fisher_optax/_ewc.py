@@ -17,8 +17,7 @@ direction, one scale and one anchor projection each; ``K P + 2K`` numbers).
 :func:`consolidate` folds a new task into an anchor at fixed shapes, so the
 jitted training step never retraces when the task changes.
 
-Decisions (spec ``knowledge_preservation.md`` §7), each tested in
-``tests/ewc_test.py``:
+Decisions:
 
 * **Scale.** ``R = lambda/2 D^T F D`` so ``grad R = lambda F D``; Avalanche and
   the reference code have no ``1/2`` (``lambda_ours = 2 lambda_theirs``).
@@ -60,6 +59,7 @@ import optax
 
 from fisher_optax import fisher
 from fisher_optax.fisher import linalg
+from fisher_optax.fisher import numerics
 from fisher_optax.fisher import validation
 
 PyTree = Any
@@ -133,35 +133,48 @@ class AddEWCGradientState(NamedTuple):
 # -- helpers -----------------------------------------------------------------
 
 
-def _stat_dtype(dtype: Any) -> Any:
-  # Statistics in float32, or float64 when the params are float64.
-  return jnp.promote_types(dtype, jnp.float32)
-
-
 def _scalar_dtype(params: PyTree) -> Any:
   # Never reads a leaf's value: works on ShapeDtypeStructs and placeholders.
   dtypes = [x.dtype for x in jax.tree.leaves(params)]
-  return jnp.result_type(jnp.float32, *dtypes)
+  if not dtypes:
+    return jnp.dtype(jnp.float32)
+  return numerics.compute_dtype(jnp.result_type(*dtypes))
 
 
-def _to_stat(tree: PyTree) -> PyTree:
-  return jax.tree.map(
-    lambda x: jnp.asarray(x).astype(_stat_dtype(jnp.asarray(x).dtype)), tree
+def _diagonal_entries(stat: Any) -> PyTree:
+  """The params-shaped entries of ``consolidate(diagonal=...)``."""
+  if isinstance(stat, fisher.DiagonalFisher):
+    return stat.diag
+  if isinstance(stat, fisher.FisherStatistic):
+    hint = (
+      "; pass a LowRankFisher as low_rank="
+      if isinstance(stat, fisher.LowRankFisher)
+      else ""
+    )
+    raise TypeError(
+      "diagonal= must be a fisher.DiagonalFisher or a params-shaped tree of "
+      f"diagonal entries, got a {type(stat).__name__}{hint}."
+    )
+  # Anything else carrying ``.diag`` (estimate_fisher_diag's state) or a tree.
+  return stat.diag if hasattr(stat, "diag") else stat
+
+
+def _low_rank_pair(stat: Any) -> tuple[jax.Array, PyTree]:
+  """``(eigvals, eigvecs)`` of ``consolidate(low_rank=...)``."""
+  # A LowRankFisher, or anything carrying the same two fields (the state of
+  # estimate_fisher_low_rank).
+  if hasattr(stat, "eigvals") and hasattr(stat, "eigvecs"):
+    return stat.eigvals, stat.eigvecs
+  if isinstance(stat, tuple) and len(stat) == 2:
+    return stat[0], stat[1]
+  hint = (
+    "; pass a DiagonalFisher as diagonal="
+    if isinstance(stat, fisher.DiagonalFisher)
+    else ""
   )
-
-
-def _diag_of(fisher: Any) -> PyTree:
-  return fisher.diag if hasattr(fisher, "diag") else fisher
-
-
-def _low_rank_of(fisher: Any) -> tuple[jax.Array, PyTree]:
-  if hasattr(fisher, "eigvals") and hasattr(fisher, "eigvecs"):
-    return fisher.eigvals, fisher.eigvecs
-  if isinstance(fisher, tuple) and len(fisher) == 2:
-    return fisher
   raise TypeError(
-    "low_rank must be a LowRankFisher (with .eigvals and .eigvecs) or an "
-    f"(eigvals, eigvecs) pair, got {type(fisher).__name__}."
+    "low_rank must be a fisher.LowRankFisher (with .eigvals and .eigvecs) or "
+    f"an (eigvals, eigvecs) pair, got a {type(stat).__name__}{hint}."
   )
 
 
@@ -177,8 +190,15 @@ def _check_params(params: PyTree, like: PyTree, what: str) -> None:
       )
 
 
-def _low_rank_size(low_rank: LowRankEWC) -> int:
-  return low_rank.scales.shape[0]
+def _diagonal_gap(diag: DiagonalEWC, params: PyTree) -> PyTree:
+  """``theta - anchor`` in the anchor's dtype."""
+  return jax.tree.map(lambda m, p: p.astype(m.dtype) - m, diag.anchor, params)
+
+
+def _projection_gap(low_rank: LowRankEWC, params: PyTree) -> jax.Array:
+  """``u_k . theta - a_k`` for every slot ``k``, in the scales' dtype."""
+  proj = linalg.tree_stacked_dot(low_rank.vectors, numerics.widen(params))
+  return proj.astype(low_rank.scales.dtype) - low_rank.anchor_proj
 
 
 # -- building anchors ----------------------------------------------------------
@@ -196,12 +216,23 @@ def init_ewc_anchor(
 
   Returns:
     An :class:`EWCAnchor` whose penalty is identically zero.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> import fisher_optax
+    >>> anchor = fisher_optax.init_ewc_anchor({"w": jnp.zeros(3)}, rank=2)
+    >>> anchor.diagonal.precision["w"].shape, anchor.low_rank.scales.shape
+    ((3,), (2,))
+    >>> float(fisher_optax.ewc_penalty({"w": jnp.ones(3)}, anchor, 1.0))
+    0.0
   """
   rank = validation.check_static_int("rank", rank)
   if not diagonal and rank == 0:
     raise ValueError("an EWC anchor needs diagonal=True or rank > 0.")
   zeros = lambda shape_prefix: jax.tree.map(
-    lambda p: jnp.zeros(shape_prefix + tuple(p.shape), _stat_dtype(p.dtype)),
+    lambda p: jnp.zeros(
+      shape_prefix + tuple(p.shape), numerics.compute_dtype(p.dtype)
+    ),
     params,
   )
   sdtype = _scalar_dtype(params)
@@ -227,8 +258,7 @@ def _merge_diagonal(
   decay: Any,
   mode: str,
 ) -> DiagonalEWC:
-  _check_params(fisher_diag, old.precision, "diagonal Fisher")
-  theta = _to_stat(params)
+  theta = numerics.widen(params)
   # Non-finite or negative Fisher entries carry no usable curvature: 0.
   fdiag = jax.tree.map(
     lambda f, p: jnp.nan_to_num(
@@ -267,16 +297,10 @@ def _merge_diagonal(
   return DiagonalEWC(precision, anchor, residual)
 
 
-def _merge_low_rank(
-  old: LowRankEWC,
-  params: PyTree,
-  eigvals: jax.Array,
-  eigvecs: PyTree,
-  decay: Any,
-  mode: str,
-  update: str,
-) -> LowRankEWC:
-  k_slots = _low_rank_size(old)
+def _new_directions(
+  old: LowRankEWC, eigvals: jax.Array, eigvecs: PyTree
+) -> tuple[jax.Array, PyTree]:
+  """The new ``(scales, vectors)`` in the anchor's dtypes, NaN-free."""
   validation.check_leading_axis(
     eigvecs,
     jax.tree.map(lambda v: v[0], old.vectors),
@@ -290,48 +314,54 @@ def _merge_low_rank(
       f"low-rank Fisher has {k_new} eigenvalues but eigvecs with leading "
       f"axis {sorted(sizes)}."
     )
-  theta = _to_stat(params)
-  new_vecs = jax.tree.map(lambda v, o: v.astype(o.dtype), eigvecs, old.vectors)
+  vecs = jax.tree.map(lambda v, o: v.astype(o.dtype), eigvecs, old.vectors)
   # A direction with a non-finite entry or eigenvalue is dropped (scale 0,
   # zero vector) so that NaN never enters the state.
-  finite = jnp.isfinite(eigvals)
-  for v in jax.tree.leaves(new_vecs):
-    finite &= jnp.all(jnp.isfinite(v.reshape(k_new, -1)), axis=1)
-  new_vecs = jax.tree.map(
+  finite = jax.vmap(numerics.tree_all_finite)((eigvals, vecs))
+  vecs = jax.tree.map(
     lambda v: jnp.where(finite.reshape((-1,) + (1,) * (v.ndim - 1)), v, 0.0),
-    new_vecs,
+    vecs,
   )
-  new_scales = jnp.where(finite, jnp.maximum(eigvals, 0.0), 0.0)
-  new_proj = linalg.tree_stacked_dot(new_vecs, theta).astype(old.scales.dtype)
-  scales = decay * old.scales
-  proj = old.anchor_proj
-  if mode == "online":
-    proj = linalg.tree_stacked_dot(old.vectors, theta).astype(proj.dtype)
+  return jnp.where(finite, jnp.maximum(eigvals, 0.0), 0.0), vecs
 
-  if update == "slots":
-    if k_new > k_slots:
-      raise ValueError(
-        f"cannot store {k_new} new directions in {k_slots} low-rank slots; "
-        "use more slots (rank=) or low_rank_update='compress'."
-      )
-    # Overwrite the weakest slots; empty slots (scale 0) go first.
-    slots = jnp.argsort(scales, stable=True)[:k_new]
-    vectors = jax.tree.map(
-      lambda o, n: o.at[slots].set(n), old.vectors, new_vecs
-    )
-    return LowRankEWC(
-      vectors, scales.at[slots].set(new_scales), proj.at[slots].set(new_proj)
-    )
 
-  # "compress": top-K eigenpairs of M = sum_j s_j u_j u_j^T over old and new
-  # slots, through the (K + k) x (K + k) Gram of the sqrt(s_j) u_j; the linear
-  # term b = sum_j s_j a_j u_j is kept by a_i' = v_i . b / l_i (exact when
-  # nothing is truncated).
+def _write_slots(
+  old_vectors: PyTree, scales: jax.Array, proj: jax.Array, new: LowRankEWC
+) -> LowRankEWC:
+  """Overwrites the weakest slots with ``new``; empty slots (scale 0) first."""
+  k_slots, k_new = scales.shape[0], new.scales.shape[0]
+  if k_new > k_slots:
+    raise ValueError(
+      f"cannot store {k_new} new directions in {k_slots} low-rank slots; "
+      "use more slots (rank=) or low_rank_update='compress'."
+    )
+  slots = jnp.argsort(scales, stable=True)[:k_new]
+  vectors = jax.tree.map(
+    lambda o, n: o.at[slots].set(n), old_vectors, new.vectors
+  )
+  return LowRankEWC(
+    vectors,
+    scales.at[slots].set(new.scales),
+    proj.at[slots].set(new.anchor_proj),
+  )
+
+
+def _compress(
+  old_vectors: PyTree, scales: jax.Array, proj: jax.Array, new: LowRankEWC
+) -> LowRankEWC:
+  """The top-``K`` eigenpairs of the old and new terms together.
+
+  ``M = sum_j s_j u_j u_j^T`` over old and new slots is decomposed through the
+  ``(K + k) x (K + k)`` Gram of the ``sqrt(s_j) u_j``; the linear term
+  ``b = sum_j s_j a_j u_j`` is kept by ``a_i' = v_i . b / l_i`` (exact when
+  nothing is truncated).
+  """
+  k_slots = scales.shape[0]
   all_vecs = jax.tree.map(
-    lambda o, n: jnp.concatenate([o, n]), old.vectors, new_vecs
+    lambda o, n: jnp.concatenate([o, n]), old_vectors, new.vectors
   )
-  all_scales = jnp.concatenate([scales, new_scales])
-  all_proj = jnp.concatenate([proj, new_proj])
+  all_scales = jnp.concatenate([scales, new.scales])
+  all_proj = jnp.concatenate([proj, new.anchor_proj])
   weighted = jax.tree.map(
     lambda v: (
       v
@@ -345,16 +375,35 @@ def _merge_low_rank(
   m = all_scales.shape[0]
   top = fisher.low_rank_from_grads(weighted, rank=k_slots)  # m > k_slots
   evals = (m * top.eigvals).astype(all_scales.dtype)
-  evecs = top.eigvecs
   linear = linalg.tree_stacked_combine(all_vecs, all_scales * all_proj)
-  vb = linalg.tree_stacked_dot(evecs, linear).astype(evals.dtype)
+  vb = linalg.tree_stacked_dot(top.eigvecs, linear).astype(evals.dtype)
   safe = jnp.where(evals > 0, evals, 1.0)
   anchor_proj = jnp.where(evals > 0, vb / safe, 0.0)
   return LowRankEWC(
-    jax.tree.map(lambda v, o: v.astype(o.dtype), evecs, old.vectors),
-    evals.astype(old.scales.dtype),
-    anchor_proj.astype(old.scales.dtype),
+    jax.tree.map(lambda v, o: v.astype(o.dtype), top.eigvecs, old_vectors),
+    evals.astype(scales.dtype),
+    anchor_proj.astype(scales.dtype),
   )
+
+
+def _merge_low_rank(
+  old: LowRankEWC,
+  params: PyTree,
+  eigvals: jax.Array,
+  eigvecs: PyTree,
+  decay: Any,
+  mode: str,
+  update: str,
+) -> LowRankEWC:
+  theta = numerics.widen(params)
+  new_scales, new_vecs = _new_directions(old, eigvals, eigvecs)
+  new_proj = linalg.tree_stacked_dot(new_vecs, theta).astype(old.scales.dtype)
+  new = LowRankEWC(new_vecs, new_scales, new_proj)
+  proj = old.anchor_proj
+  if mode == "online":
+    proj = linalg.tree_stacked_dot(old.vectors, theta).astype(proj.dtype)
+  merge = _write_slots if update == "slots" else _compress
+  return merge(old.vectors, decay * old.scales, proj, new)
 
 
 def consolidate(
@@ -400,11 +449,13 @@ def consolidate(
     anchor: the current :class:`EWCAnchor` (e.g. from :func:`init_ewc_anchor`
       or ``optax.tree.get(opt_state, "ewc_anchor")``).
     params: the parameters at the end of the finished task, ``theta*``.
-    diagonal: a ``fisher_optax.fisher.DiagonalFisher`` (its ``.diag``) or a
-      params-shaped tree; required iff the anchor has a diagonal part.
-    low_rank: a ``LowRankFisher`` (``.eigvals``, ``.eigvecs``), e.g. from
-      ``fisher.rank_one`` or ``fisher.low_rank``, or an ``(eigvals, eigvecs)``
-      pair; required iff the anchor has low-rank slots.
+    diagonal: a :class:`fisher_optax.fisher.DiagonalFisher` (e.g. from
+      ``fisher.diagonal``; its ``.diag`` is used) or a params-shaped tree of
+      diagonal entries; required iff the anchor has a diagonal part.
+    low_rank: a :class:`fisher_optax.fisher.LowRankFisher` (``.eigvals``,
+      ``.eigvecs``), e.g. from ``fisher.rank_one`` or ``fisher.low_rank``, or
+      an ``(eigvals, eigvecs)`` pair; required iff the anchor has low-rank
+      slots.
     decay: ``gamma`` in [0, 1] applied to the old terms.
     mode: ``"separate"`` or ``"online"``.
     low_rank_update: ``"slots"`` or ``"compress"``.
@@ -412,14 +463,32 @@ def consolidate(
   Returns:
     The new :class:`EWCAnchor`, same shapes and dtypes.
 
-  Example::
+  Raises:
+    TypeError: if a statistic of another structure is passed (a
+      ``LowRankFisher`` as ``diagonal=``, a ``DiagonalFisher`` as
+      ``low_rank=``, a ``KroneckerFisher``, ...).
 
-    anchor = optax.tree.get(opt_state, "ewc_anchor")
-    fisher = fisher_optax.fisher.diagonal(apply_fn, params, (x, y),
-                                          likelihood=Categorical(),
-                                          kind="exact")
-    anchor = fisher_optax.consolidate(anchor, params, diagonal=fisher)
-    opt_state = optax.tree.set(opt_state, ewc_anchor=anchor)
+  Example:
+    >>> import jax.numpy as jnp
+    >>> import fisher_optax
+    >>> from fisher_optax import fisher
+    >>> params = {"w": jnp.ones((3, 2))}
+    >>> x, y = jnp.eye(3), jnp.array([0, 1, 1])
+    >>> stat = fisher.diagonal(lambda p, x: x @ p["w"], params, (x, y),
+    ...                        likelihood=fisher.Categorical(), kind="exact")
+    >>> anchor = fisher_optax.consolidate(
+    ...     fisher_optax.init_ewc_anchor(params), params, diagonal=stat)
+    >>> bool(jnp.all(anchor.diagonal.precision["w"] == stat.diag["w"]))
+    True
+    >>> float(fisher_optax.ewc_penalty(params, anchor, strength=1.0))
+    0.0
+
+    In a training loop the anchor lives in the optimizer state (see
+    :func:`add_ewc_gradient`)::
+
+      anchor = fisher_optax.consolidate(
+          optax.tree.get(opt_state, "ewc_anchor"), params, diagonal=stat)
+      opt_state = optax.tree.set(opt_state, ewc_anchor=anchor)
   """
   validation.check_choice("mode", mode, _MODES)
   validation.check_choice("low_rank_update", low_rank_update, _LOW_RANK_UPDATES)
@@ -438,16 +507,16 @@ def consolidate(
       "low_rank= must be given exactly when the anchor has low-rank slots "
       f"(anchor.low_rank is {'None' if anchor.low_rank is None else 'set'})."
     )
-  like = (
-    anchor.diagonal.precision
-    if anchor.diagonal is not None
-    else jax.tree.map(lambda v: v[0], anchor.low_rank.vectors)
-  )
+  diag = None if diagonal is None else _diagonal_entries(diagonal)
+  low = None if low_rank is None else _low_rank_pair(low_rank)
+  if anchor.diagonal is not None:
+    like = anchor.diagonal.precision
+  else:
+    assert anchor.low_rank is not None  # EWCAnchor holds at least one part.
+    like = jax.tree.map(lambda v: v[0], anchor.low_rank.vectors)
   _check_params(params, like, "params")
-  diag = None if diagonal is None else _diag_of(diagonal)
-  low = None if low_rank is None else tuple(_low_rank_of(low_rank))
   if diag is not None:
-    _check_params(diag, anchor.diagonal.precision, "diagonal Fisher")
+    _check_params(diag, like, "diagonal Fisher")
   return _consolidate(
     anchor, params, diag, low, decay, mode=mode, low_rank_update=low_rank_update
   )
@@ -470,6 +539,7 @@ def _consolidate(
     new_diag = _merge_diagonal(new_diag, params, diag, decay, mode)
   new_low = anchor.low_rank
   if new_low is not None:
+    assert low is not None  # consolidate checked it is given.
     new_low = _merge_low_rank(
       new_low, params, low[0], low[1], decay, mode, low_rank_update
     )
@@ -488,28 +558,28 @@ def ewc_gradient(params: PyTree, anchor: EWCAnchor) -> PyTree:
 
   Returns:
     A params-shaped tree in the anchor's (float32 or wider) dtype.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> import fisher_optax
+    >>> theta_star = {"w": jnp.array([1.0, 2.0])}
+    >>> anchor = fisher_optax.consolidate(
+    ...     fisher_optax.init_ewc_anchor(theta_star), theta_star,
+    ...     diagonal={"w": jnp.array([4.0, 1.0])})
+    >>> fisher_optax.ewc_gradient({"w": jnp.zeros(2)}, anchor)["w"]
+    Array([-4., -2.], dtype=float32)
   """
   terms = []
   if anchor.diagonal is not None:
     d = anchor.diagonal
     _check_params(params, d.precision, "params")
     terms.append(
-      jax.tree.map(
-        lambda pr, m, p: pr * (p.astype(pr.dtype) - m),
-        d.precision,
-        d.anchor,
-        params,
-      )
+      jax.tree.map(jnp.multiply, d.precision, _diagonal_gap(d, params))
     )
   if anchor.low_rank is not None:
     lr = anchor.low_rank
-    residual = (
-      linalg.tree_stacked_dot(lr.vectors, _to_stat(params)).astype(
-        lr.scales.dtype
-      )
-      - lr.anchor_proj
-    )
-    terms.append(linalg.tree_stacked_combine(lr.vectors, lr.scales * residual))
+    gap = _projection_gap(lr, params)
+    terms.append(linalg.tree_stacked_combine(lr.vectors, lr.scales * gap))
   if len(terms) == 1:
     return terms[0]
   return jax.tree.map(jnp.add, *terms)
@@ -540,11 +610,21 @@ def ewc_penalty(
   Returns:
     A scalar in the anchor's dtype.
 
-  Example::
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> import fisher_optax
+    >>> theta_star = {"w": jnp.array([1.0, 2.0])}
+    >>> anchor = fisher_optax.consolidate(
+    ...     fisher_optax.init_ewc_anchor(theta_star), theta_star,
+    ...     diagonal={"w": jnp.array([4.0, 1.0])})
+    >>> theta = {"w": jnp.zeros(2)}
+    >>> fisher_optax.ewc_penalty(theta, anchor, strength=2.0)
+    Array(8., dtype=float32)
+    >>> penalty = lambda p: fisher_optax.ewc_penalty(p, anchor, strength=2.0)
+    >>> jax.grad(penalty)(theta)["w"]  # = 2 * ewc_gradient(theta, anchor)
+    Array([-8., -4.], dtype=float32)
 
-    def loss(params, batch):
-      return task_loss(params, batch) + fisher_optax.ewc_penalty(
-          params, anchor, strength=100.0)
+    Added to a task loss: ``loss(p, batch) + ewc_penalty(p, anchor, lam)``.
   """
   validation.check_positive("strength", strength, allow_zero=True)
   total = []
@@ -552,22 +632,15 @@ def ewc_penalty(
     d = anchor.diagonal
     _check_params(params, d.precision, "params")
     sq = jax.tree.map(
-      lambda pr, m, p: jnp.sum(pr * jnp.square(p.astype(pr.dtype) - m)),
+      lambda pr, g: jnp.sum(pr * jnp.square(g)),
       d.precision,
-      d.anchor,
-      params,
+      _diagonal_gap(d, params),
     )
     total.append(sum(jax.tree.leaves(sq)) + d.residual)
   if anchor.low_rank is not None:
     lr = anchor.low_rank
-    residual = (
-      linalg.tree_stacked_dot(lr.vectors, _to_stat(params)).astype(
-        lr.scales.dtype
-      )
-      - lr.anchor_proj
-    )
-    total.append(jnp.sum(lr.scales * jnp.square(residual)))
-  return 0.5 * strength * sum(total)
+    total.append(jnp.sum(lr.scales * jnp.square(_projection_gap(lr, params))))
+  return jnp.asarray(0.5 * strength * sum(total))
 
 
 # -- the transform -----------------------------------------------------------
@@ -624,31 +697,51 @@ def add_ewc_gradient(
   Returns:
     An ``optax.GradientTransformationExtraArgs``; ``update`` requires params.
 
-  Example (AlignGuard-style: a Fisher penalty on the LoRA leaves only)::
+  Example:
+    >>> import jax.numpy as jnp, optax
+    >>> import fisher_optax
+    >>> params = {"w": jnp.array([1.0, 2.0])}
+    >>> tx = optax.chain(fisher_optax.add_ewc_gradient(10.0), optax.sgd(0.1))
+    >>> state = tx.init(params)
+    >>> # Task A ends at params: fold its Fisher into the anchor.
+    >>> anchor = fisher_optax.consolidate(
+    ...     optax.tree.get(state, "ewc_anchor"), params,
+    ...     diagonal={"w": jnp.array([1.0, 0.0])})
+    >>> state = optax.tree.set(state, ewc_anchor=anchor)
+    >>> # Task B moved w; the penalty pulls w[0] (A's coordinate) back.
+    >>> grads, moved = {"w": jnp.array([0.0, 1.0])}, {"w": jnp.zeros(2)}
+    >>> updates, state = tx.update(grads, state, moved)
+    >>> updates["w"]
+    Array([ 1. , -0.1], dtype=float32)
 
-    is_lora = jax.tree.map_with_path(
-        lambda path, _: "lora" in jax.tree_util.keystr(path), params)
-    # optax.masked shows the inner transform MaskedNode for the other leaves.
-    only_lora = lambda t: jax.tree.map(
-        lambda m, x: x if m else optax.MaskedNode(), is_lora, t)
-    tx = optax.chain(
-        optax.masked(fisher_optax.add_ewc_gradient(1.0, rank=8), is_lora),
-        optax.adam(1e-4))
-    state = tx.init(params)
-    # A rank-8 Fisher on alignment data: AlignGuard's l_A sum_i s_i (u_i.D)^2
-    # is this penalty with strength = 2 l_A.
-    stat = fisher_optax.fisher.low_rank(apply_fn, params, safety_batch,
-                                        likelihood=fisher_optax.fisher.
-                                        Categorical(), kind="mc", key=key,
-                                        rank=8)
-    anchor = fisher_optax.consolidate(
-        optax.tree.get(state, "ewc_anchor"), only_lora(params),
-        low_rank=(stat.eigvals, only_lora(stat.eigvecs)))
-    state = optax.tree.set(state, ewc_anchor=anchor)
+    AlignGuard-style, a rank-one Fisher penalty on the LoRA leaves only
+    (``optax.masked`` shows the inner transform ``MaskedNode`` for the other
+    leaves, so the anchor is built on the masked tree):
 
-  (The Fisher above is over all parameters; restricting it to the LoRA
-  leaves keeps its block, so for a LoRA-only Fisher compute it on the LoRA
-  parameters, as AlignGuard does.)
+    >>> import jax
+    >>> params = {"base": jnp.ones(3), "lora": jnp.ones(2)}
+    >>> is_lora = {"base": False, "lora": True}
+    >>> only_lora = lambda t: jax.tree.map(
+    ...     lambda m, x: x if m else optax.MaskedNode(), is_lora, t)
+    >>> tx = optax.masked(
+    ...     fisher_optax.add_ewc_gradient(1.0, diagonal=False, rank=1), is_lora)
+    >>> state = tx.init(params)
+    >>> u = {"base": jnp.zeros((1, 3)), "lora": jnp.array([[1.0, 0.0]])}
+    >>> anchor = fisher_optax.consolidate(
+    ...     optax.tree.get(state, "ewc_anchor"), only_lora(params),
+    ...     low_rank=(jnp.array([2.0]), only_lora(u)))
+    >>> state = optax.tree.set(state, ewc_anchor=anchor)
+    >>> moved = {"base": jnp.zeros(3), "lora": jnp.array([2.0, 1.0])}
+    >>> zeros = jax.tree.map(jnp.zeros_like, params)
+    >>> updates, _ = tx.update(zeros, state, moved)
+    >>> updates["base"]  # not LoRA: untouched
+    Array([0., 0., 0.], dtype=float32)
+    >>> updates["lora"]  # 2 (u . (moved - params)) u
+    Array([2., 0.], dtype=float32)
+
+  A Fisher computed over all parameters and then restricted to the LoRA
+  leaves keeps only its block; for a LoRA-only Fisher, compute it on the LoRA
+  parameters, as AlignGuard does.
 
   References:
     Kirkpatrick et al, `Overcoming catastrophic forgetting in neural
@@ -685,8 +778,14 @@ def add_ewc_gradient(
       updates,
       grad,
     )
+    count = optax.safe_increment(state.count)
     return updates, AddEWCGradientState(
-      count=optax.safe_increment(state.count), ewc_anchor=state.ewc_anchor
+      count=jnp.asarray(count), ewc_anchor=state.ewc_anchor
     )
 
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  # optax types the state as an OptState (arrays all the way down); ours holds
+  # None for an anchor part that is absent.
+  return optax.GradientTransformationExtraArgs(
+    init_fn,  # pyright: ignore[reportArgumentType]
+    update_fn,  # pyright: ignore[reportArgumentType]
+  )

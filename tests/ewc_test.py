@@ -314,7 +314,7 @@ class ConsolidateTest(parameterized.TestCase):
 
 
 class RankOneScaleTest(absltest.TestCase):
-  """Spec §6: c* is the least-squares scale; collinear gradients are exact."""
+  """c* is the least-squares scale; collinear gradients are exact."""
 
   def test_optimal_scale_is_least_squares(self):
     with jax.enable_x64(True):
@@ -496,6 +496,21 @@ class EWCValidationTest(parameterized.TestCase):
     tx = fisher_optax.add_ewc_gradient(1.0)
     with self.assertRaisesRegex(ValueError, "tree structure"):
       tx.update(p, tx.init(p), {"a": p["a"]})
+
+  def test_wrong_statistic_type_is_named(self):
+    p = {"a": jnp.ones(2), "b": jnp.ones((2, 3))}
+    one = jnp.ones((), jnp.int32)
+    diag = fisher.DiagonalFisher(p, None, one)
+    low = fisher.LowRankFisher(
+      jnp.ones([1]), jax.tree.map(lambda x: x[None] / 3.0, p), None, one
+    )
+    anchor = fisher_optax.init_ewc_anchor(p, rank=1)
+    with self.assertRaisesRegex(TypeError, "diagonal=.*got a LowRankFisher"):
+      fisher_optax.consolidate(anchor, p, diagonal=low, low_rank=low)
+    with self.assertRaisesRegex(TypeError, "low_rank.*got a DiagonalFisher"):
+      fisher_optax.consolidate(anchor, p, diagonal=diag, low_rank=diag)
+    # The right types, from the engine, are accepted as they are.
+    fisher_optax.consolidate(anchor, p, diagonal=diag, low_rank=low)
 
 
 if __name__ == "__main__":
