@@ -1,23 +1,20 @@
 # Copyright 2026 The fisher_optax Authors. Licensed under the Apache License 2.0.
-"""The conformance suite every fisher_optax optimizer alias must pass.
+"""The conformance checks every public fisher_optax transform must pass.
 
-It mirrors ``optax/contrib/_common_test.py`` (see conventions.md §3). Use it by
-mixing :class:`OptimizerConformance` into a ``parameterized.TestCase``::
+They mirror ``optax/contrib/_common_test.py``. A :class:`Case` describes one
+transform (its factory, keyword arguments, what follows it in a chain, the
+extra arguments its ``update`` needs); each ``check_*`` function takes a
+``TestCase`` and a :class:`Case`. ``tests/conformance_test.py`` holds the one
+table of cases and runs every check on every case.
 
-  class FAdamConformanceTest(conformance.OptimizerConformance,
-                             parameterized.TestCase):
-    FACTORY = staticmethod(fisher_optax.fadam)
-    KWARGS = {"learning_rate": 1e-2}
-    INJECTABLE = ("learning_rate", "b1", "b2", "weight_decay")
-
-Subclasses tune the class attributes below; every check runs under ``jit``.
-The mixin holds no parameterized decorators (absl expands those per class),
-so targets and dtypes are looped with ``subTest``.
+Every check runs under ``jit``. Compiles are shared where two checks can use
+the same program (the jitted steps are cached per case), and shapes are tiny.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+import dataclasses
 import functools
 import logging
 from typing import Any
@@ -74,6 +71,117 @@ TARGETS: dict[str, Callable[..., Any]] = {
   "mixed_tensors": mixed_tensors,
 }
 
+DEFAULT_STEPS = {
+  "parabola": 3000,
+  "rosenbrock": 10000,
+  "matrix_parabola": 3000,
+  "mixed_tensors": 3000,
+}
+
+# Gradient values fed by check_nonfinite_gradients (0.0 is checked strictly).
+BAD_VALUES = {
+  "zero": 0.0,
+  "nan": float("nan"),
+  "pos_inf": float("inf"),
+  "neg_inf": float("-inf"),
+  "huge": 1e30,
+}
+
+_UNKNOWN_EXTRA = "an_unexpected_extra_arg_nobody_expects"
+
+
+def per_example_grads(grads: PyTree) -> dict[str, PyTree]:
+  """A batch of two examples whose mean is ``grads``: ``g + d`` and ``g - d``.
+
+  ``d`` is a fixed small tree, so the per-example Fisher has rank two and
+  a bad value in ``grads`` reaches every example.
+  """
+
+  def two(g):
+    d = 0.1 * jnp.cos(jnp.arange(g.size, dtype=jnp.float32)).reshape(g.shape)
+    d = d.astype(g.dtype)
+    return jnp.stack([g + d, g - d])
+
+  return {"per_example_grads": jax.tree.map(two, grads)}
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Case:
+  """One row of the conformance table.
+
+  Attributes:
+    name: the row's name (test ids end with it).
+    factory: the public transform, e.g. ``fisher_optax.fadam``.
+    kwargs: keyword arguments of ``factory`` (no learning rate).
+    then: what follows the transform in the chain that is trained, given the
+      learning rate (e.g. ``optax.scale_by_learning_rate`` after a
+      ``scale_by_*``, ``optax.adam`` after a penalty or an estimator); None
+      when ``factory`` is an optimizer alias taking ``learning_rate``.
+    learning_rate: the default learning rate.
+    target_learning_rate: per-target learning rates for the convergence check.
+    steps: convergence targets and their step counts.
+    tol: convergence tolerance (absolute and relative).
+    injectable: hyperparameters of ``factory`` that ``inject_hyperparams``
+      must turn into state arrays (``learning_rate`` included for aliases).
+    static_args: arguments ``inject_hyperparams`` must keep static.
+    extras: extra ``update`` arguments as a function of the gradients.
+    stable_dtypes: parameter dtypes the lax.cond check runs.
+    inject_tol: tolerance of the inject_hyperparams comparison.
+    covers: the public name the row covers (default: the factory's name).
+  """
+
+  name: str
+  factory: Callable[..., optax.GradientTransformation]
+  kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
+  then: Callable[[Any], optax.GradientTransformation] | None = None
+  learning_rate: float = 1e-2
+  target_learning_rate: dict[str, float] = dataclasses.field(
+    default_factory=dict
+  )
+  steps: dict[str, int] = dataclasses.field(
+    default_factory=lambda: dict(DEFAULT_STEPS)
+  )
+  tol: float = 3e-2
+  injectable: tuple[str, ...] = ()
+  static_args: tuple[str, ...] = ()
+  extras: Callable[[PyTree], dict[str, Any]] | None = None
+  stable_dtypes: tuple[Any, ...] = (
+    jnp.float16,
+    jnp.bfloat16,
+    jnp.float32,
+    jnp.float64,
+  )
+  inject_tol: float = 1e-5
+  covers: str = ""
+
+  def make(self, learning_rate: Any = None) -> optax.GradientTransformation:
+    """The chain that is trained (the transform and what follows it)."""
+    lr = self.learning_rate if learning_rate is None else learning_rate
+    if self.then is None:
+      return self.factory(learning_rate=lr, **self.kwargs)
+    return optax.chain(self.factory(**self.kwargs), self.then(lr))
+
+  def factory_kwargs(self) -> dict[str, Any]:
+    """The factory's own keyword arguments (learning rate for aliases)."""
+    if self.then is None:
+      return {"learning_rate": self.learning_rate, **self.kwargs}
+    return dict(self.kwargs)
+
+  def extra_args(self, grads: PyTree) -> dict[str, Any]:
+    return {} if self.extras is None else self.extras(grads)
+
+
+def _step_fn(case: Case, opt, obj_fn, extra_unknown: bool = False):
+  def step(params, state):
+    grads = jax.grad(obj_fn)(params)
+    extras = case.extra_args(grads)
+    if extra_unknown:
+      extras[_UNKNOWN_EXTRA] = 1.0
+    updates, state = opt.update(grads, state, params, **extras)
+    return optax.apply_updates(params, updates), state
+
+  return step
+
 
 class _CompileCounter(logging.Handler):
   def __init__(self):
@@ -87,269 +195,295 @@ class _CompileCounter(logging.Handler):
       self.records.append(record.getMessage())
 
 
-class OptimizerConformance:
-  """Mixin of the shared checks. Subclasses set at least ``FACTORY``."""
+# -- the checks ----------------------------------------------------------------
 
-  # The alias under test, e.g. ``fisher_optax.fadam``.
-  FACTORY: Callable[..., optax.GradientTransformation]
-  # Keyword arguments for the factory (learning_rate included).
-  KWARGS: dict[str, Any] = {"learning_rate": 1e-2}
-  # Per-target overrides of KWARGS, e.g. {"rosenbrock": {"learning_rate": 1e-3}}.
-  TARGET_KWARGS: dict[str, dict[str, Any]] = {}
-  # Targets that must converge and the number of steps for each.
-  CONVERGENCE_STEPS: dict[str, int] = {
-    "parabola": 3000,
-    "rosenbrock": 10000,
-    "matrix_parabola": 3000,
-    "mixed_tensors": 3000,
-  }
-  CONVERGENCE_TOL: float = 3e-2
-  # Hyperparameters that inject_hyperparams must turn into state arrays.
-  INJECTABLE: tuple[str, ...] = ("learning_rate",)
-  # Arguments inject_hyperparams must keep static (shape-setting ints etc.).
-  STATIC_ARGS: tuple[str, ...] = ()
-  # Float dtypes whose state must stay stable under lax.cond.
-  STABLE_DTYPES: tuple[Any, ...] = (
-    jnp.float16,
-    jnp.bfloat16,
-    jnp.float32,
-    jnp.float64,
+
+def check_converges(test, case: Case):
+  """Every target converges; all targets' scans run in ONE jit."""
+  problems, inits = {}, {}
+  for name, steps in case.steps.items():
+    init, final, obj = TARGETS[name](jnp.float32)
+    opt = case.make(case.target_learning_rate.get(name))
+    problems[name] = (_step_fn(case, opt, obj), steps, final)
+    inits[name] = (init, opt.init(init))
+
+  @jax.jit
+  def run(inits):
+    out = {}
+    for name, carry in inits.items():
+      step, steps, _ = problems[name]
+      out[name] = jax.lax.scan(
+        lambda c, _, step=step: (step(*c), None), carry, length=steps
+      )[0][0]
+    return out
+
+  for name, params in run(inits).items():
+    with test.subTest(target=name):
+      chex.assert_tree_all_finite(params)
+      chex.assert_trees_all_close(
+        params, problems[name][2], atol=case.tol, rtol=case.tol
+      )
+
+
+@functools.cache
+def _scheduled_step(case: Case):
+  """A jitted step on mixed_tensors with a scheduled learning rate and an
+  unknown extra argument, shared by the recompile and schedule checks."""
+  init, _, obj = TARGETS["mixed_tensors"](jnp.float32)
+  lr = case.learning_rate
+  opt = case.make(optax.linear_schedule(lr, 0.1 * lr, 50))
+  step = jax.jit(_step_fn(case, opt, obj, extra_unknown=True))
+  return step, init, opt.init(init)
+
+
+def check_ignores_unknown_extras_and_no_recompile(test, case: Case):
+  step, params, state = _scheduled_step(case)
+  params, state = step(params, state)
+  handler = _CompileCounter()
+  logger = logging.getLogger("jax")
+  old_level = logger.level
+  logger.addHandler(handler)
+  logger.setLevel(logging.DEBUG)
+  try:
+    with jax.log_compiles(True):
+      params, state = step(params, state)
+  finally:
+    logger.removeHandler(handler)
+    logger.setLevel(old_level)
+  test.assertEmpty(handler.records, "update recompiled on its second call")
+  chex.assert_tree_all_finite(params)
+
+
+def check_learning_rate_schedule(test, case: Case):
+  step, init, state = _scheduled_step(case)
+  params = init
+  for _ in range(3):
+    params, state = step(params, state)
+  chex.assert_tree_all_finite(params)
+  test.assertFalse(
+    all(
+      bool(jnp.all(a == b))
+      for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(init))
+    ),
+    "a scheduled learning rate produced no update",
   )
 
-  # -- hooks -------------------------------------------------------------------
 
-  def make(self, **overrides) -> optax.GradientTransformation:
-    kwargs = dict(self.KWARGS)
-    kwargs.update(overrides)
-    return type(self).FACTORY(**kwargs)
-
-  def extra_args(
-    self, params: PyTree, obj_fn: Callable[[PyTree], Any]
-  ) -> dict[str, Any]:
-    """Extra keyword arguments the transform needs in ``update``."""
-    del params, obj_fn
-    return {}
-
-  # -- helpers -----------------------------------------------------------------
-
-  def _step_fn(self, opt, obj_fn, extra_unknown: bool = False):
-    def step(params, state):
-      grads = jax.grad(obj_fn)(params)
-      extras = self.extra_args(params, obj_fn)
-      if extra_unknown:
-        extras["an_unexpected_extra_arg_nobody_expects"] = 1.0
-      updates, state = opt.update(grads, state, params, **extras)
-      return optax.apply_updates(params, updates), state
-
-    return step
-
-  # -- the checks ----------------------------------------------------------------
-
-  def test_conformance_converges(self):
-    # Every target's scan in ONE jit: one compile instead of one per target.
-    problems, inits = {}, {}
-    for name, steps in self.CONVERGENCE_STEPS.items():
-      init, final, obj = TARGETS[name](jnp.float32)
-      opt = self.make(**self.TARGET_KWARGS.get(name, {}))
-      state = opt.init(init)
-      state = optax.tree.map_params(opt, lambda v: v, state)
-      problems[name] = (self._step_fn(opt, obj), steps, final)
-      inits[name] = (init, state)
-
-    @jax.jit
-    def run(inits):
-      out = {}
-      for name, carry in inits.items():
-        step, steps, _ = problems[name]
-        out[name] = jax.lax.scan(
-          lambda c, _, step=step: (step(*c), None), carry, length=steps
-        )[0][0]
-      return out
-
-    results = run(inits)
-    for name, params in results.items():
-      with self.subTest(target=name):
-        final = problems[name][2]
-        chex.assert_tree_all_finite(params)
-        chex.assert_trees_all_close(
-          params, final, atol=self.CONVERGENCE_TOL, rtol=self.CONVERGENCE_TOL
-        )
-
-  def test_conformance_ignores_unknown_extras_and_no_recompile(self):
-    init, _, obj = TARGETS["mixed_tensors"](jnp.float32)
-    opt = self.make()
-    step = jax.jit(self._step_fn(opt, obj, extra_unknown=True))
-    params, state = step(init, opt.init(init))
-    handler = _CompileCounter()
-    logger = logging.getLogger("jax")
-    old_level = logger.level
-    logger.addHandler(handler)
-    logger.setLevel(logging.DEBUG)
-    try:
-      with jax.log_compiles(True):
-        params, state = step(params, state)
-    finally:
-      logger.removeHandler(handler)
-      logger.setLevel(old_level)
-    self.assertEmpty(handler.records, "update recompiled on its second call")
-    chex.assert_tree_all_finite(params)
-
-  def test_conformance_inject_hyperparams(self):
-    factory = type(self).FACTORY
-    kwargs = dict(self.KWARGS)
-    opt = factory(**kwargs)
-    injected = optax.inject_hyperparams(factory, static_args=self.STATIC_ARGS)(
-      **kwargs
+def check_inject_hyperparams(test, case: Case):
+  """inject_hyperparams on the factory itself gives the same updates."""
+  kwargs = case.factory_kwargs()
+  opt = case.factory(**kwargs)
+  injected = optax.inject_hyperparams(
+    case.factory, static_args=case.static_args
+  )(**kwargs)
+  params = (-jnp.ones((3, 4)), jnp.ones((5,)), jnp.ones((2, 3, 4)))
+  grads_seq = [
+    jax.tree.map(
+      lambda x, i=i: jnp.cos(
+        x * (i + 1.0) + jnp.arange(x.size).reshape(x.shape)
+      ),
+      params,
     )
-    params = (-jnp.ones((3, 4)), jnp.ones((5,)), jnp.ones((2, 3, 4)))
-    grads_seq = [
-      jax.tree.map(
-        lambda x, i=i: jnp.cos(
-          x * (i + 1.0) + jnp.arange(x.size).reshape(x.shape)
-        ),
-        params,
-      )
-      for i in range(3)
-    ]
-    obj_fn = lambda p: sum(jnp.sum(jnp.square(x)) for x in jax.tree.leaves(p))
-    extras = self.extra_args(params, obj_fn)
-    for name in self.INJECTABLE:
-      self.assertIn(
-        name, injected.init(params).hyperparams, f"{name} is not injectable"
-      )
-    # One compile for both inits and one for both updates.
-    s1, s2 = jax.jit(lambda p: (opt.init(p), injected.init(p)))(params)
+    for i in range(3)
+  ]
+  hyperparams = injected.init(params).hyperparams
+  for name in case.injectable:
+    test.assertIn(name, hyperparams, f"{name} is not injectable")
+  # One compile for both inits and one for both updates.
+  s1, s2 = jax.jit(lambda p: (opt.init(p), injected.init(p)))(params)
 
-    @jax.jit
-    def update_both(g, s1, s2, params):
-      return (
-        opt.update(g, s1, params, **extras),
-        injected.update(g, s2, params, **extras),
-      )
-
-    for g in grads_seq:
-      (u1, s1), (u2, s2) = update_both(g, s1, s2, params)
-      chex.assert_trees_all_close(u1, u2, rtol=1e-5, atol=1e-6)
-    chex.assert_trees_all_close(s2.inner_state, s1, rtol=1e-5, atol=1e-6)
-
-  def test_conformance_preserves_dtype(self):
-    dtypes = (jnp.bfloat16, jnp.float32)
-    opt = self.make()
-    obj = lambda p: sum(
-      jnp.sum(x.astype(jnp.float32) ** 2) for x in jax.tree.leaves(p)
+  @jax.jit
+  def update_both(g, s1, s2, params):
+    extras = case.extra_args(g)
+    return (
+      opt.update(g, s1, params, **extras),
+      injected.update(g, s2, params, **extras),
     )
-    step = self._step_fn(opt, obj)
-    # Both dtypes in one jit: one compile.
-    step_all = jax.jit(lambda carries: [step(*c) for c in carries])
-    params = [
-      (
-        jnp.array([1.0, 2.0, -3.0], dtype),
-        jnp.arange(6.0, dtype=dtype).reshape(2, 3) - 2.0,
-      )
-      for dtype in dtypes
+
+  for g in grads_seq:
+    (u1, s1), (u2, s2) = update_both(g, s1, s2, params)
+    chex.assert_trees_all_close(
+      u1, u2, rtol=case.inject_tol, atol=0.1 * case.inject_tol
+    )
+  chex.assert_trees_all_close(
+    s2.inner_state, s1, rtol=case.inject_tol, atol=0.1 * case.inject_tol
+  )
+
+
+@functools.cache
+def _cond_step(case: Case, x64: bool):
+  """One jitted program stepping mixed_tensors in several dtypes, each step
+  under ``lax.cond(pred, ...)``; shared by the dtype and lax.cond checks."""
+  dtypes = tuple(
+    d for d in case.stable_dtypes if (jnp.dtype(d) == jnp.float64) == x64
+  )
+  steps, carries = [], []
+  with jax.enable_x64(x64):
+    for dtype in dtypes:
+      init, _, obj = TARGETS["mixed_tensors"](dtype)
+      opt = case.make()
+      steps.append(_step_fn(case, opt, obj))
+      carries.append((init, opt.init(init)))
+
+  @jax.jit
+  def cond_step(carries, pred):
+    return [
+      jax.lax.cond(pred, step, lambda p, s: (p, s), *c)
+      for step, c in zip(steps, carries)
     ]
-    carries = [(p, opt.init(p)) for p in params]
-    for _ in range(2):
-      new_carries = step_all(carries)
-      for dtype, (new_params, _), (old_params, _) in zip(
+
+  return dtypes, cond_step, carries
+
+
+def _run_cond_steps(test, case: Case, x64: bool, preds):
+  dtypes, cond_step, carries = _cond_step(case, x64)
+  if not dtypes:
+    return
+  with jax.enable_x64(x64):
+    for pred in preds:
+      new_carries = cond_step(carries, jnp.asarray(pred))
+      for dtype, (params, state), (old_params, old_state) in zip(
         dtypes, new_carries, carries
       ):
-        with self.subTest(dtype=jnp.dtype(dtype).name):
-          chex.assert_trees_all_equal_dtypes(new_params, old_params)
+        with test.subTest(dtype=jnp.dtype(dtype).name):
+          chex.assert_trees_all_equal_dtypes(params, old_params)
+          chex.assert_trees_all_equal_shapes_and_dtypes(state, old_state)
       carries = new_carries
 
-  def test_conformance_multisteps_first_ministep_is_zero(self):
-    dtypes = (jnp.bfloat16, jnp.float32)
-    obj = lambda p: jnp.sum(p.astype(jnp.float32) ** 2)
-    opt = optax.MultiSteps(self.make(), every_k_schedule=4)
 
-    @jax.jit
-    def first_ministep(all_params):  # Both dtypes: one compile.
-      out = []
-      for params in all_params:
-        extras = self.extra_args(params, obj)
-        grads = jax.grad(obj)(params).astype(params.dtype)
-        out.append(
-          (opt.update(grads, opt.init(params), params, **extras)[0], grads)
+def check_preserves_dtype(test, case: Case):
+  """Two taken steps keep every parameter's and state leaf's dtype."""
+  _run_cond_steps(test, case, x64=False, preds=(True, True))
+
+
+def check_state_stable_under_cond(test, case: Case):
+  """Taken and skipped ``lax.cond`` branches agree on the state's types."""
+  for x64 in (False, True):
+    _run_cond_steps(test, case, x64=x64, preds=(True, False, True))
+
+
+def check_multisteps_first_ministep_is_zero(test, case: Case):
+  dtypes = (jnp.bfloat16, jnp.float32)
+  obj = lambda p: jnp.sum(p.astype(jnp.float32) ** 2)
+  opt = optax.MultiSteps(case.make(), every_k_schedule=4)
+
+  @jax.jit
+  def first_ministep(all_params):  # Both dtypes: one compile.
+    out = []
+    for params in all_params:
+      grads = jax.grad(obj)(params).astype(params.dtype)
+      extras = case.extra_args(grads)
+      out.append(
+        (opt.update(grads, opt.init(params), params, **extras)[0], grads)
+      )
+    return out
+
+  all_params = [jnp.array([[1.0, 2.0], [-1.0, 0.5]], dtype) for dtype in dtypes]
+  for dtype, (updates, grads) in zip(dtypes, first_ministep(all_params)):
+    with test.subTest(dtype=jnp.dtype(dtype).name):
+      chex.assert_trees_all_equal(updates, jnp.zeros_like(grads))
+
+
+def check_init_on_shape_dtype_struct(test, case: Case):
+  del test
+  init, _, _ = TARGETS["mixed_tensors"](jnp.float32)
+  opt = case.make()
+  structs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), init)
+  abstract = jax.eval_shape(opt.init, structs)
+  concrete = opt.init(init)
+  chex.assert_trees_all_equal_shapes_and_dtypes(abstract, concrete)
+
+
+def check_map_params(test, case: Case):
+  """optax.tree.map_params reaches the params-shaped leaves of the state and
+  leaves the structure alone (what sharding annotations rely on)."""
+  init, _, _ = TARGETS["mixed_tensors"](jnp.float32)
+  opt = case.make()
+  state = opt.init(init)
+  same = optax.tree.map_params(opt, lambda v: v, state)
+  chex.assert_trees_all_equal(same, state)
+  # Mapping params to structs must not touch the non-params leaves' values.
+  structs = optax.tree.map_params(
+    opt, lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype), state
+  )
+  test.assertEqual(jax.tree.structure(structs), jax.tree.structure(state))
+
+
+@functools.cache
+def _bad_gradient_run(case: Case):
+  """One jitted program: 4 steps, gradients replaced by ``bad`` at steps 0
+  and 2 (the whole leaf, or only its first element), for the bare transform
+  and for it under ``optax.apply_if_finite``. ``bad`` is an argument, so
+  every bad value shares the compile; the steps are a scan, so the update
+  is compiled once for each of the two."""
+  init, _, obj = TARGETS["mixed_tensors"](jnp.float32)
+  opt = case.make()
+  guarded = optax.apply_if_finite(opt, max_consecutive_errors=100)
+
+  def step(tx, carry, spoiled, bad, whole):
+    params, state = carry
+    grads = jax.grad(obj)(params)
+
+    def spoil(x):
+      first = jnp.arange(x.size).reshape(x.shape) == 0
+      return jnp.where(spoiled & (whole | first), bad.astype(x.dtype), x)
+
+    grads = jax.tree.map(spoil, grads)
+    updates, state = tx.update(grads, state, params, **case.extra_args(grads))
+    return (optax.apply_updates(params, updates), state), updates
+
+  @jax.jit
+  def run(bad, whole):
+    def body(carry, spoiled):
+      bare, safe = carry
+      bare, bare_updates = step(opt, bare, spoiled, bad, whole)
+      safe, _ = step(guarded, safe, spoiled, bad, whole)
+      return (bare, safe), (bare_updates, bare[1], safe[0])
+
+    carry = ((init, opt.init(init)), (init, guarded.init(init)))
+    spoiled = jnp.array([True, False, True, False])
+    _, (bare_updates, bare_states, safe_params) = jax.lax.scan(
+      body, carry, spoiled
+    )
+    return bare_updates, bare_states, safe_params
+
+  return run
+
+
+def check_nonfinite_gradients(test, case: Case):
+  """Zero, NaN, +-Inf and 1e30 gradients: the update returns; zero gradients
+  give finite updates and state; under ``optax.apply_if_finite`` the params
+  stay finite after every step."""
+  run = _bad_gradient_run(case)
+  for label, value in BAD_VALUES.items():
+    for whole in (True, False) if value != 0.0 else (True,):
+      with test.subTest(gradient=label, whole_leaf=whole):
+        out = run(jnp.float32(value), jnp.asarray(whole))
+        bare_updates, bare_states, safe_params = jax.block_until_ready(out)
+        if value == 0.0:
+          chex.assert_tree_all_finite(
+            bare_updates, custom_message="updates of zero gradients"
+          )
+          chex.assert_tree_all_finite(
+            bare_states, custom_message="state after zero gradients"
+          )
+        # Leaves stacked over the 4 steps: finite after every step.
+        chex.assert_tree_all_finite(
+          safe_params, custom_message="params under apply_if_finite"
         )
-      return out
 
-    all_params = [
-      jnp.array([[1.0, 2.0], [-1.0, 0.5]], dtype) for dtype in dtypes
-    ]
-    for dtype, (updates, grads) in zip(dtypes, first_ministep(all_params)):
-      with self.subTest(dtype=jnp.dtype(dtype).name):
-        chex.assert_trees_all_equal(updates, jnp.zeros_like(grads))
 
-  def test_conformance_state_stable_under_cond(self):
-    # One compile for the dtypes that need no x64, one for float64.
-    groups = (
-      [d for d in self.STABLE_DTYPES if d != jnp.float64],
-      [d for d in self.STABLE_DTYPES if d == jnp.float64],
-    )
-    for dtypes in groups:
-      if not dtypes:
-        continue
-      with jax.enable_x64(dtypes[0] == jnp.float64):
-        steps, carries, inits = [], [], []
-        for dtype in dtypes:
-          init, _, obj = TARGETS["mixed_tensors"](dtype)
-          opt = self.make()
-          steps.append(self._step_fn(opt, obj))
-          carries.append((init, opt.init(init)))
-          inits.append(init)
-
-        @jax.jit
-        def cond_step(carries, steps=steps):
-          pred = jax.random.randint(jax.random.key(0), (), 0, 2) == 0
-          return [
-            jax.lax.cond(pred, step, lambda p, s: (p, s), *c)
-            for step, c in zip(steps, carries)
-          ]
-
-        for _ in range(2):
-          carries = cond_step(carries)
-          for dtype, (params, _), init in zip(dtypes, carries, inits):
-            with self.subTest(dtype=jnp.dtype(dtype).name):
-              chex.assert_trees_all_equal_dtypes(params, init)
-
-  def test_conformance_learning_rate_schedule(self):
-    init, _, obj = TARGETS["mixed_tensors"](jnp.float32)
-    lr = self.KWARGS.get("learning_rate", 1e-2)
-    schedule = optax.linear_schedule(lr, 0.1 * lr, 50)
-    opt = self.make(learning_rate=schedule)
-    step = jax.jit(self._step_fn(opt, obj))
-    params, state = init, opt.init(init)
-    for _ in range(3):
-      params, state = step(params, state)
-    chex.assert_tree_all_finite(params)
-    self.assertFalse(
-      all(
-        bool(jnp.all(a == b))
-        for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(init))
-      ),
-      "a scheduled learning rate produced no update",
-    )
-
-  def test_conformance_init_on_shape_dtype_struct(self):
-    init, _, _ = TARGETS["mixed_tensors"](jnp.float32)
-    opt = self.make()
-    structs = jax.tree.map(
-      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), init
-    )
-    abstract = jax.eval_shape(opt.init, structs)
-    concrete = opt.init(init)
-    chex.assert_trees_all_equal_shapes_and_dtypes(abstract, concrete)
-
-  def test_conformance_zero_and_nonfinite_gradients(self):
-    """All-zero gradients give finite updates; NaN never enters the state."""
-    init, _, _ = TARGETS["mixed_tensors"](jnp.float32)
-    opt = self.make()
-    obj = lambda p: jnp.sum(jnp.square(p[1]))
-    extras = self.extra_args(init, obj)
-    update = jax.jit(functools.partial(opt.update, **extras))
-    state = opt.init(init)
-    zeros = jax.tree.map(jnp.zeros_like, init)
-    updates, state = update(zeros, state, init)
-    chex.assert_tree_all_finite(updates)
-    chex.assert_tree_all_finite(state)
+CHECKS: dict[str, Callable[[Any, Case], None]] = {
+  "converges": check_converges,
+  "ignores_unknown_extras_and_no_recompile": (
+    check_ignores_unknown_extras_and_no_recompile
+  ),
+  "learning_rate_schedule": check_learning_rate_schedule,
+  "inject_hyperparams": check_inject_hyperparams,
+  "preserves_dtype": check_preserves_dtype,
+  "state_stable_under_cond": check_state_stable_under_cond,
+  "multisteps_first_ministep_is_zero": check_multisteps_first_ministep_is_zero,
+  "init_on_shape_dtype_struct": check_init_on_shape_dtype_struct,
+  "map_params": check_map_params,
+  "nonfinite_gradients": check_nonfinite_gradients,
+}

@@ -13,7 +13,6 @@ import optax
 
 import fisher_optax
 from fisher_optax.fisher import validation
-from tests import conformance
 
 # -- a float64 NumPy re-implementation of the rule in scale_by_fadam ----------
 
@@ -614,18 +613,6 @@ class FAdamBehaviourTest(parameterized.TestCase):
       restored = ckpt.restore(f"{tmp}/state", jax.eval_shape(tx.init, params))
     self.assertIsInstance(restored[0], fisher_optax.FAdamState)
     chex.assert_trees_all_equal(restored, state)
-
-
-# -- the shared conformance suite ---------------------------------------------
-
-
-class FAdamConformanceTest(
-  conformance.OptimizerConformance, parameterized.TestCase
-):
-  FACTORY = staticmethod(fisher_optax.fadam)
-  KWARGS = {"learning_rate": 1e-2, "weight_decay": 1e-3}
-  INJECTABLE = ("learning_rate", "b1", "b2", "weight_decay", "eps", "clip", "p")
-  TARGET_KWARGS = {"rosenbrock": {"learning_rate": 3e-3}}
 
 
 if __name__ == "__main__":

@@ -14,7 +14,6 @@ import numpy as np
 import optax
 
 from fisher_optax import fisher
-from tests import conformance
 from tests import fisher_testing as ft
 
 
@@ -242,39 +241,6 @@ class EstimateFisherLowRankTest(absltest.TestCase):
       )
     )(state, params, (x, y))
     np.testing.assert_allclose(state.eigvals, ref.eigvals, rtol=1e-5)
-
-
-def _sgd_with_fisher(learning_rate, decay=0.0):
-  """A chain whose only job is to carry the estimator through the suite."""
-  return optax.chain(
-    fisher.estimate_fisher_diag(decay=decay), optax.sgd(learning_rate)
-  )
-
-
-class EstimatorInChainConformanceTest(
-  conformance.OptimizerConformance, parameterized.TestCase
-):
-  FACTORY = staticmethod(_sgd_with_fisher)
-  KWARGS = {"learning_rate": 1e-2}
-  INJECTABLE = ("learning_rate", "decay")
-  CONVERGENCE_STEPS = {
-    "parabola": 1000,
-    "matrix_parabola": 1000,
-    "mixed_tensors": 1000,
-  }
-  TARGET_KWARGS = {
-    "parabola": {"learning_rate": 0.1},
-    "matrix_parabola": {"learning_rate": 0.1},
-    "mixed_tensors": {"learning_rate": 0.1},
-  }
-
-  def extra_args(self, params, obj_fn):
-    # A batch of one example: the full gradient.
-    return {
-      "per_example_grads": jax.tree.map(
-        lambda g: g[None], jax.grad(obj_fn)(params)
-      )
-    }
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ import optax
 
 import fisher_optax
 from fisher_optax import _matrix_roots
-from tests import conformance
 
 DN = fisher_optax.FISMODimensionNumbers
 EXACT_NS = ((2.0, -1.5, 0.5), 24)  # convergent quintic: the exact polar.
@@ -681,7 +680,7 @@ class PerExampleTest(parameterized.TestCase):
 
 
 class IntegrationTest(parameterized.TestCase):
-  """optax.masked, nnx.Optimizer, bf16 (inject: see the conformance class)."""
+  """optax.masked, nnx.Optimizer, bf16 (inject: see the conformance table)."""
 
   def test_masked(self):
     params = {"w": jnp.ones((4, 3)), "v": jnp.ones((3, 3))}
@@ -699,7 +698,7 @@ class IntegrationTest(parameterized.TestCase):
     chex.assert_trees_all_equal(ups["v"], grads["v"])
     chex.assert_trees_all_close(ups["w"], direct["w"], atol=1e-4)
     # inject_hyperparams (a traced precondition_interval included) is
-    # covered by FismoConformanceTest.test_conformance_inject_hyperparams.
+    # covered by the conformance table (tests/conformance_test.py).
 
   def test_nnx_optimizer(self):
     from flax import nnx  # pylint: disable=g-import-not-at-top
@@ -750,27 +749,6 @@ class DeprecatedNamesTest(absltest.TestCase):
     self.assertIn("FISMOState", fisher_optax.__all__)
     with self.assertRaises(AttributeError):
       fisher_optax.__getattr__("FismoNothing")
-
-
-class FismoConformanceTest(
-  conformance.OptimizerConformance, parameterized.TestCase
-):
-  FACTORY = staticmethod(fisher_optax.fismo)
-  KWARGS = {
-    "learning_rate": 1e-2,
-    "weight_decay": 1e-4,
-    "precondition_interval": 2,
-  }
-  INJECTABLE = (
-    "learning_rate",
-    "beta",
-    "gamma",
-    "damping",
-    "weight_decay",
-    "precondition_interval",
-  )
-  STATIC_ARGS = ("ns_steps", "max_precond_dim", "max_aspect_ratio")
-  TARGET_KWARGS = {"rosenbrock": {"learning_rate": 3e-3}}
 
 
 if __name__ == "__main__":

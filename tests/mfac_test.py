@@ -10,7 +10,6 @@ import numpy as np
 
 import fisher_optax
 from fisher_optax import fisher
-from tests import conformance
 
 M, SHAPES = 6, {"b": (5,), "w": (3, 2)}  # d = 11 (dict order: b, then w)
 D = 11
@@ -255,29 +254,6 @@ class ScaleByMFACTest(parameterized.TestCase):
       )
     with self.assertRaisesRegex(ValueError, "per_example_grads"):
       tx.update(params, state, per_example_grads=params)
-
-
-class MFACConformanceTest(
-  conformance.OptimizerConformance, parameterized.TestCase
-):
-  FACTORY = staticmethod(fisher_optax.mfac)
-  KWARGS = {
-    "learning_rate": 1e-1,
-    "window_size": 4,
-    "damping": 10.0,
-    "momentum": 0.5,
-    "weight_decay": 0.0,
-  }
-  INJECTABLE = ("learning_rate", "damping", "momentum", "weight_decay")
-  STATIC_ARGS = ("window_size",)
-  # Far from the optimum a rank-one empirical Fisher takes steps ~ lr / |g|.
-  TARGET_KWARGS = {"parabola": {"learning_rate": 2e-1}}
-  CONVERGENCE_STEPS = {
-    "parabola": 1000,
-    "rosenbrock": 5000,
-    "matrix_parabola": 1000,
-    "mixed_tensors": 1000,
-  }
 
 
 if __name__ == "__main__":

@@ -14,7 +14,6 @@ import numpy as np
 import optax
 
 import fisher_optax
-from tests import conformance
 
 
 def _grads(shapes, steps, seed=0, dtype=jnp.float32):
@@ -500,21 +499,6 @@ class NaturalGaLoreTest(parameterized.TestCase):
 
 def fisher_optax_dims():
   return optax.contrib.GaLoreDimensionNumbers(0, 1)
-
-
-class NaturalGaLoreConformanceTest(
-  conformance.OptimizerConformance, parameterized.TestCase
-):
-  FACTORY = staticmethod(fisher_optax.natural_galore)
-  KWARGS = {
-    "learning_rate": 1e-2,
-    "rank": 2,
-    "history_size": 3,
-    "damping": 1e-2,
-  }
-  INJECTABLE = ("learning_rate", "damping", "weight_decay", "scale")
-  STATIC_ARGS = ("rank", "history_size", "svd_power_iterations")
-  TARGET_KWARGS = {"rosenbrock": {"learning_rate": 3e-3}}
 
 
 if __name__ == "__main__":

@@ -10,7 +10,6 @@ import numpy as np
 import optax
 
 import fisher_optax
-from tests import conformance
 
 
 def _grads(seed, n=12, dtype=jnp.float32):
@@ -216,24 +215,6 @@ class ProjectOutSubspaceTest(parameterized.TestCase):
     p = {"a": jnp.ones(3)}
     with self.assertRaisesRegex(ValueError, "tree structure"):
       tx.update({"a": p["a"], "b": p["a"]}, tx.init(p))
-
-
-class PhysGuardConformanceTest(
-  conformance.OptimizerConformance, parameterized.TestCase
-):
-  """``physguard`` with an empty protected subspace (= Adam) in the suite."""
-
-  FACTORY = staticmethod(fisher_optax.physguard)
-  KWARGS = {"learning_rate": 1e-1, "max_rank": 2}
-  INJECTABLE = ("learning_rate", "alpha", "b1", "b2", "eps", "weight_decay")
-  STATIC_ARGS = ("max_rank",)
-  CONVERGENCE_STEPS = {
-    "parabola": 1000,
-    "rosenbrock": 3000,
-    "matrix_parabola": 1000,
-    "mixed_tensors": 1000,
-  }
-  TARGET_KWARGS = {"rosenbrock": {"learning_rate": 1e-2}}
 
 
 if __name__ == "__main__":
