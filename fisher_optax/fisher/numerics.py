@@ -217,3 +217,39 @@ def skip_nonfinite_step(
   return new_updates, new_state._replace(
     notfinite_count=jnp.where(ok, count, optax.safe_increment(count))
   )
+
+
+def finite_or_nan(fn: Callable[..., PyTree], *args: Any) -> PyTree:
+  """``fn(*args)`` if every float in ``args`` is finite, else NaN outputs.
+
+  For decompositions (``eigh``, SVD, Cholesky): ``fn`` never sees a NaN or
+  an infinity, because non-finite arguments are replaced by zeros before it
+  runs and its float outputs are then set to NaN. LAPACK's ``eigh``/SVD on
+  an infinite matrix need not terminate on XLA:CPU. Unlike a
+  :func:`jax.lax.cond`, the guard holds under :func:`jax.vmap` too (a
+  batched predicate would run both branches).
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from fisher_optax.fisher import numerics
+    >>> bad = jnp.full((2, 2), jnp.inf)
+    >>> vals, _ = numerics.finite_or_nan(jnp.linalg.eigh, bad)
+    >>> bool(jnp.isnan(vals).all())
+    True
+  """
+  ok = tree_all_finite(args)
+  safe = jax.tree.map(
+    lambda a: (
+      jnp.where(ok, a, jnp.zeros_like(a))
+      if jnp.issubdtype(jnp.result_type(a), jnp.inexact)
+      else a
+    ),
+    args,
+  )
+
+  def poison(x: Any) -> Any:
+    if not jnp.issubdtype(jnp.result_type(x), jnp.inexact):
+      return x
+    return jnp.where(ok, x, jnp.asarray(jnp.nan, jnp.result_type(x)))
+
+  return jax.tree.map(poison, fn(*safe))
