@@ -12,10 +12,12 @@ from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
+import jax.core
 import jax.numpy as jnp
 import numpy as np
 
 from fisher_optax import fisher as fisher_engine
+from fisher_optax.fisher import numerics
 from fisher_optax.fisher import validation
 
 PyTree = Any
@@ -31,11 +33,6 @@ def _is_float(leaf: Any) -> bool:
   return jnp.issubdtype(jnp.result_type(leaf), jnp.floating)
 
 
-def _compute_dtype(leaf: Any) -> jnp.dtype:
-  # Statistics are accumulated in at least float32 (bf16 params included).
-  return jnp.promote_types(jnp.result_type(leaf), jnp.float32)
-
-
 def _leaf_names(tree: PyTree) -> list[str]:
   paths = jax.tree_util.tree_flatten_with_path(tree)[0]
   return [jax.tree_util.keystr(p) or "<root>" for p, _ in paths]
@@ -45,6 +42,11 @@ def _unwrap_fisher(fisher: Any) -> PyTree:
   """Accepts a params-shaped tree or an engine ``DiagonalFisher``."""
   if isinstance(fisher, fisher_engine.DiagonalFisher):
     return fisher.diag
+  if isinstance(fisher, fisher_engine.FisherStatistic):
+    raise TypeError(
+      "Fisher merging needs a diagonal Fisher: a fisher.DiagonalFisher or a "
+      f"params-shaped tree, got a {type(fisher).__name__}."
+    )
   return fisher
 
 
@@ -75,29 +77,13 @@ def _check_like(
       )
 
 
-def _resolve_mask(merge_mask: MaskOrFn, params: PyTree) -> list[bool]:
+def _merged_leaves(merge_mask: MaskOrFn, params: PyTree) -> list[bool]:
   """Flat list: True where the leaf is merged (floating and not masked out)."""
-  leaves = jax.tree.leaves(params)
-  if merge_mask is None:
-    mask_leaves = [True] * len(leaves)
-  else:
-    mask = merge_mask(params) if callable(merge_mask) else merge_mask
-    try:
-      mask_leaves = jax.tree.leaves(
-        jax.tree.broadcast(mask, params, is_leaf=lambda x: x is None)
-      )
-    except ValueError as e:
-      raise ValueError(
-        "merge_mask must be a pytree of bools with the structure of the "
-        f"params (or a prefix of it): {e}"
-      ) from e
-    for m in mask_leaves:
-      if not isinstance(m, (bool, np.bool_)):
-        raise TypeError(
-          "merge_mask leaves must be Python bools (the mask decides the "
-          f"program's structure), got {type(m).__name__}."
-        )
-  return [bool(m) and _is_float(x) for m, x in zip(mask_leaves, leaves)]
+  mask = numerics.resolve_mask(merge_mask, params, name="merge_mask")
+  return [
+    m and _is_float(x)
+    for m, x in zip(jax.tree.leaves(mask), jax.tree.leaves(params))
+  ]
 
 
 def _check_weight(name: str, weight: Any) -> None:
@@ -110,23 +96,54 @@ def _check_weight(name: str, weight: Any) -> None:
     raise ValueError(f"{name} must be finite and >= 0, got {arr}.")
 
 
-def _check_fisher_values(name: str, fisher: Any) -> None:
-  """Concrete Fishers must be finite and non-negative (traced ones pass)."""
-  if isinstance(fisher, jax.core.Tracer):
+def check_fisher_leaf(
+  leaf: Any, *, name: str = "fisher", error: type[Exception] | None = None
+) -> None:
+  """Checks one leaf of a diagonal Fisher: floating, finite, non-negative.
+
+  The value checks need concrete values: a traced leaf (under ``jit``)
+  passes them.
+
+  Args:
+    leaf: the Fisher's leaf (a numpy or jax array).
+    name: how messages name the leaf, e.g. ``"fisher['head']"``.
+    error: the exception class raised for every problem; by default a
+      ``TypeError`` for a non-floating dtype and a ``ValueError`` for
+      non-finite or negative values.
+
+  Raises:
+    TypeError: (or ``error``) if the leaf is not floating point.
+    ValueError: (or ``error``) if a value is non-finite or negative.
+
+  Example:
+    >>> import numpy as np
+    >>> from fisher_optax._merging import check_fisher_leaf
+    >>> check_fisher_leaf(np.array([0.0, 2.0]))  # a valid leaf: no error
+    >>> check_fisher_leaf(np.array([1.0, -1.0]), name="fisher['w']")
+    Traceback (most recent call last):
+    ...
+    ValueError: fisher['w'] has 1 negative entries; ...
+  """
+  if not _is_float(leaf):
+    raise (error or TypeError)(
+      f"{name} has dtype {jnp.result_type(leaf)}; a Fisher must be floating "
+      "point."
+    )
+  if isinstance(leaf, jax.core.Tracer):
     return
-  arr = np.asarray(fisher, np.float32)
+  arr = np.asarray(leaf, np.float32)
   if not np.all(np.isfinite(arr)):
-    raise ValueError(f"fisher{name} has non-finite values.")
+    raise (error or ValueError)(f"{name} has non-finite values.")
   if np.any(arr < 0):
-    raise ValueError(
-      f"fisher{name} has {int(np.sum(arr < 0))} negative entries; a "
-      "diagonal Fisher is non-negative."
+    raise (error or ValueError)(
+      f"{name} has {int(np.sum(arr < 0))} negative entries; a diagonal "
+      "Fisher is non-negative."
     )
 
 
 def _fisher_norm(fisher_leaves: list[Any], merged: list[bool]) -> jax.Array:
   sq = [
-    jnp.sum(jnp.square(f.astype(_compute_dtype(f))))
+    jnp.sum(jnp.square(f.astype(numerics.compute_dtype(f))))
     for f, m in zip(fisher_leaves, merged)
     if m
   ]
@@ -216,6 +233,125 @@ class FisherMergeAccumulator(NamedTuple):
   finalize: Callable[[FisherMergeState], PyTree]
 
 
+class _MergeOptions(NamedTuple):
+  fisher_floor: Any
+  floor_mode: str
+  normalize: bool
+  merge_mask: MaskOrFn
+
+
+def _model_coefficients(
+  opts: _MergeOptions,
+  params: PyTree,
+  fisher: Any,
+  weight: Any,
+  is_target: bool,
+) -> tuple[list[bool], list[Any]]:
+  """Which leaves merge, and each merged leaf's ``w * max(F, floor)``."""
+  fisher = _unwrap_fisher(fisher)
+  _check_like(
+    params, fisher, what="fisher", reference_name="params", check_dtype=False
+  )
+  merged = _merged_leaves(opts.merge_mask, params)
+  for name, f, m in zip(_leaf_names(fisher), jax.tree.leaves(fisher), merged):
+    if m:
+      check_fisher_leaf(f, name=f"fisher{name}")
+  apply_floor = opts.floor_mode == "all" or is_target
+  coeffs = _coefficients(
+    jax.tree.leaves(fisher),
+    merged,
+    weight,
+    opts.fisher_floor,
+    apply_floor,
+    opts.normalize,
+  )
+  return merged, coeffs
+
+
+def _init_state(
+  opts: _MergeOptions, target_params: PyTree, target_fisher: Any, weight: Any
+) -> FisherMergeState:
+  """The state holding the target alone."""
+  _check_weight("weight", weight)
+  merged, coeffs = _model_coefficients(
+    opts, target_params, target_fisher, weight, True
+  )
+  leaves, treedef = jax.tree.flatten(target_params)
+  means, masses, dtypes = [], [], []
+  for x, m, c in zip(leaves, merged, coeffs):
+    x = jnp.asarray(x)
+    dtypes.append(jnp.zeros((0,), x.dtype))
+    if not m:
+      means.append(x)
+      masses.append(jnp.zeros((), jnp.float32))
+      continue
+    dtype = numerics.compute_dtype(x)
+    means.append(x.astype(dtype))
+    masses.append(jnp.broadcast_to(c.astype(dtype), x.shape))
+  return FisherMergeState(
+    count=jnp.ones((), jnp.int32),
+    mean=treedef.unflatten(means),
+    mass=treedef.unflatten(masses),
+    dtypes=treedef.unflatten(dtypes),
+  )
+
+
+def _check_model(state: FisherMergeState, params: PyTree) -> None:
+  """A model to add has the target's structure, shapes and dtypes."""
+  _check_like(
+    state.mean,
+    params,
+    what="params",
+    reference_name="target",
+    check_dtype=False,
+  )
+  for name, d, x in zip(
+    _leaf_names(params), jax.tree.leaves(state.dtypes), jax.tree.leaves(params)
+  ):
+    if jnp.result_type(x) != d.dtype:
+      raise ValueError(
+        f"params{name} has dtype {jnp.result_type(x)} but target{name} "
+        f"has dtype {d.dtype}."
+      )
+
+
+def _add_model(
+  opts: _MergeOptions,
+  state: FisherMergeState,
+  params: PyTree,
+  fisher: Any,
+  weight: Any,
+) -> FisherMergeState:
+  """Folds one more model into the running merge."""
+  _check_weight("weight", weight)
+  _check_model(state, params)
+  merged, coeffs = _model_coefficients(opts, params, fisher, weight, False)
+  treedef = jax.tree.structure(params)
+  means, masses = [], []
+  for x, m, c, mean, mass in zip(
+    jax.tree.leaves(params),
+    merged,
+    coeffs,
+    jax.tree.leaves(state.mean),
+    jax.tree.leaves(state.mass),
+  ):
+    if m:
+      mean, mass = _fold(mean, mass, x, c)
+    means.append(mean)
+    masses.append(mass)
+  return FisherMergeState(
+    count=state.count + 1,
+    mean=treedef.unflatten(means),
+    mass=treedef.unflatten(masses),
+    dtypes=state.dtypes,
+  )
+
+
+def _finalize(state: FisherMergeState) -> PyTree:
+  """The merged parameters in the params' dtypes."""
+  return jax.tree.map(lambda x, d: x.astype(d.dtype), state.mean, state.dtypes)
+
+
 def fisher_merge_accumulator(
   fisher_floor: float | jax.Array = 1e-6,
   *,
@@ -240,10 +376,9 @@ def fisher_merge_accumulator(
   merged are its, and coordinates whose Fisher mass stays zero keep its
   value. All three functions are jit-able.
 
-  It trades time for memory: on CPU, two 100M-parameter models merge about
-  2x slower than a plain average this way, against about 1.2x for
-  :func:`fisher_merge` (``benchmarks/merging.py``). Donate the state to
-  ``add`` so XLA updates the buffers in place.
+  It trades time for memory: each model is a separate pass over the
+  buffers. Donate the state to ``add`` (``jax.jit(acc.add,
+  donate_argnums=0)``) so XLA updates the buffers in place.
 
   Args:
     fisher_floor: lower bound applied to the Fishers (see ``floor_mode``).
@@ -260,15 +395,22 @@ def fisher_merge_accumulator(
   Returns:
     A :class:`FisherMergeAccumulator` ``(init, add, finalize)``.
 
-  Example::
-
-    acc = fisher_optax.fisher_merge_accumulator()
-    add = jax.jit(acc.add, donate_argnums=0)
-    state = acc.init(params_0, fisher_0)
-    for path in other_checkpoints:
-      params, fisher = load(path)
-      state = add(state, params, fisher)
-    merged = acc.finalize(state)
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> import fisher_optax
+    >>> models = [{"w": jnp.array([0.0, 0.0])}, {"w": jnp.array([1.0, 1.0])},
+    ...           {"w": jnp.array([2.0, 2.0])}]
+    >>> fishers = [{"w": jnp.array([1.0, 3.0])}, {"w": jnp.array([1.0, 1.0])},
+    ...            {"w": jnp.array([2.0, 4.0])}]
+    >>> acc = fisher_optax.fisher_merge_accumulator()
+    >>> add = jax.jit(acc.add)  # one compile for every model that follows
+    >>> state = acc.init(models[0], fishers[0])
+    >>> for params, fisher in zip(models[1:], fishers[1:]):  # e.g. loaded
+    ...   state = add(state, params, fisher)
+    >>> acc.finalize(state)["w"]
+    Array([1.25 , 1.125], dtype=float32)
+    >>> fisher_optax.fisher_merge(models, fishers)["w"]  # the same merge
+    Array([1.25 , 1.125], dtype=float32)
 
   References:
     Matena et al, `Merging Models with Fisher-Weighted Averaging
@@ -281,112 +423,19 @@ def fisher_merge_accumulator(
       f"normalize must be a bool, got {type(normalize).__name__}."
     )
 
-  def _coeffs(params, fisher, weight, is_target):
-    fisher = _unwrap_fisher(fisher)
-    _check_like(
-      params,
-      fisher,
-      what="fisher",
-      reference_name="params",
-      check_dtype=False,
-    )
-    merged = _resolve_mask(merge_mask, params)
-    for name, f, m in zip(_leaf_names(fisher), jax.tree.leaves(fisher), merged):
-      if not m:
-        continue
-      if not _is_float(f):
-        raise TypeError(
-          f"fisher{name} must be floating point, got {jnp.result_type(f)}."
-        )
-      _check_fisher_values(name, f)
-    apply_floor = floor_mode == "all" or is_target
-    return merged, _coefficients(
-      jax.tree.leaves(fisher),
-      merged,
-      weight,
-      fisher_floor,
-      apply_floor,
-      normalize,
-    )
+  opts = _MergeOptions(fisher_floor, floor_mode, normalize, merge_mask)
 
   def init_fn(
-    target_params: PyTree, target_fisher: PyTree, weight: Any = 1.0
+    target_params: PyTree, target_fisher: Any, weight: Any = 1.0
   ) -> FisherMergeState:
-    _check_weight("weight", weight)
-    merged, coeffs = _coeffs(target_params, target_fisher, weight, True)
-    leaves, treedef = jax.tree.flatten(target_params)
-    means, masses, dtypes = [], [], []
-    for x, m, c in zip(leaves, merged, coeffs):
-      x = jnp.asarray(x)
-      dtypes.append(jnp.zeros((0,), x.dtype))
-      if not m:
-        means.append(x)
-        masses.append(jnp.zeros((), jnp.float32))
-        continue
-      dtype = _compute_dtype(x)
-      means.append(x.astype(dtype))
-      masses.append(jnp.broadcast_to(c.astype(dtype), x.shape))
-    return FisherMergeState(
-      count=jnp.ones((), jnp.int32),
-      mean=treedef.unflatten(means),
-      mass=treedef.unflatten(masses),
-      dtypes=treedef.unflatten(dtypes),
-    )
+    return _init_state(opts, target_params, target_fisher, weight)
 
   def add_fn(
-    state: FisherMergeState,
-    params: PyTree,
-    fisher: PyTree,
-    weight: Any = 1.0,
+    state: FisherMergeState, params: PyTree, fisher: Any, weight: Any = 1.0
   ) -> FisherMergeState:
-    _check_weight("weight", weight)
-    _check_like(
-      state.mean,
-      params,
-      what="params",
-      reference_name="target",
-      check_dtype=False,
-    )
-    for name, d, x in zip(
-      _leaf_names(params),
-      jax.tree.leaves(state.dtypes),
-      jax.tree.leaves(params),
-    ):
-      if jnp.result_type(x) != d.dtype:
-        raise ValueError(
-          f"params{name} has dtype {jnp.result_type(x)} but target{name} "
-          f"has dtype {d.dtype}."
-        )
-    merged, coeffs = _coeffs(params, fisher, weight, False)
-    treedef = jax.tree.structure(params)
-    means, masses = [], []
-    for x, m, c, mean, mass in zip(
-      jax.tree.leaves(params),
-      merged,
-      coeffs,
-      jax.tree.leaves(state.mean),
-      jax.tree.leaves(state.mass),
-    ):
-      if not m:
-        means.append(mean)
-        masses.append(mass)
-        continue
-      new_mean, new_mass = _fold(mean, mass, x, c)
-      means.append(new_mean)
-      masses.append(new_mass)
-    return FisherMergeState(
-      count=state.count + 1,
-      mean=treedef.unflatten(means),
-      mass=treedef.unflatten(masses),
-      dtypes=state.dtypes,
-    )
+    return _add_model(opts, state, params, fisher, weight)
 
-  def finalize_fn(state: FisherMergeState) -> PyTree:
-    return jax.tree.map(
-      lambda x, d: x.astype(d.dtype), state.mean, state.dtypes
-    )
-
-  return FisherMergeAccumulator(init_fn, add_fn, finalize_fn)
+  return FisherMergeAccumulator(init_fn, add_fn, _finalize)
 
 
 # -- batch merge --------------------------------------------------------------
@@ -578,6 +627,15 @@ def merge_weight_candidates(
 
   Returns:
     Non-negative weights summing to one, one row per candidate.
+
+  Example:
+    >>> import fisher_optax
+    >>> fisher_optax.merge_weight_candidates(2, num_points=3)
+    array([[0. , 1. ],
+           [0.5, 0.5],
+           [1. , 0. ]], dtype=float32)
+    >>> fisher_optax.merge_weight_candidates(3, num_points=4).shape
+    (4, 3)
   """
   validation.check_static_int("num_models", num_models, minimum=1)
   validation.check_static_int("num_points", num_points, minimum=1)
@@ -627,16 +685,20 @@ def search_merge_weights(
   Returns:
     A :class:`MergeWeightSearch` with the best weights and all scores.
 
-  Example::
-
-    def val_accuracy(params):
-      return jnp.mean(jnp.argmax(apply(params, x_val), -1) == y_val)
-
-    result = fisher_optax.search_merge_weights(
-        val_accuracy, [base, finetuned], [fisher_base, fisher_finetuned])
-    merged = fisher_optax.fisher_merge(
-        [base, finetuned], [fisher_base, fisher_finetuned],
-        result.best_weights)
+  Example:
+    >>> import jax.numpy as jnp
+    >>> import fisher_optax
+    >>> models = [{"w": jnp.array([0.0])}, {"w": jnp.array([1.0])}]
+    >>> fishers = [{"w": jnp.array([1.0])}, {"w": jnp.array([1.0])}]
+    >>> # A validation score that prefers w close to 0.3.
+    >>> score = lambda params: -abs(float(params["w"][0]) - 0.3)
+    >>> result = fisher_optax.search_merge_weights(
+    ...     score, models, fishers, num_points=11)
+    >>> result.best_weights
+    array([0.7, 0.3], dtype=float32)
+    >>> merged = fisher_optax.fisher_merge(models, fishers, result.best_weights)
+    >>> merged["w"]
+    Array([0.3], dtype=float32)
   """
   if candidates is None:
     candidates = merge_weight_candidates(len(params_list), num_points, key=key)

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import fisher_optax
+from fisher_optax import _merging
 
 
 def _tree(key, dtype=jnp.float32):
@@ -359,6 +360,31 @@ class FisherMergeErrorsTest(parameterized.TestCase):
     bad = dict(fishers[1], head=jnp.ones((4, 2), jnp.int32))
     with self.assertRaisesRegex(TypeError, r"fisher\['head'\].*floating"):
       fisher_optax.fisher_merge(params, [fishers[0], bad])
+
+  def test_low_rank_statistic_is_named(self):
+    params, fishers = _models(2)
+    low = fisher_optax.fisher.LowRankFisher(
+      jnp.ones([1]),
+      jax.tree.map(lambda x: x[None], fishers[1]),
+      None,
+      jnp.array(1),
+    )
+    with self.assertRaisesRegex(TypeError, "diagonal.*got a LowRankFisher"):
+      fisher_optax.fisher_merge(params, [fishers[0], low])
+
+  def test_check_fisher_leaf_error_class_and_tracers(self):
+    class InputError(ValueError):
+      pass
+
+    check = _merging.check_fisher_leaf
+    with self.assertRaisesRegex(InputError, r"^F\[0\] has dtype int32"):
+      check(np.ones(2, np.int32), name="F[0]", error=InputError)
+    with self.assertRaisesRegex(InputError, "F has 2 negative entries"):
+      check(-np.ones(2), name="F", error=InputError)
+    with self.assertRaisesRegex(ValueError, "fisher has non-finite"):
+      check(np.array([np.inf]))
+    # Values are unknown under jit: only the dtype is checked.
+    jax.jit(lambda f: check(f) or f)(-jnp.ones(2))
 
 
 class AccumulatorTest(parameterized.TestCase):
