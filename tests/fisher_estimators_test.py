@@ -25,7 +25,10 @@ N = 7  # Not a multiple of the chunk sizes below: remainders are exercised.
 
 
 def _setup(family, n=N, seed=0):
-  params = ft.mlp_params(jax.random.key(seed), dtype=jnp.float64)
+  # float64 under jax.enable_x64, float32 (without a truncation warning)
+  # outside it.
+  dtype = jax.dtypes.canonicalize_dtype(jnp.float64)
+  params = ft.mlp_params(jax.random.key(seed), dtype=dtype)
   x, y = ft.make_batch(jax.random.key(seed + 1), n, family)
   return ft.apply_for(family), params, x, y
 

@@ -14,6 +14,7 @@ import numpy as np
 import optax
 
 from fisher_optax import fisher
+from fisher_optax.fisher import validation
 from tests import fisher_testing as ft
 
 
@@ -110,7 +111,9 @@ class EstimateFisherDiagTest(parameterized.TestCase):
     chex.assert_trees_all_equal(
       fisher.get_fisher_diag(state2), fisher.get_fisher_diag(state)
     )
-    self.assertEqual(int(state2.num_nonfinite), 1)
+    self.assertEqual(int(state2.notfinite_count), 1)
+    with self.assertWarns(validation.FisherOptaxDeprecationWarning):
+      self.assertEqual(int(state2.num_nonfinite), 1)  # The old name.
     self.assertEqual(int(state2.num_refreshes), 1)
 
   def test_init_abstract_and_map_params_and_inject(self):

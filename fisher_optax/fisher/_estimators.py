@@ -448,7 +448,10 @@ def _top_k(
   ``V_j = sum_i W[i, j] g_i`` are orthonormal eigvecs of ``G^T G / N``."""
   m = gram.shape[0]
   gram = linalg.symmetrize(gram) / count
-  vals, vecs = jnp.linalg.eigh(gram)
+  # A non-finite Gram (NaN inputs, bad labels, 1e30 gradients squared) gives
+  # NaN eigenpairs without reaching LAPACK, whose eigh on an infinite
+  # matrix need not terminate on XLA:CPU.
+  vals, vecs = numerics.finite_or_nan(jnp.linalg.eigh, gram)
   vals, vecs = vals[::-1], vecs[:, ::-1]
   if rank > m:  # Fewer pseudo-gradients than directions: pad with zeros.
     vals = jnp.concatenate([vals, jnp.zeros((rank - m,), vals.dtype)])

@@ -67,28 +67,107 @@ class Likelihood:
     """Columns of ``S``, ``S S^T = Lambda``: ``(num_columns, *output.shape)``."""
     raise NotImplementedError
 
+  def check(self, outputs: Any, targets: Any = None) -> None:
+    """Checks a batch's outputs (and targets) at trace time.
+
+    Shapes and dtypes are static, so a mismatch raises here, before any
+    statistic is computed; values (e.g. a class label out of range) are not
+    static and turn the statistic NaN instead (see :meth:`nll`). The base
+    class checks nothing: a bare loss decides what it accepts.
+
+    Args:
+      outputs: the model outputs ``(B, ...)`` (an array or a
+        ``ShapeDtypeStruct``).
+      targets: the targets ``(B, ...)``, or ``None``.
+
+    Raises:
+      ValueError: shapes that do not match.
+      TypeError: a target dtype the likelihood cannot take.
+    """
+    del outputs, targets
+
   def __repr__(self) -> str:
     return f"{type(self).__name__}()"
+
+
+def _shape(x: Any) -> tuple[int, ...]:
+  return tuple(jnp.shape(x))
+
+
+def _check_same_shape(name: str, outputs: Any, targets: Any) -> None:
+  """Targets shaped exactly like the outputs (no broadcasting)."""
+  if _shape(targets) != _shape(outputs):
+    raise ValueError(
+      f"{name} needs targets shaped exactly like the outputs "
+      f"{_shape(outputs)}, got {_shape(targets)}; targets are not "
+      "broadcast (reshape them if that is what you mean)."
+    )
+
+
+def _check_real_targets(name: str, targets: Any, *, allow_bool: bool) -> None:
+  dtype = jnp.result_type(targets)
+  ok = jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.integer)
+  if not ok and not (allow_bool and dtype == jnp.bool_):
+    raise TypeError(
+      f"{name} needs real-valued (float or integer) targets, got {dtype}."
+    )
+
+
+def _check_event_axis(name: str, outputs: Any, size: int | None, what: str):
+  """Outputs ``(B, ..., k)`` with a last (event) axis, of ``size`` if given."""
+  shape = _shape(outputs)
+  if len(shape) < 2 or (size is not None and shape[-1] != size):
+    want = f"(B, ..., {size})" if size is not None else "(B, ..., C)"
+    raise ValueError(
+      f"{name} needs outputs {want} with {what} on the last axis; got "
+      f"outputs of shape {shape}."
+    )
 
 
 class Categorical(Likelihood):
   """Categorical over the last output axis; outputs are logits.
 
-  Targets are integer class labels shaped like ``output[..., 0]``. The exact
-  Fisher of the logits is ``Lambda = diag(p) - p p^T`` with columns
-  ``s_c = sqrt(p_c) (e_c - p)`` (one per class and event position).
+  Outputs are logits ``(B, ..., C)``; targets are integer class labels
+  ``(B, ...)`` (the outputs without the class axis). A label outside
+  ``[0, C)`` gives a NaN loss and gradient, so every statistic it enters is
+  NaN and its ``is_finite()`` is False (labels are values, not shapes: they
+  cannot be checked at trace time). The exact Fisher of the logits is
+  ``Lambda = diag(p) - p p^T`` with columns ``s_c = sqrt(p_c) (e_c - p)``
+  (one per class and event position).
   """
 
+  def check(self, outputs, targets=None):
+    _check_event_axis("Categorical", outputs, None, "the class logits")
+    if targets is None:
+      return
+    dtype = jnp.result_type(targets)
+    if not jnp.issubdtype(dtype, jnp.integer):
+      raise TypeError(
+        f"Categorical needs integer class labels, got {dtype} targets "
+        "(for soft labels use a per-example loss as the likelihood)."
+      )
+    if _shape(targets) != _shape(outputs)[:-1]:
+      raise ValueError(
+        "Categorical needs targets shaped like the outputs without their "
+        f"class axis, {_shape(outputs)[:-1]}; got {_shape(targets)}."
+      )
+
   def nll(self, output, target):
+    c = output.shape[-1]
+    target = jnp.asarray(target, jnp.int32)
+    valid = (target >= 0) & (target < c)
     logp = jax.nn.log_softmax(output, axis=-1)
     picked = jnp.take_along_axis(
-      logp, jnp.asarray(target, jnp.int32)[..., None], axis=-1
-    )
-    return -jnp.sum(picked)
+      logp, jnp.where(valid, target, 0)[..., None], axis=-1
+    )[..., 0]
+    return -jnp.sum(jnp.where(valid, picked, jnp.nan))
 
   def grad_out(self, output, target):
+    c = output.shape[-1]
+    valid = (target >= 0) & (target < c)
     p = jax.nn.softmax(output, axis=-1)
-    return p - jax.nn.one_hot(target, output.shape[-1], dtype=output.dtype)
+    grad = p - jax.nn.one_hot(target, c, dtype=output.dtype)
+    return jnp.where(valid[..., None], grad, jnp.nan)
 
   def sample(self, key, outputs, num_samples):
     return jax.random.categorical(
@@ -125,6 +204,11 @@ class Gaussian(Likelihood):
     validation.check_positive("sigma", sigma)
     self.sigma = sigma
 
+  def check(self, outputs, targets=None):
+    if targets is not None:
+      _check_real_targets("Gaussian", targets, allow_bool=False)
+      _check_same_shape("Gaussian", outputs, targets)
+
   def nll(self, output, target):
     return 0.5 * jnp.sum(jnp.square(output - target)) / self.sigma**2
 
@@ -147,14 +231,23 @@ class Gaussian(Likelihood):
 class Bernoulli(Likelihood):
   """Independent Bernoulli per output element; outputs are logits.
 
-  Targets are 0/1 floats shaped like the outputs; ``Lambda = diag(p (1 - p))``.
+  Targets are 0/1 labels (or soft labels in ``[0, 1]``) shaped exactly like
+  the outputs; a target outside ``[0, 1]`` gives a NaN loss and gradient.
+  ``Lambda = diag(p (1 - p))``.
   """
 
+  def check(self, outputs, targets=None):
+    if targets is not None:
+      _check_real_targets("Bernoulli", targets, allow_bool=True)
+      _check_same_shape("Bernoulli", outputs, targets)
+
   def nll(self, output, target):
-    return jnp.sum(jax.nn.softplus(output) - target * output)
+    nll = jax.nn.softplus(output) - target * output
+    return jnp.sum(jnp.where(_in_unit_interval(target), nll, jnp.nan))
 
   def grad_out(self, output, target):
-    return jax.nn.sigmoid(output) - target
+    grad = jax.nn.sigmoid(output) - target
+    return jnp.where(_in_unit_interval(target), grad, jnp.nan)
 
   def sample(self, key, outputs, num_samples):
     p = jax.nn.sigmoid(outputs)
@@ -169,13 +262,31 @@ class Bernoulli(Likelihood):
     return cols.reshape(d, *output.shape)
 
 
+def _in_unit_interval(target: jax.Array) -> jax.Array:
+  return (target >= 0) & (target <= 1)
+
+
 class HeteroscedasticGaussian(Likelihood):
   """Gaussian whose last output axis is ``(mean, log variance)``.
 
-  Outputs have shape ``(..., 2)``; targets shape ``(...)``.
-  ``nll = (log v + (y - mu)^2 / v) / 2`` and the Fisher w.r.t.
+  Outputs have shape ``(B, ..., 2)``; targets shape ``(B, ...)``, under
+  every kind. ``nll = (log v + (y - mu)^2 / v) / 2`` and the Fisher w.r.t.
   ``(mu, log v)`` is ``diag(1 / v, 1 / 2)``.
   """
+
+  def check(self, outputs, targets=None):
+    _check_event_axis(
+      "HeteroscedasticGaussian", outputs, 2, "(mean, log variance)"
+    )
+    if targets is None:
+      return
+    _check_real_targets("HeteroscedasticGaussian", targets, allow_bool=False)
+    if _shape(targets) != _shape(outputs)[:-1]:
+      raise ValueError(
+        "HeteroscedasticGaussian needs targets shaped like the outputs "
+        f"without their (mean, log variance) axis, {_shape(outputs)[:-1]}; "
+        f"got {_shape(targets)}."
+      )
 
   def nll(self, output, target):
     mu, logvar = output[..., 0], output[..., 1]
@@ -260,8 +371,10 @@ def output_cotangents(
   ``batch_squared`` returns the empirical cotangents (``S = 1``); the
   squaring of the mean happens in the estimator. Computed in float32 (or
   wider) and cast back to ``outputs.dtype`` so they can be pulled back
-  through the model.
+  through the model. Outputs and targets are checked first
+  (:meth:`Likelihood.check`).
   """
+  likelihood.check(outputs, targets)
   dtype = outputs.dtype
   work = outputs.astype(jnp.promote_types(dtype, jnp.float32))
   work = jax.lax.stop_gradient(work)

@@ -23,7 +23,13 @@ PyTree = Any
 
 
 def check_batch_tree(batch: PyTree, *, what: str = "batch") -> int:
-  """Checks every leaf is an array with one common leading axis; returns it."""
+  """Checks every leaf is an array with one common leading axis; returns it.
+
+  Raises:
+    TypeError: a leaf that is not an array.
+    ValueError: no leaves, a scalar leaf, leaves that disagree on the leading
+      axis, or an empty batch (a mean over no examples is undefined).
+  """
   flat, _ = jax.tree_util.tree_flatten_with_path(batch)
   if not flat:
     raise ValueError(f"{what} has no array leaves.")
@@ -44,6 +50,11 @@ def check_batch_tree(batch: PyTree, *, what: str = "batch") -> int:
       f"{what} leaves disagree on the leading (batch) axis ({detail})."
     )
   (size,) = sizes
+  if size == 0:
+    raise ValueError(
+      f"{what} is empty (a leading batch axis of 0): a Fisher statistic is a "
+      "mean over examples and needs at least one."
+    )
   return size
 
 

@@ -324,6 +324,14 @@ def _whiten(stacked: PyTree, chol: jax.Array) -> PyTree:
   return linalg.tree_stacked_combine(stacked, linalg.tril_inverse(chol).T)
 
 
+def _chol(gram: jax.Array, damping: jax.Array, m: int) -> jax.Array:
+  """``L`` with ``L L^T = gram + m * damping * I``; NaN for a non-finite
+  Gram (1e30 gradients overflow it) without running the Cholesky on it."""
+  return numerics.finite_or_nan(
+    lambda g, lam: linalg.woodbury_factor(g, lam, 1.0 / m).chol, gram, damping
+  )
+
+
 def sum_of_rank_one(
   grads: PyTree,
   damping: float | jax.Array,
@@ -360,7 +368,10 @@ def sum_of_rank_one(
   Returns:
     A :class:`RankOneSumFisher` with ``ihvp`` (also ``solve``),
     ``inverse_diag``, ``inverse_entry``, ``inverse_submatrix``, ``matvec``,
-    ``quadratic_form``, ``is_finite`` and ``check_compatible``. Statistics are float32 (float64 for float64 inputs).
+    ``quadratic_form``, ``is_finite`` and ``check_compatible``. Statistics
+    are float32 (float64 for float64 inputs). Non-finite gradients, or
+    finite ones whose Gram overflows, give a factor whose ``is_finite()`` is
+    False; the Cholesky never sees the non-finite matrix.
 
   Raises:
     ValueError: for a non-positive damping, leaves without a common leading
@@ -399,11 +410,9 @@ def sum_of_rank_one(
   grads = jax.tree.map(lambda x: jnp.asarray(x, dtype), grads)
   lam = jnp.asarray(damping, dtype)
   if block_size is None:
-    factor = linalg.woodbury_factor(
-      linalg.tree_stacked_gram(grads), lam, 1.0 / m
-    )
+    chol = _chol(linalg.tree_stacked_gram(grads), lam, m)
     return RankOneSumFisher(
-      _whiten(grads, factor.chol), factor.chol, lam, None, treedef, shapes, m
+      _whiten(grads, chol), chol, lam, None, treedef, shapes, m
     )
   d = sum(math.prod(s) for s in shapes)
   nb = -(-d // block_size)
@@ -418,9 +427,11 @@ def sum_of_rank_one(
     if compress:
       h = jnp.matmul(g.T, g, precision=jax.lax.Precision.HIGHEST)
       eye = jnp.eye(block_size, dtype=dtype)
-      g = jnp.linalg.cholesky(0.5 * (h + h.T) + (m * lam / 2) * eye).T
-    f = linalg.woodbury_factor(linalg.tree_stacked_gram(g), form_lam, 1.0 / m)
-    return _whiten(g, f.chol), f.chol
+      g = numerics.finite_or_nan(
+        jnp.linalg.cholesky, 0.5 * (h + h.T) + (m * lam / 2) * eye
+      ).T
+    chol = _chol(linalg.tree_stacked_gram(g), form_lam, m)
+    return _whiten(g, chol), chol
 
   z, chol = jax.vmap(one_block)(blocks)
   return RankOneSumFisher(z, chol, form_lam, block_size, treedef, shapes, m)

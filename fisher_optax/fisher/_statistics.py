@@ -64,7 +64,11 @@ class FisherStatistic(Protocol):
     ...
 
   def is_finite(self) -> jax.Array:
-    """A scalar bool: every stored number is finite."""
+    """A scalar bool: every stored number is finite (``mean_grad`` too).
+
+    The estimators never mask a bad example: NaN or infinite inputs, an
+    overflow and out-of-range labels all make this False.
+    """
     ...
 
 
@@ -112,8 +116,11 @@ class DiagonalFisher:
     return jax.tree.map(lambda d: 1.0 / (d + damping), self.diag)
 
   def is_finite(self) -> jax.Array:
-    """Whether every entry is finite (non-finite inputs propagate here)."""
-    return numerics.tree_all_finite(self.diag)
+    """Whether every entry of ``diag`` and ``mean_grad`` is finite.
+
+    Non-finite inputs and out-of-range labels propagate here.
+    """
+    return numerics.tree_all_finite((self.diag, self.mean_grad))
 
 
 jax.tree_util.register_dataclass(
@@ -185,8 +192,11 @@ class LowRankFisher:
     )
 
   def is_finite(self) -> jax.Array:
-    """Whether every eigenvalue and eigenvector entry is finite."""
-    return numerics.tree_all_finite((self.eigvals, self.eigvecs))
+    """Whether every eigenvalue, eigenvector and ``mean_grad`` entry is
+    finite (an eigenproblem on a non-finite Gram gives NaN eigenpairs)."""
+    return numerics.tree_all_finite(
+      (self.eigvals, self.eigvecs, self.mean_grad)
+    )
 
 
 jax.tree_util.register_dataclass(
@@ -297,16 +307,17 @@ class KroneckerFisher:
     return self._shaped_like(mats, like)
 
   def is_finite(self) -> jax.Array:
-    """Whether every entry of both factors is finite."""
-    return numerics.tree_all_finite((self.left, self.right))
+    """Whether every entry of both factors and ``mean_grad`` is finite."""
+    return numerics.tree_all_finite((self.left, self.right, self.mean_grad))
 
 
 def _kron_eigen(
   left: jax.Array, right: jax.Array, damping: float | jax.Array
 ) -> tuple[tuple[jax.Array, jax.Array], jax.Array]:
   """``((Q_a, Q_b), a b^T + damping)`` from the factors' ``eigh``."""
-  a, qa = jnp.linalg.eigh(linalg.symmetrize(left))
-  b, qb = jnp.linalg.eigh(linalg.symmetrize(right))
+  # Non-finite factors give NaN results without reaching LAPACK.
+  a, qa = numerics.finite_or_nan(jnp.linalg.eigh, linalg.symmetrize(left))
+  b, qb = numerics.finite_or_nan(jnp.linalg.eigh, linalg.symmetrize(right))
   return (qa, qb), a[:, None] * b[None, :] + damping
 
 

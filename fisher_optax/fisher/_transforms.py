@@ -13,8 +13,15 @@ statistic in its state, refreshed every ``interval`` steps under
 
 A later transform in the same chain, or the training loop, reads the
 statistic with :func:`get_fisher_diag` / :func:`get_fisher_low_rank`.
-A refresh whose statistic is not finite is skipped (the previous statistic
-is kept) and counted in ``num_nonfinite``.
+Both follow the one non-finite policy of every fisher_optax transform
+(:func:`fisher_optax.fisher.numerics.skip_nonfinite_step`): a step whose
+gradient, per-example gradients or batch hold a NaN or an infinity, or whose
+new statistic is not finite (an overflow, an out-of-range label), leaves the
+state as it was (the previous statistic is kept), returns NaN updates so that
+:func:`optax.apply_if_finite` sees it, and is counted in ``notfinite_count``.
+Statistics are float32 (float64 under x64 for float64 inputs) whatever the
+gradients' dtype: bf16/float16 gradients are widened before they are squared,
+so their statistics do not overflow.
 """
 
 from __future__ import annotations
@@ -84,32 +91,34 @@ def _blend(old, new, decay, first):
   )
 
 
-def _refresh(state_count, interval, compute, keep, finite_of):
-  """Runs ``compute`` every ``interval`` steps; skips non-finite results."""
+def _refresh(state: Any, interval: Any, compute, keep) -> tuple[Any, dict]:
+  """Runs ``compute`` every ``interval`` steps (``keep`` otherwise).
 
-  def do():
-    new = compute()
-    ok = finite_of(new)
-    return jax.lax.cond(
-      ok,
-      lambda: (new, jnp.zeros((), jnp.int32)),
-      lambda: (keep(), jnp.ones((), jnp.int32)),
-    )
-
-  return jax.lax.cond(
-    state_count % interval == 0, do, lambda: (keep(), jnp.zeros((), jnp.int32))
-  )
-
-
-def _refresh_counters(state: Any, interval: Any, skipped: jax.Array) -> dict:
-  """The state's ``count``, ``num_refreshes`` and ``num_nonfinite`` after a
-  step whose refresh (if due) was ``skipped`` or not."""
-  refreshed = (state.count % interval == 0) & (skipped == 0)
-  return dict(
+  Returns the statistic and the state's new ``count`` and
+  ``num_refreshes``. A non-finite refresh is undone by the policy in
+  :func:`_update_fn`, counters included.
+  """
+  due = state.count % interval == 0
+  stat = jax.lax.cond(due, compute, keep)
+  return stat, dict(
     count=optax.safe_increment(state.count),
-    num_refreshes=state.num_refreshes + refreshed.astype(jnp.int32),
-    num_nonfinite=state.num_nonfinite + skipped,
+    num_refreshes=state.num_refreshes + due.astype(jnp.int32),
   )
+
+
+def _poison(tree: PyTree, ok: jax.Array) -> PyTree:
+  """NaN where ``ok`` is False: a statistic that is not finite (e.g. only its
+  ``mean_grad``, from an out-of-range label) is rejected as a whole."""
+  return jax.tree.map(lambda x: jnp.where(ok, x, jnp.nan).astype(x.dtype), tree)
+
+
+def _deprecated_num_nonfinite(self: Any) -> jax.Array:
+  validation.warn_deprecated(
+    f"{type(self).__name__}.num_nonfinite is deprecated; use "
+    "notfinite_count (every skipped step, as in optax.apply_if_finite).",
+    stacklevel=3,
+  )
+  return self.notfinite_count
 
 
 def _statistic(
@@ -155,7 +164,8 @@ def _update_fn(step: Callable[..., Any]):
 
   ``step(updates, state, params, per_example_grads, batch, key)`` returns the
   new state (its ``key`` is replaced by the next one); unknown extra
-  arguments are ignored, as in any optax transform.
+  arguments are ignored, as in any optax transform. The step runs under
+  :func:`numerics.skip_nonfinite_step`.
   """
 
   def update_fn(
@@ -169,8 +179,14 @@ def _update_fn(step: Callable[..., Any]):
   ):
     del extra_args
     key_next, key_now = _split(state.key)
-    new_state = step(updates, state, params, per_example_grads, batch, key_now)
-    return updates, new_state._replace(key=key_next)
+
+    def run():
+      new = step(updates, state, params, per_example_grads, batch, key_now)
+      return updates, new._replace(key=key_next)
+
+    return numerics.skip_nonfinite_step(
+      run, updates, state, inputs=(per_example_grads, batch)
+    )
 
   return update_fn
 
@@ -186,16 +202,20 @@ class EstimateFisherDiagState(NamedTuple):
     diag: params-shaped float32 diagonal Fisher (zeros before the first
       refresh).
     num_refreshes: int32 accepted refreshes.
-    num_nonfinite: int32 refreshes skipped because the estimate was not
-      finite.
     key: raw PRNG key data (uint32) for ``kind="mc"``, split every step.
+    notfinite_count: int32 steps skipped because an input or the new
+      statistic was not finite (the state is otherwise unchanged by them),
+      as in :class:`optax.ApplyIfFiniteState`. The old name
+      ``num_nonfinite`` still reads it, with a deprecation warning.
   """
 
   count: jax.Array
   diag: PyTree
   num_refreshes: jax.Array
-  num_nonfinite: jax.Array
   key: jax.Array
+  notfinite_count: jax.Array
+
+  num_nonfinite = property(_deprecated_num_nonfinite)
 
 
 def estimate_fisher_diag(
@@ -262,7 +282,7 @@ def estimate_fisher_diag(
   def init_fn(params):
     zeros = jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), jnp.float32), params)
     z = jnp.zeros((), jnp.int32)
-    return EstimateFisherDiagState(z, zeros, z, z, _make_key(key))
+    return EstimateFisherDiagState(z, zeros, z, _make_key(key), z)
 
   model_kwargs = dict(
     likelihood=likelihood,
@@ -299,18 +319,11 @@ def estimate_fisher_diag(
           fn, p, b, key=key, **model_kwargs
         ),
       )
-      return _blend(state.diag, stat.diag, decay, state.num_refreshes == 0)
+      new = _blend(state.diag, stat.diag, decay, state.num_refreshes == 0)
+      return _poison(new, stat.is_finite())
 
-    diag, skipped = _refresh(
-      state.count,
-      interval,
-      compute,
-      lambda: state.diag,
-      numerics.tree_all_finite,
-    )
-    return EstimateFisherDiagState(
-      diag=diag, key=state.key, **_refresh_counters(state, interval, skipped)
-    )
+    diag, counters = _refresh(state, interval, compute, lambda: state.diag)
+    return state._replace(diag=diag, **counters)
 
   return optax.GradientTransformationExtraArgs(init_fn, _update_fn(step))
 
@@ -326,16 +339,19 @@ class EstimateFisherLowRankState(NamedTuple):
     eigvals: ``(rank,)`` float32, descending.
     eigvecs: params-shaped float32 tree with a leading ``rank`` axis.
     num_refreshes: int32 accepted refreshes.
-    num_nonfinite: int32 skipped (non-finite) refreshes.
     key: raw PRNG key data (uint32) for ``kind="mc"``.
+    notfinite_count: int32 skipped (non-finite) steps, as in
+      :class:`EstimateFisherDiagState` (old name ``num_nonfinite``).
   """
 
   count: jax.Array
   eigvals: jax.Array
   eigvecs: PyTree
   num_refreshes: jax.Array
-  num_nonfinite: jax.Array
   key: jax.Array
+  notfinite_count: jax.Array
+
+  num_nonfinite = property(_deprecated_num_nonfinite)
 
 
 def estimate_fisher_low_rank(
@@ -388,7 +404,7 @@ def estimate_fisher_low_rank(
     )
     z = jnp.zeros((), jnp.int32)
     return EstimateFisherLowRankState(
-      z, jnp.zeros((rank,), jnp.float32), vecs, z, z, _make_key(key)
+      z, jnp.zeros((rank,), jnp.float32), vecs, z, _make_key(key), z
     )
 
   model_kwargs = dict(
@@ -420,24 +436,16 @@ def estimate_fisher_low_rank(
           fn, p, b, key=key, **model_kwargs
         ),
       )
-      return (
+      new = (
         stat.eigvals.astype(jnp.float32),
         jax.tree.map(lambda v: v.astype(jnp.float32), stat.eigvecs),
       )
+      return _poison(new, stat.is_finite())
 
-    (vals, vecs), skipped = _refresh(
-      state.count,
-      interval,
-      compute,
-      lambda: (state.eigvals, state.eigvecs),
-      numerics.tree_all_finite,
+    (vals, vecs), counters = _refresh(
+      state, interval, compute, lambda: (state.eigvals, state.eigvecs)
     )
-    return EstimateFisherLowRankState(
-      eigvals=vals,
-      eigvecs=vecs,
-      key=state.key,
-      **_refresh_counters(state, interval, skipped),
-    )
+    return state._replace(eigvals=vals, eigvecs=vecs, **counters)
 
   return optax.GradientTransformationExtraArgs(init_fn, _update_fn(step))
 
