@@ -125,35 +125,20 @@ def _check_leaves(
       )
 
 
-def _check_each_leaf(
-  ref: dict[str, Any],
-  tree: dict[str, Any],
-  problem: Callable[[Any, Any], str | None],
-  *,
-  name: str,
-) -> None:
-  """Raises on the first leaf where ``problem(leaf, ref_leaf)`` says one."""
-  for k, r in ref.items():
-    message = problem(tree[k], r)
-    if message is not None:
-      raise MergeInputError(f"{name} leaf {k!r} {message}")
-
-
 def validate_model(
   ref: dict[str, Any], model: dict[str, Any], *, ref_name: str, name: str
 ) -> None:
   """Same leaves, shapes and dtypes as the reference; finite floats."""
   _check_leaves(ref, model, ref_name=ref_name, name=name)
-
-  def problem(x, r):
-    x, r = np.asarray(x), np.asarray(r)
+  for k, r in ref.items():
+    x, r = np.asarray(model[k]), np.asarray(r)
     if x.dtype != r.dtype:
-      return f"has dtype {x.dtype} but {ref_name}'s has dtype {r.dtype}."
+      raise MergeInputError(
+        f"{name} leaf {k!r} has dtype {x.dtype} but {ref_name}'s has dtype "
+        f"{r.dtype}."
+      )
     if _is_float(x) and not np.all(np.isfinite(x.astype(np.float32))):
-      return "has non-finite values."
-    return None
-
-  _check_each_leaf(ref, model, problem, name=name)
+      raise MergeInputError(f"{name} leaf {k!r} has non-finite values.")
 
 
 def validate_fisher(
@@ -161,25 +146,11 @@ def validate_fisher(
 ) -> None:
   """Same leaves and shapes as the model; floating, finite, non-negative."""
   _check_leaves(ref, fisher, ref_name=ref_name, name=name)
-
-  def problem(f, r):
-    if not _is_float(r):
-      return None  # Not merged; its Fisher is ignored.
-    if not _is_float(f):
-      return (
-        f"has dtype {np.asarray(f).dtype}; a Fisher must be floating point."
+  for k, r in ref.items():
+    if _is_float(r):  # Other leaves are not merged; their Fisher is ignored.
+      _merging.check_fisher_leaf(
+        fisher[k], name=f"{name} leaf {k!r}", error=MergeInputError
       )
-    f32 = np.asarray(f, np.float32)
-    if not np.all(np.isfinite(f32)):
-      return "has non-finite values."
-    if np.any(f32 < 0):
-      return (
-        f"has {int(np.sum(f32 < 0))} negative entries; a diagonal Fisher is "
-        "non-negative."
-      )
-    return None
-
-  _check_each_leaf(ref, fisher, problem, name=name)
 
 
 def _build_mask(
