@@ -62,6 +62,26 @@ GaLore), and the values ``"batch_squared"``, ``"mean"`` and ``"history"``
 by ``fisher_source``: they use whichever extra argument is given, and their
 ``batch=`` is the data ``(inputs, targets)`` the model is run on.
 
+**Bad inputs.** Shapes and dtypes are checked at trace time, so a
+mismatch is a ``ValueError``/``TypeError`` before anything runs: each
+likelihood checks its targets against the model output
+(:meth:`Likelihood.check`: integer labels ``(B, ...)`` for ``Categorical``
+logits ``(B, ..., C)``, targets of exactly the output's shape for
+``Gaussian`` and ``Bernoulli``, ``(mean, log variance)`` pairs for
+``HeteroscedasticGaussian`` under every kind; nothing is broadcast), and an
+empty batch is refused. Values cannot be checked at trace time, so a label
+out of range (``-1``, or ``C`` and above for ``C`` classes) makes the
+statistic NaN instead of raising, under ``jit`` too: its ``is_finite()`` is
+False (it covers ``mean_grad``), so no consumer takes it for a good one
+(pass it to :func:`jax.experimental.checkify.check` under ``checkify`` to
+make it an error). NaN or infinite inputs, and finite ones whose statistic overflows,
+also give statistics whose ``is_finite()`` is False; no decomposition of
+the engine (``eigh`` of a Gram, Cholesky) ever runs on a non-finite
+matrix. Statistics are float32 (float64 for float64 inputs under x64),
+also for bf16 and float16 models: values are widened before they are
+squared. The estimator transforms skip a non-finite step, keep their
+statistic and count it in ``notfinite_count``.
+
 **Paths.** ``method="auto"`` uses layer statistics (zero taps on dense and
 embedding pre-activations) where they apply and the generic per-example path
 (:func:`per_example_grads`-style ``vmap`` of VJPs, chunked by
