@@ -154,7 +154,7 @@ def _directive(qualname: str, obj) -> str:
     return f".. autoclass:: {qualname}\n   :members:\n"
   if callable(obj):
     return f".. autofunction:: {qualname}\n"
-  return f".. autodata:: {qualname}\n   :annotation:\n"
+  return f".. autodata:: {qualname}\n"
 
 
 def _summary(obj) -> str:
@@ -184,6 +184,14 @@ def _page(
   return "\n".join(lines)
 
 
+# Constants carry no __module__: where they are defined.
+_CONSTANTS = {"fisher_optax.fisher.KINDS": "fisher_optax.fisher._likelihoods"}
+
+
+def _module_of(qualname: str, obj) -> str:
+  return _CONSTANTS.get(qualname, getattr(obj, "__module__", "") or "")
+
+
 def _write_api_pages() -> list[str]:
   """Writes one page per topic; every public name lands on exactly one."""
   api = _GEN / "api"
@@ -198,9 +206,7 @@ def _write_api_pages() -> list[str]:
     (_ENGINE_TOPICS, "Part of the Fisher engine, :mod:`fisher_optax.fisher`."),
   ):
     for fname, title, modules in topics:
-      chosen = [
-        (q, o) for q, o in entries if getattr(o, "__module__", "") in modules
-      ]
+      chosen = [(q, o) for q, o in entries if _module_of(q, o) in modules]
       placed.update(q for q, _ in chosen)
       (api / f"{fname}.rst").write_text(_page(title, chosen, intro))
       pages.append(f"api/{fname}")
