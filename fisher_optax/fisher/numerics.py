@@ -10,7 +10,7 @@ writing their own.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -168,11 +168,16 @@ def skip_nonfinite_step(
   step is behind :func:`jax.lax.cond`, so no decomposition (SVD, ``eigh``,
   Cholesky, a Newton iteration) ever sees the bad values, which matters
   because LAPACK's SVD on an infinite matrix need not terminate on XLA:CPU.
-  A finite step whose new state or updates are not finite (squares of
-  1e30-sized gradients overflow float32) is treated the same way. Either
-  way the state is left unchanged except for its ``notfinite_count``
-  (incremented, like :func:`optax.apply_if_finite`'s), and the updates are
-  NaN so that :func:`optax.apply_if_finite` and the user see the bad step.
+  The state is left unchanged except for its ``notfinite_count``
+  (incremented, like :func:`optax.apply_if_finite`'s) and the updates are
+  NaN, so the user, or an :func:`optax.apply_if_finite` placed after the
+  transform, sees the bad step.
+
+  A finite step whose new state or updates would not be finite (squares of
+  1e30-sized gradients overflow float32) is skipped the same way, except
+  that its updates are zero: :func:`optax.apply_if_finite` wrapped around
+  the transform checks only the incoming gradient, which is finite here,
+  so NaN updates would reach the parameters.
 
   Args:
     step: a thunk computing ``(new_updates, new_state)`` from finite inputs.
@@ -197,6 +202,11 @@ def skip_nonfinite_step(
     >>> u, state = numerics.skip_nonfinite_step(step, g, state)
     >>> bool(jnp.isnan(u).all()), float(state.total), int(state.notfinite_count)
     (True, 0.0, 1)
+    >>> g = jnp.array([1e30, 1e30])
+    >>> step = lambda: (-g, state._replace(total=state.total + g.sum() ** 2))
+    >>> u, state = numerics.skip_nonfinite_step(step, g, state)
+    >>> u.tolist(), float(state.total), int(state.notfinite_count)
+    ([0.0, 0.0], 0.0, 2)
   """
   out_shape = jax.eval_shape(step)
 
@@ -210,8 +220,9 @@ def skip_nonfinite_step(
   new_updates, new_state = jax.lax.cond(ok_in, step, skipped)
   ok = ok_in & tree_all_finite((new_updates, new_state))
   new_state = jax.tree.map(lambda a, b: tree_select(ok, a, b), new_state, state)
+  fill = jnp.where(ok_in, 0.0, jnp.nan)
   new_updates = jax.tree.map(
-    lambda u: jnp.where(ok, u, jnp.asarray(jnp.nan, u.dtype)), new_updates
+    lambda u: jnp.where(ok, u, fill.astype(u.dtype)), new_updates
   )
   count = state.notfinite_count
   return new_updates, new_state._replace(
@@ -253,3 +264,67 @@ def finite_or_nan(fn: Callable[..., PyTree], *args: Any) -> PyTree:
     return jnp.where(ok, x, jnp.asarray(jnp.nan, jnp.result_type(x)))
 
   return jax.tree.map(poison, fn(*safe))
+
+
+class SkipNonfiniteState(NamedTuple):
+  """State of :func:`skip_nonfinite`.
+
+  Attributes:
+    inner_state: the wrapped transform's state.
+    notfinite_count: int32 number of steps skipped as non-finite (as in
+      :func:`optax.apply_if_finite`'s state).
+  """
+
+  inner_state: Any
+  notfinite_count: jax.Array
+
+
+def skip_nonfinite(
+  inner: optax.GradientTransformation,
+) -> optax.GradientTransformationExtraArgs:
+  """Puts a transform we do not own (e.g. optax's Adam) under the policy.
+
+  The stateful parts of an alias (the Adam partition of an optimizer, the
+  Adam scaling before a projection) follow :func:`skip_nonfinite_step` like
+  the library's own transforms: a non-finite input or a non-finite result
+  leaves ``inner``'s state unchanged and gives NaN updates.
+
+  Args:
+    inner: any :class:`optax.GradientTransformation`.
+
+  Returns:
+    A :class:`optax.GradientTransformationExtraArgs` with state
+    :class:`SkipNonfiniteState`.
+
+  Example:
+    >>> import jax.numpy as jnp, optax
+    >>> from fisher_optax.fisher import numerics
+    >>> tx = numerics.skip_nonfinite(optax.scale_by_adam())
+    >>> state = tx.init(jnp.zeros(2))
+    >>> u, state = tx.update(jnp.array([1.0, jnp.nan]), state)
+    >>> bool(jnp.isnan(u).all()), int(state.notfinite_count)
+    (True, 1)
+  """
+  inner = optax.with_extra_args_support(inner)
+
+  def init_fn(params: PyTree) -> SkipNonfiniteState:
+    return SkipNonfiniteState(inner.init(params), jnp.zeros([], jnp.int32))
+
+  def update_fn(
+    updates: PyTree,
+    state: SkipNonfiniteState,
+    params: PyTree | None = None,
+    **extra_args: Any,
+  ) -> tuple[PyTree, SkipNonfiniteState]:
+    def step() -> tuple[PyTree, SkipNonfiniteState]:
+      new_updates, new_inner = inner.update(
+        updates, state.inner_state, params, **extra_args
+      )
+      return new_updates, state._replace(inner_state=new_inner)
+
+    return skip_nonfinite_step(step, updates, state)
+
+  return optax.GradientTransformationExtraArgs(
+    init_fn,
+    update_fn,  # pyright: ignore[reportArgumentType]
+  )
