@@ -30,16 +30,13 @@
 import math
 import pathlib
 
+import _notebook
 from absl import flags
+from common import datasets
+from common import models
 from flax import nnx
 import jax
 import jax.numpy as jnp
-import matplotlib
-
-matplotlib.use("Agg")
-import _notebook
-from common import datasets
-from common import models
 import matplotlib.pyplot as plt
 import numpy as np
 import optax
@@ -181,7 +178,7 @@ def main(argv):
   ax1.legend()
   fig.tight_layout()
   path = out / "char_lm.png"
-  fig.savefig(path, dpi=120)
+  _notebook.show(fig, path)
   print(
     f"wrote {path} ({jax.device_count()} {jax.default_backend()} device(s))"
   )

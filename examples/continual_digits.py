@@ -36,15 +36,12 @@
 # %%
 import pathlib
 
-from absl import flags
-import jax
-import jax.numpy as jnp
-import matplotlib
-
-matplotlib.use("Agg")
 import _notebook
+from absl import flags
 from common import datasets
 from common import models
+import jax
+import jax.numpy as jnp
 import matplotlib.pyplot as plt
 import numpy as np
 import optax
@@ -281,7 +278,7 @@ def main(argv):
   ax2.legend(fontsize=8)
   fig.tight_layout()
   path = out / "continual_digits.png"
-  fig.savefig(path, dpi=120)
+  _notebook.show(fig, path)
   print(
     f"wrote {path} ({jax.device_count()} {jax.default_backend()} device(s))"
   )

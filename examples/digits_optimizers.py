@@ -28,16 +28,13 @@
 # %%
 import pathlib
 
+import _notebook
 from absl import flags
+from common import datasets
+from common import models
 from flax import nnx
 import jax
 import jax.numpy as jnp
-import matplotlib
-
-matplotlib.use("Agg")
-import _notebook
-from common import datasets
-from common import models
 import matplotlib.pyplot as plt
 import numpy as np
 import optax
@@ -130,7 +127,7 @@ def main(argv):
   ax2.tick_params(axis="x", rotation=20)
   fig.tight_layout()
   path = out / "digits_optimizers.png"
-  fig.savefig(path, dpi=120)
+  _notebook.show(fig, path)
   print(
     f"wrote {path} ({jax.device_count()} {jax.default_backend()} device(s))"
   )

@@ -34,15 +34,12 @@
 # %%
 import pathlib
 
-from absl import flags
-import jax
-import jax.numpy as jnp
-import matplotlib
-
-matplotlib.use("Agg")
 import _notebook
+from absl import flags
 from common import datasets
 from common import models
+import jax
+import jax.numpy as jnp
 import matplotlib.pyplot as plt
 import numpy as np
 import optax
@@ -197,7 +194,7 @@ def main(argv):
   axes[2].legend()
   fig.tight_layout()
   path = out / "fisher_merging.png"
-  fig.savefig(path, dpi=120)
+  _notebook.show(fig, path)
   print(
     f"wrote {path} ({jax.device_count()} {jax.default_backend()} device(s))"
   )

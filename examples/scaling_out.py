@@ -33,17 +33,14 @@ import os
 import pathlib
 import time
 
+import _notebook
 from absl import flags
+from common import datasets
+from common import models
 import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-import matplotlib
-
-matplotlib.use("Agg")
-import _notebook
-from common import datasets
-from common import models
 import matplotlib.pyplot as plt
 import numpy as np
 import optax
@@ -220,7 +217,7 @@ def run_on_mesh(mesh, n):
   )
   fig.tight_layout()
   path = out / "scaling_out.png"
-  fig.savefig(path, dpi=120)
+  _notebook.show(fig, path)
   print(f"wrote {path} ({n} {jax.default_backend()} device(s))")
 
 
