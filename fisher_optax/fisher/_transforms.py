@@ -17,8 +17,10 @@ Both follow the one non-finite policy of every fisher_optax transform
 (:func:`fisher_optax.fisher.numerics.skip_nonfinite_step`): a step whose
 gradient, per-example gradients or batch hold a NaN or an infinity, or whose
 new statistic is not finite (an overflow, an out-of-range label), leaves the
-state as it was (the previous statistic is kept), returns NaN updates so that
-:func:`optax.apply_if_finite` sees it, and is counted in ``notfinite_count``.
+state as it was (the previous statistic is kept) and is counted in
+``notfinite_count``. The updates always pass through unchanged: a
+non-finite gradient stays visible to :func:`optax.apply_if_finite`, and a
+finite gradient whose statistic overflowed is still applied.
 Statistics are float32 (float64 under x64 for float64 inputs) whatever the
 gradients' dtype: bf16/float16 gradients are widened before they are squared,
 so their statistics do not overflow.
@@ -164,8 +166,8 @@ def _update_fn(step: Callable[..., Any]):
 
   ``step(updates, state, params, per_example_grads, batch, key)`` returns the
   new state (its ``key`` is replaced by the next one); unknown extra
-  arguments are ignored, as in any optax transform. The step runs under
-  :func:`numerics.skip_nonfinite_step`.
+  arguments are ignored, as in any optax transform. The state follows
+  :func:`numerics.skip_nonfinite_step`; the updates pass through.
   """
 
   def update_fn(
@@ -184,9 +186,15 @@ def _update_fn(step: Callable[..., Any]):
       new = step(updates, state, params, per_example_grads, batch, key_now)
       return updates, new._replace(key=key_next)
 
-    return numerics.skip_nonfinite_step(
+    # The policy decides the state; the updates pass through as they came
+    # (a non-finite gradient stays visible to optax.apply_if_finite, which
+    # checks the gradients it is given, and a finite one whose statistic
+    # overflowed is still a usable gradient: NaN here would reach the
+    # params even under apply_if_finite).
+    _, new_state = numerics.skip_nonfinite_step(
       run, updates, state, inputs=(per_example_grads, batch)
     )
+    return updates, new_state
 
   return update_fn
 
