@@ -52,17 +52,17 @@ from fisher_optax._merging import fisher_merge_accumulator
 from fisher_optax._merging import merge_weight_candidates
 from fisher_optax._merging import search_merge_weights
 
-# M-FAC (_mfac.py)
+# M-FAC and the windowed Woodbury Fisher preconditioner (_mfac.py)
 from fisher_optax._mfac import MFACState
+from fisher_optax._mfac import WoodburyFisherState
 from fisher_optax._mfac import mfac
 from fisher_optax._mfac import scale_by_mfac
+from fisher_optax._mfac import scale_by_woodbury_fisher
 
-# Natural GaLore and the Woodbury Fisher preconditioner (_natural_galore.py)
+# Natural GaLore (_natural_galore.py)
 from fisher_optax._natural_galore import NaturalGaLoreState
-from fisher_optax._natural_galore import WoodburyFisherState
 from fisher_optax._natural_galore import natural_galore
 from fisher_optax._natural_galore import scale_by_natural_galore
-from fisher_optax._natural_galore import scale_by_woodbury_fisher
 
 # OBS pruning (_obs.py)
 from fisher_optax._obs import ObsPruneResult

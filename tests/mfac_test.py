@@ -10,6 +10,7 @@ import numpy as np
 
 import fisher_optax
 from fisher_optax import fisher
+from fisher_optax.fisher import validation
 
 M, SHAPES = 6, {"b": (5,), "w": (3, 2)}  # d = 11 (dict order: b, then w)
 D = 11
@@ -196,7 +197,7 @@ class ScaleByMFACTest(parameterized.TestCase):
 
   def test_per_example_pushes_every_row(self):
     with jax.enable_x64(True):
-      tx = fisher_optax.scale_by_mfac(M, 1e-2, gradients="per_example")
+      tx = fisher_optax.scale_by_mfac(M, 1e-2, fisher_source="per_example")
       first, second = _grads(6, m=4), _grads(7, m=4)
       mean = lambda t: jax.tree.map(lambda x: x.mean(0), t)
       state = tx.init(mean(first))
@@ -234,15 +235,15 @@ class ScaleByMFACTest(parameterized.TestCase):
       fisher_optax.scale_by_mfac(0)
     with self.assertRaisesRegex(ValueError, "damping"):
       fisher_optax.scale_by_mfac(4, -1.0)
-    with self.assertRaisesRegex(ValueError, "gradients"):
-      fisher_optax.scale_by_mfac(4, gradients="sample")
+    with self.assertRaisesRegex(ValueError, "fisher_source"):
+      fisher_optax.scale_by_mfac(4, fisher_source="sample")
     with self.assertRaisesRegex(ValueError, "momentum"):
       fisher_optax.mfac(1e-3, momentum=1.5)
     params = {"b": jnp.ones(5), "w": jnp.ones((3, 2))}
     tx = fisher_optax.scale_by_mfac(4)
     with self.assertRaisesRegex(ValueError, "tree structure"):
       tx.update({"b": jnp.ones(5)}, tx.init(params))
-    tx = fisher_optax.scale_by_mfac(4, gradients="per_example")
+    tx = fisher_optax.scale_by_mfac(4, fisher_source="per_example")
     state = tx.init(params)
     with self.assertRaisesRegex(ValueError, "per_example_grads"):
       tx.update(params, state)
@@ -254,6 +255,32 @@ class ScaleByMFACTest(parameterized.TestCase):
       )
     with self.assertRaisesRegex(ValueError, "per_example_grads"):
       tx.update(params, state, per_example_grads=params)
+
+  @parameterized.parameters(("mean", "batch"), ("per_example", "per_example"))
+  def test_old_gradients_keyword_warns_and_matches(self, old, new):
+    seq = _grads(8, m=3, dtype=jnp.float32)
+    mean = jax.tree.map(lambda x: x.mean(0), seq)
+    extras = {"per_example_grads": seq} if new == "per_example" else {}
+
+    def run(tx):
+      state = tx.init(mean)
+      for _ in range(2):
+        u, state = tx.update(mean, state, mean, **extras)
+      return u, state
+
+    for factory in (
+      lambda **kw: fisher_optax.scale_by_mfac(4, 1e-2, **kw),
+      lambda **kw: fisher_optax.mfac(0.1, 4, 1e-2, momentum=0.5, **kw),
+    ):
+      with self.assertWarns(validation.FisherOptaxDeprecationWarning):
+        old_tx = factory(gradients=old)
+      chex.assert_trees_all_equal(run(old_tx), run(factory(fisher_source=new)))
+
+  def test_old_gradients_value_warns(self):
+    with self.assertWarns(validation.FisherOptaxDeprecationWarning):
+      fisher_optax.scale_by_mfac(4, fisher_source="mean")
+    with self.assertRaisesRegex(TypeError, "fisher_source"):
+      fisher_optax.scale_by_mfac(4, fisher_source="batch", gradients="mean")
 
 
 if __name__ == "__main__":

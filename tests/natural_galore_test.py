@@ -14,6 +14,7 @@ import numpy as np
 import optax
 
 import fisher_optax
+from fisher_optax.fisher import validation
 
 
 def _grads(shapes, steps, seed=0, dtype=jnp.float32):
@@ -108,7 +109,7 @@ class WoodburyFisherTest(parameterized.TestCase):
       pe = _grads([(5, 3, 2)], 1, dtype=jnp.float64)[0]
       g = jax.tree.map(lambda x: x.mean(0), pe)
       tx = fisher_optax.scale_by_woodbury_fisher(
-        damping=0.1, window_source="per_example"
+        damping=0.1, fisher_source="per_example"
       )
       u, _ = tx.update(g, tx.init(g), per_example_grads=pe)
       expect = _dense_solve(pe["w0"], g["w0"], 0.1, scale=1 / 5)
@@ -131,9 +132,9 @@ class WoodburyFisherTest(parameterized.TestCase):
       fisher_optax.scale_by_woodbury_fisher(0)
     with self.assertRaisesRegex(ValueError, "damping"):
       fisher_optax.scale_by_woodbury_fisher(2, -1.0)
-    with self.assertRaisesRegex(ValueError, "window_source"):
-      fisher_optax.scale_by_woodbury_fisher(2, window_source="future")
-    tx = fisher_optax.scale_by_woodbury_fisher(window_source="per_example")
+    with self.assertRaisesRegex(ValueError, "fisher_source"):
+      fisher_optax.scale_by_woodbury_fisher(2, fisher_source="future")
+    tx = fisher_optax.scale_by_woodbury_fisher(fisher_source="per_example")
     g = {"w": jnp.ones((2, 2))}
     with self.assertRaisesRegex(ValueError, "per_example_grads"):
       tx.update(g, tx.init(g))
@@ -142,6 +143,24 @@ class WoodburyFisherTest(parameterized.TestCase):
     tx = fisher_optax.scale_by_woodbury_fisher(2)
     with self.assertRaisesRegex(ValueError, "structure"):
       tx.update({"v": jnp.ones((2, 2))}, tx.init(g))
+
+  @parameterized.parameters(
+    ("history", "batch"), ("per_example", "per_example")
+  )
+  def test_old_window_source_keyword_warns_and_matches(self, old, new):
+    pe = _grads([(3, 4, 2)], 1)[0]
+    g = jax.tree.map(lambda x: x.mean(0), pe)
+    with self.assertWarns(validation.FisherOptaxDeprecationWarning):
+      old_tx = fisher_optax.scale_by_woodbury_fisher(2, 0.1, window_source=old)
+    new_tx = fisher_optax.scale_by_woodbury_fisher(2, 0.1, fisher_source=new)
+    run = lambda tx: _run(tx, [g, g], per_example_grads=pe)
+    chex.assert_trees_all_equal(run(old_tx), run(new_tx))
+    with self.assertWarns(validation.FisherOptaxDeprecationWarning):
+      fisher_optax.scale_by_woodbury_fisher(fisher_source="history")
+    with self.assertRaisesRegex(TypeError, "fisher_source"):
+      fisher_optax.scale_by_woodbury_fisher(
+        fisher_source="batch", window_source="history"
+      )
 
   def test_works_in_optax_galore_base_slot(self):
     params = {"w": jnp.ones((6, 4)), "b": jnp.ones((4,))}

@@ -29,6 +29,8 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from fisher_optax.fisher import numerics
+
 PyTree = Any
 _HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -248,3 +250,93 @@ def tril_inverse(chol: jax.Array) -> jax.Array:
   inverse is as accurate; the result is re-triangularized.
   """
   return jnp.tril(jnp.linalg.inv(chol))
+
+
+# -- Windows of gradients (M-FAC, the windowed Woodbury preconditioner,
+# Natural GaLore's projected window) ------------------------------------------
+
+
+def woodbury_window_solve(
+  stacked: PyTree,
+  gram: jax.Array,
+  x: PyTree,
+  damping: jax.Array | float,
+  *,
+  scale: jax.Array | float = 1.0,
+  normalized: bool = False,
+) -> PyTree:
+  """``(damping I + scale G^T G)^{-1} x`` for a window ``G`` and its Gram.
+
+  The window solve of every windowed-Woodbury preconditioner: a
+  :func:`woodbury_factor` of the cached ``gram = G G^T`` and a
+  :func:`woodbury_solve`, computed in :func:`numerics.compute_dtype` of the
+  Gram and ``x`` (at least float32, so a bfloat16 window is exact enough)
+  and cast back to ``x``'s dtypes.
+
+  Args:
+    stacked: the window ``G``, a stacked tree (leading axis ``m``).
+    gram: its ``(m, m)`` Gram matrix.
+    x: a tree shaped like one row of ``stacked``.
+    damping: ``lambda > 0``.
+    scale: ``c > 0`` in ``F = lambda I + c G^T G``.
+    normalized: return ``damping * F^{-1} x`` instead.
+
+  Returns:
+    ``F^{-1} x`` in ``x``'s dtypes; ``x`` itself for a tree without leaves.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from fisher_optax.fisher import linalg
+    >>> g = jnp.array([[1.0, 0.0], [0.0, 0.0]])  # one gradient, one empty slot
+    >>> linalg.woodbury_window_solve(g, g @ g.T, jnp.array([1.0, 1.0]), 1.0)
+    Array([0.5, 1. ], dtype=float32)
+  """
+  leaves = jax.tree.leaves(x)
+  if not leaves:
+    return x
+  dtype = numerics.compute_dtype(jnp.result_type(gram, *leaves))
+  wide = jax.tree.map(lambda s: s.astype(dtype), stacked)
+  factor = woodbury_factor(gram.astype(dtype), damping, scale)
+  out = woodbury_solve(
+    wide,
+    factor,
+    jax.tree.map(lambda v: v.astype(dtype), x),
+    normalized=normalized,
+  )
+  return jax.tree.map(lambda o, v: o.astype(v.dtype), out, x)
+
+
+def woodbury_rows_solve(
+  rows: PyTree,
+  x: PyTree,
+  damping: jax.Array | float,
+  *,
+  normalized: bool = False,
+) -> PyTree:
+  """``(damping I + (1/B) R^T R)^{-1} x`` for ``B`` stacked rows ``R``.
+
+  The damped empirical Fisher of one batch of per-example gradients, with
+  no window kept: :func:`woodbury_window_solve` over the rows (widened to
+  :func:`numerics.compute_dtype`) and their fresh Gram.
+
+  Args:
+    rows: a stacked tree, leading axis ``B >= 1``.
+    x: a tree shaped like one row.
+    damping: ``lambda > 0``.
+    normalized: return ``damping * F^{-1} x`` instead.
+
+  Returns:
+    ``F^{-1} x`` in ``x``'s dtypes.
+  """
+  leaves = jax.tree.leaves(rows)
+  if not leaves:
+    return x
+  wide = numerics.widen(rows)
+  return woodbury_window_solve(
+    wide,
+    tree_stacked_gram(wide),
+    x,
+    damping,
+    scale=1.0 / leaves[0].shape[0],
+    normalized=normalized,
+  )

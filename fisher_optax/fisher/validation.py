@@ -204,3 +204,35 @@ def renamed_keyword(
     stacklevel=4,
   )
   return translated
+
+
+def check_per_example_grads(
+  per_example_grads: Any, updates: Any, *, function: str
+) -> int:
+  """The batch size of a required ``per_example_grads=`` extra argument.
+
+  Args:
+    per_example_grads: the extra argument (``None`` if it was not given).
+    updates: the updates it must match, with one extra leading axis.
+    function: the transform's name, for messages.
+
+  Returns:
+    The size of the leading (batch) axis (0 for a tree without leaves).
+
+  Raises:
+    ValueError: if it is missing, shaped unlike the updates, or has an
+      empty batch axis.
+  """
+  if per_example_grads is None:
+    raise ValueError(
+      f'{function}(fisher_source="per_example") needs the per_example_grads '
+      "extra argument in update() (the updates' tree with a leading batch "
+      "axis)."
+    )
+  batch = check_leading_axis(
+    per_example_grads, updates, what="per_example_grads"
+  )
+  if batch == 0 and jax.tree.leaves(updates):
+    raise ValueError("per_example_grads has an empty batch axis.")
+  return batch
+
