@@ -3,8 +3,9 @@
 
 Each ``examples/<name>.py`` is an absl script in jupytext percent format,
 paired with ``examples/<name>.ipynb``. The notebook must be in sync with the
-script, carry no outputs, and run top to bottom; the script must run with
-``--small`` and write its plots to ``--out_dir``.
+script, carry no outputs, and run top to bottom showing its figures inline
+(image outputs) with progress bars that render (no ``IProgress not found``);
+the script must run with ``--small`` and write its plots to ``--out_dir``.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ _NAMES = sorted(
   for p in _EXAMPLES.glob("*.py")
   if not p.name.startswith("_") and p.stem != "demo"
 )
+# Test names say which example: test_script_runs_small_char_lm, ...
+_CASES = [(f"_{n}", n) for n in _NAMES]
 
 
 def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -41,7 +44,7 @@ class ExamplesTest(parameterized.TestCase):
   def test_there_are_examples(self):
     self.assertGreaterEqual(len(_NAMES), 5, _NAMES)
 
-  @parameterized.parameters(*[(n,) for n in _NAMES])
+  @parameterized.named_parameters(*_CASES)
   def test_notebook_is_paired_and_clean(self, name):
     path = _EXAMPLES / f"{name}.ipynb"
     self.assertTrue(path.exists(), f"{name}.py has no paired notebook")
@@ -59,7 +62,7 @@ class ExamplesTest(parameterized.TestCase):
       f"`jupytext --sync examples/{name}.py`",
     )
 
-  @parameterized.parameters(*[(n,) for n in _NAMES])
+  @parameterized.named_parameters(*_CASES)
   def test_script_runs_small(self, name):
     with tempfile.TemporaryDirectory() as out:
       proc = subprocess.run(
@@ -83,7 +86,7 @@ class ExamplesTest(parameterized.TestCase):
         list(pathlib.Path(out).glob("*.png")), f"{name} wrote no plot"
       )
 
-  @parameterized.parameters(*[(n,) for n in _NAMES])
+  @parameterized.named_parameters(*_CASES)
   def test_notebook_runs_small(self, name):
     nb = nbformat.read(_EXAMPLES / f"{name}.ipynb", as_version=4)
     with tempfile.TemporaryDirectory() as out:
@@ -100,6 +103,14 @@ class ExamplesTest(parameterized.TestCase):
       self.assertNotEmpty(
         list(pathlib.Path(out).glob("*.png")), f"{name}.ipynb wrote no plot"
       )
+    outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs]
+    images = [o for o in outputs if "image/png" in o.get("data", {})]
+    self.assertNotEmpty(images, f"{name}.ipynb shows no figure inline")
+    text = "".join(
+      o.get("text", "") + str(o.get("data", {}).get("text/plain", ""))
+      for o in outputs
+    )
+    self.assertNotIn("IProgress not found", text)
 
 
 if __name__ == "__main__":
