@@ -22,12 +22,18 @@ the paper and its reference implementations disagree or are silent:
   :math:`\max(1, \mathrm{RMS})/c`, which differs when ``clip != 1``.
 * One step counter for all leaves (optax has no missing gradients; exclude
   leaves from the decay with ``weight_decay_mask``).
-* A step whose gradient is non-finite (or whose natural gradient overflows)
-  leaves the state, ``count`` included, unchanged and returns NaN updates for
-  every leaf, so the failure reaches the caller; wrap the optimizer in
-  :func:`optax.apply_if_finite` to skip such steps.
+* Non-finite steps follow the library's one policy,
+  :func:`fisher_optax.fisher.numerics.skip_nonfinite_step`: a step whose
+  gradient (or Fisher input) is non-finite leaves the state, ``count``
+  included, unchanged (``notfinite_count`` counts it) and returns NaN
+  updates for every leaf, so the failure reaches the caller; a finite step
+  whose Fisher or natural gradient overflows is skipped the same way with
+  zero updates. Wrap the optimizer in :func:`optax.apply_if_finite` to skip
+  NaN steps.
 * Statistics are computed in (at least) float32 and stored, by default, in
-  ``promote(param dtype, float32)``; the updates keep the gradient's dtype.
+  ``promote(param dtype, float32)``, so float16 squares do not overflow;
+  ``mu_dtype``/``fim_dtype`` store them narrower. The updates keep the
+  gradient's dtype.
 
 **Where the Fisher comes from** (``fisher_source``). ``"batch"`` (the paper)
 squares the mean gradient :math:`\bar g` that the transform receives as
@@ -76,11 +82,14 @@ class FAdamState(NamedTuple):
     mu: momentum of the clipped natural gradient, params-shaped.
     fim: diagonal Fisher estimate, params-shaped. After step ``t`` it equals
       Adam's bias-corrected second moment ``v_hat_t``.
+    notfinite_count: int32 number of steps skipped as non-finite (as in
+      :func:`optax.apply_if_finite`'s state).
   """
 
   count: jax.Array
   mu: optax.Updates
   fim: optax.Updates
+  notfinite_count: jax.Array
 
 
 class _Hyper(NamedTuple):
@@ -236,9 +245,19 @@ def scale_by_fadam(
     **extra_args: Any,
   ) -> tuple[optax.Updates, FAdamState]:
     del extra_args
+    validation.check_like(
+      updates, state.mu, what="updates", reference_name="params"
+    )
     decay = _decay_mask(weight_decay_mask, updates, params, no_decay)
     stats = _fisher_statistic(source, updates, per_example_grads, fisher)
-    return _fadam_update(updates, state, params, decay, stats, b2, hyper)
+    thetas = _params_leaves(params, updates)
+    step = lambda: _fadam_update(
+      updates, state, thetas, decay, stats, b2, hyper
+    )
+    # The raw inputs: a finite per-example gradient whose squares overflow
+    # is an overflowing step (zero updates), not a non-finite input.
+    inputs = stats if per_example_grads is None else per_example_grads
+    return numerics.skip_nonfinite_step(step, updates, state, inputs=inputs)
 
   # optax types update's state as OptState; ours is an FAdamState.
   return optax.GradientTransformationExtraArgs(
@@ -361,6 +380,7 @@ def _init_state(
     count=jnp.zeros([], jnp.int32),
     mu=jax.tree.map(lambda x: _zeros(x, mu_dtype), params),
     fim=jax.tree.map(lambda x: _zeros(x, fim_dtype), params),
+    notfinite_count=jnp.zeros([], jnp.int32),
   )
 
 
@@ -439,19 +459,14 @@ def _leaf_step(
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Pass 2: one leaf's output, momentum and Fisher.
 
-  A non-finite step (``ok`` False) keeps the state and returns NaN. The
-  selects act on scalars and on the gradient, never on whole state arrays,
-  so XLA can update the state in place.
+  ``ok`` False (a natural gradient whose mean square overflowed, which the
+  clip would otherwise hide) makes the output NaN, so the non-finite policy
+  skips the step.
   """
   g32, cd = plan.g, plan.g.dtype
-  zero = jnp.zeros((), cd)
-  f = jnp.where(ok, plan.b2_hat, 1.0) * f_old.astype(cd) + jnp.where(
-    ok, 1.0 - plan.b2_hat, zero
-  ) * jnp.where(ok, plan.sq, zero)
-  d = _denominator(f, jnp.where(ok, plan.eps_term, 1.0).astype(cd), hp)
-  m = jnp.where(ok, hp.b1, 1.0) * m_old.astype(cd) + jnp.where(
-    ok, plan.coef_n, zero
-  ) * (jnp.where(ok, g32, zero) / d)
+  f = plan.b2_hat * f_old.astype(cd) + (1.0 - plan.b2_hat) * plan.sq
+  d = _denominator(f, plan.eps_term, hp)
+  m = hp.b1 * m_old.astype(cd) + plan.coef_n * (g32 / d)
   out = m
   if plan.coef_w is not None:
     out = m + plan.coef_w * (jnp.asarray(theta, cd) / d)
@@ -466,22 +481,20 @@ def _leaf_step(
 def _fadam_update(
   updates: optax.Updates,
   state: FAdamState,
-  params: optax.Params | None,
+  thetas: list[Any],
   decay: list[bool],
   stats: list[Any],
   b2: Any,
   hp: _Hyper,
 ) -> tuple[optax.Updates, FAdamState]:
-  """One FAdam step over all leaves (two passes, see the leaf functions)."""
+  """One FAdam step over all leaves (two passes, see the leaf functions).
+
+  Runs only on finite inputs (under the non-finite policy).
+  """
   treedef = jax.tree.structure(updates)
   grads = treedef.flatten_up_to(updates)
   mus = treedef.flatten_up_to(state.mu)
   fims = treedef.flatten_up_to(state.fim)
-  thetas = (
-    [None] * len(grads)
-    if params is None
-    else _flatten_like(params, updates, "params")
-  )
   count_inc = optax.safe_increment(state.count)
   b2_hat = _debiased_b2(b2, count_inc)
   plans = [
@@ -497,8 +510,8 @@ def _fadam_update(
     for g, plan, m, f, theta in zip(grads, plans, mus, fims, thetas)
   ]
   outs, new_mus, new_fims = zip(*steps) if steps else ((), (), ())
-  return treedef.unflatten(outs), FAdamState(
-    count=jnp.where(ok, count_inc, state.count),
+  return treedef.unflatten(outs), state._replace(
+    count=count_inc,
     mu=treedef.unflatten(new_mus),
     fim=treedef.unflatten(new_fims),
   )
@@ -508,15 +521,16 @@ def _fadam_update(
 
 
 def _flatten_like(tree: PyTree, like: PyTree, what: str) -> list[Any]:
-  validation.check_same_structure(like, tree, what=what)
-  leaves = jax.tree.leaves(tree)
-  for leaf, ref in zip(leaves, jax.tree.leaves(like)):
-    if jnp.shape(leaf) != jnp.shape(ref):
-      raise ValueError(
-        f"{what} leaves must have the updates' shapes, got {jnp.shape(leaf)}"
-        f" where the updates have {jnp.shape(ref)}."
-      )
-  return leaves
+  validation.check_like(tree, like, what=what, reference_name="updates")
+  return jax.tree.leaves(tree)
+
+
+def _params_leaves(params: PyTree | None, updates: PyTree) -> list[Any]:
+  """The params' leaves (``None`` each without params), checked."""
+  if params is None:
+    return [None] * len(jax.tree.leaves(updates))
+  validation.check_like(updates, params, what="updates")
+  return jax.tree.leaves(params)
 
 
 def _static_bool(m: Any) -> Any:

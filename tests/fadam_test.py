@@ -10,9 +10,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 
 import fisher_optax
 from fisher_optax.fisher import validation
+from tests import nonfinite_testing
 
 # -- a float64 NumPy re-implementation of the rule in scale_by_fadam ----------
 
@@ -457,7 +459,10 @@ class FAdamBehaviourTest(parameterized.TestCase):
       jnp.array([jnp.inf, 1.0, 1.0]),
     )
     updates, new_state = update(bad, state, params)
-    chex.assert_trees_all_equal(new_state, state)
+    # Unchanged but for the count of skipped steps.
+    self.assertEqual(int(new_state[0].notfinite_count), 1)
+    skipped = new_state[0]._replace(notfinite_count=state[0].notfinite_count)
+    chex.assert_trees_all_equal((skipped, *new_state[1:]), state)
     self.assertFalse(bool(jnp.all(jnp.isfinite(updates[0]))))
 
   def test_zero_gradients_from_start(self):
@@ -613,6 +618,55 @@ class FAdamBehaviourTest(parameterized.TestCase):
       restored = ckpt.restore(f"{tmp}/state", jax.eval_shape(tx.init, params))
     self.assertIsInstance(restored[0], fisher_optax.FAdamState)
     chex.assert_trees_all_equal(restored, state)
+
+
+class FAdamNonfiniteAndDtypeTest(parameterized.TestCase):
+  """The one non-finite policy, shape errors and float16 statistics."""
+
+  @pytest.mark.timeout(120)
+  @parameterized.parameters("batch", "per_example")
+  def test_nonfinite_policy(self, fisher_source):
+    params = {"w": jnp.ones((3, 2)), "b": jnp.zeros(2)}
+    grads = {"w": jnp.full((3, 2), 0.5), "b": jnp.ones(2)}
+    tx = fisher_optax.fadam(1e-2, fisher_source=fisher_source)
+    extra = None
+    if fisher_source == "per_example":
+      # The per-example gradients carry the bad value too.
+      extra = lambda g: {
+        "per_example_grads": jax.tree.map(lambda x: jnp.stack([x, x]), g)
+      }
+    nonfinite_testing.check_policy(self, tx, params, grads, extra=extra)
+
+  def test_mismatched_gradients_are_refused(self):
+    params = {"w": jnp.ones((4, 3))}
+    tx = fisher_optax.fadam(1e-2)
+    state = tx.init(params)
+    for bad in (jnp.ones(()), jnp.ones((3, 4)), jnp.ones((4, 1))):
+      with self.assertRaisesRegex(ValueError, "updates do not match params"):
+        tx.update({"w": bad}, state, params)
+      with self.assertRaisesRegex(ValueError, "updates do not match params"):
+        fisher_optax.scale_by_fadam(weight_decay=0.0).update(
+          {"w": bad}, state[0], None
+        )
+
+  @parameterized.parameters(jnp.float16, jnp.bfloat16)
+  def test_half_precision_statistics_do_not_overflow(self, dtype):
+    # 1e3 squared is far above float16's largest value (65504).
+    params = {"w": jnp.ones((4, 3), dtype)}
+    grads = {"w": jnp.full((4, 3), 1e3, dtype)}
+    tx = fisher_optax.fadam(1e-2)
+    updates, state = jax.jit(tx.update)(grads, tx.init(params), params)
+    self.assertEqual(updates["w"].dtype, dtype)
+    self.assertEqual(state[0].fim["w"].dtype, jnp.float32)
+    self.assertEqual(state[0].mu["w"].dtype, jnp.float32)
+    np.testing.assert_allclose(state[0].fim["w"], 1e6)
+    chex.assert_tree_all_finite((updates, state))
+    self.assertEqual(int(state[0].notfinite_count), 0)
+    # Narrow storage on request: the statistics still run in float32.
+    tx = fisher_optax.fadam(1e-2, mu_dtype=dtype, fim_dtype=jnp.float32)
+    _, state = jax.jit(tx.update)(grads, tx.init(params), params)
+    self.assertEqual(state[0].mu["w"].dtype, dtype)
+    chex.assert_tree_all_finite(state)
 
 
 if __name__ == "__main__":

@@ -236,3 +236,46 @@ def check_per_example_grads(
     raise ValueError("per_example_grads has an empty batch axis.")
   return batch
 
+
+def check_like(
+  tree: Any, like: Any, *, what: str, reference_name: str = "params"
+) -> None:
+  """Raises ``ValueError`` unless ``tree`` has ``like``'s structure and shapes.
+
+  The one "updates do not match params" check of the transforms: a scalar,
+  transposed or otherwise reshaped leaf is refused before it can broadcast.
+
+  Args:
+    tree: the tree to check, e.g. the updates.
+    like: the reference (arrays or ``jax.ShapeDtypeStruct``), e.g. params.
+    what: ``tree``'s name in the message.
+    reference_name: ``like``'s name in the message.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from fisher_optax.fisher import validation
+    >>> validation.check_like(
+    ...   {"w": jnp.zeros(3)}, {"w": jnp.zeros((3, 1))}, what="updates"
+    ... )
+    Traceback (most recent call last):
+    ...
+    ValueError: updates do not match params (different shapes): updates['w'] has shape (3,) where params['w'] has shape (3, 1).
+  """
+  ref_def = jax.tree.structure(like)
+  tree_def = jax.tree.structure(tree)
+  if ref_def != tree_def:
+    raise ValueError(
+      f"{what} do not match {reference_name}: {what} must have the same "
+      f"tree structure as {reference_name}.\n  {reference_name}: {ref_def}\n"
+      f"  {what}: {tree_def}"
+    )
+  paths = jax.tree_util.tree_flatten_with_path(tree)[0]
+  for (path, leaf), ref in zip(paths, jax.tree.leaves(like)):
+    if jnp.shape(leaf) != jnp.shape(ref):
+      name = jax.tree_util.keystr(path)
+      raise ValueError(
+        f"{what} do not match {reference_name} (different shapes): {what}"
+        f"{name} has shape "
+        f"{jnp.shape(leaf)} where {reference_name}{name} has shape "
+        f"{jnp.shape(ref)}."
+      )
