@@ -1,7 +1,7 @@
 # Copyright 2026 The fisher_optax Authors. Licensed under the Apache License 2.0.
 """Save and restore optimizer states (and any pytree of arrays) with orbax.
 
-Needs orbax-checkpoint (``pip install 'fisher_optax[examples]'``). Two
+Needs orbax-checkpoint (``pip install 'fisher_optax[flax]'``). Two
 details make a plain ``orbax.checkpoint.StandardCheckpointer`` round trip
 fail or silently change types, and these helpers take care of both:
 
@@ -13,7 +13,13 @@ fail or silently change types, and these helpers take care of both:
 
 Writes are atomic: the checkpoint goes to a temporary sibling directory that
 is renamed into place only once complete, so an interrupted save never
-leaves a partial checkpoint behind.
+leaves a partial checkpoint behind (and the next save removes what a killed
+one left). Every checkpoint holds a SHA-256 manifest of its files,
+``fisher_optax.sha256`` (``sha256sum -c`` reads it), which :func:`restore`
+verifies: a damaged or changed file raises an error instead of restoring
+silently wrong values. The manifest also marks the directory as written by
+:func:`save`: ``overwrite=True`` replaces only such a checkpoint and refuses
+any other directory or file, leaving it untouched.
 
 Example:
 
@@ -65,8 +71,13 @@ def save(
   Args:
     path: the checkpoint directory (made absolute for orbax).
     tree: a pytree of arrays: params, optimizer states, or a dict of both.
-    overwrite: replace an existing checkpoint (only once the new one is
-      complete).
+    overwrite: replace an existing checkpoint written by :func:`save`
+      (only once the new one is complete); anything else at ``path`` is
+      refused.
+
+  Raises:
+    FileExistsError: ``path`` exists and ``overwrite`` is False, or it is
+      not a checkpoint written by :func:`save`.
   """
   path = pathlib.Path(path).absolute()
   _checkpoint_io.check_destination(
@@ -74,7 +85,7 @@ def save(
   )
   # The tree keeps its containers (restore rebuilds them from the target).
   _checkpoint_io.write_atomically(
-    path, _drop_empty(tree), fmt=_checkpoint_io.ORBAX
+    path, _drop_empty(tree), fmt=_checkpoint_io.ORBAX, overwrite=overwrite
   )
 
 
@@ -89,12 +100,17 @@ def restore(path: str | os.PathLike[str], target: PyTree) -> PyTree:
 
   Returns:
     The restored tree.
-  """
-  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
 
+  Raises:
+    FileNotFoundError: no checkpoint directory at ``path``.
+    ValueError: (``ChecksumError``) a file of the checkpoint differs from
+      its SHA-256 manifest.
+  """
+  ocp = _checkpoint_io.import_orbax()
   path = pathlib.Path(path).absolute()
   if not path.is_dir():
     raise FileNotFoundError(f"No checkpoint directory at {str(path)!r}.")
+  _checkpoint_io.verify_checksums(path)
   abstract = jax.tree.map(
     lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), target
   )

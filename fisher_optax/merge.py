@@ -1,18 +1,27 @@
 # Copyright 2026 The fisher_optax Authors. Licensed under the Apache License 2.0.
 r"""Command line: Fisher-merge checkpoints, and compute a model's Fisher.
 
-Two subcommands (also installed as the ``fisher-merge`` console script)::
+Three subcommands, the same as the ``fisher-merge`` console script and as
+``python -m fisher_optax.merge``::
 
   # Merge K checkpoints given their diagonal Fishers.
-  python -m fisher_optax.merge merge \
+  fisher-merge merge \
       --models base.msgpack finetuned.msgpack \
       --fishers base_fisher.msgpack finetuned_fisher.msgpack \
       --weights 0.6 0.4 --output merged.msgpack
 
   # Compute a model's diagonal Fisher on a dataset, through the engine.
-  python -m fisher_optax.merge fisher \
+  fisher-merge fisher \
       --model my_project.models:make_model --params base.msgpack \
       --data train.npz --output base_fisher.msgpack
+
+  # A first try: two small trained models and their data; prints the
+  # 'fisher' and 'merge' commands to run on them.
+  fisher-merge example try_merge/
+
+``fisher-merge --help`` (and ``fisher-merge merge --help``, ...) documents
+every option with its default. Reading and writing ``*.msgpack`` files needs
+flax (``pip install 'fisher_optax[flax]'``).
 
 **Formats.** Checkpoints, Fishers and outputs are flax msgpack files
 (``*.msgpack``, e.g. written by ``flax.serialization.msgpack_serialize`` of
@@ -26,15 +35,29 @@ Datasets are ``.npz`` files read with ``allow_pickle=False``.
 params-sized buffers plus one model and its Fisher. Every model is checked
 against the target (same leaves, shapes and dtypes) and every Fisher against
 the models (same leaves and shapes, floating point, finite, non-negative);
-model parameters must be finite. The first problem found is reported with the
-file and the leaf, and nothing is written. ``--keep-target REGEX`` (repeatable)
-copies the leaves whose path (``a/b/c``) matches from the target unmerged
-(heads); non-floating leaves always come from the target. The output is
-written atomically (temporary sibling, then rename), and an existing output
-is replaced only with ``--overwrite`` and only once the merge succeeded.
+model parameters must be finite, and so must the merged result. Values are
+checked in their own dtype, and float64 models are merged in float64. The
+first problem found is reported with the file and the leaf, the command
+exits with status 1, and nothing is written. ``--keep-target REGEX``
+(repeatable) copies the leaves whose path (``a/b/c``) matches from the
+target unmerged (heads); non-floating leaves always come from the target.
 
-**fisher** imports ``--model module:factory`` and calls ``factory()`` with
-no arguments. It must return either
+**Outputs and checksums.** Outputs are written atomically (a temporary
+sibling, then an exclusive rename that never replaces a file that appeared
+meanwhile), with the usual permissions (umask), and with SHA-256 checksums:
+``merged.msgpack.sha256`` next to a msgpack file (``sha256sum -c`` reads
+it), ``fisher_optax.sha256`` inside an orbax directory. Inputs that carry
+such checksums are verified before use, so a damaged file is an error, not
+a silently wrong merge; inputs without them are read unverified. An existing
+output is replaced only with ``--overwrite``, only if it carries our
+checksums (a directory or file we did not write is refused and left
+untouched), and only once the new output is complete. Temporaries
+(``.NAME.tmp-*``) of a killed run are removed by the next run.
+
+**fisher** imports ``--model module:factory`` (with the current directory
+first on ``sys.path``, as ``python -m`` has it, so ``--model mymodels:make``
+finds ``./mymodels.py`` from the console script too) and calls ``factory()``
+with no arguments. It must return either
 
 * an ``nnx.Module``: the checkpoint is its state as a pure dict (orbax's
   ``{"value": ...}`` wrappers are accepted); ``nnx.Param`` leaves get a
@@ -60,8 +83,12 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable, Sequence
+import contextlib
 import importlib
+import os
+import pathlib
 import re
+import shlex
 import sys
 from typing import Any, NamedTuple
 
@@ -125,6 +152,15 @@ def _check_leaves(
       )
 
 
+def _all_finite(x: Any) -> bool:
+  """Every entry finite, in the array's own dtype (1e300 in float64 is)."""
+  x = np.asarray(x)
+  try:
+    return bool(np.all(np.isfinite(x)))
+  except TypeError:  # a float type numpy has no ufunc for: widening is exact
+    return bool(np.all(np.isfinite(x.astype(np.float64))))
+
+
 def validate_model(
   ref: dict[str, Any], model: dict[str, Any], *, ref_name: str, name: str
 ) -> None:
@@ -137,7 +173,7 @@ def validate_model(
         f"{name} leaf {k!r} has dtype {x.dtype} but {ref_name}'s has dtype "
         f"{r.dtype}."
       )
-    if _is_float(x) and not np.all(np.isfinite(x.astype(np.float32))):
+    if _is_float(x) and not _all_finite(x):
       raise MergeInputError(f"{name} leaf {k!r} has non-finite values.")
 
 
@@ -147,9 +183,20 @@ def validate_fisher(
   """Same leaves and shapes as the model; floating, finite, non-negative."""
   _check_leaves(ref, fisher, ref_name=ref_name, name=name)
   for k, r in ref.items():
-    if _is_float(r):  # Other leaves are not merged; their Fisher is ignored.
-      _merging.check_fisher_leaf(
-        fisher[k], name=f"{name} leaf {k!r}", error=MergeInputError
+    if not _is_float(r):  # not merged; its Fisher is ignored
+      continue
+    leaf, where = np.asarray(fisher[k]), f"{name} leaf {k!r}"
+    if not _is_float(leaf):
+      _merging.check_fisher_leaf(leaf, name=where, error=MergeInputError)
+    # The values are checked here in the leaf's own dtype (the library's
+    # check works in float32, which a finite float64 1e300 overflows).
+    if not _all_finite(leaf):
+      raise MergeInputError(f"{where} has non-finite values.")
+    negative = int(np.sum(leaf < 0))
+    if negative:
+      raise MergeInputError(
+        f"{where} has {negative} negative entries; a diagonal Fisher is "
+        "non-negative."
       )
 
 
@@ -232,10 +279,46 @@ def _load_pair(
   validate_fisher(
     flat_target, fisher_tree, ref_name=model_name, name=fisher_path
   )
+  for k, r in flat_target.items():
+    fisher_tree[k] = _in_compute_dtype(fisher_tree[k], r, fisher_path, k)
   # Fishers mirror the model's containers (e.g. lists vs dicts).
   return params, jax.tree.unflatten(
     jax.tree.structure(params), [fisher_tree[k] for k in _flat(params)]
   )
+
+
+def _in_compute_dtype(f: Any, ref: Any, name: str, key: str) -> Any:
+  """A float64 Fisher leaf for a narrower model, cast to float32 (checked).
+
+  The merge runs in at least float32 and in float64 only for float64
+  models; a Fisher beyond float32's range would overflow silently there.
+  """
+  f = np.asarray(f)
+  if not _is_float(ref) or not _is_float(f) or f.dtype.itemsize <= 4:
+    return f
+  if np.asarray(ref).dtype == np.float64:
+    return f
+  narrow = f.astype(np.float32)
+  if not _all_finite(narrow):
+    raise MergeInputError(
+      f"{name} leaf {key!r} has values up to {float(np.max(f)):.3g}, beyond "
+      "float32, the precision this model is merged in; divide every Fisher "
+      "by one common factor or store the models in float64."
+    )
+  return narrow
+
+
+def _needs_x64(tree: PyTree) -> bool:
+  return any(np.asarray(x).dtype == np.float64 for x in jax.tree.leaves(tree))
+
+
+def _x64_if(on: bool) -> contextlib.AbstractContextManager[Any]:
+  if not on or jax.config.read("jax_enable_x64"):
+    return contextlib.nullcontext()
+  if hasattr(jax, "enable_x64"):
+    return jax.enable_x64(True)  # pyright: ignore[reportReturnType]
+  # Older jax: the experimental context manager.
+  return importlib.import_module("jax.experimental").enable_x64()
 
 
 def merge_checkpoints(
@@ -271,7 +354,12 @@ def merge_checkpoints(
     The format written.
 
   Raises:
-    MergeInputError: inconsistent inputs (the message names file and leaf).
+    MergeInputError: inconsistent or non-finite inputs (the message names
+      file and leaf), or a merged result that is not finite; nothing is
+      written.
+    OutputExistsError: ``output`` exists and ``overwrite`` is False, or it
+      is not an output of this command.
+    ChecksumError: an input differs from the checksums written with it.
 
   Example:
     >>> import pathlib, tempfile
@@ -305,6 +393,45 @@ def merge_checkpoints(
 
   ref_name = models[target_index]
   target = _checkpoint_io.load_tree(ref_name)
+  # float64 models are merged in float64 (jax computes in float32 otherwise).
+  with _x64_if(_needs_x64(target)):
+    merged = _stream_merge(
+      models,
+      fishers,
+      w,
+      target,
+      target_index,
+      keep_target,
+      fisher_floor=fisher_floor,
+      floor_mode=floor_mode,
+      normalize=normalize,
+    )
+  if not _all_finite_tree(merged):
+    raise MergeInputError(
+      "The merged parameters have non-finite entries (the Fishers or "
+      "weights overflow); nothing written."
+    )
+  return _checkpoint_io.save_tree(output, merged, fmt=fmt, overwrite=overwrite)
+
+
+def _all_finite_tree(tree: PyTree) -> bool:
+  return all(_all_finite(x) for x in jax.tree.leaves(tree) if _is_float(x))
+
+
+def _stream_merge(
+  models: Sequence[str],
+  fishers: Sequence[str],
+  w: np.ndarray,
+  target: PyTree,
+  target_index: int,
+  keep_target: Sequence[str],
+  *,
+  fisher_floor: float,
+  floor_mode: str,
+  normalize: bool,
+) -> PyTree:
+  """The target, then the other models, folded into the accumulator."""
+  ref_name = models[target_index]
   acc = _merging.fisher_merge_accumulator(
     fisher_floor,
     floor_mode=floor_mode,
@@ -323,8 +450,7 @@ def merge_checkpoints(
       pair = _load_pair(params, models[i], fishers[i], target, ref_name)
       state = add(state, *pair, jnp.float32(w[i]))
       del params, pair  # one model and its Fisher in memory at a time
-  merged = jax.device_get(acc.finalize(state))
-  return _checkpoint_io.save_tree(output, merged, fmt=fmt, overwrite=overwrite)
+  return jax.device_get(acc.finalize(state))
 
 
 # -- fisher --------------------------------------------------------------------
@@ -487,9 +613,10 @@ def _build_model(
   factory: Callable[[], Any], tree: PyTree, model: str, params_path: str
 ) -> _Model:
   built = factory()
-  from flax import nnx  # pylint: disable=g-import-not-at-top
-
-  if isinstance(built, nnx.Module):
+  # A factory that returns an nnx.Module has imported flax.nnx; a function
+  # model needs no flax at all.
+  nnx = sys.modules.get("flax.nnx")
+  if nnx is not None and isinstance(built, nnx.Module):
     return _nnx_model(built, tree, params_path)
   return _function_model(built, tree, model, params_path)
 
@@ -608,23 +735,168 @@ def compute_fisher(
   return _checkpoint_io.save_tree(output, out, fmt=fmt, overwrite=overwrite)
 
 
+# -- example inputs ------------------------------------------------------------
+
+_EXAMPLE_SIZES = (8, 16, 3)  # inputs, hidden units, classes
+
+
+def example_model():
+  """``(apply_fn, params)`` of the small MLP that ``example`` trains.
+
+  The ``--model`` of the example recipe
+  (``--model fisher_optax.merge:example_model``); needs no flax.
+  """
+  n_in, n_hidden, n_out = _EXAMPLE_SIZES
+
+  def apply_fn(p, x):
+    h = jnp.tanh(x @ p["hidden"]["kernel"] + p["hidden"]["bias"])
+    return h @ p["head"]["kernel"] + p["head"]["bias"]
+
+  zeros = lambda *shape: np.zeros(shape, np.float32)  # noqa: E731
+  params = {
+    "hidden": {"kernel": zeros(n_in, n_hidden), "bias": zeros(n_hidden)},
+    "head": {"kernel": zeros(n_hidden, n_out), "bias": zeros(n_out)},
+  }
+  return apply_fn, params
+
+
+def _example_task(seed: int, features: slice) -> tuple[np.ndarray, np.ndarray]:
+  """Gaussian inputs; the label is the largest of three of their features."""
+  x = np.random.default_rng(seed).normal(size=(512, _EXAMPLE_SIZES[0]))
+  return x.astype(np.float32), np.argmax(x[:, features], 1).astype(np.int32)
+
+
+def _train_example(params: PyTree, x: np.ndarray, y: np.ndarray) -> PyTree:
+  """Full-batch gradient descent on the cross-entropy (a few hundred steps)."""
+  apply_fn, _ = example_model()
+
+  def loss(p):
+    logp = jax.nn.log_softmax(apply_fn(p, x))
+    return -jnp.mean(jnp.take_along_axis(logp, y[:, None], 1))
+
+  @jax.jit
+  def train(p):
+    step = lambda _, p: jax.tree.map(  # noqa: E731
+      lambda a, g: a - 0.5 * g, p, jax.grad(loss)(p)
+    )
+    return jax.lax.fori_loop(0, 300, step, p)
+
+  return jax.device_get(train(params))
+
+
+def write_example(outdir: str) -> list[str]:
+  """Writes two small trained models and their datasets for a first try.
+
+  Both models start from one initialisation and are trained on different
+  tasks (the label is the largest of inputs 0-2, or of inputs 3-5), as a
+  base fine-tuned two ways. ``outdir`` is created; it must be empty or
+  missing.
+
+  Args:
+    outdir: the directory to fill.
+
+  Returns:
+    The commands (``fisher-merge ...``) that compute both Fishers and merge.
+  """
+  out = pathlib.Path(outdir)
+  if out.exists() and (not out.is_dir() or any(out.iterdir())):
+    raise _checkpoint_io.OutputExistsError(
+      f"{outdir!r} exists and is not an empty directory; choose a new one."
+    )
+  out.mkdir(parents=True, exist_ok=True)
+  _, template = example_model()
+  keys = jax.random.split(jax.random.key(0), 2)
+  init = {
+    "hidden": {
+      "kernel": 0.5 * jax.random.normal(keys[0], (8, 16)),
+      "bias": jnp.zeros(16),
+    },
+    "head": {
+      "kernel": 0.5 * jax.random.normal(keys[1], (16, 3)),
+      "bias": jnp.zeros(3),
+    },
+  }
+  init = jax.tree.map(lambda a, t: np.asarray(a, t.dtype), init, template)
+  q = lambda name: shlex.quote(str(out / name))  # noqa: E731
+  commands = []
+  for name, seed, features in (("a", 1, slice(0, 3)), ("b", 2, slice(3, 6))):
+    x, y = _example_task(seed, features)
+    with open(out / f"data_{name}.npz", "xb") as f:
+      np.savez(f, x=x, y=y)
+    params = _train_example(init, x, y)
+    _checkpoint_io.save_tree(out / f"model_{name}.msgpack", params)
+    commands.append(
+      f"fisher-merge fisher --model fisher_optax.merge:example_model "
+      f"--params {q(f'model_{name}.msgpack')} --data {q(f'data_{name}.npz')} "
+      f"--output {q(f'fisher_{name}.msgpack')}"
+    )
+  commands.append(
+    f"fisher-merge merge --models {q('model_a.msgpack')} "
+    f"{q('model_b.msgpack')} --fishers {q('fisher_a.msgpack')} "
+    f"{q('fisher_b.msgpack')} --output {q('merged.msgpack')}"
+  )
+  return commands
+
+
 # -- entry point ---------------------------------------------------------------
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+  """Shows each option's default, except for required options and None."""
+
+  def _get_help_string(self, action: argparse.Action) -> str | None:
+    if action.required or action.default is None:
+      return action.help
+    return super()._get_help_string(action)
 
 
 def _parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(
     prog="fisher-merge",
     description="Fisher-weighted merging of checkpoints (Matena & Raffel, "
-    "2022) and diagonal Fisher computation.",
+    "2022) and diagonal Fisher computation. New here? 'fisher-merge example "
+    "DIR' writes two small models and data, and prints the commands that "
+    "compute their Fishers and merge them.",
   )
   sub = parser.add_subparsers(dest="command", required=True)
   _add_merge_options(
-    sub.add_parser("merge", help="merge checkpoints given their Fishers")
+    sub.add_parser(
+      "merge",
+      help="merge checkpoints given their Fishers",
+      formatter_class=_HelpFormatter,
+    )
   )
   _add_fisher_options(
-    sub.add_parser("fisher", help="compute a checkpoint's diagonal Fisher")
+    sub.add_parser(
+      "fisher",
+      help="compute a checkpoint's diagonal Fisher",
+      formatter_class=_HelpFormatter,
+    )
+  )
+  example = sub.add_parser(
+    "example",
+    help="write two small models and their data to try 'fisher' and 'merge'",
+    formatter_class=_HelpFormatter,
+  )
+  example.add_argument(
+    "outdir", help="directory to create (must be empty or missing)"
   )
   return parser
+
+
+def _add_output_options(p: argparse.ArgumentParser) -> None:
+  p.add_argument(
+    "--output-format",
+    choices=_checkpoint_io.FORMATS,
+    help="format of --output (default: 'msgpack' for '*.msgpack', else an "
+    "orbax directory)",
+  )
+  p.add_argument(
+    "--overwrite",
+    action="store_true",
+    help="replace an existing --output, only if this command wrote it (it "
+    "has our .sha256 checksums) and only once the new one is complete",
+  )
 
 
 def _add_merge_options(m: argparse.ArgumentParser) -> None:
@@ -646,7 +918,7 @@ def _add_merge_options(m: argparse.ArgumentParser) -> None:
     nargs="+",
     type=float,
     default=None,
-    help="one weight per model (default equal)",
+    help="one weight per model (default: equal weights)",
   )
   m.add_argument(
     "--floor",
@@ -654,7 +926,7 @@ def _add_merge_options(m: argparse.ArgumentParser) -> None:
     metavar="FLOOR",
     type=float,
     default=1e-6,
-    help="Fisher floor (default 1e-6)",
+    help="lower bound applied to the Fisher entries",
   )
   m.add_argument(
     "--floor-mode",
@@ -672,15 +944,16 @@ def _add_merge_options(m: argparse.ArgumentParser) -> None:
     action="append",
     default=[],
     metavar="REGEX",
-    help="leaves whose path a/b/c matches come from the target",
+    help="leaves whose path a/b/c matches come from the target unmerged "
+    "(repeatable)",
   )
-  m.add_argument("--target-index", type=int, default=0)
-  m.add_argument("--output-format", choices=_checkpoint_io.FORMATS)
   m.add_argument(
-    "--overwrite",
-    action="store_true",
-    help="replace an existing output (only on success)",
+    "--target-index",
+    type=int,
+    default=0,
+    help="which of --models is the target (its tree and unmerged leaves)",
   )
+  _add_output_options(m)
 
 
 def _add_fisher_options(f: argparse.ArgumentParser) -> None:
@@ -688,7 +961,8 @@ def _add_fisher_options(f: argparse.ArgumentParser) -> None:
     "--model",
     required=True,
     metavar="MODULE:FACTORY",
-    help="factory() -> nnx.Module or apply_fn(params, inputs)",
+    help="factory() -> nnx.Module, apply_fn(params, inputs) or (apply_fn, "
+    "params); MODULE is imported with the current directory on sys.path",
   )
   f.add_argument(
     "--params",
@@ -703,6 +977,7 @@ def _add_fisher_options(f: argparse.ArgumentParser) -> None:
     "--likelihood",
     default="categorical",
     choices=("categorical", "bernoulli", "gaussian"),
+    help="the model's predictive distribution",
   )
   f.add_argument(
     "--sigma",
@@ -711,7 +986,11 @@ def _add_fisher_options(f: argparse.ArgumentParser) -> None:
     help="Gaussian likelihood's standard deviation",
   )
   f.add_argument(
-    "--kind", default="exact", choices=("exact", "mc", "empirical")
+    "--kind",
+    default="exact",
+    choices=("exact", "mc", "empirical"),
+    help="expectation over the model's labels (exact), sampled labels (mc), "
+    "or the dataset's labels (empirical)",
   )
   f.add_argument(
     "--num-samples",
@@ -719,13 +998,65 @@ def _add_fisher_options(f: argparse.ArgumentParser) -> None:
     default=1,
     help="label samples per example for --kind mc",
   )
-  f.add_argument("--max-examples", type=int, default=4096)
-  f.add_argument("--batch-size", type=int, default=256)
-  f.add_argument("--inputs-key", default="x")
-  f.add_argument("--targets-key", default="y")
-  f.add_argument("--seed", type=int, default=0)
-  f.add_argument("--output-format", choices=_checkpoint_io.FORMATS)
-  f.add_argument("--overwrite", action="store_true")
+  f.add_argument(
+    "--max-examples",
+    type=int,
+    default=4096,
+    help="examples drawn at random (with --seed) at most",
+  )
+  f.add_argument(
+    "--batch-size",
+    type=int,
+    default=256,
+    help="examples per compiled batch (the result does not depend on it)",
+  )
+  f.add_argument(
+    "--inputs-key", default="x", help="the inputs' array in --data"
+  )
+  f.add_argument(
+    "--targets-key",
+    default="y",
+    help="the targets' array in --data (--kind empirical only)",
+  )
+  f.add_argument(
+    "--seed",
+    type=int,
+    default=0,
+    help="seed of the subsample and of --kind mc's labels",
+  )
+  _add_output_options(f)
+
+
+def _cwd_on_path() -> None:
+  # ``python -m`` puts the current directory first on sys.path, a console
+  # script does not; ``--model mymodels:make`` must work with both.
+  cwd = os.getcwd()
+  if "" not in sys.path and cwd not in sys.path:
+    sys.path.insert(0, cwd)
+
+
+def _run_merge(**kwargs: Any) -> str:
+  return f"wrote {kwargs['output']} ({merge_checkpoints(**kwargs)})"
+
+
+def _run_fisher(**kwargs: Any) -> str:
+  _cwd_on_path()
+  return f"wrote {kwargs['output']} ({compute_fisher(**kwargs)})"
+
+
+def _run_example(outdir: str) -> str:
+  commands = write_example(outdir)
+  return (
+    f"wrote two models and their data to {outdir}; now run\n  "
+    + "\n  ".join(commands)
+  )
+
+
+_COMMANDS: dict[str, Callable[..., str]] = {
+  "merge": _run_merge,
+  "fisher": _run_fisher,
+  "example": _run_example,
+}
 
 
 def run(argv: Sequence[str] | None = None) -> int:
@@ -734,15 +1065,15 @@ def run(argv: Sequence[str] | None = None) -> int:
   kwargs = vars(_parser().parse_args(argv))
   command = _COMMANDS[kwargs.pop("command")]
   try:
-    fmt = command(**kwargs)
+    message = command(**kwargs)
+  except _checkpoint_io.OutputExistsError as e:
+    print(f"fisher-merge: error: {e.message('--overwrite')}", file=sys.stderr)
+    return 1
   except (ValueError, TypeError, OSError, ImportError) as e:
     print(f"fisher-merge: error: {e}", file=sys.stderr)
     return 1
-  print(f"wrote {kwargs['output']} ({fmt})")
+  print(message)
   return 0
-
-
-_COMMANDS = {"merge": merge_checkpoints, "fisher": compute_fisher}
 
 
 if __name__ == "__main__":

@@ -346,15 +346,19 @@ class MergeCliTest(parameterized.TestCase):
     )
 
   def test_existing_output_needs_overwrite(self):
+    # An earlier output of the command (a foreign file is refused even with
+    # --overwrite: test_overwrite_refuses_what_we_did_not_write).
     out = self.dir / "merged.msgpack"
-    out.write_bytes(b"old")
+    self.assertEqual(_run(self._merge_args(out, self.model_files[1:]))[0], 0)
+    old = out.read_bytes()
     code, err = _run(self._merge_args(out))
     self.assertEqual(code, 1)
     self.assertIn("--overwrite", err)
-    self.assertEqual(out.read_bytes(), b"old")
+    self.assertNotIn("overwrite=True", err)
+    self.assertEqual(out.read_bytes(), old)
     code, err = _run(self._merge_args(out) + ["--overwrite"])
     self.assertEqual(code, 0, err)
-    self.assertNotEqual(out.read_bytes(), b"old")
+    self.assertNotEqual(out.read_bytes(), old)
 
   @parameterized.parameters("merged.msgpack", "merged_dir")
   def test_crash_before_rename_leaves_no_output(self, name):
@@ -399,7 +403,12 @@ class MergeCliTest(parameterized.TestCase):
         raise OSError("disk full")
       return real_rename(src, dst)
 
-    with mock.patch.object(_checkpoint_io.os, "rename", flaky_rename):
+    # The portable swap (move aside, rename, delete); Linux swaps with one
+    # renameat2(RENAME_EXCHANGE), tested below.
+    with (
+      mock.patch.object(_checkpoint_io, "_renameat2", None),
+      mock.patch.object(_checkpoint_io.os, "rename", flaky_rename),
+    ):
       with self.assertRaisesRegex(OSError, "disk full"):
         _checkpoint_io.save_tree(out, self.params[1], overwrite=True)
     chex.assert_trees_all_equal(_checkpoint_io.load_tree(out), self.params[0])
