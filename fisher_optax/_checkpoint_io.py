@@ -214,8 +214,10 @@ def _parse_manifest(path: pathlib.Path) -> dict[str, str] | None:
     text = path.read_text("utf-8")
   except (OSError, UnicodeDecodeError):
     return None
+  if not text.endswith("\n"):
+    return None
   out = {}
-  for line in text.splitlines():
+  for line in text[:-1].split("\n"):
     m = _LINE.fullmatch(line)
     if m is None:
       return None

@@ -298,7 +298,8 @@ def _in_compute_dtype(f: Any, ref: Any, name: str, key: str) -> Any:
     return f
   if np.asarray(ref).dtype == np.float64:
     return f
-  narrow = f.astype(np.float32)
+  with np.errstate(over="ignore"):  # reported below
+    narrow = f.astype(np.float32)
   if not _all_finite(narrow):
     raise MergeInputError(
       f"{name} leaf {key!r} has values up to {float(np.max(f)):.3g}, beyond "

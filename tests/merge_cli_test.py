@@ -1,13 +1,19 @@
 # Copyright 2026 The fisher_optax Authors. Licensed under the Apache License 2.0.
 """Tests for the merge command line and checkpoint I/O."""
 
+import argparse
 import contextlib
 import io
 import os
 import pathlib
+import shlex
+import shutil
+import signal
 import subprocess
 import sys
+import sysconfig
 import tempfile
+import textwrap
 from unittest import mock
 
 from absl.testing import absltest
@@ -592,6 +598,488 @@ class FisherCommandTest(absltest.TestCase):
     )
     self.assertEqual(code, 1)
     self.assertIn("no array 'x'", err)
+
+
+def _run_out(argv):
+  out, err = io.StringIO(), io.StringIO()
+  with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
+    code = merge.run(argv)
+  return code, out.getvalue(), err.getvalue()
+
+
+def _dot_files(d):
+  return sorted(p.name for p in pathlib.Path(d).iterdir() if p.name[0] == ".")
+
+
+def _flip_byte(path, offset=-1):
+  data = bytearray(pathlib.Path(path).read_bytes())
+  data[offset] ^= 0x01
+  pathlib.Path(path).write_bytes(bytes(data))
+
+
+def _largest_file(d):  # an array file of an orbax checkpoint
+  return max(
+    (
+      p
+      for p in pathlib.Path(d).rglob("*")
+      if p.is_file() and p.name != _checkpoint_io.MANIFEST
+    ),
+    key=lambda p: p.stat().st_size,
+  )
+
+
+class WriterSafetyTest(parameterized.TestCase):
+  """What the writers never destroy, and what a killed run leaves behind."""
+
+  def setUp(self):
+    super().setUp()
+    tmp = tempfile.TemporaryDirectory()
+    self.addCleanup(tmp.cleanup)
+    self.dir = pathlib.Path(tmp.name)
+    self.params = [_params(s) for s in range(2)]
+    self.models = []
+    for i, p in enumerate(self.params):  # outputs of ours: with checksums
+      self.models.append(str(self.dir / f"m{i}.msgpack"))
+      _checkpoint_io.save_tree(self.models[-1], p)
+    self.fishers = [
+      _save(self.dir / f"f{i}.msgpack", _fisher(i, self.params[0]))
+      for i in range(2)
+    ]
+
+  def _args(self, output, *extra):
+    return [
+      "merge",
+      "--models",
+      *self.models,
+      "--fishers",
+      *self.fishers,
+      "--output",
+      str(output),
+      *extra,
+    ]
+
+  @parameterized.parameters("victim", "victim.msgpack")
+  def test_overwrite_refuses_what_we_did_not_write(self, name):
+    victim = self.dir / name
+    if name.endswith(".msgpack"):  # a file another program wrote
+      victim.write_bytes(b"user data")
+    else:  # an ordinary directory holding a user's files
+      victim.mkdir()
+      (victim / "thesis.tex").write_text("years of work")
+      (victim / "sub").mkdir()
+      (victim / "sub" / "data.csv").write_text("1,2")
+    before = sorted(
+      (str(p), p.read_bytes() if p.is_file() else b"")
+      for p in [victim, *victim.rglob("*")]
+    )
+    code, err = _run(self._args(victim, "--overwrite"))
+    self.assertEqual(code, 1, err)
+    self.assertIn("not written by fisher_optax", err)
+    self.assertIn("--overwrite", err)
+    self.assertNotIn("overwrite=True", err)
+    after = sorted(
+      (str(p), p.read_bytes() if p.is_file() else b"")
+      for p in [victim, *victim.rglob("*")]
+    )
+    self.assertEqual(after, before)
+    self.assertEqual(_dot_files(self.dir), [])
+
+  def test_overwrite_refuses_an_orbax_checkpoint_we_did_not_write(self):
+    import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+
+    theirs = self.dir / "theirs"
+    with ocp.StandardCheckpointer() as ckptr:
+      ckptr.save(theirs, self.params[1])
+      ckptr.wait_until_finished()
+    code, err = _run(self._args(theirs, "--overwrite"))
+    self.assertEqual(code, 1, err)
+    self.assertIn("no fisher_optax.sha256 inside", err)
+    chex.assert_trees_all_equal(
+      _checkpoint_io.load_tree(theirs), self.params[1]
+    )
+
+  @parameterized.parameters("merged.msgpack", "merged")
+  def test_overwrite_replaces_our_output(self, name):
+    out = self.dir / name
+    self.assertEqual(_run(self._args(out, "--weights", "1", "0"))[0], 0)
+    chex.assert_trees_all_close(_checkpoint_io.load_tree(out), self.params[0])
+    code, err = _run(self._args(out, "--weights", "0", "1", "--overwrite"))
+    self.assertEqual(code, 0, err)
+    chex.assert_trees_all_close(_checkpoint_io.load_tree(out), self.params[1])
+    self.assertTrue(_checkpoint_io.verify_checksums(out))
+    self.assertEqual(_dot_files(self.dir), [])
+
+  @parameterized.product(name=("merged.msgpack", "merged"), overwrite=(0, 1))
+  def test_output_appearing_during_the_write_is_not_replaced(
+    self, name, overwrite
+  ):
+    out = self.dir / name
+    real_commit = _checkpoint_io.commit
+
+    def racing_commit(tmp, path, **kwargs):
+      # Another program creates the output after the existence check.
+      if name.endswith(".msgpack"):
+        path.write_bytes(b"theirs")
+      else:
+        path.mkdir()
+        (path / "theirs.txt").write_bytes(b"theirs")
+      return real_commit(tmp, path, **kwargs)
+
+    with mock.patch.object(_checkpoint_io, "commit", racing_commit):
+      code, err = _run(self._args(out, *["--overwrite"] * overwrite))
+    self.assertEqual(code, 1, err)
+    self.assertIn("not written by" if overwrite else "exists; pass", err)
+    theirs = out if name.endswith(".msgpack") else out / "theirs.txt"
+    self.assertEqual(theirs.read_bytes(), b"theirs")
+    self.assertEqual(_dot_files(self.dir), [])
+    self.assertFalse((self.dir / f"{name}.sha256").exists())
+
+  def test_exclusive_directory_rename_without_renameat2(self):
+    # The portable path refuses a non-empty directory that appeared.
+    tmp, out = self.dir / ".new", self.dir / "out"
+    tmp.mkdir()
+    out.mkdir()
+    (out / "f").write_text("x")
+    with mock.patch.object(_checkpoint_io, "_renameat2", None):
+      with self.assertRaises(FileExistsError):
+        _checkpoint_io._place_new(tmp, out)
+    self.assertEqual((out / "f").read_text(), "x")
+
+  @parameterized.parameters("merged.msgpack", "merged")
+  def test_sigkill_during_write_then_a_clean_run(self, name):
+    out = self.dir / name
+    script = textwrap.dedent(
+      """
+      import sys, time
+      from fisher_optax import _checkpoint_io, merge
+
+      def stall(*args, **kwargs):  # the output is written, not yet moved
+        print("writing", flush=True)
+        time.sleep(600)
+
+      _checkpoint_io.commit = stall
+      sys.exit(merge.run(sys.argv[1:]))
+      """
+    )
+    proc = subprocess.Popen(
+      [sys.executable, "-c", script, *self._args(out)],
+      stdout=subprocess.PIPE,
+      stderr=subprocess.PIPE,
+      text=True,
+      env=dict(os.environ, PYTHONPATH=str(_ROOT), JAX_PLATFORMS="cpu"),
+    )
+    try:
+      line = proc.stdout.readline() if proc.stdout else ""
+      self.assertEqual(line.strip(), "writing", proc.stderr)
+      os.kill(proc.pid, signal.SIGKILL)
+    finally:
+      proc.kill()
+      proc.wait()
+      for f in (proc.stdout, proc.stderr):
+        if f:
+          f.close()
+    self.assertEqual(proc.returncode, -signal.SIGKILL)
+    leftovers = _dot_files(self.dir)
+    self.assertTrue(leftovers)
+    self.assertTrue(all(n.startswith(f".{name}.tmp-") for n in leftovers))
+    self.assertFalse(out.exists())
+    # The next run removes what the killed one left, and succeeds.
+    code, err = _run(self._args(out))
+    self.assertEqual(code, 0, err)
+    self.assertEqual(_dot_files(self.dir), [])
+    self.assertTrue(_checkpoint_io.verify_checksums(out))
+
+  def test_temporaries_of_a_live_writer_are_kept(self):
+    live = self.dir / f".out.msgpack.tmp-{os.getpid()}-abc123"
+    dead = self.dir / ".out.msgpack.tmp-999999999-abc123"
+    other = self.dir / ".other.msgpack.tmp-999999999-abc123"
+    for p in (live, dead, other):
+      p.write_bytes(b"x")
+    removed = _checkpoint_io.clean_leftovers(self.dir / "out.msgpack")
+    self.assertEqual(removed, [dead.name])
+    self.assertTrue(live.exists() and other.exists())
+
+  def test_moved_aside_output_is_restored(self):
+    # A kill between the two renames of the portable directory swap.
+    out = self.dir / "ckpt"
+    _checkpoint_io.save_tree(out, self.params[0])
+    os.rename(out, self.dir / ".ckpt.old-999999999-abc123")
+    self.assertEqual(
+      _checkpoint_io.clean_leftovers(out), [".ckpt.old-999999999-abc123"]
+    )
+    chex.assert_trees_all_equal(_checkpoint_io.load_tree(out), self.params[0])
+
+  @parameterized.parameters("merged.msgpack", "merged")
+  def test_outputs_respect_the_umask(self, name):
+    old = os.umask(0o027)
+    try:
+      self.assertEqual(_run(self._args(self.dir / name))[0], 0)
+    finally:
+      os.umask(old)
+    out = self.dir / name
+    files = (
+      [out, self.dir / f"{name}.sha256"]
+      if out.is_file()
+      else [out / _checkpoint_io.MANIFEST]
+    )
+    for f in files:
+      self.assertEqual(f.stat().st_mode & 0o777, 0o640, f)
+    for f in out.rglob("*") if out.is_dir() else []:
+      self.assertEqual(f.stat().st_mode & 0o027, 0, f)
+
+  def test_finite_float64_beyond_float32_is_accepted(self):
+    big = {"w": np.array([1e300, 2.0, -3.0])}
+    models = [
+      _save(self.dir / "a64.msgpack", big),
+      _save(self.dir / "b64.msgpack", {"w": np.array([0.0, 4.0, 1.0])}),
+    ]
+    fishers = [
+      _save(self.dir / "fa64.msgpack", {"w": np.array([1e300, 1.0, 3.0])}),
+      _save(self.dir / "fb64.msgpack", {"w": np.array([1e300, 1.0, 1.0])}),
+    ]
+    out = self.dir / "m64.msgpack"
+    code, err = _run(
+      [
+        "merge",
+        "--models",
+        *models,
+        "--fishers",
+        *fishers,
+        "--output",
+        str(out),
+      ]
+    )
+    self.assertEqual(code, 0, err)
+    merged = _checkpoint_io.load_tree(out)["w"]
+    self.assertEqual(merged.dtype, np.float64)
+    np.testing.assert_allclose(merged, [5e299, 3.0, -2.0], rtol=1e-12)
+    # A float32 model cannot be merged with such a Fisher: a clear error.
+    f32 = {"w": np.ones(3, np.float32)}
+    models32 = [_save(self.dir / f"{i}32.msgpack", f32) for i in "ab"]
+    code, err = _run(
+      [
+        "merge",
+        "--models",
+        *models32,
+        "--fishers",
+        *fishers,
+        "--output",
+        str(self.dir / "m32.msgpack"),
+      ]
+    )
+    self.assertEqual(code, 1)
+    self.assertIn("beyond float32", err)
+    self.assertFalse((self.dir / "m32.msgpack").exists())
+
+  @parameterized.parameters(np.nan, np.inf, -np.inf)
+  def test_non_finite_fisher_is_refused_and_nothing_written(self, value):
+    bad = jax.tree.map(np.copy, _fisher(1, self.params[0]))
+    bad["hidden"]["bias"][2] = value
+    fishers = [self.fishers[0], _save(self.dir / "bad.msgpack", bad)]
+    out = self.dir / "merged.msgpack"
+    code, err = _run(
+      [
+        "merge",
+        "--models",
+        *self.models,
+        "--fishers",
+        *fishers,
+        "--output",
+        str(out),
+      ]
+    )
+    self.assertEqual(code, 1)
+    self.assertRegex(err, r"bad.msgpack leaf 'hidden/bias' has non-finite")
+    self.assertFalse(out.exists())
+    self.assertEqual(_dot_files(self.dir), [])
+
+  def test_non_finite_merged_result_is_not_written(self):
+    nan = jax.tree.map(lambda x: np.full_like(x, np.nan), self.params[0])
+    out = self.dir / "merged.msgpack"
+    with mock.patch.object(merge, "_stream_merge", return_value=nan):
+      code, err = _run(self._args(out))
+    self.assertEqual(code, 1)
+    self.assertIn("non-finite", err)
+    self.assertFalse(out.exists())
+
+  @parameterized.parameters("msgpack", "orbax")
+  def test_flipped_byte_is_an_error(self, fmt):
+    path = self.dir / ("m1.msgpack" if fmt == "msgpack" else "m1_orbax")
+    if fmt == "orbax":
+      _checkpoint_io.save_tree(path, self.params[1])
+    self.assertTrue(_checkpoint_io.verify_checksums(path))
+    if shutil.which("sha256sum"):  # the sidecar is sha256sum's format
+      subprocess.run(
+        ["sha256sum", "--quiet", "-c", _checkpoint_io.MANIFEST]
+        if fmt == "orbax"
+        else ["sha256sum", "--quiet", "-c", f"{path.name}.sha256"],
+        cwd=path if fmt == "orbax" else self.dir,
+        check=True,
+      )
+    _flip_byte(path if fmt == "msgpack" else _largest_file(path))
+    out = self.dir / "merged.msgpack"
+    code, err = _run(
+      [
+        "merge",
+        "--models",
+        self.models[0],
+        str(path),
+        "--fishers",
+        *self.fishers,
+        "--output",
+        str(out),
+      ]
+    )
+    self.assertEqual(code, 1)
+    self.assertIn("does not match its SHA-256 checksum", err)
+    self.assertFalse(out.exists())
+
+  def test_damaged_or_incomplete_checksums_are_errors(self):
+    sidecar = pathlib.Path(self.models[1] + ".sha256")
+    sidecar.write_text("not a checksum\n")
+    with self.assertRaisesRegex(_checkpoint_io.ChecksumError, "damaged"):
+      _checkpoint_io.load_tree(self.models[1])
+    ckpt = self.dir / "ck"
+    _checkpoint_io.save_tree(ckpt, self.params[1])
+    (ckpt / "_METADATA").unlink()
+    with self.assertRaisesRegex(_checkpoint_io.ChecksumError, "missing"):
+      _checkpoint_io.load_tree(ckpt)
+
+
+class CommandLineTest(absltest.TestCase):
+  """The console script, its help, its hints and its example recipe."""
+
+  def setUp(self):
+    super().setUp()
+    tmp = tempfile.TemporaryDirectory()
+    self.addCleanup(tmp.cleanup)
+    self.dir = pathlib.Path(tmp.name)
+
+  def test_console_script_imports_model_from_current_directory(self):
+    work = self.dir / "work"
+    work.mkdir()
+    (work / "mymodels.py").write_text(
+      "import jax.numpy as jnp\n"
+      "def make():\n"
+      "  return lambda p, x: jnp.tanh(x @ p['w'])\n"
+    )
+    _save(work / "p.msgpack", {"w": np.ones((4, 3), np.float32) / 4})
+    np.savez(work / "d.npz", x=np.ones((5, 4), np.float32))
+    # The installed console script, else the wrapper pip writes for it.
+    script = pathlib.Path(sysconfig.get_path("scripts")) / "fisher-merge"
+    if not script.exists():
+      script = self.dir / "bin" / "fisher-merge"
+      script.parent.mkdir()
+      script.write_text(
+        "import sys\nfrom fisher_optax.merge import run\nsys.exit(run())\n"
+      )
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    for cmd in (
+      [sys.executable, str(script)],
+      [sys.executable, "-m", "fisher_optax.merge"],
+    ):
+      out = f"f_{len(cmd)}.msgpack"
+      proc = subprocess.run(
+        [
+          *cmd,
+          "fisher",
+          "--model",
+          "mymodels:make",
+          "--params",
+          "p.msgpack",
+          "--data",
+          "d.npz",
+          "--output",
+          out,
+        ],
+        cwd=work,
+        capture_output=True,
+        text=True,
+        check=False,
+        env=dict(env, JAX_PLATFORMS="cpu"),
+      )
+      self.assertEqual(proc.returncode, 0, proc.stderr[-2000:])
+      self.assertIn(f"wrote {out}", proc.stdout)
+      self.assertTrue(_checkpoint_io.verify_checksums(work / out))
+
+  def test_every_option_has_help_and_shows_its_default(self):
+    parser = merge._parser()
+    subparsers = next(
+      a for a in parser._actions if isinstance(a, argparse._SubParsersAction)
+    )
+    for name, sub in subparsers.choices.items():
+      text = sub.format_help()
+      for action in sub._actions:
+        if isinstance(action, argparse._HelpAction):
+          continue
+        with self.subTest(f"{name} {action.dest}"):
+          self.assertTrue(action.help, action.dest)
+          if not action.required and action.option_strings:
+            self.assertIn(
+              "default", sub.formatter_class(name)._get_help_string(action)
+            )
+      self.assertNotIn("overwrite=True", text)
+
+  def test_core_only_install_gets_a_hint(self):
+    models = [str(self.dir / f"{i}.msgpack") for i in "ab"]
+    for m in models:
+      _save(m, {"w": np.ones(2, np.float32)})
+    with mock.patch.dict(sys.modules, {"flax": None}):
+      code, err = _run(
+        [
+          "merge",
+          "--models",
+          *models,
+          "--fishers",
+          *models,
+          "--output",
+          str(self.dir / "out.msgpack"),
+        ]
+      )
+    self.assertEqual(code, 1)
+    self.assertIn("pip install 'fisher_optax[flax]'", err)
+
+  def test_example_recipe_end_to_end(self):
+    outdir = self.dir / "try"
+    code, out, err = _run_out(["example", str(outdir)])
+    self.assertEqual(code, 0, err)
+    commands = [
+      line.strip()
+      for line in out.splitlines()
+      if line.strip().startswith("fisher-merge ")
+    ]
+    self.assertLen(commands, 3)
+    for command in commands:  # exactly what the user is told to run
+      code, out, err = _run_out(shlex.split(command)[1:])
+      self.assertEqual(code, 0, f"{command}: {err}")
+    models = [
+      _checkpoint_io.load_tree(outdir / f"model_{n}.msgpack") for n in "ab"
+    ]
+    fishers = [
+      _checkpoint_io.load_tree(outdir / f"fisher_{n}.msgpack") for n in "ab"
+    ]
+    merged = _checkpoint_io.load_tree(outdir / "merged.msgpack")
+    chex.assert_trees_all_close(
+      merged, fisher_optax.fisher_merge(models, fishers), rtol=1e-5, atol=1e-6
+    )
+    # The two models differ (trained on two tasks), and so does the merge.
+    self.assertGreater(
+      float(
+        np.max(
+          np.abs(models[0]["head"]["kernel"] - models[1]["head"]["kernel"])
+        )
+      ),
+      1e-2,
+    )
+    # Each model fits its own task.
+    apply_fn, _ = merge.example_model()
+    for n, m in zip("ab", models):
+      data = np.load(outdir / f"data_{n}.npz")
+      acc = np.mean(np.argmax(apply_fn(m, data["x"]), 1) == data["y"])
+      self.assertGreater(acc, 0.8, n)
+    code, _, err = _run_out(["example", str(outdir)])
+    self.assertEqual(code, 1)
+    self.assertIn("not an empty directory", err)
 
 
 if __name__ == "__main__":
