@@ -51,6 +51,7 @@ Decisions:
 
 from __future__ import annotations
 
+import sys
 from typing import Any, NamedTuple
 
 import jax
@@ -123,7 +124,9 @@ class AddEWCGradientState(NamedTuple):
   Attributes:
     count: int32 step counter.
     ewc_anchor: the :class:`EWCAnchor`; swap it between tasks with
-      ``optax.tree.set(opt_state, ewc_anchor=new_anchor)``.
+      ``optax.tree.set(opt_state, ewc_anchor=new_anchor)``, or, for a Linen
+      ``TrainState`` or an ``nnx.Optimizer`` as well,
+      ``fisher_optax.flax.replace_state(holder, ewc_anchor=new_anchor)``.
   """
 
   count: jax.Array
@@ -131,6 +134,18 @@ class AddEWCGradientState(NamedTuple):
 
 
 # -- helpers -----------------------------------------------------------------
+
+
+def _pure(tree: Any) -> Any:
+  """``tree`` with Flax NNX variables replaced by their arrays.
+
+  An ``nnx.Optimizer`` holds its state as variables and ``nnx.state(model)``
+  returns variables; the EWC functions take either view. NNX is only looked
+  up when the caller already imported it: this module needs no Flax.
+  """
+  nnx = sys.modules.get("flax.nnx")
+  as_pure = getattr(nnx, "as_pure", None)
+  return tree if as_pure is None else as_pure(tree)
 
 
 def _scalar_dtype(params: PyTree) -> Any:
@@ -227,6 +242,7 @@ def init_ewc_anchor(
     0.0
   """
   rank = validation.check_static_int("rank", rank)
+  params = _pure(params)
   if not diagonal and rank == 0:
     raise ValueError("an EWC anchor needs diagonal=True or rank > 0.")
   zeros = lambda shape_prefix: jax.tree.map(
@@ -493,6 +509,9 @@ def consolidate(
   validation.check_choice("mode", mode, _MODES)
   validation.check_choice("low_rank_update", low_rank_update, _LOW_RANK_UPDATES)
   validation.check_in_unit_interval("decay", decay, closed_right=True)
+  anchor, params, diagonal, low_rank = _pure(
+    (anchor, params, diagonal, low_rank)
+  )
   if not isinstance(anchor, EWCAnchor):
     raise TypeError(
       f"anchor must be an EWCAnchor, got {type(anchor).__name__}."
@@ -569,6 +588,7 @@ def ewc_gradient(params: PyTree, anchor: EWCAnchor) -> PyTree:
     >>> fisher_optax.ewc_gradient({"w": jnp.zeros(2)}, anchor)["w"]
     Array([-4., -2.], dtype=float32)
   """
+  params, anchor = _pure((params, anchor))
   terms = []
   if anchor.diagonal is not None:
     d = anchor.diagonal
@@ -627,6 +647,7 @@ def ewc_penalty(
     Added to a task loss: ``loss(p, batch) + ewc_penalty(p, anchor, lam)``.
   """
   validation.check_positive("strength", strength, allow_zero=True)
+  params, anchor = _pure((params, anchor))
   total = []
   if anchor.diagonal is not None:
     d = anchor.diagonal
@@ -668,7 +689,11 @@ def add_ewc_gradient(
   The Fisher lives in the state as an :class:`EWCAnchor` of fixed shapes.
   After each task, fold the task in with :func:`consolidate` and write it back
   with ``optax.tree.set(opt_state, ewc_anchor=...)``: same shapes, so the
-  jitted step does not retrace.
+  jitted step does not retrace. In Flax (a Linen ``TrainState`` or an
+  ``nnx.Optimizer``, whose state holds variables) read and write it with
+  :func:`fisher_optax.flax.get_state` and
+  :func:`fisher_optax.flax.replace_state`; the EWC functions also accept the
+  NNX view (variables) of anchors and parameters directly.
 
   Fisher flavours (all from :mod:`fisher_optax.fisher`):
 
