@@ -26,6 +26,17 @@ Decisions where the paper and its reference code leave a choice:
 * **Several tasks.** ``existing=`` extends a basis GPM-style: new directions
   come from the gradients' residual off the old basis, so the basis stays
   orthonormal and old directions are never dropped.
+* **Precision.** Bases are computed in (at least) float32 and stored, by
+  default, in ``promote(param dtype, float32)``; ``basis_dtype`` stores them
+  narrower (bf16 halves their memory, at the price of a projection that is
+  exact only to bf16's precision). :func:`physguard`'s Adam moments have
+  the params' dtype, float32 for float16 params (whose range cannot hold
+  squared gradients).
+* **Non-finite values.** No eigendecomposition ever sees a non-finite
+  matrix: :func:`protected_subspace` refuses per-example gradients that are
+  not finite (or whose energy overflows), and the transforms follow the
+  library's one non-finite policy
+  (:func:`fisher_optax.fisher.numerics.skip_nonfinite_step`).
 """
 
 from __future__ import annotations
@@ -66,24 +77,36 @@ class ProjectOutSubspaceState(NamedTuple):
   """State of :func:`project_out_subspace`.
 
   Attributes:
-    count: int32 step counter (drives an ``alpha`` schedule).
+    count: int32 step counter (drives an ``alpha`` schedule; non-finite
+      steps are not counted).
     protected_subspace: the :class:`ProtectedSubspace`; swap it with
-      ``optax.tree.set(opt_state, protected_subspace=...)`` (no retrace).
+      ``optax.tree.set(opt_state, protected_subspace=...)`` (no retrace when
+      its dtypes and shapes are the same).
+    notfinite_count: int32 number of steps skipped as non-finite (as in
+      :func:`optax.apply_if_finite`'s state).
   """
 
   count: jax.Array
   protected_subspace: ProtectedSubspace
+  notfinite_count: jax.Array
 
 
-def init_protected_subspace(params: PyTree, max_rank: int) -> ProtectedSubspace:
+def init_protected_subspace(
+  params: PyTree,
+  max_rank: int,
+  *,
+  basis_dtype: jax.typing.DTypeLike | None = None,
+) -> ProtectedSubspace:
   """An empty :class:`ProtectedSubspace` (projection is the identity).
 
   Args:
     params: parameters (arrays or ``jax.ShapeDtypeStruct``).
     max_rank: rows per leaf. Static int.
+    basis_dtype: dtype of the stored bases; default ``promote(param dtype,
+      float32)``. ``jnp.bfloat16`` halves their memory for bf16 params.
 
   Returns:
-    Zero bases (in at least float32) and zero ranks.
+    Zero bases and zero ranks.
 
   Example::
 
@@ -93,12 +116,22 @@ def init_protected_subspace(params: PyTree, max_rank: int) -> ProtectedSubspace:
     ((2, 3), 0)
   """
   max_rank = validation.check_static_int("max_rank", max_rank, minimum=1)
+  basis_dtype = numerics.canonical_float_dtype("basis_dtype", basis_dtype)
   bases = jax.tree.map(
-    lambda p: jnp.zeros((max_rank, *p.shape), numerics.compute_dtype(p)),
+    lambda p: jnp.zeros(
+      (max_rank, *p.shape), basis_dtype or numerics.compute_dtype(p)
+    ),
     params,
   )
   rank = jax.tree.map(lambda p: jnp.zeros([], jnp.int32), params)
   return ProtectedSubspace(bases=bases, rank=rank)
+
+
+def _leaf_ok(grads: jax.Array, old: jax.Array) -> jax.Array:
+  """Whether a leaf's gradients are finite and their energy does not overflow
+  (the Gram matrix of the eigensolver is then finite)."""
+  g = grads.reshape(grads.shape[0], -1).astype(numerics.compute_dtype(old))
+  return jnp.isfinite(jnp.sum(jnp.square(g)))
 
 
 def _leaf_subspace(
@@ -107,11 +140,12 @@ def _leaf_subspace(
   old_rank: jax.Array,
   tau: Any,
 ) -> tuple[jax.Array, jax.Array]:
-  """Extends one leaf's basis ``old`` (R, d) from its gradients (N, d)."""
+  """Extends one leaf's basis ``old`` (R, d) from finite gradients (N, d)."""
   max_rank = old.shape[0]
   n = grads.shape[0]
-  g = grads.reshape(n, -1).astype(old.dtype)
-  u_old = old.reshape(max_rank, -1)
+  cd = numerics.compute_dtype(old)
+  g = grads.reshape(n, -1).astype(cd)
+  u_old = old.reshape(max_rank, -1).astype(cd)
   total = jnp.sum(jnp.square(g))
   # Remove what is already protected: the new directions are then orthogonal
   # to the old ones by construction (GPM-style accumulation).
@@ -138,7 +172,8 @@ def _leaf_subspace(
   new = jnp.where(norms > 0, new / jnp.where(norms > 0, norms, 1.0), 0.0)
   slots = old_rank + jnp.arange(take)
   bases = u_old.at[slots].add(new, mode="drop")
-  return bases.reshape(old.shape), (old_rank + k).astype(jnp.int32)
+  bases = bases.reshape(old.shape).astype(old.dtype)
+  return bases, (old_rank + k).astype(jnp.int32)
 
 
 def protected_subspace(
@@ -147,6 +182,7 @@ def protected_subspace(
   max_rank: int,
   tau: float | jax.Array = 0.9,
   existing: ProtectedSubspace | None = None,
+  basis_dtype: jax.typing.DTypeLike | None = None,
 ) -> ProtectedSubspace:
   """Protected directions per leaf from per-example gradients on source data.
 
@@ -179,10 +215,20 @@ def protected_subspace(
       ``fisher_optax.fisher.per_example_grads(loss_fn, params, batch)``.
     max_rank: rows per leaf (static int; 200-500 in the paper).
     tau: energy threshold in [0, 1] (paper: 0.9).
-    existing: a :class:`ProtectedSubspace` to extend, with ``max_rank`` rows.
+    existing: a :class:`ProtectedSubspace` to extend, with ``max_rank`` rows
+      (the result keeps its dtypes).
+    basis_dtype: dtype of new bases (without ``existing``); default
+      ``promote(gradient dtype, float32)``. The eigenproblem is solved in at
+      least float32 either way.
 
   Returns:
     A :class:`ProtectedSubspace`.
+
+  Raises:
+    ValueError: if a leaf's gradients are not finite or their squared sum
+      overflows (the eigensolver never sees them). Under an outer ``jit``,
+      where this cannot be checked, such a leaf keeps its ``existing``
+      basis and rank.
 
   Example::
 
@@ -207,7 +253,7 @@ def protected_subspace(
     lambda g: jax.ShapeDtypeStruct(g.shape[1:], g.dtype), per_example_grads
   )
   if existing is None:
-    existing = init_protected_subspace(like, max_rank)
+    existing = init_protected_subspace(like, max_rank, basis_dtype=basis_dtype)
   else:
     validation.check_same_structure(
       existing.rank,
@@ -225,33 +271,60 @@ def protected_subspace(
     jax.tree.map(lambda b: b[0], existing.bases),
     what="per_example_grads",
   )
-  return _extend(per_example_grads, existing, tau)
+  subspace, ok = _extend(per_example_grads, existing, tau)
+  _raise_if_not_finite(per_example_grads, ok)
+  return subspace
+
+
+def _raise_if_not_finite(per_example_grads: PyTree, ok: list[Any]) -> None:
+  """A clear error for bad leaves (when the flags are concrete)."""
+  try:
+    bad = [not bool(o) for o in ok]
+  except jax.errors.ConcretizationTypeError:
+    return  # Under an outer jit: the bad leaves kept their basis.
+  paths = [
+    p for p, _ in jax.tree_util.tree_flatten_with_path(per_example_grads)[0]
+  ]
+  names = [jax.tree_util.keystr(p) for p, b in zip(paths, bad) if b]
+  if names:
+    raise ValueError(
+      f"per_example_grads of {', '.join(names)} are not finite (or their "
+      "squared sum overflows); no protected subspace can be computed from "
+      "them."
+    )
 
 
 @jax.jit
 def _extend(
   per_example_grads: PyTree, existing: ProtectedSubspace, tau: Any
-) -> ProtectedSubspace:
+) -> tuple[ProtectedSubspace, list[jax.Array]]:
   # One compiled program for all leaves (eager op-by-op dispatch of the
   # eigensolver is far slower on CPU).
   g_leaves, treedef = jax.tree.flatten(per_example_grads)
-  out = [
-    _leaf_subspace(g, b, r, tau)
-    for g, b, r in zip(
-      g_leaves,
-      treedef.flatten_up_to(existing.bases),
-      treedef.flatten_up_to(existing.rank),
-    )
-  ]
-  return ProtectedSubspace(
-    bases=treedef.unflatten([o[0] for o in out]),
-    rank=treedef.unflatten([o[1] for o in out]),
+  bases, ranks, oks = [], [], []
+  for g, b, r in zip(
+    g_leaves,
+    treedef.flatten_up_to(existing.bases),
+    treedef.flatten_up_to(existing.rank),
+  ):
+    # LAPACK's eigh need not terminate on a non-finite matrix (XLA:CPU): a
+    # bad leaf's solver sees zeros (also under vmap, unlike a lax.cond) and
+    # the leaf keeps its old basis.
+    ok = _leaf_ok(g, b)
+    new_b, new_r = _leaf_subspace(jnp.where(ok, g, 0), b, r, tau)
+    bases.append(jnp.where(ok, new_b, b))
+    ranks.append(jnp.where(ok, new_r, r))
+    oks.append(ok)
+  subspace = ProtectedSubspace(
+    bases=treedef.unflatten(bases), rank=treedef.unflatten(ranks)
   )
+  return subspace, oks
 
 
 def _project_leaf(u: jax.Array, basis: jax.Array, alpha: Any) -> jax.Array:
   """``u - alpha B^T (B u)`` for one leaf, rows of ``basis`` orthonormal."""
-  uf = u.astype(basis.dtype)
+  cd = numerics.compute_dtype(basis)
+  uf, basis = u.astype(cd), basis.astype(cd)
   coeff = jnp.tensordot(
     basis, uf, axes=uf.ndim, precision=jax.lax.Precision.HIGHEST
   )
@@ -265,6 +338,8 @@ def project_out_subspace(
   max_rank: int,
   alpha: ScalarOrSchedule = 1.0,
   subspace: ProtectedSubspace | None = None,
+  *,
+  basis_dtype: jax.typing.DTypeLike | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   """Removes the protected directions from the updates, leaf by leaf.
 
@@ -285,9 +360,14 @@ def project_out_subspace(
       optional relaxation).
     subspace: initial :class:`ProtectedSubspace`; default empty (identity).
       Swap it later with ``optax.tree.set(state, protected_subspace=...)``.
+    basis_dtype: dtype of the empty bases built by ``init`` (without
+      ``subspace``); default ``promote(param dtype, float32)``. Pass the same
+      to :func:`protected_subspace` for subspaces swapped in later.
 
   Returns:
-    An ``optax.GradientTransformationExtraArgs``.
+    An ``optax.GradientTransformationExtraArgs``. Updates shaped unlike the
+    params raise ``ValueError``; a non-finite step returns NaN updates and
+    leaves the state unchanged (``notfinite_count`` counts it).
 
   Example::
 
@@ -309,27 +389,47 @@ def project_out_subspace(
     raise TypeError(
       f"subspace must be a ProtectedSubspace, got {type(subspace).__name__}."
     )
+  basis_dtype = numerics.canonical_float_dtype("basis_dtype", basis_dtype)
 
   def init_fn(params: PyTree) -> ProjectOutSubspaceState:
     start = subspace
     if start is None:
-      start = init_protected_subspace(params, max_rank)
+      start = init_protected_subspace(params, max_rank, basis_dtype=basis_dtype)
     return ProjectOutSubspaceState(
-      count=jnp.zeros([], jnp.int32), protected_subspace=start
+      count=jnp.zeros([], jnp.int32),
+      protected_subspace=start,
+      notfinite_count=jnp.zeros([], jnp.int32),
     )
 
   def update_fn(updates, state, params=None, **extra_args):
     del params, extra_args
-    bases = state.protected_subspace.bases
-    validation.check_same_structure(updates, bases, what="protected bases")
-    a = alpha(state.count) if callable(alpha) else alpha
-    updates = jax.tree.map(lambda u, b: _project_leaf(u, b, a), updates, bases)
-    return updates, ProjectOutSubspaceState(
-      count=jnp.asarray(optax.safe_increment(state.count)),
-      protected_subspace=state.protected_subspace,
+    _check_updates(updates, state)
+    return numerics.skip_nonfinite_step(
+      lambda: _project(updates, state, alpha), updates, state
     )
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _check_updates(updates: PyTree, state: ProjectOutSubspaceState) -> None:
+  """The updates must be shaped like the params the bases were built for."""
+  like = jax.tree.map(
+    lambda b: jax.ShapeDtypeStruct(b.shape[1:], b.dtype),
+    state.protected_subspace.bases,
+  )
+  validation.check_like(updates, like, what="updates")
+
+
+def _project(
+  updates: PyTree, state: ProjectOutSubspaceState, alpha: ScalarOrSchedule
+) -> tuple[PyTree, ProjectOutSubspaceState]:
+  """One projection step (under the non-finite policy)."""
+  bases = state.protected_subspace.bases
+  a = alpha(state.count) if callable(alpha) else alpha
+  updates = jax.tree.map(lambda u, b: _project_leaf(u, b, a), updates, bases)
+  return updates, state._replace(
+    count=jnp.asarray(optax.safe_increment(state.count))
+  )
 
 
 def physguard(
@@ -344,6 +444,7 @@ def physguard(
   mask: MaskOrFn | None = None,
   placement: str = "after",
   subspace: ProtectedSubspace | None = None,
+  basis_dtype: jax.typing.DTypeLike | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   """Adam(W) fine-tuning that leaves the protected directions untouched.
 
@@ -370,9 +471,15 @@ def physguard(
     mask: weight-decay mask (pytree or callable).
     placement: ``"after"`` (default) or ``"before"`` the Adam scaling.
     subspace: initial :class:`ProtectedSubspace` (default empty).
+    basis_dtype: dtype of the empty bases built by ``init`` (see
+      :func:`project_out_subspace`).
 
   Returns:
-    An ``optax.GradientTransformationExtraArgs``.
+    An ``optax.GradientTransformationExtraArgs``, a chain whose state is a
+    tuple (Adam's state under :func:`fisher_optax.fisher.numerics.
+    skip_nonfinite`, the projection's, ...). A step that the Adam scaling or
+    the projection skips as non-finite leaves the whole state unchanged but
+    for the ``notfinite_count`` fields.
 
   Example::
 
@@ -394,11 +501,44 @@ def physguard(
   validation.check_learning_rate(learning_rate)
   validation.check_choice("placement", placement, _PLACEMENTS)
   validation.check_positive("weight_decay", weight_decay, allow_zero=True)
-  project = project_out_subspace(max_rank, alpha, subspace)
-  adam = optax.scale_by_adam(b1=b1, b2=b2, eps=eps)
+  project = project_out_subspace(
+    max_rank, alpha, subspace, basis_dtype=basis_dtype
+  )
+  adam = numerics.skip_nonfinite(
+    numerics.widen_float16_state(optax.scale_by_adam(b1=b1, b2=b2, eps=eps))
+  )
   decay = optax.add_decayed_weights(weight_decay, mask)
   if placement == "after":
     parts = (adam, decay, project)
   else:
     parts = (project, adam, decay)
-  return optax.chain(*parts, optax.scale_by_learning_rate(learning_rate))
+  chain = optax.chain(*parts, optax.scale_by_learning_rate(learning_rate))
+  guarded = (parts.index(adam), parts.index(project))
+
+  def update_fn(updates, state, params=None, **extra_args):
+    # Checked before Adam, which would broadcast a scalar gradient.
+    _check_updates(updates, state[guarded[1]])
+    new_updates, new_state = chain.update(updates, state, params, **extra_args)
+    return new_updates, _keep_on_skip(state, new_state, guarded)
+
+  return optax.GradientTransformationExtraArgs(chain.init, update_fn)
+
+
+def _keep_on_skip(
+  old: Any, new: Any, guarded: tuple[int, ...]
+) -> tuple[Any, ...]:
+  """The chain's old state (new skip counts) if a part skipped the step.
+
+  A step Adam skips as overflowing reaches the projection (or came from
+  it) as a finite one; without this the projection's and the schedule's
+  counts would move on a skipped step.
+  """
+  skipped = jnp.any(
+    jnp.stack(
+      [new[i].notfinite_count > old[i].notfinite_count for i in guarded]
+    )
+  )
+  kept = list(old)
+  for i in guarded:
+    kept[i] = old[i]._replace(notfinite_count=new[i].notfinite_count)
+  return numerics.tree_select(skipped, tuple(kept), new)

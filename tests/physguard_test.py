@@ -8,8 +8,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 
 import fisher_optax
+from tests import nonfinite_testing
 
 
 def _grads(seed, n=12, dtype=jnp.float32):
@@ -215,6 +217,117 @@ class ProjectOutSubspaceTest(parameterized.TestCase):
     p = {"a": jnp.ones(3)}
     with self.assertRaisesRegex(ValueError, "tree structure"):
       tx.update({"a": p["a"], "b": p["a"]}, tx.init(p))
+
+
+class PhysGuardNonfiniteAndDtypeTest(parameterized.TestCase):
+  """The one non-finite policy, shape errors and the bases' dtype."""
+
+  def _setup(self):
+    g = _grads(3)
+    sub = fisher_optax.protected_subspace(g, max_rank=6, tau=0.99)
+    params = jax.tree.map(lambda x: x[0], g)
+    return sub, params, jax.tree.map(lambda x: x[1] + 0.3, g)
+
+  @pytest.mark.timeout(120)
+  def test_project_out_subspace_policy(self):
+    sub, params, grads = self._setup()
+    tx = fisher_optax.project_out_subspace(6, subspace=sub)
+    # A projection squares nothing: 1e30 gradients are a good step.
+    nonfinite_testing.check_policy(self, tx, params, grads, overflows=False)
+
+  @pytest.mark.timeout(120)
+  @parameterized.parameters("after", "before")
+  def test_physguard_policy(self, placement):
+    sub, params, grads = self._setup()
+    tx = fisher_optax.physguard(
+      1e-2, max_rank=6, subspace=sub, placement=placement, weight_decay=1e-2
+    )
+    nonfinite_testing.check_policy(self, tx, params, grads)
+
+  @pytest.mark.timeout(120)
+  def test_protected_subspace_never_decomposes_nonfinite_gradients(self):
+    # LAPACK's eigh need not terminate on an infinite matrix (XLA:CPU): the
+    # solver must never see one, including a Gram of 1e30 gradients.
+    g = _grads(0)
+    existing = fisher_optax.protected_subspace(g, max_rank=4)
+    for value in (jnp.nan, jnp.inf, -jnp.inf, 1e30):
+      bad = dict(g, w=g["w"].at[0, 0, 0].set(value))
+      with self.subTest(value=value):
+        with self.assertRaisesRegex(ValueError, r"\['w'\] are not finite"):
+          fisher_optax.protected_subspace(bad, max_rank=4)
+        # Under an outer jit the bad leaf keeps its existing basis.
+        out = jax.jit(
+          lambda b: fisher_optax.protected_subspace(
+            b, max_rank=4, existing=existing
+          )
+        )(bad)
+        chex.assert_tree_all_finite(out)
+        chex.assert_trees_all_equal(out.bases["w"], existing.bases["w"])
+        chex.assert_trees_all_equal(out.rank["w"], existing.rank["w"])
+    # Tiny gradients are fine.
+    tiny = jax.tree.map(lambda x: x * 1e-30, g)
+    chex.assert_tree_all_finite(
+      fisher_optax.protected_subspace(tiny, max_rank=4)
+    )
+
+  def test_mismatched_gradients_are_refused(self):
+    params = {"w": jnp.ones((4, 3))}
+    for tx in (
+      fisher_optax.project_out_subspace(2),
+      fisher_optax.physguard(1e-2, max_rank=2),
+      fisher_optax.physguard(1e-2, max_rank=2, placement="before"),
+    ):
+      state = tx.init(params)
+      for bad in (jnp.ones(()), jnp.ones((3, 4)), jnp.ones((4, 1))):
+        with self.assertRaisesRegex(ValueError, "updates do not match params"):
+          tx.update({"w": bad}, state, params)
+
+  def test_bf16_bases_halve_memory(self):
+    params = {"w": jnp.ones((8, 6), jnp.bfloat16)}
+    nbytes = lambda tree: sum(x.nbytes for x in jax.tree.leaves(tree))
+    default = fisher_optax.physguard(1e-2, max_rank=4).init(params)
+    narrow_tx = fisher_optax.physguard(
+      1e-2, max_rank=4, basis_dtype=jnp.bfloat16
+    )
+    narrow = narrow_tx.init(params)
+    sub = lambda st: optax.tree.get(st, "protected_subspace").bases
+    self.assertEqual(sub(default)["w"].dtype, jnp.float32)
+    self.assertEqual(sub(narrow)["w"].dtype, jnp.bfloat16)
+    self.assertEqual(2 * nbytes(sub(narrow)), nbytes(sub(default)))
+    # A bf16 basis computed in float32 still protects to bf16's precision.
+    g = {"w": jax.random.normal(jax.random.key(0), (3, 8, 6), jnp.bfloat16)}
+    basis = fisher_optax.protected_subspace(
+      g, max_rank=4, tau=1.0, basis_dtype=jnp.bfloat16
+    )
+    self.assertEqual(basis.bases["w"].dtype, jnp.bfloat16)
+    state = optax.tree.set(narrow, protected_subspace=basis)
+    updates, state = narrow_tx.update({"w": g["w"][0]}, state, params)
+    self.assertEqual(updates["w"].dtype, jnp.bfloat16)
+    rows = basis.bases["w"].reshape(4, -1).astype(jnp.float32)
+    coeff = rows @ updates["w"].astype(jnp.float32).reshape(-1)
+    self.assertLess(
+      float(jnp.max(jnp.abs(coeff))),
+      0.05 * float(jnp.linalg.norm(updates["w"].astype(jnp.float32))) + 1e-6,
+    )
+    with self.assertRaisesRegex(TypeError, "basis_dtype"):
+      fisher_optax.project_out_subspace(2, basis_dtype=jnp.int32)
+
+  def test_half_precision_gradients(self):
+    # float16 gradients of 1e3: their squares (1e6) overflow float16, not
+    # the float32 statistics of the Adam scaling and the bases.
+    params = {"w": jnp.ones((4, 3), jnp.float16)}
+    g = {"w": jnp.full((2, 4, 3), 1e3, jnp.float16).at[1].multiply(-0.5)}
+    sub = fisher_optax.protected_subspace(g, max_rank=2)
+    self.assertEqual(sub.bases["w"].dtype, jnp.float32)
+    chex.assert_tree_all_finite(sub)
+    tx = fisher_optax.physguard(1e-2, max_rank=2, subspace=sub)
+    updates, state = tx.update({"w": g["w"][0]}, tx.init(params), params)
+    self.assertEqual(updates["w"].dtype, jnp.float16)
+    chex.assert_tree_all_finite((updates, state))
+    self.assertEqual(state[0].inner_state.nu["w"].dtype, jnp.float32)
+    self.assertEqual(
+      nonfinite_testing.split_counts(state)[0], [0, 0]
+    )  # No step skipped: the statistics did not overflow.
 
 
 if __name__ == "__main__":

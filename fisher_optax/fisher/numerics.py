@@ -328,3 +328,62 @@ def skip_nonfinite(
     init_fn,
     update_fn,  # pyright: ignore[reportArgumentType]
   )
+
+
+def widen_float16_state(
+  inner: optax.GradientTransformation,
+) -> optax.GradientTransformationExtraArgs:
+  """Runs ``inner`` (e.g. optax's Adam) with float32 state for float16 params.
+
+  Squares of float16 gradients above 256 overflow float16 (largest value
+  65504), so a second moment stored in the params' float16 would make every
+  such step non-finite. The state of float16 leaves is float32 instead
+  (and their gradients are widened before ``inner`` sees them); other
+  dtypes (bf16 has float32's range) are untouched, and the updates keep the
+  incoming updates' dtypes.
+
+  Args:
+    inner: any :class:`optax.GradientTransformation`.
+
+  Returns:
+    A :class:`optax.GradientTransformationExtraArgs` with ``inner``'s state.
+
+  Example:
+    >>> import jax.numpy as jnp, optax
+    >>> from fisher_optax.fisher import numerics
+    >>> tx = numerics.widen_float16_state(optax.scale_by_adam())
+    >>> g = jnp.full(2, 1e3, jnp.float16)
+    >>> u, state = tx.update(g, tx.init(jnp.zeros(2, jnp.float16)))
+    >>> u.dtype, state.nu.dtype, float(state.nu[0])
+    (dtype('float16'), dtype('float32'), 1000.0)
+  """
+  inner = optax.with_extra_args_support(inner)
+
+  def widen16(x: Any) -> Any:
+    if jnp.result_type(x) != jnp.float16:
+      return x
+    if isinstance(x, jax.ShapeDtypeStruct):
+      return x.update(dtype=jnp.float32)
+    return jnp.asarray(x, jnp.float32)  # Keeps a concrete input's sharding.
+
+  def init_fn(params: PyTree) -> Any:
+    return inner.init(jax.tree.map(widen16, params))
+
+  def update_fn(
+    updates: PyTree,
+    state: Any,
+    params: PyTree | None = None,
+    **extra_args: Any,
+  ) -> tuple[PyTree, Any]:
+    # The gradients too: optax squares them before promoting.
+    wide = jax.tree.map(widen16, updates)
+    new_updates, new_state = inner.update(wide, state, params, **extra_args)
+    new_updates = jax.tree.map(
+      lambda n, u: n.astype(jnp.result_type(u)), new_updates, updates
+    )
+    return new_updates, new_state
+
+  return optax.GradientTransformationExtraArgs(
+    init_fn,
+    update_fn,  # pyright: ignore[reportArgumentType]
+  )
