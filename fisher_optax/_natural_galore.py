@@ -1,19 +1,17 @@
 # Copyright 2026 The fisher_optax Authors. Licensed under the Apache License 2.0.
-"""Natural GaLore and the windowed Woodbury inverse-empirical-Fisher.
+"""Natural GaLore: GaLore with a windowed inverse empirical Fisher in low rank.
 
-Two transforms:
+:func:`scale_by_natural_galore` (alias :func:`natural_galore`) is GaLore with
+the windowed Woodbury preconditioner of
+:func:`fisher_optax.scale_by_woodbury_fisher` applied in the low-rank space,
+per projected leaf, before the base optimizer. Its arguments mirror
+``optax.contrib.galore`` so switching is a one-word change. The window
+maths (ring-buffer push, Gram, Cholesky solve, per-example rows) is the
+engine's (:mod:`fisher_optax.fisher.linalg`), shared with M-FAC; which axes
+of a leaf form its matrix is resolved by the dimension-numbers module shared
+with FISMO.
 
-* :func:`scale_by_woodbury_fisher` preconditions gradients with the inverse
-  of ``damping * I + H H^T``, where the columns of ``H`` are the last
-  ``history_size`` gradients (or this batch's per-example gradients). It can
-  sit anywhere in a chain, including the ``base_optimizer`` slot of
-  ``optax.contrib.scale_by_galore``.
-* :func:`scale_by_natural_galore` (alias :func:`natural_galore`) is GaLore
-  with that preconditioner applied in the low-rank space, per projected leaf,
-  before the base optimizer. Its arguments mirror ``optax.contrib.galore`` so
-  switching is a one-word change.
-
-Decisions (spec ``natural_galore.md`` §8), each documented where it is used:
+Decisions where the paper leaves room, each documented where it is used:
 
 1. *Projection side*: ``projection_side="larger"`` (default) projects the
    larger dimension exactly like ``optax.contrib.galore`` (smallest state);
@@ -39,8 +37,7 @@ Decisions (spec ``natural_galore.md`` §8), each documented where it is used:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-import math
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -48,7 +45,9 @@ import jax.numpy as jnp
 import optax
 from optax.contrib import GaLoreDimensionNumbers
 
+from fisher_optax import _matrix_view as matrix_view
 from fisher_optax.fisher import linalg
+from fisher_optax.fisher import numerics
 from fisher_optax.fisher import validation
 
 PyTree = Any
@@ -58,275 +57,31 @@ GaLoreDimNumsOrFn = GaLoreDimensionNumbers | PyTree | Callable[[PyTree], PyTree]
 
 _SIDES = ("larger", "smaller")
 _REFRESH_POLICIES = ("reproject", "keep", "reset")
-_WINDOW_SOURCES = ("history", "per_example")
 _SVD_METHODS = ("exact", "randomized", "subspace")
+# Old value of the renamed keyword window_source=.
+_LEGACY_SOURCES = {"history": "batch"}
 # Extra columns sampled by the randomized range finder.
 _OVERSAMPLING = 8
-
-
-def _is_dim_leaf(x: Any) -> bool:
-  return x is None or isinstance(x, GaLoreDimensionNumbers)
-
-
-# -- windowed Woodbury preconditioner ------------------------------------------
-
-
-def _all_finite(tree: PyTree) -> jax.Array:
-  leaves = jax.tree.leaves(tree)
-  if not leaves:
-    return jnp.asarray(True)
-  return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
-
-
-def _push_if_finite(
-  window: PyTree, gram: jax.Array, g: PyTree, slot: jax.Array
-) -> tuple[PyTree, jax.Array]:
-  """Ring-buffer push of one gradient; a NaN/Inf ``g`` leaves the window as is."""
-  window, gram, _ = linalg.stacked_push_rows_if_finite(
-    window, gram, jax.tree.map(lambda x: x[None], g), slot
-  )
-  return window, gram
-
-
-def _stat_dtype(*dtypes: Any) -> jnp.dtype:
-  """float32, or wider when an input is wider (float64 oracles)."""
-  return jnp.dtype(jnp.result_type(jnp.float32, *dtypes))
-
-
-def _woodbury_apply(
-  stacked: PyTree,
-  gram: jax.Array,
-  g: PyTree,
-  damping: Any,
-  *,
-  scale: Any = 1.0,
-  normalize_output: bool,
-) -> PyTree:
-  """``(damping I + scale H^T H)^{-1} g`` in float32+, cast back to ``g``."""
-  dtype = _stat_dtype(gram.dtype, *jax.tree.leaves(g))
-  wide = jax.tree.map(lambda s: s.astype(dtype), stacked)
-  g32 = jax.tree.map(lambda x: x.astype(dtype), g)
-  factor = linalg.woodbury_factor(gram.astype(dtype), damping, scale)
-  out = linalg.woodbury_solve(wide, factor, g32, normalized=normalize_output)
-  return jax.tree.map(lambda o, x: o.astype(x.dtype), out, g)
-
-
-class WoodburyFisherState(NamedTuple):
-  """State of :func:`scale_by_woodbury_fisher`.
-
-  Attributes:
-    count: number of updates so far (int32).
-    window: ring buffer of the last ``history_size`` gradients, leaves
-      ``(history_size, *shape)`` (zero-size leaves with per-example windows).
-    gram: cached Gram matrix of the window in float32 (or wider): one
-      ``(s, s)`` array per leaf when block-diagonal, else a single one.
-  """
-
-  count: jax.Array
-  window: PyTree
-  gram: PyTree
-
-
-def scale_by_woodbury_fisher(
-  history_size: int = 8,
-  damping: float | jax.Array = 1e-3,
-  *,
-  normalize_output: bool = False,
-  block_diagonal: bool = True,
-  window_source: str = "history",
-  window_dtype: Any | None = None,
-) -> optax.GradientTransformationExtraArgs:
-  r"""Preconditions with a windowed inverse empirical Fisher (Woodbury).
-
-  With the last ``s`` gradients as the columns of :math:`H` (the current one
-  included), the update is
-
-  .. math::
-
-    \tilde g = (\lambda I + H H^\top)^{-1} g
-             = \tfrac{1}{\lambda}\bigl(g - H z\bigr), \qquad
-    (\lambda I_s + H^\top H)\, z = H^\top g,
-
-  an ``s x s`` Cholesky solve. The Gram :math:`H^\top H` is cached and
-  updated one row per step (:func:`fisher_optax.linalg.stacked_push_rows`),
-  so a step costs about ``6 s d`` flops. Unfilled slots are zero and need no
-  mask. With ``block_diagonal=True`` (the Natural GaLore choice) every leaf
-  has its own window solve; otherwise one solve couples the whole tree (the
-  M-FAC choice).
-
-  With ``window_source="per_example"`` no history is stored: :math:`H` holds
-  this batch's ``B`` per-example gradients (the ``per_example_grads`` extra,
-  leaves ``(B, *shape)``) and :math:`F = \lambda I + \frac1B H H^\top` is the
-  batch's damped empirical Fisher. This is an extension, not in the paper.
-
-  Damping is absolute and there is no ``1/s`` factor, as in the paper's
-  Woodbury formula and code (its definition of :math:`\hat F` has ``1/h``;
-  the code drops it, and we follow the code's numbers).
-
-  Args:
-    history_size: window length ``s >= 1`` (static). Ignored for per-example
-      windows.
-    damping: :math:`\lambda > 0`; may be injected.
-    normalize_output: return :math:`\lambda F^{-1} g` (which is ``g`` on
-      directions the window has not seen) instead of :math:`F^{-1} g`.
-    block_diagonal: one window solve per leaf (default) or one for the tree.
-    window_source: ``"history"`` or ``"per_example"``.
-    window_dtype: dtype of the stored window (default float32, float64 for
-      float64 params); bfloat16 halves its memory. The Gram is float32+.
-
-  Returns:
-    An :class:`optax.GradientTransformationExtraArgs`.
-
-  Example::
-
-    >>> import jax.numpy as jnp, optax, fisher_optax
-    >>> tx = optax.chain(fisher_optax.scale_by_woodbury_fisher(4, 1e-2),
-    ...                  optax.scale_by_adam(), optax.scale(-1e-3))
-    >>> params = {"w": jnp.ones((3, 2))}
-    >>> state = tx.init(params)
-    >>> updates, state = tx.update(params, state)
-
-  References:
-    Das, `Natural GaLore: Accelerating GaLore for memory-efficient LLM
-    training and fine-tuning <https://arxiv.org/abs/2410.16029>`_, 2024
-
-    Frantar et al, `M-FAC: Efficient Matrix-Free Approximations of
-    Second-Order Information <https://arxiv.org/abs/2107.03356>`_, 2021
-  """
-  validation.check_choice("window_source", window_source, _WINDOW_SOURCES)
-  per_example = window_source == "per_example"
-  s = validation.check_static_int(
-    "history_size", history_size, minimum=0 if per_example else 1
-  )
-  validation.check_positive("damping", damping)
-
-  def init_fn(params: PyTree) -> WoodburyFisherState:
-    n = 0 if per_example else s
-    wdtype = lambda p: (
-      jnp.dtype(window_dtype)
-      if window_dtype is not None
-      else _stat_dtype(p.dtype)
-    )
-    window = jax.tree.map(
-      lambda p: jnp.zeros((n,) + tuple(jnp.shape(p)), wdtype(p)), params
-    )
-    if block_diagonal:
-      gram = jax.tree.map(
-        lambda p: jnp.zeros((n, n), _stat_dtype(wdtype(p))), params
-      )
-    else:
-      gram = jnp.zeros(
-        (n, n), _stat_dtype(*[wdtype(p) for p in jax.tree.leaves(params)])
-      )
-    return WoodburyFisherState(
-      count=jnp.zeros([], jnp.int32), window=window, gram=gram
-    )
-
-  def update_fn(
-    updates: PyTree,
-    state: WoodburyFisherState,
-    params: PyTree | None = None,
-    *,
-    per_example_grads: PyTree | None = None,
-    **extra_args: Any,
-  ) -> tuple[PyTree, WoodburyFisherState]:
-    del params, extra_args
-    validation.check_positive("damping", damping)
-    count_inc = optax.safe_increment(state.count)
-    if per_example:
-      if per_example_grads is None:
-        raise ValueError(
-          "scale_by_woodbury_fisher(window_source='per_example') needs the "
-          "per_example_grads keyword argument in update()."
-        )
-      batch = validation.check_leading_axis(
-        per_example_grads, updates, what="per_example_grads"
-      )
-      if batch == 0:
-        raise ValueError("per_example_grads has an empty batch axis.")
-      f32 = lambda t: jax.tree.map(lambda x: x.astype(_stat_dtype(x.dtype)), t)
-      if block_diagonal:
-        out = jax.tree.map(
-          lambda h, g: _woodbury_apply(
-            h,
-            linalg.tree_stacked_gram(f32(h)),
-            g,
-            damping,
-            scale=1.0 / batch,
-            normalize_output=normalize_output,
-          ),
-          per_example_grads,
-          updates,
-        )
-      else:
-        out = _woodbury_apply(
-          per_example_grads,
-          linalg.tree_stacked_gram(f32(per_example_grads)),
-          updates,
-          damping,
-          scale=1.0 / batch,
-          normalize_output=normalize_output,
-        )
-      return out, state._replace(count=count_inc)
-
-    validation.check_same_structure(updates, state.window, what="state.window")
-    slot = state.count % s
-    if block_diagonal:
-      pushed = jax.tree.map(
-        lambda w, gr, g: _push_if_finite(w, gr, g, slot),
-        state.window,
-        state.gram,
-        updates,
-      )
-      treedef = jax.tree.structure(updates)
-      window, gram = jax.tree.transpose(
-        treedef, jax.tree.structure((0, 0)), pushed
-      )
-      out = jax.tree.map(
-        lambda w, gr, g: _woodbury_apply(
-          w, gr, g, damping, normalize_output=normalize_output
-        ),
-        window,
-        gram,
-        updates,
-      )
-    else:
-      window, gram = _push_if_finite(state.window, state.gram, updates, slot)
-      out = _woodbury_apply(
-        window, gram, updates, damping, normalize_output=normalize_output
-      )
-    return out, WoodburyFisherState(count=count_inc, window=window, gram=gram)
-
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
 # -- projections ---------------------------------------------------------------
 
 
-class _LeafPlan(NamedTuple):
-  """Static per-leaf layout: the 2-D view and which side is projected."""
+class _Projection(NamedTuple):
+  """A projected leaf: its matrix view, the rank and the projected side."""
 
-  perm: tuple[int, ...]
-  rows: int  # m: product of the reduction axes
-  cols: int  # n: product of the output axes
+  view: matrix_view.LeafPlan
   rank: int
   left: bool  # True: P is (m, r) and the low-rank gradient is P^T G (r, n)
 
-  def to_matrix(self, x: jax.Array) -> jax.Array:
-    return jnp.transpose(x, self.perm).reshape(self.rows, self.cols)
-
-  def from_matrix(self, y: jax.Array, shape: tuple[int, ...]) -> jax.Array:
-    permuted = tuple(shape[a] for a in self.perm)
-    inverse = tuple(sorted(range(len(shape)), key=lambda i: self.perm[i]))
-    return jnp.transpose(y.reshape(permuted), inverse)
-
   @property
   def projector_shape(self) -> tuple[int, int]:
-    return (self.rows if self.left else self.cols, self.rank)
+    return (self.view.rows if self.left else self.view.cols, self.rank)
 
   @property
   def low_rank_shape(self) -> tuple[int, int]:
-    return (self.rank, self.cols) if self.left else (self.rows, self.rank)
+    rows, cols = self.view.matrix_shape
+    return (self.rank, cols) if self.left else (rows, self.rank)
 
   def project(self, p: jax.Array, g2: jax.Array) -> jax.Array:
     return p.T @ g2 if self.left else g2 @ p
@@ -335,66 +90,21 @@ class _LeafPlan(NamedTuple):
     return p @ u if self.left else u @ p.T
 
 
-def _axes(spec: Sequence[int] | int, ndim: int) -> tuple[int, ...]:
-  spec = (spec,) if isinstance(spec, int) else tuple(spec)
-  return tuple(a % ndim for a in spec)
-
-
-def _make_plan(
-  shape: tuple[int, ...], dims: GaLoreDimensionNumbers, rank: int, side: str
-) -> _LeafPlan:
-  ndim = len(shape)
-  if ndim < 2:
-    raise ValueError(
-      f"Natural GaLore projects leaves of rank >= 2, got shape {shape}; "
-      "give it None in weight_dimension_numbers."
-    )
-  red = _axes(dims.reduction_axis, ndim)
-  out = _axes(dims.output_axis, ndim)
-  if set(red) & set(out) or len(set(red) | set(out)) != ndim:
-    raise ValueError(
-      f"weight_dimension_numbers {dims} must split all {ndim} axes of shape "
-      f"{shape} into disjoint reduction and output axes."
-    )
-  m = math.prod(shape[a] for a in red)
-  n = math.prod(shape[a] for a in out)
-  left = m >= n if side == "larger" else m < n
-  return _LeafPlan(
-    perm=red + out, rows=m, cols=n, rank=min(rank, m, n), left=left
-  )
-
-
-def _resolve_dim_nums(
-  weight_dimension_numbers: GaLoreDimNumsOrFn | None, params: PyTree
-) -> list[GaLoreDimensionNumbers | None]:
-  """One ``GaLoreDimensionNumbers`` or ``None`` per leaf of ``params``."""
-  leaves, treedef = jax.tree.flatten(params)
-  if weight_dimension_numbers is None:
-    return [
-      GaLoreDimensionNumbers() if jnp.ndim(p) == 2 else None for p in leaves
-    ]
-  if isinstance(weight_dimension_numbers, GaLoreDimensionNumbers):
-    return [
-      weight_dimension_numbers if jnp.ndim(p) >= 2 else None for p in leaves
-    ]
-  dims = weight_dimension_numbers
-  if callable(dims):
-    dims = dims(params)
-  try:
-    flat = treedef.flatten_up_to(dims)
-  except (ValueError, TypeError) as e:
-    raise ValueError(
-      "weight_dimension_numbers must be a GaLoreDimensionNumbers, or a tree "
-      "with the structure of params holding GaLoreDimensionNumbers or None "
-      f"(or a callable returning one). Got {dims!r}."
-    ) from e
-  for d in flat:
-    if not _is_dim_leaf(d):
-      raise ValueError(
-        "weight_dimension_numbers leaves must be GaLoreDimensionNumbers or "
-        f"None, got {d!r}."
-      )
-  return flat
+def _projections(
+  spec: GaLoreDimNumsOrFn | None, tree: PyTree, rank: int, side: str
+) -> list[_Projection | None]:
+  """One :class:`_Projection` (or ``None``: not projected) per leaf."""
+  out: list[_Projection | None] = []
+  for view in matrix_view.plans(
+    spec, tree, kind=GaLoreDimensionNumbers, batch_axes=False
+  ):
+    if view is None:
+      out.append(None)
+      continue
+    m, n = view.matrix_shape
+    left = m >= n if side == "larger" else m < n
+    out.append(_Projection(view, min(rank, m, n), left))
+  return out
 
 
 # -- subspace refresh ----------------------------------------------------------
@@ -474,7 +184,7 @@ def _align_signs(new: jax.Array, old: jax.Array) -> jax.Array:
 
 
 def _new_projector(
-  plan: _LeafPlan,
+  proj: _Projection,
   g2: jax.Array,
   old: jax.Array,
   method: str,
@@ -483,13 +193,13 @@ def _new_projector(
 ) -> jax.Array:
   """Refreshed projector; keeps ``old`` when the gradient is zero or NaN."""
   dtype = old.dtype
-  g32 = g2.astype(_stat_dtype(g2.dtype))
-  r = plan.rank
+  g32 = g2.astype(numerics.compute_dtype(g2))
+  r = proj.rank
   if method == "exact":
     u, _, vh = jnp.linalg.svd(g32, full_matrices=False)
-    new = u[:, :r] if plan.left else vh[:r, :].T
+    new = u[:, :r] if proj.left else vh[:r, :].T
   else:
-    mat = g32 if plan.left else g32.T
+    mat = g32 if proj.left else g32.T
     p, q = mat.shape
     width = min(r + _OVERSAMPLING, p, q)
     start = jax.random.normal(key, (q, width), g32.dtype)
@@ -535,6 +245,253 @@ class NaturalGaLoreState(NamedTuple):
   base_optimizer_state: optax.OptState
 
 
+# -- the leaf update -----------------------------------------------------------
+
+
+class _Config(NamedTuple):
+  """The static options of :func:`scale_by_natural_galore`."""
+
+  rank: int
+  projection_side: str
+  history_size: int
+  per_example: bool  # fisher_source == "per_example"
+  window_at_refresh: str
+  normalize_output: bool
+  window_dtype: Any
+  svd_method: str
+  svd_power_iterations: int
+  weight_dimension_numbers: Any
+
+  @property
+  def windowed(self) -> bool:
+    """A window of past projected gradients is kept."""
+    return self.history_size > 0 and not self.per_example
+
+  @property
+  def per_example_window(self) -> bool:
+    """This batch's projected per-example gradients are the window."""
+    return self.history_size > 0 and self.per_example
+
+  def projections(self, tree: PyTree) -> list[_Projection | None]:
+    return _projections(
+      self.weight_dimension_numbers, tree, self.rank, self.projection_side
+    )
+
+
+def _init_leaf(
+  cfg: _Config, p: jax.Array, proj: _Projection | None
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+  """``(projector, window, window_gram, base optimizer proxy)`` of a leaf."""
+  if proj is None:  # placeholders; the base optimizer sees the leaf as is
+    return (
+      jnp.zeros((0, 0), p.dtype),
+      jnp.zeros((0,), numerics.compute_dtype(p)),
+      jnp.zeros((0, 0), jnp.float32),
+      jnp.zeros(jnp.shape(p), p.dtype),
+    )
+  n = cfg.history_size if cfg.windowed else 0
+  wdtype = (
+    jnp.dtype(cfg.window_dtype)
+    if cfg.window_dtype is not None
+    else numerics.compute_dtype(p)
+  )
+  return (
+    _identity_basis(proj.projector_shape, p.dtype),
+    jnp.zeros((n, *proj.low_rank_shape), wdtype),
+    jnp.zeros((n, n), numerics.compute_dtype(wdtype)),
+    jnp.zeros(proj.low_rank_shape, p.dtype),
+  )
+
+
+def _init(
+  cfg: _Config, base_optimizer: optax.GradientTransformation, params: PyTree
+) -> NaturalGaLoreState:
+  leaves, treedef = jax.tree.flatten(params)
+  count = jnp.zeros([], jnp.int32)
+  if not leaves:  # e.g. optax.tree.map_params' placeholder
+    return NaturalGaLoreState(
+      count, params, params, params, base_optimizer.init(params)
+    )
+  parts = [
+    _init_leaf(cfg, p, proj) for p, proj in zip(leaves, cfg.projections(params))
+  ]
+  projector, window, gram, proxy = (
+    jax.tree.unflatten(treedef, list(column)) for column in zip(*parts)
+  )
+  return NaturalGaLoreState(
+    count, projector, window, gram, base_optimizer.init(proxy)
+  )
+
+
+def _refresh_window(
+  cfg: _Config,
+  proj: _Projection,
+  old_p: jax.Array,
+  new_p: jax.Array,
+  window: jax.Array,
+  gram: jax.Array,
+) -> tuple[jax.Array, jax.Array]:
+  """The window after a basis change: kept, reset or reprojected."""
+  if not cfg.windowed or cfg.window_at_refresh == "keep":
+    return window, gram
+  if cfg.window_at_refresh == "reset":
+    return jnp.zeros_like(window), jnp.zeros_like(gram)
+  # Rotate old-basis coordinates into the new basis: R = P_new^T P_old.
+  dtype = gram.dtype
+  rot = jnp.matmul(
+    new_p.astype(dtype).T, old_p.astype(dtype), precision=_HIGHEST
+  )
+  w32 = window.astype(dtype)
+  if proj.left:
+    w32 = jnp.einsum("ij,sjn->sin", rot, w32, precision=_HIGHEST)
+  else:
+    w32 = jnp.einsum("smj,ij->smi", w32, rot, precision=_HIGHEST)
+  window = w32.astype(window.dtype)
+  return window, linalg.tree_stacked_gram(window.astype(dtype))
+
+
+def _refresh_leaf(
+  cfg: _Config,
+  proj: _Projection,
+  g2: jax.Array,
+  p_old: jax.Array,
+  window: jax.Array,
+  gram: jax.Array,
+  refresh: jax.Array,
+  key: jax.Array,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """``(projector, window, gram)``, refreshed when ``refresh`` is True."""
+
+  def do_refresh():
+    p_new = _new_projector(
+      proj, g2, p_old, cfg.svd_method, cfg.svd_power_iterations, key
+    )
+    return (p_new, *_refresh_window(cfg, proj, p_old, p_new, window, gram))
+
+  return jax.lax.cond(refresh, do_refresh, lambda: (p_old, window, gram))
+
+
+def _precondition_leaf(
+  cfg: _Config,
+  proj: _Projection,
+  lg: jax.Array,
+  p: jax.Array,
+  window: jax.Array,
+  gram: jax.Array,
+  per_example: jax.Array | None,
+  slot: jax.Array | int,
+  damping: Any,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """``(F^{-1} lg, window, gram)`` with ``F`` from the low-rank window.
+
+  The window maths is M-FAC's (:mod:`fisher_optax.fisher.linalg`): a NaN
+  gradient never enters the window; per-example gradients are projected
+  with this step's basis and solved against without being stored.
+  """
+  if cfg.windowed:
+    window, gram, _ = linalg.stacked_push_rows_if_finite(
+      window, gram, lg[None], slot
+    )
+    lg = linalg.woodbury_window_solve(
+      window, gram, lg, damping, normalized=cfg.normalize_output
+    )
+  elif cfg.per_example_window and per_example is not None:
+    rows = jax.vmap(
+      lambda x: proj.project(p, proj.view.to_matrix(x).astype(p.dtype))
+    )(per_example)
+    lg = linalg.woodbury_rows_solve(
+      rows, lg, damping, normalized=cfg.normalize_output
+    )
+  return lg, window, gram
+
+
+def _check_projector(
+  i: int, proj: _Projection, p_old: jax.Array, g: jax.Array
+) -> None:
+  if tuple(p_old.shape) != proj.projector_shape:
+    raise ValueError(
+      f"state.projector leaf {i} has shape {p_old.shape}, expected "
+      f"{proj.projector_shape} for a gradient of shape {g.shape}; was the "
+      "state initialised with other params or options?"
+    )
+
+
+def _update(
+  cfg: _Config,
+  base_optimizer: optax.GradientTransformation,
+  hyper: tuple[Any, Any, Any],
+  updates: PyTree,
+  state: NaturalGaLoreState,
+  per_example_grads: PyTree | None,
+) -> tuple[PyTree, NaturalGaLoreState]:
+  """One Natural GaLore step; ``hyper`` is ``(scale, update_proj_gap,
+  damping)``, the options that may be injected."""
+  scale, update_proj_gap, damping = hyper
+  leaves, treedef = jax.tree.flatten(updates)
+  validation.check_same_structure(
+    updates, state.projector, what="state.projector"
+  )
+  per_example: list[Any] = [None] * len(leaves)
+  if cfg.per_example_window:
+    validation.check_per_example_grads(
+      per_example_grads, updates, function="scale_by_natural_galore"
+    )
+    per_example = jax.tree.leaves(per_example_grads)
+  count = state.count
+  refresh = (count % update_proj_gap) == 0
+  slot = count % cfg.history_size if cfg.windowed else 0
+  base_key = jax.random.fold_in(jax.random.key(0), count)
+  projs = cfg.projections(updates)
+  old = zip(
+    jax.tree.leaves(state.projector),
+    jax.tree.leaves(state.window),
+    jax.tree.leaves(state.window_gram),
+  )
+  low, new = [], []  # new: (projector, window, gram) per leaf
+  for i, (g, proj, (p, window, gram), pe) in enumerate(
+    zip(leaves, projs, old, per_example)
+  ):
+    if proj is None:
+      low.append(g)
+      new.append((p, window, gram))
+      continue
+    _check_projector(i, proj, p, g)
+    g2 = proj.view.to_matrix(g)
+    key = jax.random.fold_in(base_key, i)
+    p, window, gram = _refresh_leaf(
+      cfg, proj, g2, p, window, gram, refresh, key
+    )
+    lg, window, gram = _precondition_leaf(
+      cfg, proj, proj.project(p, g2), p, window, gram, pe, slot, damping
+    )
+    low.append(lg)
+    new.append((p, window, gram))
+
+  unflat = lambda xs: jax.tree.unflatten(treedef, list(xs))
+  low_updates, base_state = base_optimizer.update(
+    unflat(low), state.base_optimizer_state, None
+  )
+  out = [
+    u
+    if proj is None
+    else (scale * proj.view.from_matrix(proj.project_back(p, u))).astype(
+      g.dtype
+    )
+    for g, proj, (p, _, _), u in zip(
+      leaves, projs, new, jax.tree.leaves(low_updates)
+    )
+  ]
+  columns = list(zip(*new)) or [(), (), ()]
+  projector, window, gram = (unflat(column) for column in columns)
+  return unflat(out), NaturalGaLoreState(
+    count=jnp.asarray(optax.safe_increment(count)),
+    projector=projector,
+    window=window,
+    window_gram=gram,
+    base_optimizer_state=base_state,
+  )
+
+
 def scale_by_natural_galore(
   rank: int = 128,
   update_proj_gap: int = 200,
@@ -548,9 +505,10 @@ def scale_by_natural_galore(
   window_at_refresh: str = "reproject",
   normalize_output: bool = False,
   window_dtype: Any | None = None,
-  window_source: str = "history",
+  fisher_source: str | None = None,
   svd_method: str = "exact",
   svd_power_iterations: int = 1,
+  window_source: str | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Natural GaLore: GaLore with a windowed inverse-Fisher in low rank.
 
@@ -574,7 +532,7 @@ def scale_by_natural_galore(
   ``optax.contrib.scale_by_galore`` keep its names, order and defaults;
   ``history_size=0`` turns the preconditioner off and reproduces it exactly.
 
-  Decisions where the paper leaves room (spec §8):
+  Decisions where the paper leaves room:
 
   * ``projection_side="larger"`` projects the larger dimension as optax does
     (state ``r x min(m, n)``); ``"smaller"`` projects the smaller one as the
@@ -598,7 +556,7 @@ def scale_by_natural_galore(
     on float noise such as the sharding. The exact SVD keeps LAPACK's signs,
     as optax does, so ``history_size=0`` stays bit-identical to it.
 
-  Beyond the paper: ``window_source="per_example"`` builds :math:`H` from this
+  Beyond the paper: ``fisher_source="per_example"`` builds :math:`H` from this
   batch's projected ``per_example_grads`` (``F = \lambda I + \frac1B H
   H^\top``, no window memory); ``svd_method="randomized"`` or
   ``"subspace"`` (warm-started from the old basis) refreshes with matmuls,
@@ -620,11 +578,14 @@ def scale_by_natural_galore(
     window_at_refresh: ``"reproject"``, ``"keep"`` or ``"reset"``.
     normalize_output: return :math:`\lambda F^{-1} g`.
     window_dtype: stored window dtype (default float32; bfloat16 halves it).
-    window_source: ``"history"`` or ``"per_example"`` (needs the
+    fisher_source: ``"batch"`` (default: a window of past projected
+      gradients) or ``"per_example"`` (this batch's projected
       ``per_example_grads`` extra, leaves ``(B, *param_shape)``, e.g. from
       :func:`fisher_optax.fisher.per_example_grads`).
     svd_method: ``"exact"``, ``"randomized"`` or ``"subspace"``.
     svd_power_iterations: power iterations of the inexact methods (static).
+    window_source: deprecated spelling of ``fisher_source`` (``"history"``
+      meant ``"batch"``).
 
   Returns:
     An :class:`optax.GradientTransformationExtraArgs` with state
@@ -650,12 +611,38 @@ def scale_by_natural_galore(
     Halko et al, `Finding structure with randomness
     <https://arxiv.org/abs/0909.4061>`_, 2011
   """
-  if base_optimizer is None:
-    base_optimizer = optax.scale_by_adam()
-  rank = validation.check_static_int("rank", rank, minimum=1)
-  s = validation.check_static_int("history_size", history_size)
-  n_iter = validation.check_static_int(
-    "svd_power_iterations", svd_power_iterations
+  # Nested so that both deprecation warnings point at the caller's line.
+  source = validation.check_fisher_source(
+    validation.renamed_keyword(
+      "scale_by_natural_galore",
+      "window_source",
+      window_source,
+      "fisher_source",
+      fisher_source,
+      value_map=_LEGACY_SOURCES,
+    )
+    or "batch",
+    function="scale_by_natural_galore",
+    legacy=_LEGACY_SOURCES,
+  )
+  base = optax.scale_by_adam() if base_optimizer is None else base_optimizer
+  cfg = _Config(
+    rank=validation.check_static_int("rank", rank, minimum=1),
+    projection_side=validation.check_choice(
+      "projection_side", projection_side, _SIDES
+    ),
+    history_size=validation.check_static_int("history_size", history_size),
+    per_example=source == "per_example",
+    window_at_refresh=validation.check_choice(
+      "window_at_refresh", window_at_refresh, _REFRESH_POLICIES
+    ),
+    normalize_output=normalize_output,
+    window_dtype=window_dtype,
+    svd_method=validation.check_choice("svd_method", svd_method, _SVD_METHODS),
+    svd_power_iterations=validation.check_static_int(
+      "svd_power_iterations", svd_power_iterations
+    ),
+    weight_dimension_numbers=weight_dimension_numbers,
   )
   if isinstance(update_proj_gap, bool) or (
     isinstance(update_proj_gap, (int, float))
@@ -665,78 +652,6 @@ def scale_by_natural_galore(
       f"update_proj_gap must be a positive integer, got {update_proj_gap}."
     )
   validation.check_positive("damping", damping)
-  validation.check_choice("projection_side", projection_side, _SIDES)
-  validation.check_choice(
-    "window_at_refresh", window_at_refresh, _REFRESH_POLICIES
-  )
-  validation.check_choice("window_source", window_source, _WINDOW_SOURCES)
-  validation.check_choice("svd_method", svd_method, _SVD_METHODS)
-  per_example = window_source == "per_example"
-  windowed = s > 0 and not per_example
-
-  def plans(tree: PyTree) -> list[_LeafPlan | None]:
-    dims = _resolve_dim_nums(weight_dimension_numbers, tree)
-    return [
-      None
-      if d is None
-      else _make_plan(tuple(jnp.shape(x)), d, rank, projection_side)
-      for x, d in zip(jax.tree.leaves(tree), dims)
-    ]
-
-  def init_fn(params: PyTree) -> NaturalGaLoreState:
-    leaves, treedef = jax.tree.flatten(params)
-    if not leaves:  # e.g. optax.tree.map_params' placeholder
-      return NaturalGaLoreState(
-        count=jnp.zeros([], jnp.int32),
-        projector=params,
-        window=params,
-        window_gram=params,
-        base_optimizer_state=base_optimizer.init(params),
-      )
-    projectors, windows, grams, proxies = [], [], [], []
-    for p, plan in zip(leaves, plans(params)):
-      if plan is None:
-        projectors.append(jnp.zeros((0, 0), p.dtype))
-        windows.append(jnp.zeros((0,), _stat_dtype(p.dtype)))
-        grams.append(jnp.zeros((0, 0), jnp.float32))
-        proxies.append(jnp.zeros(jnp.shape(p), p.dtype))
-        continue
-      n = s if windowed else 0
-      wdtype = (
-        jnp.dtype(window_dtype)
-        if window_dtype is not None
-        else _stat_dtype(p.dtype)
-      )
-      projectors.append(_identity_basis(plan.projector_shape, p.dtype))
-      windows.append(jnp.zeros((n,) + plan.low_rank_shape, wdtype))
-      grams.append(jnp.zeros((n, n), _stat_dtype(wdtype)))
-      proxies.append(jnp.zeros(plan.low_rank_shape, p.dtype))
-    unflat = lambda xs: jax.tree.unflatten(treedef, xs)
-    return NaturalGaLoreState(
-      count=jnp.zeros([], jnp.int32),
-      projector=unflat(projectors),
-      window=unflat(windows),
-      window_gram=unflat(grams),
-      base_optimizer_state=base_optimizer.init(unflat(proxies)),
-    )
-
-  def refresh_window(plan, old_p, new_p, window, gram):
-    if not windowed or window_at_refresh == "keep":
-      return window, gram
-    if window_at_refresh == "reset":
-      return jnp.zeros_like(window), jnp.zeros_like(gram)
-    # Rotate old-basis coordinates into the new basis: R = P_new^T P_old.
-    dtype = gram.dtype
-    rot = jnp.matmul(
-      new_p.astype(dtype).T, old_p.astype(dtype), precision=_HIGHEST
-    )
-    w32 = window.astype(dtype)
-    if plan.left:
-      w32 = jnp.einsum("ij,sjn->sin", rot, w32, precision=_HIGHEST)
-    else:
-      w32 = jnp.einsum("smj,ij->smi", w32, rot, precision=_HIGHEST)
-    window = w32.astype(window.dtype)
-    return window, linalg.tree_stacked_gram(window.astype(dtype))
 
   def update_fn(
     updates: PyTree,
@@ -747,118 +662,13 @@ def scale_by_natural_galore(
     **extra_args: Any,
   ) -> tuple[PyTree, NaturalGaLoreState]:
     del params, extra_args
-    validation.check_positive("damping", damping)
-    leaves, treedef = jax.tree.flatten(updates)
-    validation.check_same_structure(
-      updates, state.projector, what="state.projector"
-    )
-    pe_leaves = [None] * len(leaves)
-    batch = 0
-    if per_example and s > 0:
-      if per_example_grads is None:
-        raise ValueError(
-          "scale_by_natural_galore(window_source='per_example') needs the "
-          "per_example_grads keyword argument in update()."
-        )
-      batch = validation.check_leading_axis(
-        per_example_grads, updates, what="per_example_grads"
-      )
-      if batch == 0:
-        raise ValueError("per_example_grads has an empty batch axis.")
-      pe_leaves = jax.tree.leaves(per_example_grads)
+    hyper = (scale, update_proj_gap, damping)
+    return _update(cfg, base, hyper, updates, state, per_example_grads)
 
-    count = state.count
-    refresh = (count % update_proj_gap) == 0
-    slot = count % s if windowed else 0
-    base_key = jax.random.fold_in(jax.random.key(0), count)
-    low, new_projectors, new_windows, new_grams = [], [], [], []
-    leaf_plans = plans(updates)
-    for i, (g, plan, p_old, window, gram, pe) in enumerate(
-      zip(
-        leaves,
-        leaf_plans,
-        jax.tree.leaves(state.projector),
-        jax.tree.leaves(state.window),
-        jax.tree.leaves(state.window_gram),
-        pe_leaves,
-      )
-    ):
-      if plan is None:
-        low.append(g)
-        new_projectors.append(p_old)
-        new_windows.append(window)
-        new_grams.append(gram)
-        continue
-      expected = plan.projector_shape
-      if tuple(p_old.shape) != expected:
-        raise ValueError(
-          f"state.projector leaf {i} has shape {p_old.shape}, expected "
-          f"{expected} for a gradient of shape {g.shape}; was the state "
-          "initialised with other params or options?"
-        )
-      g2 = plan.to_matrix(g)
-      key = jax.random.fold_in(base_key, i)
-
-      def do_refresh(
-        p_old=p_old, g2=g2, key=key, window=window, gram=gram, plan=plan
-      ):
-        p_new = _new_projector(plan, g2, p_old, svd_method, n_iter, key)
-        return (p_new,) + refresh_window(plan, p_old, p_new, window, gram)
-
-      p_new, window, gram = jax.lax.cond(
-        refresh,
-        do_refresh,
-        lambda p_old=p_old, window=window, gram=gram: (p_old, window, gram),
-      )
-      lg = plan.project(p_new, g2)
-      if windowed:
-        window, gram = _push_if_finite(window, gram, lg, slot)
-        lg = _woodbury_apply(
-          window, gram, lg, damping, normalize_output=normalize_output
-        )
-      elif per_example and s > 0:
-        pe2 = jax.vmap(plan.to_matrix)(pe)
-        h = jax.vmap(
-          lambda x, p_new=p_new, plan=plan: plan.project(
-            p_new, x.astype(p_new.dtype)
-          )
-        )(pe2)
-        h = h.astype(_stat_dtype(h.dtype))
-        lg = _woodbury_apply(
-          h,
-          linalg.tree_stacked_gram(h),
-          lg,
-          damping,
-          scale=1.0 / batch,
-          normalize_output=normalize_output,
-        )
-      low.append(lg)
-      new_projectors.append(p_new)
-      new_windows.append(window)
-      new_grams.append(gram)
-
-    unflat = lambda xs: jax.tree.unflatten(treedef, xs)
-    low_updates, base_state = base_optimizer.update(
-      unflat(low), state.base_optimizer_state, None
-    )
-    out = []
-    for g, plan, p, u in zip(
-      leaves, leaf_plans, new_projectors, jax.tree.leaves(low_updates)
-    ):
-      if plan is None:
-        out.append(u)
-        continue
-      full = plan.from_matrix(plan.project_back(p, u), g.shape)
-      out.append((scale * full).astype(g.dtype))
-    return unflat(out), NaturalGaLoreState(
-      count=optax.safe_increment(count),
-      projector=unflat(new_projectors),
-      window=unflat(new_windows),
-      window_gram=unflat(new_grams),
-      base_optimizer_state=base_state,
-    )
-
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  return optax.GradientTransformationExtraArgs(
+    lambda params: _init(cfg, base, params),
+    update_fn,  # pyright: ignore[reportArgumentType]
+  )
 
 
 def natural_galore(
@@ -877,9 +687,10 @@ def natural_galore(
   window_at_refresh: str = "reproject",
   normalize_output: bool = False,
   window_dtype: Any | None = None,
-  window_source: str = "history",
+  fisher_source: str | None = None,
   svd_method: str = "exact",
   svd_power_iterations: int = 1,
+  window_source: str | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Natural GaLore optimizer: a drop-in for ``optax.contrib.galore``.
 
@@ -915,9 +726,10 @@ def natural_galore(
     window_at_refresh: see :func:`scale_by_natural_galore`.
     normalize_output: see :func:`scale_by_natural_galore`.
     window_dtype: see :func:`scale_by_natural_galore`.
-    window_source: see :func:`scale_by_natural_galore`.
+    fisher_source: see :func:`scale_by_natural_galore`.
     svd_method: see :func:`scale_by_natural_galore`.
     svd_power_iterations: see :func:`scale_by_natural_galore`.
+    window_source: deprecated spelling of ``fisher_source``.
 
   Returns:
     An :class:`optax.GradientTransformationExtraArgs`.
@@ -936,6 +748,20 @@ def natural_galore(
     Das, `Natural GaLore: Accelerating GaLore for memory-efficient LLM
     training and fine-tuning <https://arxiv.org/abs/2410.16029>`_, 2024
   """
+  # Nested so that both deprecation warnings point at the caller's line.
+  source = validation.check_fisher_source(
+    validation.renamed_keyword(
+      "natural_galore",
+      "window_source",
+      window_source,
+      "fisher_source",
+      fisher_source,
+      value_map=_LEGACY_SOURCES,
+    )
+    or "batch",
+    function="natural_galore",
+    legacy=_LEGACY_SOURCES,
+  )
   validation.check_learning_rate(learning_rate)
   validation.check_positive("weight_decay", weight_decay, allow_zero=True)
   return optax.chain(
@@ -951,7 +777,7 @@ def natural_galore(
       window_at_refresh=window_at_refresh,
       normalize_output=normalize_output,
       window_dtype=window_dtype,
-      window_source=window_source,
+      fisher_source=source,
       svd_method=svd_method,
       svd_power_iterations=svd_power_iterations,
     ),

@@ -428,7 +428,7 @@ class NaturalGaLoreTest(parameterized.TestCase):
         rank=3,
         damping=0.05,
         base_optimizer=optax.identity(),
-        window_source="per_example",
+        fisher_source="per_example",
         normalize_output=True,
       )
       u, state = tx.update(g, tx.init(g), per_example_grads=pe)
@@ -486,7 +486,7 @@ class NaturalGaLoreTest(parameterized.TestCase):
       "projection_side",
       "window_at_refresh",
       "svd_method",
-      "window_source",
+      "fisher_source",
     ):
       with self.assertRaisesRegex(ValueError, arg):
         ng(**{arg: "nonsense"})
@@ -511,9 +511,26 @@ class NaturalGaLoreTest(parameterized.TestCase):
       tx.update({"w": params["w"]}, state)
     with self.assertRaisesRegex(ValueError, "projector"):
       tx.update({"w": jnp.ones((5, 3)), "v": params["v"]}, state)
-    tx = ng(rank=2, window_source="per_example")
+    tx = ng(rank=2, fisher_source="per_example")
     with self.assertRaisesRegex(ValueError, "per_example_grads"):
       tx.update(params, tx.init(params))
+
+  @parameterized.parameters(
+    ("history", "batch"), ("per_example", "per_example")
+  )
+  def test_old_window_source_keyword_warns_and_matches(self, old, new):
+    pe = _grads([(4, 6, 5)], 1)[0]
+    g = jax.tree.map(lambda x: x.mean(0), pe)
+    kw = dict(rank=2, update_proj_gap=1, history_size=2, damping=0.1)
+    for factory in (
+      lambda **k: fisher_optax.scale_by_natural_galore(**kw, **k),
+      lambda **k: fisher_optax.natural_galore(1e-2, **kw, **k),
+    ):
+      with self.assertWarns(validation.FisherOptaxDeprecationWarning):
+        old_tx = factory(window_source=old)
+      new_tx = factory(fisher_source=new)
+      run = lambda tx: _run(tx, [g, g], per_example_grads=pe, params=g)
+      chex.assert_trees_all_equal(run(old_tx), run(new_tx))
 
 
 def fisher_optax_dims():
