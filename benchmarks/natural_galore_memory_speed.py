@@ -182,7 +182,7 @@ def speed_table(
       1e-3, rank=rank, history_size=s, svd_method="randomized", **kw
     ),
     "natural_galore_per_example_B8": fisher_optax.natural_galore(
-      1e-3, rank=rank, window_source="per_example", **kw
+      1e-3, rank=rank, fisher_source="per_example", **kw
     ),
     "adamw": optax.adamw(1e-3),
   }
