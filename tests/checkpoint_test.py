@@ -21,8 +21,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 import functools
+import os
 import pathlib
+import signal
+import subprocess
+import sys
 import tempfile
+import textwrap
 
 from absl.testing import absltest
 from absl.testing import parameterized
@@ -34,6 +39,7 @@ import optax
 import orbax.checkpoint as ocp
 
 import fisher_optax
+from fisher_optax import _checkpoint_io
 from fisher_optax import checkpoint
 from fisher_optax import fisher
 from fisher_optax import flax as fo_flax
@@ -151,7 +157,9 @@ _TRANSFORMS: dict[str, Callable[[], optax.GradientTransformation]] = {
   "accumulate_fisher": lambda: fo_flax.accumulate_fisher(
     fisher_optax.fadam(1e-2, fisher_source="per_example"), every_k=2
   ),
-  "multi_steps": lambda: optax.MultiSteps(fisher_optax.fadam(1e-2), 2),
+  "multi_steps": lambda: optax.MultiSteps(
+    fisher_optax.fadam(1e-2), 2
+  ).gradient_transformation(),
 }
 # Extras each transform needs (default none); computing only these keeps
 # the compiled steps small.
@@ -298,6 +306,92 @@ class CheckpointModuleTest(absltest.TestCase):
       back = checkpoint.restore(path, jax.eval_shape(lambda: tree))
       chex.assert_trees_all_equal(
         back, {"a": jnp.ones(3), "empty": jnp.zeros((0, 2))}
+      )
+
+  def test_overwrite_refuses_what_save_did_not_write(self):
+    tree = {"a": jnp.arange(3.0)}
+    with tempfile.TemporaryDirectory() as tmp:
+      user = pathlib.Path(tmp) / "results"
+      user.mkdir()
+      (user / "notes.txt").write_text("keep me")
+      theirs = pathlib.Path(tmp) / "theirs"
+      with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save(theirs, tree)
+        ckptr.wait_until_finished()
+      before = sorted(str(p) for p in pathlib.Path(tmp).rglob("*"))
+      for path in (user, theirs):
+        with self.assertRaisesRegex(
+          FileExistsError, "not written by fisher_optax.*overwrite=True"
+        ):
+          checkpoint.save(path, tree, overwrite=True)
+      self.assertEqual(
+        sorted(str(p) for p in pathlib.Path(tmp).rglob("*")), before
+      )
+      self.assertEqual((user / "notes.txt").read_text(), "keep me")
+
+  def test_restore_verifies_checksums(self):
+    tree = {"a": jnp.arange(64.0)}
+    with tempfile.TemporaryDirectory() as tmp:
+      path = pathlib.Path(tmp) / "ckpt"
+      checkpoint.save(path, tree)
+      self.assertTrue((path / _checkpoint_io.MANIFEST).is_file())
+      target = jax.eval_shape(lambda: tree)
+      chex.assert_trees_all_equal(checkpoint.restore(path, target), tree)
+      data = max(
+        (
+          p
+          for p in path.rglob("*")
+          if p.is_file() and p.name != _checkpoint_io.MANIFEST
+        ),
+        key=lambda p: p.stat().st_size,
+      )
+      raw = bytearray(data.read_bytes())
+      raw[len(raw) // 2] ^= 0x10
+      data.write_bytes(bytes(raw))
+      with self.assertRaisesRegex(ValueError, "does not match its SHA-256"):
+        checkpoint.restore(path, target)
+
+  def test_save_killed_mid_write_is_cleaned_by_the_next_save(self):
+    script = textwrap.dedent(
+      """
+      import sys, time
+      import jax.numpy as jnp
+      from fisher_optax import _checkpoint_io, checkpoint
+
+      def stall(*args, **kwargs):  # written, not yet moved into place
+        print("writing", flush=True)
+        time.sleep(600)
+
+      _checkpoint_io.commit = stall
+      checkpoint.save(sys.argv[1], {"a": jnp.arange(3.0)})
+      """
+    )
+    root = pathlib.Path(__file__).resolve().parent.parent
+    with tempfile.TemporaryDirectory() as tmp:
+      path = pathlib.Path(tmp) / "ckpt"
+      proc = subprocess.Popen(
+        [sys.executable, "-c", script, str(path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=str(root), JAX_PLATFORMS="cpu"),
+      )
+      try:
+        assert proc.stdout is not None
+        self.assertEqual(proc.stdout.readline().strip(), "writing")
+        os.kill(proc.pid, signal.SIGKILL)
+      finally:
+        proc.kill()
+        proc.wait()
+        if proc.stdout:
+          proc.stdout.close()
+      left = [p.name for p in pathlib.Path(tmp).iterdir()]
+      self.assertTrue(left)
+      self.assertTrue(all(n.startswith(".ckpt.tmp-") for n in left), left)
+      checkpoint.save(path, {"a": jnp.ones(3)})
+      self.assertEqual([p.name for p in pathlib.Path(tmp).iterdir()], ["ckpt"])
+      chex.assert_trees_all_equal(
+        checkpoint.restore(path, {"a": jnp.zeros(3)}), {"a": jnp.ones(3)}
       )
 
   def test_missing_checkpoint(self):

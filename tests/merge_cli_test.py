@@ -534,7 +534,7 @@ class FisherCommandTest(absltest.TestCase):
       lambda p: fisher.diagonal(
         make_apply_fn(),
         p,
-        (self.x[idx], self.y[idx]),
+        (self.x[idx], jnp.asarray(self.y[idx])),
         likelihood=fisher.Categorical(),
         kind="empirical",
       )
