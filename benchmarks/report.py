@@ -377,7 +377,7 @@ CLAIMS = [
   ),
   Claim(
     "Rank-1 EWC",
-    "Wang et al 2026",
+    "Wang et al 2025",
     "rank-1 (c*) forgets no more than diagonal EWC",
     "continual",
     _continual(

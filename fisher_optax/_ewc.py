@@ -774,7 +774,7 @@ def add_ewc_gradient(
     Schwarz et al, `Progress & Compress
     <https://arxiv.org/abs/1805.06370>`_, 2018.
     Wang et al, `Rank-1 Fisher for diffusion continual learning
-    <https://arxiv.org/abs/2509.23593>`_, 2026.
+    <https://arxiv.org/abs/2509.23593>`_, 2025.
     Das et al, `AlignGuard-LoRA <https://arxiv.org/abs/2508.02079>`_, 2025.
   """
   validation.check_positive("strength", strength, allow_zero=True)
