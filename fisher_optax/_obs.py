@@ -12,47 +12,29 @@ from __future__ import annotations
 
 from collections.abc import Callable
 import functools
-import math
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fisher_optax.fisher import _rank_one_sum
+from fisher_optax import fisher
+from fisher_optax.fisher import numerics
 from fisher_optax.fisher import validation
 
 PyTree = Any
-RankOneSumFisher = _rank_one_sum.RankOneSumFisher
+RankOneSumFisher = fisher.RankOneSumFisher
 _SCOPES = ("global", "per_leaf")
 _UPDATES = ("independent", "group", "none")
 
 
-def _flatten(tree: PyTree) -> jax.Array:
-  leaves = jax.tree.leaves(tree)
-  return (
-    jnp.concatenate([jnp.ravel(x) for x in leaves])
-    if leaves
-    else (jnp.zeros((0,)))
+def _unravel(flat: jax.Array, like: PyTree) -> PyTree:
+  """:func:`numerics.unravel`, each leaf cast to ``like``'s dtype."""
+  return jax.tree.map(
+    lambda x, l: x.astype(jnp.result_type(l)),
+    numerics.unravel(flat, like),
+    like,
   )
-
-
-def _unflatten(flat: jax.Array, like: PyTree) -> PyTree:
-  leaves, treedef = jax.tree.flatten(like)
-  out, offset = [], 0
-  for leaf in leaves:
-    n = math.prod(jnp.shape(leaf))
-    out.append(
-      flat[offset : offset + n]
-      .reshape(jnp.shape(leaf))
-      .astype(jnp.result_type(leaf))
-    )
-    offset += n
-  return jax.tree.unflatten(treedef, out)
-
-
-def _check_weights(params: PyTree, fisher: RankOneSumFisher) -> None:
-  fisher._check(params, "params")  # pylint: disable=protected-access
 
 
 def obs_saliency(params: PyTree, fisher: RankOneSumFisher) -> PyTree:
@@ -88,7 +70,7 @@ def obs_saliency(params: PyTree, fisher: RankOneSumFisher) -> PyTree:
     Frantar et al, `M-FAC: Efficient Matrix-Free Approximations of
     Second-Order Information <https://arxiv.org/abs/2107.03356>`_, 2021
   """
-  _check_weights(params, fisher)
+  fisher.check_compatible(params, "params")
   inv_diag = fisher.inverse_diag()
   return jax.tree.map(
     lambda w, h: jnp.square(w.astype(h.dtype)) / (2.0 * h), params, inv_diag
@@ -133,14 +115,15 @@ def group_obs_update(
     (Array(0., dtype=float32), Array(0., dtype=float32))
 
   References:
+    Kurtic et al, `The Optimal BERT Surgeon: Scalable and Accurate
+    Second-Order Pruning for Large Language Models
+    <https://arxiv.org/abs/2203.07259>`_, 2022 (the group update)
+
     Hassibi & Stork, `Second order derivatives for network pruning: Optimal
     Brain Surgeon <https://proceedings.neurips.cc/paper/1992/hash/
     303ed4c69846ab36c2904d3ba8573050-Abstract.html>`_, 1992
-
-    Frantar et al, `M-FAC: Efficient Matrix-Free Approximations of
-    Second-Order Information <https://arxiv.org/abs/2107.03356>`_, 2021
   """
-  _check_weights(params, fisher)
+  fisher.check_compatible(params, "params")
   if (
     isinstance(drop, (jax.Array, np.ndarray))
     and jnp.ndim(drop) == 1
@@ -152,7 +135,7 @@ def group_obs_update(
       params, drop, what="drop", reference_name="params"
     )
     try:
-      flat = np.asarray(_flatten(drop)).astype(bool)
+      flat = np.asarray(numerics.ravel(drop)).astype(bool)
     except jax.errors.TracerArrayConversionError as e:
       raise TypeError(
         "a boolean drop mask must be concrete (it sets |Q|); pass flat "
@@ -164,7 +147,7 @@ def group_obs_update(
 
 def _group_update(params, index, fisher, valid=None):
   """Exact group OBS; ``valid`` masks padding entries of ``index``."""
-  w = _flatten(params).astype(fisher.chol.dtype)
+  w = numerics.ravel(params).astype(fisher.chol.dtype)
   if index.shape[0] == 0:
     return params, jnp.zeros([], w.dtype)
   valid = jnp.ones(index.shape, bool) if valid is None else valid
@@ -180,9 +163,9 @@ def _group_update(params, index, fisher, valid=None):
   # .add/.max: padding repeats an index with zero weight.
   sparse = jnp.zeros_like(w).at[index].add(coef)
   drop = jnp.zeros(w.shape, bool).at[index].max(valid)
-  delta = _flatten(fisher.ihvp(_unflatten(sparse, params)))
+  delta = numerics.ravel(fisher.ihvp(_unravel(sparse, params)))
   new = jnp.where(drop, 0.0, w - delta)
-  return _unflatten(new, params), 0.5 * jnp.dot(wq, coef)
+  return _unravel(new, params), 0.5 * jnp.dot(wq, coef)
 
 
 @jax.jit
@@ -193,20 +176,18 @@ def _group_update_padded(params, index, valid, fisher):
 @jax.jit
 def _independent_update(params, drop, fisher):
   """Sum of single-weight OBS updates (M-FAC's pruner), one ihvp."""
-  w = _flatten(params).astype(fisher.chol.dtype)
-  inv_diag = _flatten(fisher.inverse_diag())
+  w = numerics.ravel(params).astype(fisher.chol.dtype)
+  inv_diag = numerics.ravel(fisher.inverse_diag())
   coef = jnp.where(drop, w / inv_diag, 0.0)
-  delta = _flatten(fisher.ihvp(_unflatten(coef, params)))
+  delta = numerics.ravel(fisher.ihvp(_unravel(coef, params)))
   new = jnp.where(drop, 0.0, w - delta)
-  return _unflatten(new, params), 0.5 * jnp.dot(w, coef)
+  return _unravel(new, params), 0.5 * jnp.dot(w, coef)
 
 
 @jax.jit
 def _zeroing_loss(params, drop, fisher):
-  w = _flatten(params).astype(fisher.chol.dtype)
-  return 0.5 * fisher.quadratic_form(
-    _unflatten(jnp.where(drop, w, 0.0), params)
-  )
+  w = numerics.ravel(params).astype(fisher.chol.dtype)
+  return 0.5 * fisher.quadratic_form(_unravel(jnp.where(drop, w, 0.0), params))
 
 
 class ObsPruneResult(NamedTuple):
@@ -225,18 +206,6 @@ class ObsPruneResult(NamedTuple):
   params: PyTree
   masks: PyTree
   predicted_loss_increase: jax.Array
-
-
-def _resolve_prunable(params: PyTree, prunable: Any) -> list[bool]:
-  if prunable is None:
-    return [True] * len(jax.tree.leaves(params))
-  if callable(prunable):
-    prunable = prunable(params)
-  # ``prunable`` may be a prefix of ``params``, as optax.masked allows.
-  per_leaf = jax.tree.map(
-    lambda flag, sub: [bool(flag)] * len(jax.tree.leaves(sub)), prunable, params
-  )
-  return [bool(f) for f in jax.tree.leaves(per_leaf)]
 
 
 def _select(
@@ -308,7 +277,9 @@ def magnitude_prune(
   sparsity = _check_sparsity(sparsity)
   validation.check_choice("scope", scope, _SCOPES)
   leaves, treedef = jax.tree.flatten(params)
-  flags = _resolve_prunable(params, prunable)
+  flags = jax.tree.leaves(
+    numerics.resolve_mask(prunable, params, name="prunable")
+  )
   sel = [x for x, f in zip(leaves, flags) if f]
   scores = [jnp.abs(x).astype(jnp.float32) for x in sel]
   alive = [jnp.ones(x.shape, bool) for x in sel]
@@ -323,11 +294,11 @@ def magnitude_prune(
 
 
 def _apply_zeroing(sel, alive, drop):
-  w = _flatten(sel)
-  a = _flatten(alive) & ~drop
+  w = numerics.ravel(sel)
+  a = numerics.ravel(alive) & ~drop
   return (
-    _unflatten(jnp.where(a, w, 0).astype(w.dtype), sel),
-    _unflatten(a, alive),
+    _unravel(jnp.where(a, w, 0).astype(w.dtype), sel),
+    _unravel(a, alive),
   )
 
 
@@ -433,7 +404,9 @@ def obs_prune(
   validation.check_choice("update", update, _UPDATES)
   validation.check_positive("damping", damping)
   leaves, treedef = jax.tree.flatten(params)
-  flags = _resolve_prunable(params, prunable)
+  flags = jax.tree.leaves(
+    numerics.resolve_mask(prunable, params, name="prunable")
+  )
   sel = [x for x, f in zip(leaves, flags) if f]
   alive = [jnp.ones(x.shape, bool) for x in sel]
   sizes = [x.size for x in sel]
@@ -471,8 +444,8 @@ def obs_prune(
 def _score(sel, alive, grads, damping, *, block_size):
   """Factors the Fisher of the surviving weights and scores them."""
   grads = [jnp.where(a, g, 0) for a, g in zip(alive, grads)]
-  fisher = _rank_one_sum.sum_of_rank_one(grads, damping, block_size=block_size)
-  return obs_saliency(sel, fisher), fisher
+  factor = fisher.sum_of_rank_one(grads, damping, block_size=block_size)
+  return obs_saliency(sel, factor), factor
 
 
 def _merge(leaves, flags, sel):
