@@ -222,7 +222,7 @@ def stacked_push_rows_if_finite(
   leaves = jax.tree.leaves(rows)
   if not leaves:
     return stacked, gram, jnp.asarray(True)
-  finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(r)) for r in leaves]))
+  finite = numerics.tree_all_finite(rows)
   k = leaves[0].shape[0]
   slots = (
     jnp.asarray(index, jnp.int32) + jnp.arange(k, dtype=jnp.int32)
