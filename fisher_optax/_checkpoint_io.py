@@ -384,7 +384,7 @@ def _check_destination(path: pathlib.Path, fmt: str, overwrite: bool) -> None:
     )
   sidecar = _sidecar(path)
   if fmt == MSGPACK and os.path.lexists(sidecar):
-    # A sidecar without its file (a killed writer) is replaced; anything
+    # A sidecar of ours without its file (deleted) is replaced; anything
     # else of that name is not ours.
     if sidecar.is_symlink() or _parse_manifest(sidecar) is None:
       raise OutputExistsError(

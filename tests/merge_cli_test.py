@@ -789,6 +789,18 @@ class WriterSafetyTest(parameterized.TestCase):
     self.assertEqual(_dot_files(self.dir), [])
     self.assertTrue(_checkpoint_io.verify_checksums(out))
 
+  def test_sidecar_without_its_file(self):
+    out = self.dir / "merged.msgpack"
+    sidecar = self.dir / "merged.msgpack.sha256"
+    sidecar.write_text("user notes\n")  # not ours: refused, kept
+    code, err = _run(self._args(out))
+    self.assertEqual(code, 1)
+    self.assertIn("not a checksum file of fisher_optax", err)
+    self.assertEqual(sidecar.read_text(), "user notes\n")
+    sidecar.write_text(f"{'0' * 64}  merged.msgpack\n")  # ours; file deleted
+    self.assertEqual(_run(self._args(out))[0], 0)
+    self.assertTrue(_checkpoint_io.verify_checksums(out))
+
   def test_temporaries_of_a_live_writer_are_kept(self):
     live = self.dir / f".out.msgpack.tmp-{os.getpid()}-abc123"
     dead = self.dir / ".out.msgpack.tmp-999999999-abc123"
