@@ -51,11 +51,14 @@ def _example_loss(m, ex):
   return _ce(m(ex[0][None]), ex[1][None])
 
 
-def _natural_galore(**kw):
-  # The Fisher-source keyword of Natural GaLore, old or new spelling.
+def _natural_galore(source):
+  # Where the window comes from: "batch" or "per_example" (the keyword was
+  # window_source with "history" for "batch" before it became fisher_source).
   names = inspect.signature(fisher_optax.natural_galore).parameters
   if "fisher_source" in names:
-    kw["fisher_source"] = kw.pop("window_source")
+    kw = {"fisher_source": source}
+  else:
+    kw = {"window_source": "history" if source == "batch" else source}
   return fisher_optax.natural_galore(1e-2, rank=2, update_proj_gap=2, **kw)
 
 
@@ -349,7 +352,7 @@ class PerExampleDropoutTest(parameterized.TestCase):
         1e-2, fisher_source="per_example", precondition_interval=2
       ),
     ),
-    ("natural_galore", lambda: _natural_galore(window_source="per_example")),
+    ("natural_galore", lambda: _natural_galore("per_example")),
   )
   def test_optimizer_with_dropout_model(self, make_tx):
     model = _MLP(nnx.Rngs(0, dropout=1), dropout=0.2)
@@ -380,7 +383,7 @@ _CHECKPOINTED = {
     ("per_example_grads",),
   ),
   "fismo": (lambda: fisher_optax.fismo(1e-2, precondition_interval=2), ()),
-  "natural_galore": (lambda: _natural_galore(window_source="history"), ()),
+  "natural_galore": (lambda: _natural_galore("batch"), ()),
   "mfac": (lambda: fisher_optax.mfac(1e-2, window_size=2, damping=1.0), ()),
   "ewc": (
     lambda: optax.chain(
