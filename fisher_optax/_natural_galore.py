@@ -232,8 +232,7 @@ class NaturalGaLoreState(NamedTuple):
     window: per projected leaf, the last ``history_size`` low-rank gradients,
       ``(history_size, *low_rank_shape)``; zero-size otherwise.
     window_gram: per projected leaf, the float32 (float64 for float64
-      params) ``(s, s)`` Gram of its
-      window; zero-size otherwise.
+      params) ``(s, s)`` Gram of its window; zero-size otherwise.
     base_optimizer_state: the base optimizer's state over the low-rank
       gradients (full shape for unprojected leaves).
   """
