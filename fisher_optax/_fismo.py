@@ -67,6 +67,8 @@ class FISMOState(NamedTuple):
       ``precondition_interval`` steps).
     right_root: the cached ``Q^{-1/2}``.
     fallback: the state of the fallback transform on the other leaves.
+    notfinite_count: int32 number of steps skipped as non-finite (as in
+      :func:`optax.apply_if_finite`'s state).
   """
 
   count: jax.Array
@@ -76,6 +78,7 @@ class FISMOState(NamedTuple):
   left_root: PyTree
   right_root: PyTree
   fallback: optax.OptState
+  notfinite_count: jax.Array
 
 
 # Old spellings, served with a FisherOptaxDeprecationWarning.
@@ -177,49 +180,70 @@ def _statistic(
 def _ema_factor(
   old: jax.Array, stat: jax.Array, d: int, opts: _Options
 ) -> jax.Array:
-  """``norm_d(gamma old + (1 - gamma) target(stat))``; ``old`` if not finite.
+  """``norm_d(gamma old + (1 - gamma) target(stat))``.
 
   ``"pre_ema"`` trace-normalises the statistic before the damping (an
-  all-zero statistic keeps ``old``); ``"paper"`` damps it as it is.
+  all-zero statistic keeps ``old``); ``"paper"`` damps it as it is. A
+  statistic that overflowed (finite gradients of 1e30) gives a non-finite
+  factor: the step is then skipped by the non-finite policy, and no root is
+  computed from it.
   """
   eye = jnp.eye(d, dtype=old.dtype)
   stat = stat.astype(old.dtype)
   damping = opts.damping
+  tiny = jnp.finfo(old.dtype).tiny
   if opts.factor_norm == "pre_ema":
     tr = _trace(stat)
-    ok = jnp.isfinite(tr) & (tr > jnp.finfo(old.dtype).tiny)
-    normed = d * stat / jnp.where(ok, tr, 1.0)
+    keep = tr <= tiny  # False for an overflowed (inf or NaN) trace.
+    normed = d * stat / jnp.where(keep, 1.0, tr)
     target = (normed + damping * eye) / (1.0 + damping)
   else:  # Algorithm 1 as written.
     target = stat + damping * _trace(old) / d * eye
-    ok = jnp.isfinite(_trace(target))
+    keep = jnp.zeros(old.shape[:-2] + (1, 1), bool)
   mixed = opts.gamma * old + (1.0 - opts.gamma) * target
-  new = linalg.symmetrize(d * mixed / _trace(mixed)).astype(old.dtype)
-  ok &= jnp.all(jnp.isfinite(new), axis=(-2, -1), keepdims=True)
-  return jnp.where(ok, new, old)
+  tr_mixed = _trace(mixed)
+  keep |= tr_mixed <= tiny  # Nothing to normalise (all-zero, undamped).
+  new = d * mixed / jnp.where(keep, 1.0, tr_mixed)
+  return jnp.where(keep, old, linalg.symmetrize(new).astype(old.dtype))
 
 
 def _inverse_root(
   factor: jax.Array, old_root: jax.Array, opts: _Options
 ) -> jax.Array:
-  """A whitening factor of ``factor``; ``old_root`` where it fails."""
+  """A whitening factor of ``factor``; ``old_root`` where it fails.
+
+  A non-finite (overflowed) factor never reaches the decomposition: LAPACK's
+  ``eigh`` need not terminate on one on XLA:CPU, so
+  :func:`fisher_optax.fisher.numerics.finite_or_nan` hands it zeros (also
+  under ``vmap``, where a ``lax.cond`` would run both branches) and the old
+  root is kept.
+  """
   floor = opts.eigenvalue_floor
   if opts.root_method == "eigh":
-    root = _matrix_roots.matrix_inverse_root_eigh(factor, 2, floor=floor)
+    root = numerics.finite_or_nan(
+      lambda f: _matrix_roots.matrix_inverse_root_eigh(f, 2, floor=floor),
+      factor,
+    )
     ok = jnp.ones(factor.shape[:-2], bool)
   elif opts.root_method == "newton":
-    res = _matrix_roots.matrix_inverse_root_newton(
+    res = numerics.finite_or_nan(
+      lambda f, init: _matrix_roots.matrix_inverse_root_newton(
+        f,
+        2,
+        init=init,
+        floor=floor,
+        max_iters=_NEWTON_MAX_ITERS,
+        tol=_NEWTON_TOL,
+      ),
       factor,
-      2,
-      init=linalg.symmetrize(old_root),
-      floor=floor,
-      max_iters=_NEWTON_MAX_ITERS,
-      tol=_NEWTON_TOL,
+      linalg.symmetrize(old_root),
     )
     root = res.root
     ok = res.error < _NEWTON_MAX_ERROR
   else:
-    root = _matrix_roots.cholesky_whitening(factor, floor=floor)
+    root = numerics.finite_or_nan(
+      lambda f: _matrix_roots.cholesky_whitening(f, floor=floor), factor
+    )
     ok = jnp.ones(factor.shape[:-2], bool)
   ok &= jnp.all(jnp.isfinite(root), axis=(-2, -1))
   return jnp.where(ok[..., None, None], root.astype(old_root.dtype), old_root)
@@ -230,12 +254,11 @@ def _refresh_factor(
   old_root: jax.Array,
   stat: jax.Array,
   d: int,
-  finite: jax.Array,
   refresh: jax.Array,
   opts: _Options,
 ) -> tuple[jax.Array, jax.Array]:
   """EMA of one factor, then (on refresh steps) its inverse root."""
-  new = jnp.where(finite, _ema_factor(old, stat, d, opts), old)
+  new = _ema_factor(old, stat, d, opts)
   root = jax.lax.cond(
     refresh, lambda: _inverse_root(new, old_root, opts), lambda: old_root
   )
@@ -247,18 +270,16 @@ def _update_factors(
   pe: jax.Array | None,
   plan: _Plan,
   factors: tuple[Any, Any, Any, Any],
-  finite: jax.Array,
   refresh: jax.Array,
   opts: _Options,
 ) -> tuple[Any, Any, Any, Any]:
   """One Gauss-Seidel sweep: ``P`` from the cached ``Q`` root, then ``Q``.
 
   Args:
-    gm: ``(b, m, n)`` gradient matrices (zeroed if not finite).
+    gm: ``(b, m, n)`` gradient matrices (finite).
     pe: ``(B, b, m, n)`` per-example gradient matrices or ``None``.
     plan: the leaf's plan.
     factors: ``(P, Q, P root, Q root)``, ``MaskedNode`` on unused sides.
-    finite: whether this step's gradients are finite.
     refresh: whether the roots are recomputed this step.
     opts: the hyperparameters.
 
@@ -271,12 +292,12 @@ def _update_factors(
     y = _mm(gm, wq) if plan.right else gm
     ype = None if pe is None else (_mm(pe, wq) if plan.right else pe)
     stat = _statistic(y, ype, n, True)
-    p, wp = _refresh_factor(p, wp, stat, m, finite, refresh, opts)
+    p, wp = _refresh_factor(p, wp, stat, m, refresh, opts)
   if plan.right:
     z = _mm(_mT(wp), gm) if plan.left else gm
     zpe = None if pe is None else (_mm(_mT(wp), pe) if plan.left else pe)
     stat = _statistic(z, zpe, m, False)
-    q, wq = _refresh_factor(q, wq, stat, n, finite, refresh, opts)
+    q, wq = _refresh_factor(q, wq, stat, n, refresh, opts)
   return p, q, wp, wq
 
 
@@ -341,23 +362,17 @@ def _leaf_update(
     opts: the hyperparameters.
 
   Returns:
-    The update (NaN if ``g`` or ``peg`` is not finite, with the state then
-    unchanged) and the new ``leaf_state``.
+    The update and the new ``leaf_state`` (the step runs on finite inputs
+    only, under the non-finite policy).
   """
   mu, *factors = leaf_state
   view = plan.view
   sd = numerics.compute_dtype(g.dtype)
   gm = view.to_matrices(g).astype(sd)
-  finite = jnp.all(jnp.isfinite(gm))
-  gm = jnp.where(finite, gm, 0.0)
   pe = None
   if peg is not None:
     pe = jax.vmap(view.to_matrices)(peg).astype(sd)
-    finite &= jnp.all(jnp.isfinite(pe))
-    pe = jnp.where(finite, pe, 0.0)
-  p, q, wp, wq = _update_factors(
-    gm, pe, plan, tuple(factors), finite, refresh, opts
-  )
+  p, q, wp, wq = _update_factors(gm, pe, plan, tuple(factors), refresh, opts)
   x = gm
   if opts.momentum_space == "whitened":
     if plan.left:
@@ -367,12 +382,6 @@ def _leaf_update(
   mu_prev = view.to_matrices(mu).astype(sd)
   mu_new, mu_hat = _momentum(x, mu_prev, count, opts)
   delta = _direction(mu_hat, plan, wp, wq, opts)
-  delta = jnp.where(finite, delta, jnp.nan)
-  mu_new = jnp.where(finite, mu_new, mu_prev)
-  if plan.left:
-    wp = jnp.where(finite, wp, factors[2])
-  if plan.right:
-    wq = jnp.where(finite, wq, factors[3])
   out = view.from_matrix(delta).astype(g.dtype)
   mu_out = view.from_matrix(mu_new).astype(mu.dtype)
   return out, (mu_out, p, q, wp, wq)
@@ -390,23 +399,6 @@ def _init_leaf(
   left = _eye_like(b, m, sd) if plan.left else masked
   right = _eye_like(b, n, sd) if plan.right else masked
   return (jnp.zeros(x.shape, mu_dtype or x.dtype), left, right, left, right)
-
-
-def _skip_nonfinite(
-  inner: optax.GradientTransformation,
-) -> optax.GradientTransformationExtraArgs:
-  """Keeps ``inner``'s old state when the updates it sees are not finite."""
-  inner = optax.with_extra_args_support(inner)
-
-  def update_fn(updates, state, params=None, **extra_args):
-    new_updates, new_state = inner.update(updates, state, params, **extra_args)
-    finite = numerics.tree_all_finite(updates)
-    new_state = jax.tree.map(
-      lambda n, o: jnp.where(finite, n, o), new_state, state
-    )
-    return new_updates, new_state
-
-  return optax.GradientTransformationExtraArgs(inner.init, update_fn)
 
 
 def _check_options(
@@ -519,6 +511,7 @@ def _state_from_leaves(
   count: jax.Array,
   leaf_states: list[tuple[Any, ...]],
   fallback: optax.OptState,
+  notfinite_count: jax.Array,
 ) -> FISMOState:
   fields = list(zip(*leaf_states)) or [()] * 5
   mu, p, q, wp, wq = (treedef.unflatten(list(f)) for f in fields)
@@ -530,6 +523,7 @@ def _state_from_leaves(
     left_root=wp,
     right_root=wq,
     fallback=fallback,
+    notfinite_count=notfinite_count,
   )
 
 
@@ -540,6 +534,67 @@ def _fallback_view(
   return treedef.unflatten(
     [x if p is None else optax.MaskedNode() for x, p in zip(leaves, plans)]
   )
+
+
+def _check_leaf_states(
+  updates: PyTree, plan_list: list[_Plan | None], old_states: list[Any]
+) -> None:
+  """Each leaf must be shaped (and routed) as the state was built for."""
+  paths = jax.tree_util.tree_flatten_with_path(updates)[0]
+  for (path, g), plan, old in zip(paths, plan_list, old_states):
+    built = None if isinstance(old[0], optax.MaskedNode) else jnp.shape(old[0])
+    if (plan is None) == (built is None) and built in (None, jnp.shape(g)):
+      continue
+    was = "a fallback leaf" if built is None else f"shape {built}"
+    raise ValueError(
+      "updates do not match params (different shapes): updates"
+      f"{jax.tree_util.keystr(path)} has shape {jnp.shape(g)} where the "
+      f"FISMO state was built for {was}; re-run init on the current params."
+    )
+
+
+def _fismo_step(
+  treedef: Any,
+  leaf_inputs: tuple[list[Any], list[Any], list[Any], list[Any]],
+  state: FISMOState,
+  fallback_tx: optax.GradientTransformationExtraArgs,
+  precondition_interval: Any,
+  opts: _Options,
+) -> tuple[optax.Updates, FISMOState]:
+  """One FISMO step over all leaves, from finite inputs.
+
+  Args:
+    treedef: the updates' tree structure.
+    leaf_inputs: per leaf, ``(gradient, per-example gradients or None, plan,
+      (momentum, P, Q, P root, Q root))`` as four aligned lists.
+    state: the old state.
+    fallback_tx: the transform of the leaves without a plan.
+    precondition_interval: steps between root refreshes.
+    opts: the hyperparameters.
+  """
+  leaves, pegs, plan_list, old_states = leaf_inputs
+  count_inc = jnp.asarray(optax.safe_increment(state.count))
+  refresh = (state.count % precondition_interval) == 0
+  fb_view = _fallback_view(treedef, leaves, plan_list)
+  fb_updates, fb_state = fallback_tx.update(fb_view, state.fallback, None)
+  new_updates, new_states = [], []
+  for g, peg, plan, old, fb in zip(
+    leaves, pegs, plan_list, old_states, treedef.flatten_up_to(fb_updates)
+  ):
+    if plan is None:
+      new_updates.append(fb)
+      new_states.append(old)
+    elif jnp.size(g) == 0:  # An empty matrix: nothing to precondition.
+      new_updates.append(g)
+      new_states.append(old)
+    else:
+      u, new = _leaf_update(g, peg, plan, old, count_inc, refresh, opts)
+      new_updates.append(u)
+      new_states.append(new)
+  new_state = _state_from_leaves(
+    treedef, count_inc, new_states, fb_state, state.notfinite_count
+  )
+  return treedef.unflatten(new_updates), new_state
 
 
 def scale_by_fismo(
@@ -641,9 +696,16 @@ def scale_by_fismo(
   preconditioned, and for leaves with ``max(m, n) > max_aspect_ratio *
   min(m, n)`` only the smaller side is.
 
-  Non-finite gradients leave the whole state unchanged (the update is NaN so
-  that :func:`optax.apply_if_finite` sees it); an all-zero gradient leaves the
-  factors unchanged (``"pre_ema"``).
+  Non-finite steps follow the library's one policy
+  (:func:`fisher_optax.fisher.numerics.skip_nonfinite_step`): a non-finite
+  gradient (or per-example gradient) leaves the whole state, fallback
+  included, unchanged but for ``notfinite_count`` and gives NaN updates, so
+  that :func:`optax.apply_if_finite` sees it; a finite step whose factor
+  statistics overflow (gradients of 1e30) is skipped the same way with zero
+  updates, and no root is ever computed from a non-finite factor. An
+  all-zero gradient leaves the factors unchanged (``"pre_ema"``). Updates
+  shaped unlike the params (or the state built by ``init``) raise
+  ``ValueError``; zero-size leaves pass through.
 
   Args:
     beta: momentum decay :math:`\beta`.
@@ -721,8 +783,11 @@ def scale_by_fismo(
     fisher_source, function="scale_by_fismo"
   )
   mu_dtype = numerics.canonical_float_dtype("mu_dtype", mu_dtype)
-  fallback_tx = _skip_nonfinite(
-    optax.scale_by_adam() if fallback is None else fallback
+  # Adam's second moment of float16 leaves would overflow float16.
+  fallback_tx = optax.with_extra_args_support(
+    numerics.widen_float16_state(optax.scale_by_adam())
+    if fallback is None
+    else fallback
   )
 
   def plans(tree: PyTree) -> tuple[Any, list[Any], list[_Plan | None]]:
@@ -743,7 +808,9 @@ def scale_by_fismo(
       _fallback_view(treedef, leaves, plan_list)
     )
     count = jnp.zeros([], jnp.int32)
-    return _state_from_leaves(treedef, count, leaf_states, fallback_state)
+    return _state_from_leaves(
+      treedef, count, leaf_states, fallback_state, jnp.zeros([], jnp.int32)
+    )
 
   def update_fn(
     updates: optax.Updates,
@@ -753,32 +820,25 @@ def scale_by_fismo(
     per_example_grads: optax.Updates | None = None,
     **extra_args: Any,
   ) -> tuple[optax.Updates, FISMOState]:
-    del params, extra_args
+    del extra_args
+    if params is not None:
+      validation.check_like(updates, params, what="updates")
     treedef, leaves, plan_list = plans(updates)
     pegs = _per_example_leaves(source, per_example_grads, updates, treedef)
     old_states = _leaf_states(state, treedef)
-    count_inc = jnp.asarray(optax.safe_increment(state.count))
-    refresh = (state.count % precondition_interval) == 0
-    fb_view = _fallback_view(treedef, leaves, plan_list)
-    fb_updates, fb_state = fallback_tx.update(fb_view, state.fallback, None)
-    new_updates, new_states = [], []
-    for g, peg, plan, old, fb in zip(
-      leaves, pegs, plan_list, old_states, treedef.flatten_up_to(fb_updates)
-    ):
-      if plan is None:
-        new_updates.append(fb)
-        new_states.append(old)
-        continue
-      if jnp.shape(old[0]) != jnp.shape(g):
-        raise ValueError(
-          f"FISMO state for a leaf of shape {jnp.shape(g)} was built for "
-          f"shape {jnp.shape(old[0])}; re-run init on the current params."
-        )
-      u, new = _leaf_update(g, peg, plan, old, count_inc, refresh, opts)
-      new_updates.append(u)
-      new_states.append(new)
-    new_state = _state_from_leaves(treedef, count_inc, new_states, fb_state)
-    return treedef.unflatten(new_updates), new_state
+    _check_leaf_states(updates, plan_list, old_states)
+
+    def step() -> tuple[optax.Updates, FISMOState]:
+      return _fismo_step(
+        treedef,
+        (leaves, pegs, plan_list, old_states),
+        state,
+        fallback_tx,
+        precondition_interval,
+        opts,
+      )
+
+    return numerics.skip_nonfinite_step(step, updates, state, inputs=pegs)
 
   return optax.GradientTransformationExtraArgs(
     init_fn,
@@ -799,7 +859,7 @@ def _scale_by_shape(
     views = matrix_view.plans(weight_dimension_numbers, updates, name=name)
 
     def scale(u, view):
-      if view is None:
+      if view is None or jnp.size(u) == 0:
         return u
       fan_in, fan_out = view.rows, view.cols
       if consistent_rms is None:
@@ -857,7 +917,9 @@ def fismo(
   :math:`s = \sqrt{\max(1, \text{fan\_out}/\text{fan\_in})}` (or
   ``consistent_rms``), decoupled weight decay and the learning rate; every
   other leaf gets :func:`optax.adamw` with its own learning rate and weight
-  decay. See :func:`scale_by_fismo` for the algorithm and the documented
+  decay (under the same non-finite policy, its state in
+  :class:`fisher_optax.fisher.numerics.SkipNonfiniteState`; float32
+  moments for float16 params). See :func:`scale_by_fismo` for the algorithm and the documented
   decisions on the paper's ambiguities.
 
   Args:
@@ -925,7 +987,7 @@ def fismo(
     labels = ["adam" if d is None else "fismo" for d in dims]
     return jax.tree.structure(params).unflatten(labels)
 
-  return optax.partition(
+  tx = optax.partition(
     transforms={
       "fismo": optax.chain(
         scale_by_fismo(
@@ -952,17 +1014,31 @@ def fismo(
         optax.add_decayed_weights(weight_decay, weight_decay_mask),
         optax.scale_by_learning_rate(learning_rate),
       ),
-      "adam": optax.adamw(
-        learning_rate=adam_learning_rate,
-        b1=adam_b1,
-        b2=adam_b2,
-        eps=eps,
-        eps_root=adam_eps_root,
-        weight_decay=adam_weight_decay,
-        mu_dtype=mu_dtype,
-        nesterov=nesterov,
+      # Under the non-finite policy too; float32 moments for float16.
+      "adam": numerics.skip_nonfinite(
+        numerics.widen_float16_state(
+          optax.adamw(
+            learning_rate=adam_learning_rate,
+            b1=adam_b1,
+            b2=adam_b2,
+            eps=eps,
+            eps_root=adam_eps_root,
+            weight_decay=adam_weight_decay,
+            mu_dtype=mu_dtype,
+            nesterov=nesterov,
+          )
+        )
       ),
     },
     param_labels=param_labels,
     mask_compatible_extra_args=True,
   )
+
+  def update_fn(updates, state, params=None, **extra_args):
+    # Before the labels are computed from the updates' shapes (a scalar
+    # gradient for a matrix would be routed to Adam and broadcast).
+    if params is not None:
+      validation.check_like(updates, params, what="updates")
+    return tx.update(updates, state, params, **extra_args)
+
+  return optax.GradientTransformationExtraArgs(tx.init, update_fn)

@@ -12,9 +12,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from optax.contrib import MuonDimensionNumbers
+import pytest
 
 import fisher_optax
 from fisher_optax import _matrix_roots
+from fisher_optax.fisher import numerics
+from tests import nonfinite_testing
 
 DN = fisher_optax.FISMODimensionNumbers
 EXACT_NS = ((2.0, -1.5, 0.5), 24)  # convergent quintic: the exact polar.
@@ -450,7 +454,11 @@ class FactorTest(parameterized.TestCase):
     state, nan_u, nan_s = nan_states[0], nan_ups[1], nan_states[1]
     self.assertTrue(bool(jnp.all(jnp.isnan(nan_u["w"]))))
     chex.assert_tree_all_finite(nan_s)
-    chex.assert_trees_all_close(nan_s._replace(count=state.count), state)
+    self.assertEqual(int(nan_s.notfinite_count), int(state.notfinite_count) + 1)
+    chex.assert_trees_all_close(
+      nan_s._replace(count=state.count, notfinite_count=state.notfinite_count),
+      state,
+    )
 
 
 class RootsTest(parameterized.TestCase):
@@ -749,6 +757,129 @@ class DeprecatedNamesTest(absltest.TestCase):
     self.assertIn("FISMOState", fisher_optax.__all__)
     with self.assertRaises(AttributeError):
       fisher_optax.__getattr__("FismoNothing")
+
+
+class FISMONonfiniteShapeAndDtypeTest(parameterized.TestCase):
+  """The one non-finite policy, shape checks and half-precision state."""
+
+  def _problem(self, dtype=jnp.float32):
+    params = {"w": jnp.ones((4, 3), dtype), "b": jnp.zeros((3,), dtype)}
+    grads = {
+      "w": jnp.cos(jnp.arange(12.0)).reshape(4, 3).astype(dtype),
+      "b": jnp.sin(jnp.arange(3.0)).astype(dtype),
+    }
+    return params, grads
+
+  # The guards exist because LAPACK's eigh (and SVD) on a matrix holding an
+  # infinity need not terminate on XLA:CPU: a bad value at a root refresh
+  # must never reach the decomposition. steps_before=(2, 1): the bad step
+  # is a refresh step (count 2, interval 2) and a step between refreshes.
+  @pytest.mark.timeout(120)
+  @parameterized.parameters("newton", "eigh")
+  def test_scale_by_fismo_policy(self, root_method):
+    params, grads = self._problem()
+    tx = fisher_optax.scale_by_fismo(
+      precondition_interval=2, root_method=root_method
+    )
+    nonfinite_testing.check_policy(self, tx, params, grads, steps_before=(2, 1))
+
+  @pytest.mark.timeout(120)
+  def test_per_example_policy(self):
+    params, grads = self._problem()
+    tx = fisher_optax.scale_by_fismo(
+      precondition_interval=2, fisher_source="per_example"
+    )
+    extra = lambda g: {
+      "per_example_grads": jax.tree.map(lambda x: jnp.stack([x, -x]), g)
+    }
+    nonfinite_testing.check_policy(
+      self, tx, params, grads, steps_before=(2, 1), extra=extra
+    )
+
+  @pytest.mark.timeout(120)
+  def test_fismo_alias_policy_includes_the_adam_leaves(self):
+    params, grads = self._problem()
+    tx = fisher_optax.fismo(1e-2, precondition_interval=2)
+    nonfinite_testing.check_policy(
+      self, tx, params, grads, steps_before=(2, 1), partitioned=True
+    )
+    # A NaN in the bias alone: the Adam partition keeps its state.
+    state = tx.init(params)
+    _, state = tx.update(grads, state, params)
+    bad = dict(grads, b=grads["b"].at[0].set(jnp.nan))
+    _, new_state = tx.update(bad, state, params)
+    adam_old = state.inner_states["adam"].inner_state
+    adam_new = new_state.inner_states["adam"].inner_state
+    self.assertIsInstance(adam_new, numerics.SkipNonfiniteState)
+    chex.assert_trees_all_equal(adam_new.inner_state, adam_old.inner_state)
+    self.assertEqual(int(adam_new.notfinite_count), 1)
+
+  def test_single_dimension_numbers_are_validated(self):
+    params = {"w": jnp.zeros((2, 3, 4)), "b": jnp.zeros(3)}
+    for dims, match in (
+      (MuonDimensionNumbers(reduction_axis=5, output_axis=2), "out of range"),
+      (MuonDimensionNumbers(reduction_axis=(0, 1), output_axis=1), "disjoint"),
+    ):
+      with self.subTest(dims=dims):
+        with self.assertRaisesRegex(ValueError, match):
+          fisher_optax.fismo(1e-2, fismo_weight_dimension_numbers=dims).init(
+            params
+          )
+        with self.assertRaisesRegex(ValueError, match):
+          fisher_optax.scale_by_fismo(weight_dimension_numbers=dims).init(
+            params
+          )
+
+  def test_zero_size_leaf(self):
+    params = {"w": jnp.ones((4, 3)), "e": jnp.zeros((0, 3))}
+    for root_method in ("newton", "eigh"):
+      tx = fisher_optax.fismo(1e-2, root_method=root_method)
+      state = tx.init(params)
+      grads = {"w": jnp.ones((4, 3)), "e": jnp.zeros((0, 3))}
+      updates, state = jax.jit(tx.update)(grads, state, params)
+      self.assertEqual(updates["e"].shape, (0, 3))
+      chex.assert_tree_all_finite((updates, state))
+
+  def test_mismatched_gradients_are_refused(self):
+    params = {"w": jnp.ones((4, 3)), "b": jnp.zeros(3)}
+    for bad in (jnp.ones(()), jnp.ones((3, 4)), jnp.ones((4, 3, 1))):
+      grads = {"w": bad, "b": jnp.ones(3)}
+      for tx in (fisher_optax.fismo(1e-2), fisher_optax.scale_by_fismo()):
+        state = tx.init(params)
+        with self.subTest(shape=bad.shape):
+          with self.assertRaisesRegex(
+            ValueError, "updates do not match params"
+          ):
+            tx.update(grads, state, params)
+      # Without params: checked against the state built by init.
+      tx = fisher_optax.scale_by_fismo()
+      with self.assertRaisesRegex(ValueError, "updates do not match params"):
+        tx.update(grads, tx.init(params))
+
+  @parameterized.parameters(jnp.float16, jnp.bfloat16)
+  def test_half_precision_statistics_do_not_overflow(self, dtype):
+    # 1e3 squared is far above float16's largest value (65504).
+    params, _ = self._problem(dtype)
+    grads = {
+      "w": jnp.full((4, 3), 1e3, dtype).at[0].set(-5e2),
+      "b": jnp.full((3,), 1e3, dtype),
+    }
+    tx = fisher_optax.fismo(1e-2, precondition_interval=1)
+    update = jax.jit(tx.update)
+    state = tx.init(params)
+    for _ in range(2):
+      updates, state = update(grads, state, params)
+    self.assertEqual(updates["w"].dtype, dtype)
+    self.assertEqual(updates["b"].dtype, dtype)
+    chex.assert_tree_all_finite((updates, state))
+    self.assertEqual(nonfinite_testing.split_counts(state)[0], [0, 0])
+    inner = state.inner_states["fismo"].inner_state[0]
+    self.assertEqual(inner.left_factor["w"].dtype, jnp.float32)
+    self.assertEqual(inner.momentum["w"].dtype, dtype)
+    adam = state.inner_states["adam"].inner_state.inner_state
+    # float16 moments would overflow; bf16 has float32's range.
+    wide = jnp.float32 if dtype == jnp.float16 else dtype
+    self.assertEqual(adam[0].nu["b"].dtype, wide)
 
 
 if __name__ == "__main__":
