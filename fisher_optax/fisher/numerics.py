@@ -169,15 +169,17 @@ def skip_nonfinite_step(
   Cholesky, a Newton iteration) ever sees the bad values, which matters
   because LAPACK's SVD on an infinite matrix need not terminate on XLA:CPU.
   The state is left unchanged except for its ``notfinite_count``
-  (incremented, like :func:`optax.apply_if_finite`'s) and the updates are
-  NaN, so the user, or an :func:`optax.apply_if_finite` placed after the
-  transform, sees the bad step.
+  (incremented, like :func:`optax.apply_if_finite`'s).
 
   A finite step whose new state or updates would not be finite (squares of
-  1e30-sized gradients overflow float32) is skipped the same way, except
-  that its updates are zero: :func:`optax.apply_if_finite` wrapped around
-  the transform checks only the incoming gradient, which is finite here,
-  so NaN updates would reach the parameters.
+  1e30-sized gradients overflow float32) is skipped the same way.
+
+  The updates of a skipped step are NaN when the incoming gradient was not
+  finite, so the user sees the bad step (and an :func:`optax.apply_if_finite`
+  wrapped around the transform has already rejected it), and zero otherwise
+  (finite gradient with non-finite per-example gradients, or an overflow):
+  ``apply_if_finite`` checks only the gradient it is given, so NaN updates
+  from a finite gradient would reach the parameters.
 
   Args:
     step: a thunk computing ``(new_updates, new_state)`` from finite inputs.
@@ -220,7 +222,7 @@ def skip_nonfinite_step(
   new_updates, new_state = jax.lax.cond(ok_in, step, skipped)
   ok = ok_in & tree_all_finite((new_updates, new_state))
   new_state = jax.tree.map(lambda a, b: tree_select(ok, a, b), new_state, state)
-  fill = jnp.where(ok_in, 0.0, jnp.nan)
+  fill = jnp.where(tree_all_finite(updates), 0.0, jnp.nan)
   new_updates = jax.tree.map(
     lambda u: jnp.where(ok, u, fill.astype(u.dtype)), new_updates
   )
