@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import optax
 
 from fisher_optax import fisher
+from fisher_optax.fisher import numerics
 from fisher_optax.fisher import validation
 
 PyTree = Any
@@ -31,6 +32,8 @@ class AccumulateFisherState(NamedTuple):
     sq_sum: running sum of squared per-example gradients.
     count: examples accumulated.
     inner_state: the wrapped transform's state.
+    notfinite_count: int32 number of micro-batches skipped as non-finite (as
+      in :func:`optax.apply_if_finite`'s state).
   """
 
   mini_step: jax.Array
@@ -38,6 +41,7 @@ class AccumulateFisherState(NamedTuple):
   sq_sum: PyTree
   count: jax.Array
   inner_state: Any
+  notfinite_count: jax.Array
 
 
 def _zeros_f32(tree: PyTree) -> PyTree:
@@ -46,23 +50,26 @@ def _zeros_f32(tree: PyTree) -> PyTree:
   return jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), jnp.float32), tree)
 
 
-def _fresh_state(like: PyTree, inner_state: Any) -> AccumulateFisherState:
+def _fresh_state(
+  like: PyTree, inner_state: Any, notfinite_count: jax.Array
+) -> AccumulateFisherState:
   return AccumulateFisherState(
     mini_step=jnp.zeros([], jnp.int32),
     grad_sum=_zeros_f32(like),
     sq_sum=_zeros_f32(like),
     count=jnp.zeros([], jnp.int32),
     inner_state=inner_state,
+    notfinite_count=notfinite_count,
   )
 
 
 def _fold(
-  state: AccumulateFisherState, updates: PyTree, per_example_grads: PyTree
+  state: AccumulateFisherState,
+  updates: PyTree,
+  per_example_grads: PyTree,
+  batch: int,
 ) -> AccumulateFisherState:
   """Adds one micro-batch: its mean gradient and its squared per-example ones."""
-  batch = validation.check_leading_axis(
-    per_example_grads, updates, what="per_example_grads"
-  )
   grad_sum = jax.tree.map(
     lambda s, g: s + g.astype(jnp.float32), state.grad_sum, updates
   )
@@ -71,12 +78,11 @@ def _fold(
     state.sq_sum,
     per_example_grads,
   )
-  return AccumulateFisherState(
-    state.mini_step + 1,
-    grad_sum,
-    sq_sum,
-    state.count + batch,
-    state.inner_state,
+  return state._replace(
+    mini_step=state.mini_step + 1,
+    grad_sum=grad_sum,
+    sq_sum=sq_sum,
+    count=state.count + batch,
   )
 
 
@@ -103,6 +109,12 @@ def accumulate_fisher(
   :class:`fisher_optax.fisher.DiagonalFisher` of kind ``"empirical"`` over all
   ``every_k * B`` examples. Per-example gradients are never stored across
   micro-batches, so memory is ``2P`` on top of the inner state.
+
+  A micro-batch whose gradients or per-example gradients are non-finite, or
+  whose squares overflow the running sums, follows the library's one
+  non-finite policy (:func:`fisher_optax.fisher.numerics.skip_nonfinite_step`):
+  it is not folded in (the state, ``mini_step`` included, is unchanged but for
+  ``notfinite_count``) and its updates are NaN (zero for an overflow).
 
   With plain ``optax.MultiSteps`` the inner transform would see only the last
   micro-batch's ``per_example_grads`` (a ``1/every_k`` sample of the data).
@@ -135,7 +147,7 @@ def accumulate_fisher(
   inner = optax.with_extra_args_support(inner)
 
   def init_fn(params):
-    return _fresh_state(params, inner.init(params))
+    return _fresh_state(params, inner.init(params), jnp.zeros([], jnp.int32))
 
   def update_fn(
     updates, state, params=None, *, per_example_grads=None, **extra_args
@@ -145,24 +157,56 @@ def accumulate_fisher(
         "accumulate_fisher needs a per_example_grads= extra on "
         "every micro-batch."
       )
-    state = _fold(state, updates, per_example_grads)
-
-    def emit(state):
-      mean_grad = jax.tree.map(
-        lambda s, u: (s / every_k).astype(u.dtype), state.grad_sum, updates
-      )
-      new_updates, inner_state = inner.update(
-        mean_grad,
-        state.inner_state,
-        params,
-        fisher=_statistic(state, every_k),
-        **extra_args,
-      )
-      return new_updates, _fresh_state(state.grad_sum, inner_state)
-
-    def skip(state):
-      return jax.tree.map(jnp.zeros_like, updates), state
-
-    return jax.lax.cond(state.mini_step >= every_k, emit, skip, state)
+    validation.check_like(updates, state.grad_sum, what="updates")
+    batch = validation.check_leading_axis(
+      per_example_grads, updates, what="per_example_grads"
+    )
+    step = lambda: _accumulate(
+      inner,
+      every_k,
+      updates,
+      state,
+      params,
+      per_example_grads,
+      batch,
+      extra_args,
+    )
+    return numerics.skip_nonfinite_step(
+      step, updates, state, inputs=per_example_grads
+    )
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _accumulate(
+  inner: optax.GradientTransformationExtraArgs,
+  every_k: int,
+  updates: PyTree,
+  state: AccumulateFisherState,
+  params: PyTree,
+  per_example_grads: PyTree,
+  batch: int,
+  extra_args: dict[str, Any],
+) -> tuple[PyTree, AccumulateFisherState]:
+  """Folds one (finite) micro-batch in; runs ``inner`` on the ``every_k``-th."""
+  state = _fold(state, updates, per_example_grads, batch)
+
+  def emit(state):
+    mean_grad = jax.tree.map(
+      lambda s, u: (s / every_k).astype(u.dtype), state.grad_sum, updates
+    )
+    new_updates, inner_state = inner.update(
+      mean_grad,
+      state.inner_state,
+      params,
+      fisher=_statistic(state, every_k),
+      **extra_args,
+    )
+    return new_updates, _fresh_state(
+      state.grad_sum, inner_state, state.notfinite_count
+    )
+
+  def skip(state):
+    return jax.tree.map(jnp.zeros_like, updates), state
+
+  return jax.lax.cond(state.mini_step >= every_k, emit, skip, state)

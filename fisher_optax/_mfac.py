@@ -23,6 +23,7 @@ per step. It has two public configurations:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -47,11 +48,14 @@ class WoodburyFisherState(NamedTuple):
       ``(history_size, *shape)`` (zero-size leaves with per-example windows).
     gram: cached Gram matrix of the window in float32 (or wider): one
       ``(s, s)`` array per leaf when block-diagonal, else a single one.
+    notfinite_count: int32 number of steps skipped as non-finite (as in
+      :func:`optax.apply_if_finite`'s state).
   """
 
   count: jax.Array
   window: PyTree
   gram: PyTree
+  notfinite_count: jax.Array
 
 
 class MFACState(NamedTuple):
@@ -62,13 +66,17 @@ class MFACState(NamedTuple):
     index: the ring-buffer slot the next gradient overwrites, int32.
     grads: the window ``G``, a tree shaped like the params with a leading axis
       ``window_size`` (oldest rows are overwritten first; starts at zero).
-    gram: ``G G^T``, shape ``(window_size, window_size)``, kept in sync.
+    gram: ``G G^T``, shape ``(window_size, window_size)``, kept in sync, in
+      float32 (or wider).
+    notfinite_count: int32 number of steps skipped as non-finite (as in
+      :func:`optax.apply_if_finite`'s state).
   """
 
   count: jax.Array
   index: jax.Array
   grads: PyTree
   gram: jax.Array
+  notfinite_count: jax.Array
 
 
 # -- the windowed Woodbury preconditioner --------------------------------------
@@ -123,46 +131,61 @@ def _new_rows(
   return per_example_grads
 
 
+def _check_updates(updates: PyTree, window: PyTree) -> None:
+  """The one "updates do not match params" check, against the window's rows."""
+  rows = jax.tree.map(
+    lambda w: jax.ShapeDtypeStruct(w.shape[1:], w.dtype), window
+  )
+  validation.check_like(updates, rows, what="updates", reference_name="params")
+
+
+def _slots(slot: jax.Array, k: int, m: int) -> jax.Array:
+  return (jnp.asarray(slot, jnp.int32) + jnp.arange(k, dtype=jnp.int32)) % m
+
+
 def _push(
   cfg: _Window, window: PyTree, gram: PyTree, rows: PyTree, slot: jax.Array
-) -> tuple[PyTree, PyTree, jax.Array]:
-  """Pushes the rows unless one is non-finite (per leaf if block-diagonal).
-
-  Returns:
-    ``(window, gram, pushed)``; ``pushed`` is False when a row was NaN/Inf
-    (for a block-diagonal window: in any leaf).
-  """
+) -> tuple[PyTree, PyTree]:
+  """Writes the rows into the window and refreshes its Gram (per leaf)."""
   if not cfg.block_diagonal:
-    return linalg.stacked_push_rows_if_finite(window, gram, rows, slot)
+    return linalg.stacked_push_rows(window, gram, rows, slot)
   leaves, treedef = jax.tree.flatten(window)
   pushed = [
-    linalg.stacked_push_rows_if_finite(w, g, r, slot)
+    linalg.stacked_push_rows(w, g, r, slot)
     for w, g, r in zip(
       leaves, treedef.flatten_up_to(gram), treedef.flatten_up_to(rows)
     )
   ]
   return (
-    jax.tree.unflatten(treedef, [w for w, _, _ in pushed]),
-    jax.tree.unflatten(treedef, [g for _, g, _ in pushed]),
-    jnp.all(jnp.stack([ok for _, _, ok in pushed]))
-    if pushed
-    else jnp.asarray(True),
+    jax.tree.unflatten(treedef, [w for w, _ in pushed]),
+    jax.tree.unflatten(treedef, [g for _, g in pushed]),
   )
 
 
-def _window_solve(
-  cfg: _Window, window: PyTree, gram: PyTree, g: PyTree, damping: Any
+def _solve(
+  cfg: _Window,
+  window: PyTree,
+  gram: PyTree,
+  g: PyTree,
+  damping: Any,
+  scale: float,
 ) -> PyTree:
-  """``F^{-1} g`` for the (pushed) window, per leaf if block-diagonal."""
-  scale = 1.0 / cfg.size if cfg.mean else 1.0
-  solve = lambda w, gr, x: linalg.woodbury_window_solve(
-    w,
-    gr,
-    x,
-    _floored_damping(gr, damping) if cfg.damping_floor else damping,
-    scale=scale,
-    normalized=cfg.normalized,
-  )
+  """``F^{-1} g`` for a window and its Gram, per leaf if block-diagonal.
+
+  A Gram that overflowed from finite rows (1e30 gradients) never reaches the
+  Cholesky: the solve runs on a zero Gram and its output is NaN, so the
+  non-finite policy skips the step.
+  """
+
+  def solve(w: PyTree, gr: jax.Array, x: PyTree) -> PyTree:
+    def factor_and_solve(gr: jax.Array) -> PyTree:
+      lam = _floored_damping(gr, damping) if cfg.damping_floor else damping
+      return linalg.woodbury_window_solve(
+        w, gr, x, lam, scale=scale, normalized=cfg.normalized
+      )
+
+    return numerics.finite_or_nan(factor_and_solve, gr)
+
   if cfg.block_diagonal:
     return jax.tree.map(solve, window, gram, g)
   return solve(window, gram, g)
@@ -175,44 +198,88 @@ def _floored_damping(gram: jax.Array, damping: Any) -> jax.Array:
   return jnp.maximum(lam, jnp.finfo(gram.dtype).eps * jnp.trace(gram))
 
 
+def _rows_solve(
+  cfg: _Window, rows: PyTree, updates: PyTree, damping: Any
+) -> PyTree:
+  """``F^{-1} g`` with this batch's ``B`` rows as the window (scale ``1/B``)."""
+  wide = numerics.widen(rows)
+  if cfg.block_diagonal:
+    gram = jax.tree.map(lambda r: linalg.tree_stacked_gram(r), wide)
+  else:
+    gram = linalg.tree_stacked_gram(wide) if jax.tree.leaves(wide) else None
+  b = jax.tree.leaves(rows)[0].shape[0] if jax.tree.leaves(rows) else 1
+  if gram is None:
+    return updates
+  return _solve(cfg, wide, gram, updates, damping, 1.0 / b)
+
+
 def _window_step(
   cfg: _Window,
   damping: Any,
   updates: PyTree,
   window: PyTree,
-  gram: PyTree,
+  light: Any,
   slot: jax.Array,
+  advance: Callable[[Any, int], Any],
   per_example_grads: PyTree | None,
-) -> tuple[PyTree, PyTree, PyTree, jax.Array, int]:
-  """One step: push this step's rows, then precondition ``updates``.
+) -> tuple[PyTree, PyTree, Any]:
+  """One step under the non-finite policy: push the rows, precondition.
+
+  ``light`` is the state without its window (the field set to ``()``) and
+  with a ``gram`` field: the policy keeps or restores it whole, while the
+  window, the state's one large array, is only written ``k`` rows at a time
+  (never selected or copied whole, so a donated window is updated in
+  place). ``advance(light, k)`` moves ``light``'s counters on a good step
+  that pushed ``k`` rows.
 
   Returns:
-    ``(updates, window, gram, pushed, k)`` with ``k`` the rows pushed.
+    ``(updates, window, light)`` after the step.
   """
-  validation.check_same_structure(updates, window, what="state.window")
   rows = _new_rows(cfg, updates, per_example_grads)
+  inputs = rows if cfg.per_example else ()
   if cfg.size == 0:  # this batch's per-example gradients are the window
-    if cfg.block_diagonal:
-      out = jax.tree.map(
-        lambda h, g: linalg.woodbury_rows_solve(
-          h, g, damping, normalized=cfg.normalized
-        ),
-        rows,
-        updates,
-      )
-    else:
-      out = linalg.woodbury_rows_solve(
-        rows, updates, damping, normalized=cfg.normalized
-      )
-    return out, window, gram, jnp.asarray(True), 0
-  window, gram, pushed = _push(cfg, window, gram, rows, slot)
-  k = jax.tree.leaves(rows)[0].shape[0] if jax.tree.leaves(rows) else 1
+    step = lambda: (
+      _rows_solve(cfg, rows, updates, damping),
+      advance(light, 0),
+    )
+    out, light = numerics.skip_nonfinite_step(
+      step, updates, light, inputs=inputs
+    )
+    return out, window, light
+  leaves = jax.tree.leaves(rows)
+  k = leaves[0].shape[0] if leaves else 1
+  slots = _slots(slot, k, cfg.size)
+  read = lambda w: jax.tree.map(lambda x: x[slots], w)
+  old = read(window)
+  stored = jax.tree.map(lambda r, o: r.astype(o.dtype), rows, old)
+  # A non-finite row never enters the window: its slots keep their rows.
+  ok_in = numerics.tree_all_finite((updates, inputs))
+  stored = numerics.tree_select(ok_in, stored, old)
+  window, gram = _push(cfg, window, light.gram, stored, slot)
+
+  # The policy counts from zero, so a skip is seen even once the count
+  # saturates.
+  zero = jnp.zeros([], jnp.int32)
+  fresh = light._replace(notfinite_count=zero)
+  scale = 1.0 / cfg.size if cfg.mean else 1.0
+  step = lambda: (
+    _solve(cfg, window, gram, updates, damping, scale),
+    advance(fresh, k)._replace(gram=gram),
+  )
+  out, new = numerics.skip_nonfinite_step(step, updates, fresh, inputs=inputs)
+  ok = new.notfinite_count == 0
+  # A skipped step (e.g. a Gram overflowing from 1e30 rows) puts the old
+  # rows back, so the window stays the Gram's window.
+  window = jax.tree.map(
+    lambda w, o: w.at[slots].set(jnp.where(ok, w[slots], o)), window, old
+  )
+  count = light.notfinite_count
   return (
-    _window_solve(cfg, window, gram, updates, damping),
+    out,
     window,
-    gram,
-    pushed,
-    k,
+    new._replace(
+      notfinite_count=jnp.where(ok, count, optax.safe_increment(count))
+    ),
   )
 
 
@@ -271,7 +338,12 @@ def scale_by_woodbury_fisher(
 
   Returns:
     An :class:`optax.GradientTransformationExtraArgs` with state
-    :class:`WoodburyFisherState`.
+    :class:`WoodburyFisherState`. Non-finite steps follow the library's one
+    policy (:func:`fisher_optax.fisher.numerics.skip_nonfinite_step`): a NaN
+    or infinite gradient never enters the window, the state is unchanged but
+    for ``notfinite_count`` and the updates are NaN; a finite gradient whose
+    Gram overflows (1e30 entries) is skipped the same way with zero updates,
+    and never reaches the Cholesky.
 
   Example::
 
@@ -323,7 +395,8 @@ def scale_by_woodbury_fisher(
 
   def init_fn(params: PyTree) -> WoodburyFisherState:
     window, gram = _init_window(cfg, params)
-    return WoodburyFisherState(jnp.zeros([], jnp.int32), window, gram)
+    zero = jnp.zeros([], jnp.int32)
+    return WoodburyFisherState(zero, window, gram, notfinite_count=zero)
 
   def update_fn(
     updates: PyTree,
@@ -334,12 +407,18 @@ def scale_by_woodbury_fisher(
     **extra_args: Any,
   ) -> tuple[PyTree, WoodburyFisherState]:
     del params, extra_args
-    slot = state.count % max(cfg.size, 1)
-    out, window, gram, _, _ = _window_step(
-      cfg, damping, updates, state.window, state.gram, slot, per_example_grads
+    _check_updates(updates, state.window)
+    out, window, light = _window_step(
+      cfg,
+      damping,
+      updates,
+      state.window,
+      state._replace(window=()),
+      state.count % max(cfg.size, 1),
+      lambda s, k: s._replace(count=optax.safe_increment(s.count)),
+      per_example_grads,
     )
-    count = jnp.asarray(optax.safe_increment(state.count))
-    return out, WoodburyFisherState(count, window, gram)
+    return out, light._replace(window=window)
 
   return optax.GradientTransformationExtraArgs(
     init_fn,
@@ -352,6 +431,7 @@ def scale_by_mfac(
   damping: float | jax.Array = 1e-5,
   *,
   fisher_source: str | None = None,
+  window_dtype: Any | None = None,
   gradients: str | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   """Preconditions by the inverse empirical Fisher of a sliding window.
@@ -392,6 +472,9 @@ def scale_by_mfac(
       mini-batch gradient ``updates``; ``"per_example"`` pushes the ``b``
       rows of the ``per_example_grads`` extra (``b <= m``) and
       preconditions their mean ``updates``.
+    window_dtype: dtype of the stored window (default float32, float64 for
+      float64 params); bfloat16 halves its memory. The Gram and the solve
+      are float32 (or wider) whatever the window's dtype.
     gradients: deprecated spelling of ``fisher_source`` (``"mean"`` meant
       ``"batch"``).
 
@@ -400,8 +483,12 @@ def scale_by_mfac(
     :class:`MFACState`. ``update`` takes the keyword extra
     ``per_example_grads`` (same tree as ``updates`` with a leading batch
     axis) when ``fisher_source="per_example"`` and ignores other extras.
-    Non-finite gradients are not pushed (the window and its write index are
-    unchanged).
+    Non-finite steps follow the library's one policy
+    (:func:`fisher_optax.fisher.numerics.skip_nonfinite_step`): a NaN or
+    infinite gradient never enters the window, the state is unchanged but
+    for ``notfinite_count`` and the updates are NaN; a finite gradient whose
+    Gram overflows (1e30 entries) is skipped the same way with zero updates,
+    and never reaches the Cholesky.
 
   Example::
 
@@ -440,14 +527,14 @@ def scale_by_mfac(
     mean=True,
     damping_floor=True,
     normalized=False,
-    dtype=None,
+    dtype=window_dtype,
     function="scale_by_mfac",
   )
 
   def init_fn(params: PyTree) -> MFACState:
     window, gram = _init_window(cfg, params)
     zero = jnp.zeros([], jnp.int32)
-    return MFACState(count=zero, index=zero, grads=window, gram=gram)
+    return MFACState(zero, zero, window, gram, notfinite_count=zero)
 
   def update_fn(
     updates: PyTree,
@@ -458,23 +545,21 @@ def scale_by_mfac(
     **extra_args: Any,
   ) -> tuple[PyTree, MFACState]:
     del params, extra_args
-    out, window, gram, pushed, k = _window_step(
+    _check_updates(updates, state.grads)
+    advance = lambda s, k: s._replace(
+      count=optax.safe_increment(s.count), index=(s.index + k) % m
+    )
+    out, window, light = _window_step(
       cfg,
       damping,
       updates,
       state.grads,
-      state.gram,
+      state._replace(grads=()),
       state.index,
+      advance,
       per_example_grads,
     )
-    # A non-finite push leaves the window and the write index unchanged.
-    index = jnp.where(pushed, (state.index + k) % m, state.index)
-    return out, MFACState(
-      count=jnp.asarray(optax.safe_increment(state.count)),
-      index=index,
-      grads=window,
-      gram=gram,
-    )
+    return out, light._replace(grads=window)
 
   return optax.GradientTransformationExtraArgs(
     init_fn,
@@ -491,6 +576,7 @@ def mfac(
   mask: Any = None,
   *,
   fisher_source: str | None = None,
+  window_dtype: Any | None = None,
   gradients: str | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   """The M-FAC optimizer: SGD preconditioned by a windowed inverse Fisher.
@@ -520,10 +606,14 @@ def mfac(
       in ``optax.add_decayed_weights``.
     fisher_source: ``"batch"`` or ``"per_example"``, see
       :func:`scale_by_mfac`.
+    window_dtype: dtype of the stored window, see :func:`scale_by_mfac`.
     gradients: deprecated spelling of ``fisher_source``.
 
   Returns:
-    An :class:`optax.GradientTransformationExtraArgs`.
+    An :class:`optax.GradientTransformationExtraArgs` whose state is the
+    chain's (decay, :class:`MFACState`, momentum, learning rate). A step
+    that M-FAC skips as non-finite leaves all of it unchanged but for
+    ``notfinite_count``.
 
   Example: on a parabola, with the damping of the order of the squared
   gradient norms (the empirical Fisher of a deterministic gradient is not
@@ -565,9 +655,43 @@ def mfac(
     ema = optax.ema(momentum, debias=False)
   else:
     ema = optax.identity()
-  return optax.chain(
+  chain = optax.chain(
     optax.add_decayed_weights(weight_decay, mask),
-    scale_by_mfac(window_size, damping, fisher_source=source),
+    scale_by_mfac(
+      window_size, damping, fisher_source=source, window_dtype=window_dtype
+    ),
     ema,
     optax.scale_by_learning_rate(learning_rate),
+  )
+
+  def update_fn(
+    updates: PyTree,
+    state: tuple[Any, ...],
+    params: PyTree | None = None,
+    **extra_args: Any,
+  ) -> tuple[PyTree, tuple[Any, ...]]:
+    # Checked before the weight decay can broadcast a scalar gradient.
+    if params is not None:
+      validation.check_like(updates, params, what="updates")
+    new_updates, new_state = chain.update(updates, state, params, **extra_args)
+    return new_updates, _keep_on_skip(state, new_state)
+
+  return optax.GradientTransformationExtraArgs(
+    chain.init,
+    update_fn,  # pyright: ignore[reportArgumentType]
+  )
+
+
+def _keep_on_skip(old: tuple[Any, ...], new: Any) -> tuple[Any, ...]:
+  """``mfac``'s chain state after a step that M-FAC may have skipped.
+
+  The momentum (and a schedule's count) after a skipped step would have
+  seen NaN or zero updates; they keep their old state. M-FAC's own state
+  (index 1) already follows the policy, and is not selected whole, so its
+  window is never copied.
+  """
+  skipped = new[1].notfinite_count != old[1].notfinite_count
+  return tuple(
+    n if i == 1 else numerics.tree_select(skipped, o, n)
+    for i, (o, n) in enumerate(zip(old, new))
   )

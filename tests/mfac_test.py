@@ -1,16 +1,21 @@
 # Copyright 2026 The fisher_optax Authors. Licensed under the Apache License 2.0.
 """Tests for M-FAC: ``fisher.sum_of_rank_one`` and ``scale_by_mfac``/``mfac``."""
 
+from unittest import mock
+
 from absl.testing import absltest
 from absl.testing import parameterized
 import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import fisher_optax
 from fisher_optax import fisher
+from fisher_optax.fisher import linalg
 from fisher_optax.fisher import validation
+from tests import nonfinite_testing
 
 M, SHAPES = 6, {"b": (5,), "w": (3, 2)}  # d = 11 (dict order: b, then w)
 D = 11
@@ -281,6 +286,163 @@ class ScaleByMFACTest(parameterized.TestCase):
       fisher_optax.scale_by_mfac(4, fisher_source="mean")
     with self.assertRaisesRegex(TypeError, "fisher_source"):
       fisher_optax.scale_by_mfac(4, fisher_source="batch", gradients="mean")
+
+
+def _pairs(g):
+  """Two per-example rows whose mean is ``g`` (a bad value reaches both)."""
+  return {"per_example_grads": jax.tree.map(lambda x: jnp.stack([x, x]), g)}
+
+
+class WindowNonfiniteTest(parameterized.TestCase):
+  """The one non-finite policy for M-FAC and the windowed Woodbury transform.
+
+  The Gram of 1e30 gradients overflows float32; a Cholesky (LAPACK on
+  XLA:CPU) of a matrix holding an infinity returns garbage rather than an
+  error, and the guards keep every decomposition on finite input, as for
+  the SVD/eigh of the other transforms, which need not terminate at all.
+  """
+
+  PARAMS = {"w": jnp.ones((3, 2)), "b": jnp.zeros(2)}
+  GRADS = {"w": jnp.full((3, 2), 0.5), "b": jnp.array([1.0, -1.0])}
+
+  @pytest.mark.timeout(240)
+  @parameterized.named_parameters(
+    ("mfac", lambda: fisher_optax.mfac(0.1, 3, 1e-2, momentum=0.5), False),
+    ("scale_by_mfac", lambda: fisher_optax.scale_by_mfac(3, 1e-2), False),
+    (
+      "mfac_per_example",
+      lambda: fisher_optax.scale_by_mfac(4, 1e-2, fisher_source="per_example"),
+      True,
+    ),
+    ("woodbury", lambda: fisher_optax.scale_by_woodbury_fisher(3, 1e-2), False),
+    (
+      "woodbury_tree",
+      lambda: fisher_optax.scale_by_woodbury_fisher(
+        3, 1e-2, block_diagonal=False, window_dtype=jnp.bfloat16
+      ),
+      False,
+    ),
+    (
+      "woodbury_per_example",
+      lambda: fisher_optax.scale_by_woodbury_fisher(
+        damping=1e-2, fisher_source="per_example"
+      ),
+      True,
+    ),
+  )
+  def test_nonfinite_policy(self, make, per_example):
+    # Steps before the bad one: a filling window, and one that has wrapped.
+    nonfinite_testing.check_policy(
+      self,
+      make(),
+      self.PARAMS,
+      self.GRADS,
+      steps_before=(1, 4),
+      extra=_pairs if per_example else None,
+    )
+
+  @parameterized.parameters(True, False)
+  def test_overflowing_gram_never_reaches_the_cholesky(self, per_example):
+    seen, solve = [], linalg.woodbury_window_solve
+
+    def recording(window, gram, *args, **kwargs):
+      jax.debug.callback(
+        lambda ok: seen.append(bool(ok)), jnp.all(jnp.isfinite(gram))
+      )
+      return solve(window, gram, *args, **kwargs)
+
+    if per_example:
+      tx = fisher_optax.scale_by_woodbury_fisher(
+        damping=1e-2, fisher_source="per_example"
+      )
+    else:
+      tx = fisher_optax.scale_by_mfac(3, 1e-2)
+    state = tx.init(self.PARAMS)
+    huge = jax.tree.map(lambda g: jnp.full_like(g, 1e30), self.GRADS)
+    extra = _pairs(huge) if per_example else {}
+    with mock.patch.object(linalg, "woodbury_window_solve", recording):
+      u, new_state = tx.update(huge, state, **extra)
+      jax.effects_barrier()
+    self.assertTrue(seen)
+    self.assertTrue(all(seen))
+    chex.assert_trees_all_equal(u, jax.tree.map(jnp.zeros_like, huge))
+    self.assertEqual(int(new_state.notfinite_count), 1)
+
+  def test_skipped_step_keeps_momentum_and_write_index(self):
+    tx = fisher_optax.mfac(0.1, 3, 1e-2, momentum=0.5)
+    state = tx.init(self.PARAMS)
+    _, state = tx.update(self.GRADS, state, self.PARAMS)
+    bad = jax.tree.map(lambda g: g.at[0].set(jnp.inf), self.GRADS)
+    u, new_state = jax.jit(tx.update)(bad, state, self.PARAMS)
+    self.assertFalse(
+      any(bool(jnp.isfinite(x).all()) for x in jax.tree.leaves(u))
+    )
+    _, rest = nonfinite_testing.split_counts(state)
+    _, new_rest = nonfinite_testing.split_counts(new_state)
+    chex.assert_trees_all_equal(new_rest, rest)
+    self.assertEqual(int(new_state[1].index), 1)
+    self.assertEqual(int(new_state[1].notfinite_count), 1)
+
+  def test_mismatched_gradients_are_refused(self):
+    params = {"w": jnp.ones((4, 3))}
+    for tx in (
+      fisher_optax.mfac(1e-2, 4),
+      fisher_optax.mfac(1e-2, 4, weight_decay=0.1),
+      fisher_optax.scale_by_mfac(4),
+      fisher_optax.scale_by_woodbury_fisher(2),
+    ):
+      state = tx.init(params)
+      for bad in (jnp.ones(()), jnp.ones((3, 4)), jnp.ones((4, 1))):
+        with self.assertRaisesRegex(ValueError, "updates do not match params"):
+          tx.update({"w": bad}, state, params)
+      # Without params the window's shapes are the reference.
+      if not isinstance(state, tuple) or hasattr(state, "_fields"):
+        with self.assertRaisesRegex(ValueError, "updates do not match params"):
+          tx.update({"w": jnp.ones(())}, state)
+
+
+class WindowDtypeTest(parameterized.TestCase):
+  def test_bfloat16_window_halves_the_window_memory(self):
+    params = {"w": jnp.ones((16, 8), jnp.bfloat16)}
+    nbytes = lambda t: sum(x.nbytes for x in jax.tree.leaves(t))
+    default = fisher_optax.mfac(1e-2, 8).init(params)[1]
+    narrow = fisher_optax.mfac(1e-2, 8, window_dtype=jnp.bfloat16).init(params)[
+      1
+    ]
+    # Today's default for bf16 params: a float32 window.
+    self.assertEqual(default.grads["w"].dtype, jnp.float32)
+    self.assertEqual(narrow.grads["w"].dtype, jnp.bfloat16)
+    self.assertEqual(nbytes(narrow.grads) * 2, nbytes(default.grads))
+    # The Gram stays float32.
+    self.assertEqual(narrow.gram.dtype, jnp.float32)
+
+  def test_bfloat16_window_matches_float32_window(self):
+    params = {"w": jnp.ones((16, 8), jnp.bfloat16)}
+    seq = jax.random.normal(jax.random.key(3), (5, 16, 8)).astype(jnp.bfloat16)
+    out = {}
+    for dtype in (None, jnp.bfloat16):
+      tx = fisher_optax.mfac(1e-2, 4, 1e-1, window_dtype=dtype)
+      state = tx.init(params)
+      for g in seq:
+        u, state = tx.update({"w": g}, state, params)
+      self.assertEqual(u["w"].dtype, jnp.bfloat16)
+      out[dtype] = u["w"].astype(jnp.float32)
+    # The bf16 rows are exact copies of the bf16 gradients.
+    np.testing.assert_allclose(
+      out[None], out[jnp.bfloat16], rtol=2e-2, atol=1e-3
+    )
+
+  def test_float16_statistics_do_not_overflow(self):
+    # 1e3-sized float16 gradients: squares are far above float16's 65504.
+    params = jnp.zeros(4, jnp.float16)
+    tx = fisher_optax.scale_by_mfac(4, 1e-2)
+    state = tx.init(params)
+    self.assertEqual(state.grads.dtype, jnp.float32)
+    for scale in (1e3, 2e3, -1e3):
+      u, state = tx.update(jnp.full(4, scale, jnp.float16), state)
+    self.assertEqual(u.dtype, jnp.float16)
+    chex.assert_tree_all_finite((u, state))
+    self.assertEqual(int(state.notfinite_count), 0)
 
 
 if __name__ == "__main__":
