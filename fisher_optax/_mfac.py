@@ -363,19 +363,12 @@ def scale_by_woodbury_fisher(
     Frantar et al, `M-FAC: Efficient Matrix-Free Approximations of
     Second-Order Information <https://arxiv.org/abs/2107.03356>`_, 2021
   """
-  # Nested so that both deprecation warnings point at the caller's line.
-  source = validation.check_fisher_source(
-    validation.renamed_keyword(
-      "scale_by_woodbury_fisher",
-      "window_source",
-      window_source,
-      "fisher_source",
-      fisher_source,
-      value_map=_LEGACY_SOURCES,
-    )
-    or "batch",
-    function="scale_by_woodbury_fisher",
-    legacy=_LEGACY_SOURCES,
+  source = validation.fisher_source_or_old_keyword(
+    "scale_by_woodbury_fisher",
+    fisher_source,
+    "window_source",
+    window_source,
+    _LEGACY_SOURCES,
   )
   per_example = source == "per_example"
   s = validation.check_static_int(
@@ -504,19 +497,8 @@ def scale_by_mfac(
     Frantar et al, `M-FAC: Efficient Matrix-Free Approximations of
     Second-Order Information <https://arxiv.org/abs/2107.03356>`_, 2021
   """
-  # Nested so that both deprecation warnings point at the caller's line.
-  source = validation.check_fisher_source(
-    validation.renamed_keyword(
-      "scale_by_mfac",
-      "gradients",
-      gradients,
-      "fisher_source",
-      fisher_source,
-      value_map=_LEGACY_SOURCES,
-    )
-    or "batch",
-    function="scale_by_mfac",
-    legacy=_LEGACY_SOURCES,
+  source = validation.fisher_source_or_old_keyword(
+    "scale_by_mfac", fisher_source, "gradients", gradients, _LEGACY_SOURCES
   )
   m = validation.check_static_int("window_size", window_size, minimum=1)
   validation.check_positive("damping", damping)
@@ -634,19 +616,8 @@ def mfac(
     Frantar et al, `M-FAC: Efficient Matrix-Free Approximations of
     Second-Order Information <https://arxiv.org/abs/2107.03356>`_, 2021
   """
-  # Nested so that both deprecation warnings point at the caller's line.
-  source = validation.check_fisher_source(
-    validation.renamed_keyword(
-      "mfac",
-      "gradients",
-      gradients,
-      "fisher_source",
-      fisher_source,
-      value_map=_LEGACY_SOURCES,
-    )
-    or "batch",
-    function="mfac",
-    legacy=_LEGACY_SOURCES,
+  source = validation.fisher_source_or_old_keyword(
+    "mfac", fisher_source, "gradients", gradients, _LEGACY_SOURCES
   )
   validation.check_learning_rate(learning_rate)
   validation.check_positive("weight_decay", weight_decay, allow_zero=True)

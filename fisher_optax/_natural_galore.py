@@ -610,19 +610,12 @@ def scale_by_natural_galore(
     Halko et al, `Finding structure with randomness
     <https://arxiv.org/abs/0909.4061>`_, 2011
   """
-  # Nested so that both deprecation warnings point at the caller's line.
-  source = validation.check_fisher_source(
-    validation.renamed_keyword(
-      "scale_by_natural_galore",
-      "window_source",
-      window_source,
-      "fisher_source",
-      fisher_source,
-      value_map=_LEGACY_SOURCES,
-    )
-    or "batch",
-    function="scale_by_natural_galore",
-    legacy=_LEGACY_SOURCES,
+  source = validation.fisher_source_or_old_keyword(
+    "scale_by_natural_galore",
+    fisher_source,
+    "window_source",
+    window_source,
+    _LEGACY_SOURCES,
   )
   base = optax.scale_by_adam() if base_optimizer is None else base_optimizer
   cfg = _Config(
@@ -747,19 +740,12 @@ def natural_galore(
     Das, `Natural GaLore: Accelerating GaLore for memory-efficient LLM
     training and fine-tuning <https://arxiv.org/abs/2410.16029>`_, 2024
   """
-  # Nested so that both deprecation warnings point at the caller's line.
-  source = validation.check_fisher_source(
-    validation.renamed_keyword(
-      "natural_galore",
-      "window_source",
-      window_source,
-      "fisher_source",
-      fisher_source,
-      value_map=_LEGACY_SOURCES,
-    )
-    or "batch",
-    function="natural_galore",
-    legacy=_LEGACY_SOURCES,
+  source = validation.fisher_source_or_old_keyword(
+    "natural_galore",
+    fisher_source,
+    "window_source",
+    window_source,
+    _LEGACY_SOURCES,
   )
   validation.check_learning_rate(learning_rate)
   validation.check_positive("weight_decay", weight_decay, allow_zero=True)

@@ -120,7 +120,11 @@ FISHER_SOURCES: tuple[str, ...] = ("batch", "per_example")
 
 
 def check_fisher_source(
-  value: Any, *, function: str, legacy: dict[str, str] | None = None
+  value: Any,
+  *,
+  function: str,
+  legacy: Mapping[str, str] | None = None,
+  stacklevel: int = 4,
 ) -> str:
   """Validates a ``fisher_source=`` value; old spellings warn and translate.
 
@@ -129,6 +133,7 @@ def check_fisher_source(
     function: the transform's name, for messages.
     legacy: deprecated spellings this transform accepted before, mapped to
       their current value.
+    stacklevel: of the deprecation warning (4: the transform's caller).
 
   Returns:
     The canonical value.
@@ -137,7 +142,7 @@ def check_fisher_source(
     warn_deprecated(
       f"{function}(fisher_source={value!r}) is deprecated; use "
       f"fisher_source={legacy[value]!r}.",
-      stacklevel=4,
+      stacklevel=stacklevel,
     )
     return legacy[value]
   return check_choice("fisher_source", value, FISHER_SOURCES)
@@ -188,11 +193,13 @@ def renamed_keyword(
   new_value: Any,
   *,
   value_map: Mapping[Any, Any] | None = None,
+  stacklevel: int = 4,
 ) -> Any:
   """Resolves a renamed keyword argument (``old_value`` is ``None`` if unset).
 
   Returns ``new_value`` when the old keyword is unset; otherwise warns and
   returns the old value (translated by ``value_map``). Passing both raises.
+  ``stacklevel`` is the warning's (4: the transform's caller).
   """
   if old_value is None:
     return new_value
@@ -201,9 +208,35 @@ def renamed_keyword(
   translated = value_map.get(old_value, old_value) if value_map else old_value
   warn_deprecated(
     f"{function}({old}={old_value!r}) is deprecated; use {new}={translated!r}.",
-    stacklevel=4,
+    stacklevel=stacklevel,
   )
   return translated
+
+
+def fisher_source_or_old_keyword(
+  function: str,
+  fisher_source: str | None,
+  old: str,
+  old_value: str | None,
+  legacy: Mapping[str, str],
+) -> str:
+  """``fisher_source=`` for a transform that took it under another keyword.
+
+  The old keyword and the old values (``legacy``) warn and translate; unset,
+  the source is ``"batch"``. Both warnings point at the transform's caller.
+  """
+  value = renamed_keyword(
+    function,
+    old,
+    old_value,
+    "fisher_source",
+    fisher_source,
+    value_map=legacy,
+    stacklevel=5,
+  )
+  return check_fisher_source(
+    value or "batch", function=function, legacy=legacy, stacklevel=5
+  )
 
 
 def check_per_example_grads(
