@@ -820,7 +820,7 @@ class FISMONonfiniteShapeAndDtypeTest(parameterized.TestCase):
       (MuonDimensionNumbers(reduction_axis=5, output_axis=2), "out of range"),
       (MuonDimensionNumbers(reduction_axis=(0, 1), output_axis=1), "disjoint"),
     ):
-      with self.subTest(dims=dims):
+      with self.subTest(dims=repr(dims)):
         with self.assertRaisesRegex(ValueError, match):
           fisher_optax.fismo(1e-2, fismo_weight_dimension_numbers=dims).init(
             params

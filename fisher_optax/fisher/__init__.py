@@ -108,6 +108,9 @@ Example:
   True
 """
 
+from fisher_optax.fisher import linalg as linalg
+from fisher_optax.fisher import numerics as numerics
+from fisher_optax.fisher import validation as validation
 from fisher_optax.fisher._estimators import diagonal
 from fisher_optax.fisher._estimators import diagonal_from_grads
 from fisher_optax.fisher._estimators import diagonal_from_loss

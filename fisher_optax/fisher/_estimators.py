@@ -518,9 +518,11 @@ def low_rank(
   never formed. Eigenvalues below ``M * eps * max(eigvals)`` get eigenvalue
   0 and a zero direction (no division by zero). ``rank > M`` pads with zeros.
 
+  ``apply_fn``, ``params``, ``batch``, ``likelihood``, ``kind``,
+  ``num_samples``, ``key``, ``method``, ``chunk_size`` and ``axis_name`` are
+  as in :func:`diagonal`.
+
   Args:
-    apply_fn, params, batch, likelihood, kind, num_samples, key, method,
-      chunk_size, axis_name: as in :func:`diagonal`.
     rank: number of eigenpairs ``k`` (static int ``>= 1``).
     per_leaf: if ``True``, one top-``k`` eigenproblem per leaf (block-diagonal
       Fisher) and a params-shaped tree of :class:`LowRankFisher` is returned.
@@ -652,10 +654,11 @@ def rank_one(
   eigenpair (:func:`low_rank` with ``rank=1``), whose eigenvalue is already
   Frobenius-optimal, so ``scale`` does not change it.
 
+  ``apply_fn``, ``params``, ``batch``, ``likelihood``, ``kind``,
+  ``num_samples``, ``key``, ``method``, ``chunk_size`` and ``axis_name`` are
+  as in :func:`diagonal`; ``direction="mean"`` needs targets.
+
   Args:
-    apply_fn, params, batch, likelihood, kind, num_samples, key, method,
-      chunk_size, axis_name: as in :func:`diagonal`; ``direction="mean"``
-      needs targets.
     direction: ``"mean" | "top_eig"``.
     scale: ``"none" | "optimal"``.
 
@@ -839,9 +842,11 @@ def kronecker(
   - ``estimator="auto"``: ``kfac`` for leaves the layer path covers,
     ``shampoo`` for the others (``estimator`` field ``"mixed"``).
 
+  ``apply_fn``, ``params``, ``batch``, ``likelihood``, ``kind``,
+  ``num_samples``, ``key``, ``method``, ``chunk_size`` and ``axis_name`` are
+  as in :func:`diagonal`.
+
   Args:
-    apply_fn, params, batch, likelihood, kind, num_samples, key, method,
-      chunk_size, axis_name: as in :func:`diagonal`.
     estimator: ``"auto" | "kfac" | "shampoo"``.
     num_iters: nearest-Kronecker rounds for ``shampoo`` (static int ``>= 0``).
 

@@ -382,9 +382,11 @@ def estimate_fisher_low_rank(
   empirical only). There is no averaging across refreshes: eigenvectors of
   different estimates do not add.
 
+  ``apply_fn``, ``likelihood``, ``kind``, ``interval``, ``num_samples``,
+  ``key``, ``method`` and ``chunk_size`` are as in
+  :func:`estimate_fisher_diag`.
+
   Args:
-    apply_fn, likelihood, kind, interval, num_samples, key, method,
-      chunk_size: as in :func:`estimate_fisher_diag`.
     rank: number of eigenpairs (static int ``>= 1``).
 
   Returns:
