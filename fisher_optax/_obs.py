@@ -376,8 +376,10 @@ def obs_prune(
     An :class:`ObsPruneResult`.
 
   Raises:
-    ValueError / TypeError: for invalid sparsity, steps, scope, update, or
-      gradients whose structure or shapes do not match ``params``.
+    ValueError / TypeError: for invalid sparsity, steps, scope, update,
+      gradients whose structure or shapes do not match ``params``, or a step
+      whose gradients give a non-finite Fisher factor (NaN/Inf, or an
+      overflowing Gram: no decomposition runs on them).
 
   Example::
 
@@ -418,6 +420,13 @@ def obs_prune(
     validation.check_leading_axis(grads, params, what="grad_fn output")
     g_sel = [g for g, f in zip(jax.tree.leaves(grads), flags) if f]
     saliency, fisher = _score(sel, alive, g_sel, damping, block_size=block_size)
+    # A host loop, so a bad step can say so instead of pruning on NaN scores.
+    if not bool(fisher.is_finite()):
+      raise ValueError(
+        f"obs_prune: step {s}: the Fisher factor is not finite (grad_fn "
+        "returned NaN/Inf gradients, or gradients whose Gram overflows); "
+        "nothing was pruned at this step."
+      )
     density = (1.0 - sparsity) ** (s / steps)
     n_prune = _targets(sizes, [int(a.sum()) for a in alive], density, scope)
     index = _select(saliency, alive, n_prune)

@@ -223,6 +223,20 @@ class ObsPruneTest(parameterized.TestCase):
     with self.assertRaisesRegex(ValueError, "scope"):
       fisher_optax.magnitude_prune(params, 0.5, scope="x")
 
+  def test_non_finite_gradients_raise_before_pruning(self):
+    # LAPACK's Cholesky on an Inf matrix may return garbage or never end on
+    # XLA:CPU: obs_prune must refuse the step, naming it.
+    params = {"w": jnp.arange(1.0, 9.0)}
+    for value in (jnp.nan, jnp.inf, -jnp.inf, 1e30):
+      grad_fn = lambda p, s, v=value: {
+        "w": jnp.ones((4, 8)).at[0, 7].set(v if s == 1 else 1.0)
+      }
+      for update in ("independent", "group"):
+        with self.assertRaisesRegex(ValueError, "step 2: .*not finite"):
+          fisher_optax.obs_prune(
+            params, grad_fn, 0.5, steps=2, block_size=None, update=update
+          )
+
 
 if __name__ == "__main__":
   absltest.main()

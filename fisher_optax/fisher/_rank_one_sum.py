@@ -143,9 +143,6 @@ class RankOneSumFisher:
           "(one gradient without the stacking axis)."
         )
 
-  # Deprecated private spelling of check_compatible, kept for old callers.
-  _check = check_compatible
-
   def is_finite(self) -> jax.Array:
     """Whether the factor (``Z``, ``L`` and the damping) is finite."""
     return numerics.tree_all_finite((self.whitened, self.chol, self.damping))
