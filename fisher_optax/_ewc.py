@@ -461,6 +461,11 @@ def consolidate(
   All shapes are fixed, so this function can run under ``jit`` and the
   training step that reads the anchor never retraces.
 
+  Non-finite statistics are skipped, never stored: a NaN, infinite or
+  negative diagonal entry adds no precision, and a low-rank direction with a
+  non-finite entry or eigenvalue is dropped, so the anchor stays finite. To
+  refuse such a statistic instead, check its ``is_finite()`` first.
+
   Args:
     anchor: the current :class:`EWCAnchor` (e.g. from :func:`init_ewc_anchor`
       or ``optax.tree.get(opt_state, "ewc_anchor")``).
