@@ -143,23 +143,29 @@ def _slots(slot: jax.Array, k: int, m: int) -> jax.Array:
   return (jnp.asarray(slot, jnp.int32) + jnp.arange(k, dtype=jnp.int32)) % m
 
 
-def _push(
-  cfg: _Window, window: PyTree, gram: PyTree, rows: PyTree, slot: jax.Array
+def _pending_gram(
+  cfg: _Window,
+  window: PyTree,
+  gram: PyTree,
+  rows: PyTree,
+  slot: jax.Array,
+  x: PyTree | None,
 ) -> tuple[PyTree, PyTree]:
-  """Writes the rows into the window and refreshes its Gram (per leaf)."""
+  """The Gram (per leaf) with the rows in the window, and ``G x`` (or None)."""
   if not cfg.block_diagonal:
-    return linalg.stacked_push_rows(window, gram, rows, slot)
+    return linalg.stacked_pending_gram(window, gram, rows, slot, x)
   leaves, treedef = jax.tree.flatten(window)
-  pushed = [
-    linalg.stacked_push_rows(w, g, r, slot)
-    for w, g, r in zip(
-      leaves, treedef.flatten_up_to(gram), treedef.flatten_up_to(rows)
+  xs = [None] * len(leaves) if x is None else treedef.flatten_up_to(x)
+  pending = [
+    linalg.stacked_pending_gram(w, g, r, slot, v)
+    for w, g, r, v in zip(
+      leaves, treedef.flatten_up_to(gram), treedef.flatten_up_to(rows), xs
     )
   ]
-  return (
-    jax.tree.unflatten(treedef, [w for w, _ in pushed]),
-    jax.tree.unflatten(treedef, [g for _, g in pushed]),
-  )
+  gram = jax.tree.unflatten(treedef, [g for g, _ in pending])
+  if x is None:
+    return gram, None
+  return gram, jax.tree.unflatten(treedef, [v for _, v in pending])
 
 
 def _solve(
@@ -169,26 +175,48 @@ def _solve(
   g: PyTree,
   damping: Any,
   scale: float,
+  gx: PyTree = None,
+  pending: tuple[PyTree, jax.Array] | None = None,
 ) -> PyTree:
   """``F^{-1} g`` for a window and its Gram, per leaf if block-diagonal.
 
-  A Gram that overflowed from finite rows (1e30 gradients) never reaches the
-  Cholesky: the solve runs on a zero Gram and its output is NaN, so the
-  non-finite policy skips the step.
+  ``gx`` is ``G g`` (per leaf if block-diagonal) when already known, else
+  None; ``pending=(rows, slots)`` are rows not yet written into the window
+  (see :func:`fisher_optax.fisher.linalg.stacked_pending_gram`). A Gram that
+  overflowed from finite rows (1e30 gradients) never reaches the Cholesky:
+  the solve runs on a zero Gram and its output is NaN, so the non-finite
+  policy skips the step.
   """
 
-  def solve(w: PyTree, gr: jax.Array, x: PyTree) -> PyTree:
-    def factor_and_solve(gr: jax.Array) -> PyTree:
+  def solve(w: PyTree, gr: jax.Array, x: PyTree, gx: Any, rows: Any) -> PyTree:
+    def factor_and_solve(gr: jax.Array, gx: Any) -> PyTree:
       lam = _floored_damping(gr, damping) if cfg.damping_floor else damping
       return linalg.woodbury_window_solve(
-        w, gr, x, lam, scale=scale, normalized=cfg.normalized
+        w,
+        gr,
+        x,
+        lam,
+        scale=scale,
+        normalized=cfg.normalized,
+        gx=gx,
+        pending=None if pending is None else (rows, pending[1]),
       )
 
-    return numerics.finite_or_nan(factor_and_solve, gr)
+    return numerics.finite_or_nan(factor_and_solve, gr, gx)
 
-  if cfg.block_diagonal:
-    return jax.tree.map(solve, window, gram, g)
-  return solve(window, gram, g)
+  rows = None if pending is None else pending[0]
+  if not cfg.block_diagonal:
+    return solve(window, gram, g, gx, rows)
+  none = jax.tree.map(lambda _: None, gram)
+  return jax.tree.map(
+    solve,
+    window,
+    gram,
+    g,
+    none if gx is None else gx,
+    none if rows is None else rows,
+    is_leaf=lambda x: x is None,
+  )
 
 
 def _floored_damping(gram: jax.Array, damping: Any) -> jax.Array:
@@ -249,13 +277,23 @@ def _window_step(
   leaves = jax.tree.leaves(rows)
   k = leaves[0].shape[0] if leaves else 1
   slots = _slots(slot, k, cfg.size)
-  read = lambda w: jax.tree.map(lambda x: x[slots], w)
-  old = read(window)
-  stored = jax.tree.map(lambda r, o: r.astype(o.dtype), rows, old)
-  # A non-finite row never enters the window: its slots keep their rows.
-  ok_in = numerics.tree_all_finite((updates, inputs))
-  stored = numerics.tree_select(ok_in, stored, old)
-  window, gram = _push(cfg, window, light.gram, stored, slot)
+  stored = jax.tree.map(lambda r, w: r.astype(w.dtype), rows, window)
+  # The rows are written once, in place, after the policy's decision: the
+  # Gram and the solve see them as pending rows of the old window. Reading a
+  # donated window after an earlier write of it would make XLA copy it whole.
+  exact = all(
+    jnp.promote_types(u.dtype, w.dtype) == w.dtype
+    for u, w in zip(jax.tree.leaves(updates), jax.tree.leaves(window))
+  )
+  with_x = exact and cfg.per_example
+  gram, gx = _pending_gram(
+    cfg, window, light.gram, stored, slot, updates if with_x else None
+  )
+  if exact and not cfg.per_example and k == 1:
+    # The gradient is the row pushed: G g is the Gram's column of its slot,
+    # so the solve reads the window once more, not twice.
+    column = lambda gr: gr[:, slots[0]]
+    gx = jax.tree.map(column, gram) if cfg.block_diagonal else column(gram)
 
   # The policy counts from zero, so a skip is seen even once the count
   # saturates.
@@ -263,15 +301,15 @@ def _window_step(
   fresh = light._replace(notfinite_count=zero)
   scale = 1.0 / cfg.size if cfg.mean else 1.0
   step = lambda: (
-    _solve(cfg, window, gram, updates, damping, scale),
+    _solve(cfg, window, gram, updates, damping, scale, gx, (stored, slots)),
     advance(fresh, k)._replace(gram=gram),
   )
   out, new = numerics.skip_nonfinite_step(step, updates, fresh, inputs=inputs)
+  # A skipped step (a non-finite row, a Gram overflowing from 1e30 rows)
+  # keeps the old rows, so the window stays the Gram's window.
   ok = new.notfinite_count == 0
-  # A skipped step (e.g. a Gram overflowing from 1e30 rows) puts the old
-  # rows back, so the window stays the Gram's window.
   window = jax.tree.map(
-    lambda w, o: w.at[slots].set(jnp.where(ok, w[slots], o)), window, old
+    lambda w, r: w.at[slots].set(jnp.where(ok, r, w[slots])), window, stored
   )
   count = light.notfinite_count
   return (

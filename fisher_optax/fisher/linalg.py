@@ -125,17 +125,35 @@ def woodbury_solve(
   x: PyTree,
   *,
   normalized: bool = False,
+  gx: jax.Array | None = None,
+  pending: tuple[PyTree, jax.Array] | None = None,
 ) -> PyTree:
   """Returns ``F^{-1} x`` (or ``damping * F^{-1} x`` when ``normalized``).
 
   Cost: two stacked contractions, ``O(m d)``, and two ``m x m`` triangular
-  solves.
+  solves; one contraction when ``gx``, the product ``G x`` of shape
+  ``(m,)``, is given (e.g. a Gram column when ``x`` is a row of ``G``).
+
+  ``pending=(rows, slots)`` solves with the window whose rows ``slots``
+  (int32, shape ``(k,)``) are replaced by the stacked ``rows``, without
+  writing them: see :func:`stacked_pending_gram`.
   """
-  gx = tree_stacked_dot(stacked, x).astype(factor.chol.dtype)
+  if gx is None:
+    gx = tree_stacked_dot(stacked, x)
+    if pending is not None:
+      gx = gx.at[pending[1]].set(tree_stacked_dot(pending[0], x))
+  gx = gx.astype(factor.chol.dtype)
   w = _tri_solve(
     factor.chol, _tri_solve(factor.chol, gx, transpose=False), transpose=True
   )
   correction = tree_stacked_combine(stacked, w)
+  if pending is not None:
+    rows, slots = pending
+    # G_new^T w = G^T w + (rows - G[slots])^T w[slots]: k rows, not m.
+    delta = jax.tree.map(lambda r, s: r - s[slots], rows, stacked)
+    correction = jax.tree.map(
+      jnp.add, correction, tree_stacked_combine(delta, w[slots])
+    )
   out = jax.tree.map(lambda a, b: a - b.astype(a.dtype), x, correction)
   if normalized:
     return out
@@ -178,11 +196,12 @@ def stacked_push_rows(
     raise ValueError(f"cannot push {k} rows into a window of {m} rows.")
   slots = (jnp.asarray(index, jnp.int32) + jnp.arange(k, dtype=jnp.int32)) % m
   stored = jax.tree.map(lambda s, r: r.astype(s.dtype), stacked, rows)
+  stacked = jax.tree.map(lambda s, r: s.at[slots].set(r), stacked, stored)
 
-  # Contract against the *old* window (window first: on XLA:CPU the
-  # (k, d) x (m, d)^T order of tree_stacked_gram transposes the window, and a
-  # product with the scattered window is not fused well) and patch the
-  # k x k block of the new rows afterwards.
+  # Contract the *new* window (its rows ``slots`` hold the k x k block): XLA
+  # does not order a product with the old window before the in-place write
+  # and copies the whole window instead (twice when it is donated). Window
+  # first: on XLA:CPU the (k, d) x (m, d)^T order transposes the window.
   # Products accumulate in the Gram's dtype (exact for a bfloat16 window).
   def cross(s: jax.Array, r: jax.Array) -> jax.Array:
     axes = tuple(range(1, s.ndim))
@@ -194,14 +213,8 @@ def stacked_push_rows(
       preferred_element_type=gram.dtype,
     )
 
-  def total(a: PyTree, b: PyTree) -> jax.Array:
-    terms = jax.tree.leaves(jax.tree.map(cross, a, b))
-    return functools.reduce(jnp.add, [c.astype(gram.dtype) for c in terms])
-
-  cols = total(stacked, stored)  # (m, k)
-  block = total(stored, stored)  # (k, k)
-  cols = cols.at[slots].set(block)
-  stacked = jax.tree.map(lambda s, r: s.at[slots].set(r), stacked, stored)
+  terms = jax.tree.leaves(jax.tree.map(cross, stacked, stored))
+  cols = functools.reduce(jnp.add, [c.astype(gram.dtype) for c in terms])
   gram = gram.at[:, slots].set(cols).at[slots, :].set(cols.T)
   return stacked, gram
 
@@ -234,6 +247,68 @@ def stacked_push_rows_if_finite(
   return stacked, gram, finite
 
 
+def stacked_pending_gram(
+  stacked: PyTree,
+  gram: jax.Array,
+  rows: PyTree,
+  index: jax.Array | int,
+  x: PyTree | None = None,
+) -> tuple[jax.Array, jax.Array | None]:
+  """The Gram after :func:`stacked_push_rows`, without writing the rows.
+
+  For a step that decides only later whether the rows enter the window (a
+  non-finite policy): the solve runs on the old window with the rows
+  ``pending`` (:func:`woodbury_solve`), and the caller writes them in place
+  at the end, once. Every read of the old window then comes before that
+  write, so a donated window is neither copied nor read twice for the Gram.
+
+  Args:
+    stacked: the window, a stacked tree with leading axis ``m``.
+    gram: its ``(m, m)`` Gram matrix.
+    rows: a stacked tree with leading axis ``k <= m``, cast to the window's
+      dtypes.
+    index: the slot of the first new row (traced ints are fine).
+    x: optional tree shaped like one row, cast to the window's dtypes (pass
+      it only where that is exact): ``G x`` for the new window comes from
+      the same pass over the window.
+
+  Returns:
+    ``(gram, gx)``: the new ``(m, m)`` Gram and ``G x`` of shape ``(m,)``
+    (None without ``x``).
+  """
+  k = {r.shape[0] for r in jax.tree.leaves(rows)}.pop()
+  m = gram.shape[0]
+  slots = (jnp.asarray(index, jnp.int32) + jnp.arange(k, dtype=jnp.int32)) % m
+  new = jax.tree.map(lambda s, r: r.astype(s.dtype), stacked, rows)
+  if x is not None:
+    new = jax.tree.map(
+      lambda r, v: jnp.concatenate([r, v[None].astype(r.dtype)]), new, x
+    )
+
+  def cross(s: jax.Array, r: jax.Array) -> jax.Array:
+    axes = tuple(range(1, s.ndim))
+    return jnp.tensordot(
+      s,
+      r,
+      axes=(axes, axes),
+      precision=_HIGHEST,
+      preferred_element_type=gram.dtype,
+    )
+
+  def total(a: PyTree, b: PyTree) -> jax.Array:
+    terms = jax.tree.leaves(jax.tree.map(cross, a, b))
+    return functools.reduce(jnp.add, [c.astype(gram.dtype) for c in terms])
+
+  # Window first: on XLA:CPU the (k, d) x (m, d)^T order transposes it.
+  cols = total(stacked, new)  # (m, k) or (m, k + 1): one pass over G
+  head = jax.tree.map(lambda r: r[:k], new)
+  cols = cols.at[slots].set(total(head, new))  # the new rows' entries
+  gx = cols[:, k] if x is not None else None
+  cols = cols[:, :k]
+  gram = gram.at[:, slots].set(cols).at[slots, :].set(cols.T)
+  return gram, gx
+
+
 # -- Matrix functions for Kronecker-factored preconditioners (FISMO) ---------
 #
 # All functions below act on the last two axes and broadcast over leading
@@ -264,6 +339,8 @@ def woodbury_window_solve(
   *,
   scale: jax.Array | float = 1.0,
   normalized: bool = False,
+  gx: jax.Array | None = None,
+  pending: tuple[PyTree, jax.Array] | None = None,
 ) -> PyTree:
   """``(damping I + scale G^T G)^{-1} x`` for a window ``G`` and its Gram.
 
@@ -280,6 +357,12 @@ def woodbury_window_solve(
     damping: ``lambda > 0``.
     scale: ``c > 0`` in ``F = lambda I + c G^T G``.
     normalized: return ``damping * F^{-1} x`` instead.
+    gx: ``G x`` of shape ``(m,)`` if already known (the solve then reads the
+      window once): when ``x`` is the row just pushed, it is that row's
+      column of the Gram.
+    pending: ``(rows, slots)``, rows that replace the window's rows
+      ``slots`` for this solve without being written (``gram`` is then the
+      Gram with them, from :func:`stacked_pending_gram`).
 
   Returns:
     ``F^{-1} x`` in ``x``'s dtypes; ``x`` itself for a tree without leaves.
@@ -302,6 +385,10 @@ def woodbury_window_solve(
     factor,
     jax.tree.map(lambda v: v.astype(dtype), x),
     normalized=normalized,
+    gx=gx,
+    pending=None
+    if pending is None
+    else (jax.tree.map(lambda r: r.astype(dtype), pending[0]), pending[1]),
   )
   return jax.tree.map(lambda o, v: o.astype(v.dtype), out, x)
 
