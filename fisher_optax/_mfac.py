@@ -426,8 +426,9 @@ def scale_by_woodbury_fisher(
 
   def init_fn(params: PyTree) -> WoodburyFisherState:
     window, gram = _init_window(cfg, params)
-    zero = jnp.zeros([], jnp.int32)
-    return WoodburyFisherState(zero, window, gram, notfinite_count=zero)
+    # Separate buffers, so the state can be donated (jit's donate_argnums).
+    zero = lambda: jnp.zeros([], jnp.int32)
+    return WoodburyFisherState(zero(), window, gram, notfinite_count=zero())
 
   def update_fn(
     updates: PyTree,
@@ -553,8 +554,9 @@ def scale_by_mfac(
 
   def init_fn(params: PyTree) -> MFACState:
     window, gram = _init_window(cfg, params)
-    zero = jnp.zeros([], jnp.int32)
-    return MFACState(zero, zero, window, gram, notfinite_count=zero)
+    # Separate buffers, so the state can be donated (jit's donate_argnums).
+    zero = lambda: jnp.zeros([], jnp.int32)
+    return MFACState(zero(), zero(), window, gram, notfinite_count=zero())
 
   def update_fn(
     updates: PyTree,
