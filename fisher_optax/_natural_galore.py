@@ -141,6 +141,15 @@ def _orthonormalize(y: jax.Array) -> jax.Array:
   return jax.lax.cond(ok, lambda: q, lambda: jnp.linalg.qr(y)[0])
 
 
+def _finite_orthonormalize(y: jax.Array) -> jax.Array:
+  """:func:`_orthonormalize`, NaN (never run) for a non-finite ``Y``.
+
+  A finite gradient near the float range overflows ``G G^T Q``; the QR and
+  Cholesky of the result must not see the infinity.
+  """
+  return numerics.finite_or_nan(_orthonormalize, y)
+
+
 def _range_finder_basis(
   mat: jax.Array, start: jax.Array, rank: int, power_iterations: int
 ) -> jax.Array:
@@ -155,16 +164,17 @@ def _range_finder_basis(
   Returns:
     ``(p, rank)`` with orthonormal columns. Only matmuls, ``l x l``
     Choleskys and one ``l x l`` eigendecomposition touch the data, so a
-    sharded ``mat`` is never gathered.
+    sharded ``mat`` is never gathered. NaN if an intermediate overflowed
+    (no decomposition sees it).
   """
-  q = _orthonormalize(jnp.matmul(mat, start, precision=_HIGHEST))
+  q = _finite_orthonormalize(jnp.matmul(mat, start, precision=_HIGHEST))
   for _ in range(power_iterations):
     z = jnp.matmul(mat.T, q, precision=_HIGHEST)
-    q = _orthonormalize(jnp.matmul(mat, z, precision=_HIGHEST))
+    q = _finite_orthonormalize(jnp.matmul(mat, z, precision=_HIGHEST))
   # Rayleigh-Ritz: rotate range(Q) onto the top singular directions.
   b = jnp.matmul(q.T, mat, precision=_HIGHEST)
-  _, vecs = jnp.linalg.eigh(
-    linalg.symmetrize(jnp.matmul(b, b.T, precision=_HIGHEST))
+  _, vecs = numerics.finite_or_nan(
+    jnp.linalg.eigh, linalg.symmetrize(jnp.matmul(b, b.T, precision=_HIGHEST))
   )
   return jnp.matmul(q, vecs[:, ::-1][:, :rank], precision=_HIGHEST)
 
@@ -191,12 +201,14 @@ def _new_projector(
   power_iterations: int,
   key: jax.Array,
 ) -> jax.Array:
-  """Refreshed projector; keeps ``old`` when the gradient is zero or NaN."""
+  """Refreshed projector; keeps ``old`` for a zero gradient or a non-finite
+  basis (an intermediate that overflowed)."""
   dtype = old.dtype
   g32 = g2.astype(numerics.compute_dtype(g2))
   r = proj.rank
   if method == "exact":
-    u, _, vh = jnp.linalg.svd(g32, full_matrices=False)
+    svd = lambda x: jnp.linalg.svd(x, full_matrices=False)
+    u, _, vh = numerics.finite_or_nan(svd, g32)
     new = u[:, :r] if proj.left else vh[:r, :].T
   else:
     mat = g32 if proj.left else g32.T
@@ -235,6 +247,8 @@ class NaturalGaLoreState(NamedTuple):
       params) ``(s, s)`` Gram of its window; zero-size otherwise.
     base_optimizer_state: the base optimizer's state over the low-rank
       gradients (full shape for unprojected leaves).
+    notfinite_count: int32 number of steps skipped as non-finite (as in
+      :func:`optax.apply_if_finite`'s state).
   """
 
   count: jax.Array
@@ -242,6 +256,7 @@ class NaturalGaLoreState(NamedTuple):
   window: PyTree
   window_gram: PyTree
   base_optimizer_state: optax.OptState
+  notfinite_count: jax.Array
 
 
 # -- the leaf update -----------------------------------------------------------
@@ -309,7 +324,7 @@ def _init(
   count = jnp.zeros([], jnp.int32)
   if not leaves:  # e.g. optax.tree.map_params' placeholder
     return NaturalGaLoreState(
-      count, params, params, params, base_optimizer.init(params)
+      count, params, params, params, base_optimizer.init(params), count
     )
   parts = [
     _init_leaf(cfg, p, proj) for p, proj in zip(leaves, cfg.projections(params))
@@ -318,7 +333,7 @@ def _init(
     jax.tree.unflatten(treedef, list(column)) for column in zip(*parts)
   )
   return NaturalGaLoreState(
-    count, projector, window, gram, base_optimizer.init(proxy)
+    count, projector, window, gram, base_optimizer.init(proxy), count
   )
 
 
@@ -383,64 +398,94 @@ def _precondition_leaf(
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """``(F^{-1} lg, window, gram)`` with ``F`` from the low-rank window.
 
-  The window maths is M-FAC's (:mod:`fisher_optax.fisher.linalg`): a NaN
-  gradient never enters the window; per-example gradients are projected
-  with this step's basis and solved against without being stored.
+  The window maths is M-FAC's (:mod:`fisher_optax.fisher.linalg`);
+  per-example gradients are projected with this step's basis and solved
+  against without being stored. A Gram that overflowed from finite rows
+  (1e30 gradients) never reaches the Cholesky: the solve's output is NaN
+  and the non-finite policy skips the step.
   """
+  scale = 1.0
   if cfg.windowed:
     window, gram, _ = linalg.stacked_push_rows_if_finite(
       window, gram, lg[None], slot
     )
-    lg = linalg.woodbury_window_solve(
-      window, gram, lg, damping, normalized=cfg.normalize_output
-    )
+    rows, rows_gram = window, gram
   elif cfg.per_example_window and per_example is not None:
     rows = jax.vmap(
       lambda x: proj.project(p, proj.view.to_matrix(x).astype(p.dtype))
     )(per_example)
-    lg = linalg.woodbury_rows_solve(
-      rows, lg, damping, normalized=cfg.normalize_output
+    rows = rows.astype(numerics.compute_dtype(rows))
+    rows_gram = linalg.tree_stacked_gram(rows)
+    scale = 1.0 / rows.shape[0]
+  else:
+    return lg, window, gram
+
+  def solve(g: jax.Array) -> jax.Array:
+    return linalg.woodbury_window_solve(
+      rows, g, lg, damping, scale=scale, normalized=cfg.normalize_output
     )
-  return lg, window, gram
+
+  return numerics.finite_or_nan(solve, rows_gram), window, gram
 
 
-def _check_projector(
-  i: int, proj: _Projection, p_old: jax.Array, g: jax.Array
-) -> None:
-  if tuple(p_old.shape) != proj.projector_shape:
+def _check_updates(
+  cfg: _Config,
+  updates: PyTree,
+  state: NaturalGaLoreState,
+  params: PyTree | None,
+) -> list[_Projection | None]:
+  """The one "updates do not match params" check; returns the projections.
+
+  Against ``params`` when given, and always against the state ``init``
+  built, so a scalar or transposed gradient is refused before it can
+  broadcast (or reach an einsum).
+  """
+  validation.check_same_structure(
+    updates, state.projector, what="state.projector"
+  )
+  if params is not None:
+    validation.check_like(updates, params, what="updates")
+  projs = cfg.projections(updates)
+  paths = jax.tree_util.tree_flatten_with_path(updates)[0]
+  built = zip(jax.tree.leaves(state.projector), jax.tree.leaves(state.window))
+  for (path, g), proj, (p, w) in zip(paths, projs, built):
+    # Unprojected leaves hold a (0,) window, projected ones (s, r, n).
+    was = None if w.ndim == 1 else (tuple(p.shape), tuple(w.shape[1:]))
+    now = None if proj is None else (proj.projector_shape, proj.low_rank_shape)
+    if was == now:
+      continue
+    what = (
+      "an unprojected leaf"
+      if was is None
+      else f"a projector of shape {was[0]} and low-rank gradients of shape "
+      f"{was[1]}"
+    )
     raise ValueError(
-      f"state.projector leaf {i} has shape {p_old.shape}, expected "
-      f"{proj.projector_shape} for a gradient of shape {g.shape}; was the "
-      "state initialised with other params or options?"
+      "updates do not match params (different shapes): updates"
+      f"{jax.tree_util.keystr(path)} has shape {jnp.shape(g)} where the "
+      f"Natural GaLore state was built for {what}; re-run init on the "
+      "current params."
     )
+  return projs
 
 
-def _update(
+def _step(
   cfg: _Config,
   base_optimizer: optax.GradientTransformation,
   hyper: tuple[Any, Any, Any],
   updates: PyTree,
+  projs: list[_Projection | None],
+  per_example: list[Any],
   state: NaturalGaLoreState,
-  per_example_grads: PyTree | None,
 ) -> tuple[PyTree, NaturalGaLoreState]:
-  """One Natural GaLore step; ``hyper`` is ``(scale, update_proj_gap,
-  damping)``, the options that may be injected."""
+  """One Natural GaLore step from finite inputs; ``hyper`` is ``(scale,
+  update_proj_gap, damping)``, the options that may be injected."""
   scale, update_proj_gap, damping = hyper
   leaves, treedef = jax.tree.flatten(updates)
-  validation.check_same_structure(
-    updates, state.projector, what="state.projector"
-  )
-  per_example: list[Any] = [None] * len(leaves)
-  if cfg.per_example_window:
-    validation.check_per_example_grads(
-      per_example_grads, updates, function="scale_by_natural_galore"
-    )
-    per_example = jax.tree.leaves(per_example_grads)
   count = state.count
   refresh = (count % update_proj_gap) == 0
   slot = count % cfg.history_size if cfg.windowed else 0
   base_key = jax.random.fold_in(jax.random.key(0), count)
-  projs = cfg.projections(updates)
   old = zip(
     jax.tree.leaves(state.projector),
     jax.tree.leaves(state.window),
@@ -454,7 +499,6 @@ def _update(
       low.append(g)
       new.append((p, window, gram))
       continue
-    _check_projector(i, proj, p, g)
     g2 = proj.view.to_matrix(g)
     key = jax.random.fold_in(base_key, i)
     p, window, gram = _refresh_leaf(
@@ -482,13 +526,37 @@ def _update(
   ]
   columns = list(zip(*new)) or [(), (), ()]
   projector, window, gram = (unflat(column) for column in columns)
-  return unflat(out), NaturalGaLoreState(
+  return unflat(out), state._replace(
     count=jnp.asarray(optax.safe_increment(count)),
     projector=projector,
     window=window,
     window_gram=gram,
     base_optimizer_state=base_state,
   )
+
+
+def _update(
+  cfg: _Config,
+  base_optimizer: optax.GradientTransformation,
+  hyper: tuple[Any, Any, Any],
+  updates: PyTree,
+  state: NaturalGaLoreState,
+  params: PyTree | None,
+  per_example_grads: PyTree | None,
+) -> tuple[PyTree, NaturalGaLoreState]:
+  """:func:`_step` under the non-finite policy, after the shape checks."""
+  projs = _check_updates(cfg, updates, state, params)
+  per_example: list[Any] = [None] * len(projs)
+  if cfg.per_example_window:
+    validation.check_per_example_grads(
+      per_example_grads, updates, function="scale_by_natural_galore"
+    )
+    per_example = jax.tree.leaves(per_example_grads)
+  step = lambda: _step(
+    cfg, base_optimizer, hyper, updates, projs, per_example, state
+  )
+  inputs = per_example if cfg.per_example_window else ()
+  return numerics.skip_nonfinite_step(step, updates, state, inputs=inputs)
 
 
 def scale_by_natural_galore(
@@ -546,14 +614,23 @@ def scale_by_natural_galore(
     the window is ``"reproject"``-ed into the new basis
     (:math:`H \leftarrow P_{new}^\top P_{old} H`), ``"keep"``-ed as the
     reference does, or ``"reset"``.
-  * A zero or NaN gradient at a refresh keeps the old basis (the initial one
-    is ``eye``); a NaN gradient never enters the window. NaN still reaches
-    the base optimizer and the updates, so ``optax.apply_if_finite`` sees it.
+  * A zero gradient at a refresh keeps the old basis (the initial one is
+    ``eye``).
   * ``scale`` applies to projected leaves only, as in optax and GaLore.
   * Inexact refreshes flip each new basis vector to agree in sign with the
     old one, so kept moments stay meaningful and the result does not depend
     on float noise such as the sharding. The exact SVD keeps LAPACK's signs,
     as optax does, so ``history_size=0`` stays bit-identical to it.
+
+  Non-finite steps follow the library's one policy
+  (:func:`fisher_optax.fisher.numerics.skip_nonfinite_step`): a NaN or
+  infinite gradient (or ``per_example_grads``) leaves the whole state, base
+  optimizer included, unchanged but for ``notfinite_count`` and gives NaN
+  updates, and a refresh never decomposes it (the old basis stays); a
+  finite gradient whose statistics overflow (the window's Gram or Adam's
+  moments of 1e30 gradients) is skipped the same way with zero updates.
+  Updates not shaped like the params (or the state ``init`` built) are
+  refused with a ``ValueError``.
 
   Beyond the paper: ``fisher_source="per_example"`` builds :math:`H` from this
   batch's projected ``per_example_grads`` (``F = \lambda I + \frac1B H
@@ -567,7 +644,8 @@ def scale_by_natural_galore(
     update_proj_gap: refresh period ``T``.
     scale: :math:`\alpha`, multiplies projected leaves' updates.
     base_optimizer: gradient-only transform applied in the low-rank space
-      (called with ``params=None``); default ``optax.scale_by_adam()``.
+      (called with ``params=None``); default ``optax.scale_by_adam()``
+      (with float32 moments for float16 params).
     weight_dimension_numbers: which leaves are projected and how they are
       viewed as matrices, exactly as in ``optax.contrib.scale_by_galore``.
     history_size: window length ``s`` (static); 0 disables the
@@ -617,7 +695,13 @@ def scale_by_natural_galore(
     window_source,
     _LEGACY_SOURCES,
   )
-  base = optax.scale_by_adam() if base_optimizer is None else base_optimizer
+  base = (
+    # Squares of float16 gradients above 256 would overflow float16 moments
+    # and every such step would be skipped as non-finite.
+    numerics.widen_float16_state(optax.scale_by_adam())
+    if base_optimizer is None
+    else base_optimizer
+  )
   cfg = _Config(
     rank=validation.check_static_int("rank", rank, minimum=1),
     projection_side=validation.check_choice(
@@ -653,9 +737,9 @@ def scale_by_natural_galore(
     per_example_grads: PyTree | None = None,
     **extra_args: Any,
   ) -> tuple[PyTree, NaturalGaLoreState]:
-    del params, extra_args
+    del extra_args
     hyper = (scale, update_proj_gap, damping)
-    return _update(cfg, base, hyper, updates, state, per_example_grads)
+    return _update(cfg, base, hyper, updates, state, params, per_example_grads)
 
   return optax.GradientTransformationExtraArgs(
     lambda params: _init(cfg, base, params),
@@ -700,7 +784,9 @@ def natural_galore(
   ``history_size`` and ``svd_power_iterations`` in ``static_args`` (and
   ``weight_dimension_numbers`` if it is a callable); ``damping``, ``scale``,
   ``update_proj_gap``, ``weight_decay`` and the learning rate may be
-  injected.
+  injected. A step that :func:`scale_by_natural_galore` skips as non-finite
+  leaves the whole chain's state (a schedule's count included) unchanged but
+  for ``notfinite_count``.
 
   Args:
     learning_rate: a float or an optax schedule.
@@ -724,7 +810,8 @@ def natural_galore(
     window_source: deprecated spelling of ``fisher_source``.
 
   Returns:
-    An :class:`optax.GradientTransformationExtraArgs`.
+    An :class:`optax.GradientTransformationExtraArgs` whose state is the
+    chain's (:class:`NaturalGaLoreState`, weight decay, learning rate).
 
   Example::
 
@@ -749,7 +836,7 @@ def natural_galore(
   )
   validation.check_learning_rate(learning_rate)
   validation.check_positive("weight_decay", weight_decay, allow_zero=True)
-  return optax.chain(
+  chain = optax.chain(
     scale_by_natural_galore(
       rank=rank,
       update_proj_gap=update_proj_gap,
@@ -768,4 +855,32 @@ def natural_galore(
     ),
     optax.add_decayed_weights(weight_decay, mask),
     optax.scale_by_learning_rate(learning_rate),
+  )
+
+  def update_fn(
+    updates: PyTree,
+    state: tuple[Any, ...],
+    params: PyTree | None = None,
+    **extra_args: Any,
+  ) -> tuple[PyTree, tuple[Any, ...]]:
+    new_updates, new_state = chain.update(updates, state, params, **extra_args)
+    return new_updates, _keep_on_skip(state, new_state)
+
+  return optax.GradientTransformationExtraArgs(
+    chain.init,
+    update_fn,  # pyright: ignore[reportArgumentType]
+  )
+
+
+def _keep_on_skip(old: tuple[Any, ...], new: Any) -> tuple[Any, ...]:
+  """``natural_galore``'s chain state after a step that may have been skipped.
+
+  After a step Natural GaLore skipped as non-finite, the learning-rate
+  schedule's count keeps its old value too; Natural GaLore's own state
+  (index 0) already follows the policy.
+  """
+  skipped = new[0].notfinite_count != old[0].notfinite_count
+  return tuple(
+    n if i == 0 else numerics.tree_select(skipped, o, n)
+    for i, (o, n) in enumerate(zip(old, new))
   )
