@@ -111,10 +111,11 @@ class _LeafPlan(NamedTuple):
   g: jax.Array  # The gradient in the compute dtype.
   sq: jax.Array  # The instantaneous Fisher diagonal.
   b2_hat: jax.Array
-  eps_term: jax.Array
+  f: jax.Array  # The new Fisher diagonal (before the policy).
+  d: jax.Array  # Its denominator f^p + eps_term.
   coef_n: jax.Array  # (1 - b1) / max(1, RMS(n) / c).
   coef_w: jax.Array | None  # lambda / max(1, RMS(w) / c); None: no decay.
-  mean_squares: tuple[jax.Array, jax.Array]  # (ms(g), ms(g / d)).
+  mean_squares: tuple[jax.Array, ...]  # ms(g), ms(g / d) [, ms(theta / d)].
 
 
 def _checked_hyper(
@@ -251,13 +252,12 @@ def scale_by_fadam(
     decay = _decay_mask(weight_decay_mask, updates, params, no_decay)
     stats = _fisher_statistic(source, updates, per_example_grads, fisher)
     thetas = _params_leaves(params, updates)
-    step = lambda: _fadam_update(
-      updates, state, thetas, decay, stats, b2, hyper
-    )
     # The raw inputs: a finite per-example gradient whose squares overflow
     # is an overflowing step (zero updates), not a non-finite input.
     inputs = stats if per_example_grads is None else per_example_grads
-    return numerics.skip_nonfinite_step(step, updates, state, inputs=inputs)
+    return _fadam_update(
+      updates, state, thetas, decay, stats, b2, hyper, inputs
+    )
 
   # optax types update's state as OptState; ours is an FAdamState.
   return optax.GradientTransformationExtraArgs(
@@ -395,8 +395,13 @@ def _debiased_b2(b2: Any, count: jax.typing.ArrayLike) -> jax.Array:
 
 def _mean_square(x: jax.Array) -> jax.Array:
   # A reduction, not a dot: a dot over sharded axes needs an explicit
-  # out_sharding under explicit-sharding meshes.
-  return jnp.mean(jnp.square(x))
+  # out_sharding under explicit-sharding meshes. Rows first: XLA:CPU fuses
+  # the producer of x (g / d) into a row reduction, while it hands a whole
+  # reduction of a square to a library kernel that needs x in memory.
+  sq = jnp.square(x)
+  if x.ndim > 1:
+    sq = jnp.sum(sq, axis=-1)
+  return jnp.sum(sq) / x.size
 
 
 def _eps_term(ms_g: jax.Array, cd: jnp.dtype, hp: _Hyper) -> jax.Array:
@@ -438,14 +443,16 @@ def _leaf_plan(
   sq = jnp.square(g32) if sq is None else jnp.asarray(sq, cd)
   ms_g = _mean_square(g32)
   eps_term = _eps_term(ms_g, cd, hp)
-  d = _denominator(bh * f_old.astype(cd) + (1.0 - bh) * sq, eps_term, hp)
+  f = bh * f_old.astype(cd) + (1.0 - bh) * sq
+  d = _denominator(f, eps_term, hp)
   ms_n = _mean_square(g32 / d)
   coef_n = (1.0 - hp.b1) / jnp.maximum(1.0, jnp.sqrt(ms_n) / hp.clip)
-  coef_w = None
+  coef_w, mean_squares = None, (ms_g, ms_n)
   if decay:
     ms_w = _mean_square(jnp.asarray(theta, cd) / d)
     coef_w = hp.weight_decay / jnp.maximum(1.0, jnp.sqrt(ms_w) / hp.clip)
-  return _LeafPlan(g32, sq, bh, eps_term, coef_n, coef_w, (ms_g, ms_n))
+    mean_squares += (ms_w,)
+  return _LeafPlan(g32, sq, bh, f, d, coef_n, coef_w, mean_squares)
 
 
 def _leaf_step(
@@ -455,27 +462,32 @@ def _leaf_step(
   f_old: jax.Array,
   theta: jax.Array | None,
   ok: jax.Array,
+  fill: jax.Array,
   hp: _Hyper,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """Pass 2: one leaf's output, momentum and Fisher.
+  """Pass 2: one leaf's output, momentum and Fisher after the policy.
 
-  ``ok`` False (a natural gradient whose mean square overflowed, which the
-  clip would otherwise hide) makes the output NaN, so the non-finite policy
-  skips the step.
+  ``ok`` False keeps the old statistics and outputs ``fill``. ``d`` is pass
+  1's (XLA:CPU stores it anyway; a second square root of the new Fisher
+  would be a second stored array). The output reads the new momentum once
+  stored, so the donated state is updated in place: a second read of the
+  old momentum would make XLA copy it.
   """
-  g32, cd = plan.g, plan.g.dtype
-  f = plan.b2_hat * f_old.astype(cd) + (1.0 - plan.b2_hat) * plan.sq
-  d = _denominator(f, plan.eps_term, hp)
+  g32, cd, d = plan.g, plan.g.dtype, plan.d
+  f_new = jnp.where(ok, plan.f, f_old.astype(cd)).astype(f_old.dtype)
   m = hp.b1 * m_old.astype(cd) + plan.coef_n * (g32 / d)
-  out = m
+  m_new = jnp.where(ok, m, m_old.astype(cd)).astype(m_old.dtype)
+  out = m_new.astype(cd) if m_new.dtype == cd else m
   if plan.coef_w is not None:
-    out = m + plan.coef_w * (jnp.asarray(theta, cd) / d)
-  out = jnp.where(ok, out, jnp.nan)
-  return (
-    out.astype(jnp.result_type(g)),
-    m.astype(m_old.dtype),
-    f.astype(f_old.dtype),
-  )
+    out = out + plan.coef_w * (jnp.asarray(theta, cd) / d)
+  out = jnp.where(ok, out, fill.astype(cd))
+  return out.astype(jnp.result_type(g)), m_new, f_new
+
+
+def _narrows(stored: jax.Array, plan: _LeafPlan) -> bool:
+  """Whether storing a statistic can overflow (e.g. a float16 ``fim``)."""
+  big = lambda dt: jnp.finfo(dt).max
+  return bool(big(stored.dtype) < big(plan.g.dtype))
 
 
 def _fadam_update(
@@ -486,10 +498,21 @@ def _fadam_update(
   stats: list[Any],
   b2: Any,
   hp: _Hyper,
+  inputs: PyTree,
 ) -> tuple[optax.Updates, FAdamState]:
-  """One FAdam step over all leaves (two passes, see the leaf functions).
+  """One FAdam step over all leaves, under the non-finite policy.
 
-  Runs only on finite inputs (under the non-finite policy).
+  Two passes over the leaves (pass 1 reduces, pass 2 writes, see the leaf
+  functions), with :func:`fisher_optax.fisher.numerics.skip_nonfinite_step`'s
+  policy folded in rather than wrapped around them: that wrapper's cond,
+  finiteness checks of the results and select of the old state would cost
+  several more passes over the state, and a copy of it when it is donated.
+  The policy's decision is known after pass 1: the pass-1 mean squares are
+  finite exactly when ``g``, ``g / d`` and ``theta / d`` are (or overflow
+  when squared), and then the new Fisher (a convex combination of finite
+  values), momentum and output are finite; so pass 2 selects the old state
+  in the same sweep. Only statistics stored narrower than they are computed
+  (``mu_dtype``/``fim_dtype``) need a check of the stored values.
   """
   treedef = jax.tree.structure(updates)
   grads = treedef.flatten_up_to(updates)
@@ -502,18 +525,40 @@ def _fadam_update(
     None if jnp.size(g) == 0 else _leaf_plan(g, f, th, dc, sq, b2_hat, hp)
     for g, f, th, dc, sq in zip(grads, fims, thetas, decay, stats)
   ]
+  # A NaN/Inf gradient makes ms(g) non-finite, so it needs no check of its
+  # own here.
   ok = numerics.tree_all_finite(
-    [pl.mean_squares for pl in plans if pl is not None]
+    ([pl.mean_squares for pl in plans if pl is not None], inputs)
+  )
+  true, zero = jnp.asarray(True), jnp.zeros([])  # candidates, no policy
+  narrow = [
+    new
+    for g, plan, m, f, theta in zip(grads, plans, mus, fims, thetas)
+    if plan is not None and (_narrows(m, plan) or _narrows(f, plan))
+    for new in _leaf_step(g, plan, m, f, theta, true, zero, hp)[1:]
+  ]
+  if narrow:  # statistics stored narrower than computed may overflow
+    ok = ok & numerics.tree_all_finite(narrow)
+  # The policy's updates on a skipped step: NaN for a non-finite gradient,
+  # else zeros; the gradient is read again only on a skipped step.
+  fill = jax.lax.cond(
+    ok,
+    lambda: jnp.zeros([]),
+    lambda: jnp.where(numerics.tree_all_finite(updates), 0.0, jnp.nan),
   )
   steps = [
-    (g, m, f) if plan is None else _leaf_step(g, plan, m, f, theta, ok, hp)
+    (g, m, f)
+    if plan is None
+    else _leaf_step(g, plan, m, f, theta, ok, fill, hp)
     for g, plan, m, f, theta in zip(grads, plans, mus, fims, thetas)
   ]
   outs, new_mus, new_fims = zip(*steps) if steps else ((), (), ())
+  nf = state.notfinite_count
   return treedef.unflatten(outs), state._replace(
-    count=count_inc,
+    count=jnp.where(ok, count_inc, state.count),
     mu=treedef.unflatten(new_mus),
     fim=treedef.unflatten(new_fims),
+    notfinite_count=jnp.where(ok, nf, optax.safe_increment(nf)),
   )
 
 

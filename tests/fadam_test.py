@@ -649,6 +649,34 @@ class FAdamNonfiniteAndDtypeTest(parameterized.TestCase):
           {"w": bad}, state[0], None
         )
 
+  def test_policy_adds_no_pass_over_the_state(self):
+    # The policy is folded into the two passes: no cond returns a
+    # params-sized array (a second copy of the state, then selected against
+    # the old one), and no params-sized array is checked for finiteness on
+    # every step (a whole pass each; inside a cond branch it runs only on a
+    # skipped step).
+    shape = (16, 8)
+    params = {"w": jnp.ones(shape), "b": jnp.ones((8,))}
+    grads = jax.tree.map(lambda p: 0.5 * p, params)
+    tx = fisher_optax.fadam(1e-2)
+    jaxpr = jax.make_jaxpr(tx.update)(grads, tx.init(params), params)
+
+    def eqns(jx, in_cond=False):
+      for eqn in jx.eqns:
+        yield eqn, in_cond
+        for value in eqn.params.values():
+          for sub in value if isinstance(value, tuple) else (value,):
+            inner = getattr(sub, "jaxpr", sub)
+            if hasattr(inner, "eqns"):
+              yield from eqns(inner, in_cond or eqn.primitive.name == "cond")
+
+    big = lambda v: getattr(v.aval, "shape", None) == shape
+    for eqn, in_cond in eqns(jaxpr.jaxpr):
+      if eqn.primitive.name == "cond":
+        self.assertFalse(any(map(big, eqn.outvars)), eqn)
+      if eqn.primitive.name == "is_finite" and not in_cond:
+        self.assertFalse(any(map(big, eqn.invars)), eqn)
+
   @parameterized.parameters(jnp.float16, jnp.bfloat16)
   def test_half_precision_statistics_do_not_overflow(self, dtype):
     # 1e3 squared is far above float16's largest value (65504).
