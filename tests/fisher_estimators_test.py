@@ -36,7 +36,7 @@ def _setup(family, n=N, seed=0):
 def _scaled_mlp(params, x):
   """An MLP with an element-wise scale the layer path does not cover."""
   h = jnp.tanh(x @ params["dense_0"]["kernel"] + params["dense_0"]["bias"])
-  h = h * params["scale"]
+  h = h * params["scale"] ** 2  # a squared scale: no layer rule matches
   return h @ params["dense_1"]["kernel"] + params["dense_1"]["bias"]
 
 

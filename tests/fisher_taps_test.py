@@ -77,6 +77,15 @@ def _plain_seq(params, ids):
   return jnp.dot(h.sum(axis=1), params["w2"])
 
 
+def _plain_general(params, x):
+  """An N-D kernel contracting two axes, a kernel as the left operand with
+  its axes swapped, elementwise scale (vector and scalar) and positions."""
+  h = jnp.einsum("btij,ijk->btk", x, params["w3"])  # (B, T, 4)
+  h = jax.lax.dot_general(params["wl"], h, (((1,), (2,)), ((), ())))
+  h = jnp.tanh(jnp.moveaxis(h, 0, -1)) * params["s"] + params["pos"]
+  return (h * params["c"]).sum(1) @ params["w2"]
+
+
 def _model(name: str, dtype=None):
   """Returns (apply_fn, params, inputs, out_dim) for a named test model."""
   dtype = dtype or jnp.float64
@@ -108,12 +117,30 @@ def _model(name: str, dtype=None):
       "w2": jax.random.normal(k[3], (6, 3), dtype) / 3,
     }
     return _plain_seq, params, ids.at[1, 3].set(-1), 3
+  if name == "plain_general":
+    k = jax.random.split(kp, 6)
+    params = {
+      "w3": jax.random.normal(k[0], (2, 3, 4), dtype) / 2,
+      "wl": jax.random.normal(k[1], (5, 4), dtype) / 2,
+      "s": jax.random.normal(k[2], (5,), dtype),
+      "pos": jax.random.normal(k[3], (T, 5), dtype),
+      "c": jnp.asarray(1.5, dtype),
+      "w2": jax.random.normal(k[4], (5, 3), dtype) / 3,
+    }
+    return _plain_general, params, jax.random.normal(kx, (B, T, 2, 3), dtype), 3
   raise ValueError(name)
 
 
 # linen_mlp is left to the bf16 test: Linen dense layers are exercised here by
 # linen_seq.
-_MODELS = ("plain_mlp", "nnx_mlp", "linen_seq", "nnx_seq", "plain_seq")
+_MODELS = (
+  "plain_mlp",
+  "nnx_mlp",
+  "linen_seq",
+  "nnx_seq",
+  "plain_seq",
+  "plain_general",
+)
 
 
 # -- oracles ------------------------------------------------------------------
@@ -216,7 +243,8 @@ class LayerStatisticsTest(parameterized.TestCase):
         return g, diag, norms, covered
 
       g, diag, norms, covered = run(params, ids, cot)
-      self.assertEqual(sum(map(bool, jax.tree.leaves(covered))), 11)
+      # Everything, RMS-norm scales and learned positions included.
+      self.assertTrue(all(jax.tree.leaves(covered)))
       for d, n, c, gi in zip(
         _leaf_values(diag),
         _leaf_values(norms),
@@ -349,7 +377,7 @@ class LayerStatisticsTest(parameterized.TestCase):
 
 class CoverageTest(parameterized.TestCase):
   def test_uncovered_leaves_are_reported(self):
-    """Norm scales, convs, tied and reused kernels fall back (None)."""
+    """Convs, tied and reused kernels fall back (None); norms are covered."""
 
     class Mixed(nn.Module):
       @nn.compact
@@ -369,7 +397,9 @@ class CoverageTest(parameterized.TestCase):
     cov = _taps.coverage(model.apply, params, ids)["params"]
     self.assertFalse(cov["Embed_0"]["embedding"])
     self.assertFalse(cov["Conv_0"]["kernel"])
-    self.assertFalse(cov["LayerNorm_0"]["scale"])
+    self.assertTrue(cov["LayerNorm_0"]["scale"])
+    self.assertIn("used 2 times", cov["Dense_0"]["kernel"].reason)
+    self.assertIn("conv_general_dilated", cov["Conv_0"]["kernel"].reason)
     self.assertFalse(cov["Dense_0"]["kernel"])
     self.assertFalse(cov["Dense_0"]["bias"])
     self.assertTrue(cov["head"]["kernel"])
@@ -388,7 +418,7 @@ class CoverageTest(parameterized.TestCase):
         else:
           self.assertIsNone(d)
 
-  def test_bias_with_second_consumer_is_not_covered(self):
+  def test_bias_with_second_consumer_is_an_elementwise_shift(self):
     params = {"w": jnp.ones((3, 2)), "b": jnp.ones(2)}
     x = jnp.ones((4, 3))
 
@@ -397,7 +427,8 @@ class CoverageTest(parameterized.TestCase):
       return (z + p["b"]) * z  # the product feeds the bias add and more
 
     cov = _taps.coverage(apply_fn, params, x)
-    self.assertEqual(cov, {"w": True, "b": False})
+    self.assertEqual(cov["w"].reason, "the kernel of a dot_general")
+    self.assertEqual(cov["b"].reason, "an elementwise shift (add)")
 
   def test_stacked_linear_layers_are_covered(self):
     """A product feeding another product directly (no bias, no activation)."""
@@ -405,7 +436,7 @@ class CoverageTest(parameterized.TestCase):
     cov = _taps.coverage(
       lambda p, x: x @ p["w1"] @ p["w2"], params, jnp.ones((5, 3))
     )
-    self.assertEqual(cov, {"w1": True, "w2": True})
+    self.assertTrue(cov["w1"] and cov["w2"])
 
   def test_coverage_on_shape_dtype_structs(self):
     params = fisher_testing.mlp_params(jax.random.key(0))

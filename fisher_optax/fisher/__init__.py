@@ -82,10 +82,13 @@ also for bf16 and float16 models: values are widened before they are
 squared. The estimator transforms skip a non-finite step, keep their
 statistic and count it in ``notfinite_count``.
 
-**Paths.** ``method="auto"`` uses layer statistics (zero taps on dense and
-embedding pre-activations) where they apply and the generic per-example path
+**Paths.** ``method="auto"`` uses layer statistics (zero taps on the
+outputs of products with a parameter, embeddings and elementwise scales and
+shifts) where they apply and the generic per-example path
 (:func:`per_example_grads`-style ``vmap`` of VJPs, chunked by
-``chunk_size``) elsewhere; both give the same numbers.
+``chunk_size``) elsewhere; both give the same numbers. :func:`coverage`
+says which path each leaf takes and why; a :class:`FisherFallbackWarning`
+says so once when more than a tenth of the parameters fall back.
 
 Example:
   >>> import jax, jax.numpy as jnp
@@ -132,6 +135,9 @@ from fisher_optax.fisher._statistics import DiagonalFisher
 from fisher_optax.fisher._statistics import FisherStatistic
 from fisher_optax.fisher._statistics import KroneckerFisher
 from fisher_optax.fisher._statistics import LowRankFisher
+from fisher_optax.fisher._taps import FisherFallbackWarning
+from fisher_optax.fisher._taps import LeafCoverage
+from fisher_optax.fisher._taps import coverage
 from fisher_optax.fisher._transforms import EstimateFisherDiagState
 from fisher_optax.fisher._transforms import EstimateFisherLowRankState
 from fisher_optax.fisher._transforms import estimate_fisher_diag
@@ -146,14 +152,17 @@ __all__ = [
   "DiagonalFisher",
   "EstimateFisherDiagState",
   "EstimateFisherLowRankState",
+  "FisherFallbackWarning",
   "FisherStatistic",
   "Gaussian",
   "HeteroscedasticGaussian",
   "KroneckerFisher",
+  "LeafCoverage",
   "Likelihood",
   "LossLikelihood",
   "LowRankFisher",
   "RankOneSumFisher",
+  "coverage",
   "diagonal",
   "diagonal_from_grads",
   "diagonal_from_loss",

@@ -6,8 +6,9 @@ mean loss gradient, turns the outputs into per-example output cotangents
 ``r_{s,n}`` (:func:`fisher_optax.fisher._likelihoods.output_cotangents`), and
 reduces the pseudo-gradients ``g_{s,n} = J_n^T r_{s,n}`` to *sums* by either
 
-- the layer-statistics path (``fisher_optax.fisher._taps``: dense and
-  embedding layers, never forming ``B x P``), or
+- the layer-statistics path (``fisher_optax.fisher._taps``: products with
+  a parameter, embeddings, elementwise scales and shifts, never forming
+  ``B x P``; :func:`fisher_optax.fisher.coverage` says which leaves), or
 - the generic per-example path (``vmap`` of one-example VJPs, chunked),
 
 then all-reduces the sums over ``axis_name`` (when given) and divides by the
@@ -251,6 +252,14 @@ def _use_taps(method: str) -> bool:
   return method != "per_example"
 
 
+def _warn_fallback(ps: _Pass, method: str, structure: str = "diag") -> None:
+  """One :class:`_taps.FisherFallbackWarning` per model when ``auto`` sends
+  more than a tenth of the parameters to the per-example path."""
+  if method == "auto" and ps.layers is not None:
+    # stacklevel: _taps.warn_fallback, here, the estimator, its wrapper.
+    _taps.warn_fallback(ps.layers.tape, structure=structure, stacklevel=4)
+
+
 def _check_covered(covered: PyTree, method: str) -> None:
   if method != "taps":
     return
@@ -259,8 +268,8 @@ def _check_covered(covered: PyTree, method: str) -> None:
   if missing:
     raise ValueError(
       "method='taps' cannot compute these leaves from layer statistics "
-      f"(not dense/embedding layers): {missing}. Use method='auto' to fall "
-      "back to the per-example path for them."
+      f"(no layer rule matches; fisher.coverage says why): {missing}. Use "
+      "method='auto' to fall back to the per-example path for them."
     )
 
 
@@ -401,6 +410,7 @@ def diagonal(
     return _statistics.DiagonalFisher(diag, ps.mean_grad, ps.count, kind)
   if _use_taps(method):
     _check_covered(ps.covered, method)
+    _warn_fallback(ps, method)
     sums = _diag_sums_taps(ps)
   else:
     sums = _diag_sums(ps)
@@ -564,6 +574,7 @@ def low_rank(
     count = ps.count
     if use_layers:
       _check_covered(ps.covered, method)
+      _warn_fallback(ps, method)
       return _low_rank_taps(ps, rank, kind)
     stacked = _stacked_pseudo_grads(ps)
     if axis_name is not None:
@@ -891,7 +902,11 @@ def kronecker(
     left, right = _shampoo_factors(ps, num_iters)
     estimator_name = "shampoo"
   else:
+    # Leaves whose K-FAC factors do not fit their matrix view (attention
+    # q/k/v kernels, elementwise parameters) take Shampoo factors.
+    ps = ps._replace(covered=ps.layers.tape.covered_for("kron"))
     _check_covered(ps.covered, "taps" if estimator == "kfac" else method)
+    _warn_fallback(ps, method, "kron")
     left, right, mixed = _kfac_factors(ps, num_iters)
     estimator_name = "mixed" if mixed else "kfac"
   return _statistics.KroneckerFisher(

@@ -21,26 +21,45 @@ the per-example ``delta`` for all examples at once, at the cost of one backward
 pass (vmapped over the ``S`` cotangents).
 
 **How layers are found.** No model edits and no Flax hooks: the apply function
-is traced to a jaxpr and the dense and embedding patterns are matched on it,
-so the same code serves Flax Linen (``nn.Dense``, ``nn.Embed``,
-``model.apply``), Flax NNX (``nnx.Linear``, ``nnx.Embed`` behind an
-``nnx.merge`` function) and plain functions (``x @ p["w"] + p["b"]``,
-``jnp.take(table, ids, axis=0)``).
-A parameter leaf is *covered* when its only use is one of
+is traced to a jaxpr and generic patterns are matched on it, whatever module
+produced them, so the same code serves Flax Linen (``model.apply``), Flax NNX
+(an ``nnx.merge`` function) and plain functions. A parameter leaf is
+*covered* when its only use is one of
 
-* the right operand of a ``dot_general`` contracting the last axis of an
-  activation with the first axis of the 2-D leaf (``x @ W``, ``jnp.dot``,
-  ``jnp.einsum("...d,de->...e")``, Linen ``Dense``, NNX ``Linear``);
-* a 1-D leaf reshaped or broadcast along the last axis and added to such a
-  product, the product having no other consumer (the bias);
+* an operand of a ``dot_general`` whose other operand is an activation
+  ``x`` with the examples on axis 0: any contraction of feature axes of ``x``
+  with axes of the N-D kernel, no ``dot_general`` batch axes; the other axes
+  of ``x`` (positions) are weight-shared (``x @ W``, ``jnp.einsum``, Linen
+  ``Dense``/``DenseGeneral``/``Einsum``, the ``(d, heads, head_dim)`` and
+  ``(heads, head_dim, d)`` kernels of ``MultiHeadDotProductAttention``, NNX
+  ``Linear``/``LinearGeneral``/``MultiHeadAttention``). Diagonal and Gram
+  are exact; the example gradient is the ``(K, O)`` matrix
+  ``sum_t x_t delta_t^T`` (contracted axes ``K``, kernel free axes ``O``)
+  mapped back to the kernel's axis order;
+* a leaf reshaped or broadcast over the leading axes and added to such a
+  product that has no other consumer (its bias, N-D for ``DenseGeneral``);
 * the table of a row ``gather`` (``jnp.take(table, ids, axis=0)``,
-  ``table[ids]``, Linen ``Embed``, NNX ``Embed``).
+  ``table[ids]``, Linen/NNX ``Embed``);
+* an elementwise scale ``y = x * p`` or shift ``y = x + p`` with ``p`` a leaf
+  broadcast along the example axis (and possibly others): ``LayerNorm`` and
+  ``RMSNorm`` scales and biases, learned positional parameters, a bias whose
+  product has other consumers. The output ``y`` is tapped; the example
+  gradient is ``x * delta`` (scale) or ``delta`` (shift) summed over the
+  broadcast axes.
 
 Casts (``convert_element_type``) and ``jit``/``remat`` boundaries are looked
-through. A leaf used any other way (a layer-norm scale, a convolution kernel, a
-kernel used twice as in tied embeddings, a kernel inside ``scan`` or a
-``custom_jvp``) is reported as not covered; the engine computes it by the
-per-example path.
+through. A leaf used any other way (a convolution kernel, a kernel used twice
+as in tied embeddings, a leaf inside ``scan`` or a ``custom_jvp``) is not
+covered; the engine computes it by the per-example path, and
+:func:`coverage` says which path each leaf takes and why.
+
+**K-FAC factors** exist for a leaf whose matrix view (all axes but the last
+as rows) is the ``(K, O)`` layout: dense kernels with one output axis after
+the contracted ones (``Dense``, an attention output projection), embeddings
+and vector biases. Attention ``q``/``k``/``v`` kernels ``(d, heads,
+head_dim)``, their ``(heads, head_dim)`` biases and elementwise parameters
+have none; :func:`fisher_optax.fisher.kronecker` gives them Shampoo factors
+from per-example gradients.
 
 **Weight sharing.** When the activation has middle axes (a dense layer applied
 to ``(B, T, d)``), the example gradient is ``sum_t a_t delta_t^T``. Norms and
@@ -97,7 +116,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 import dataclasses
+import math
 from typing import Any
+import warnings
 
 import jax
 from jax import lax
@@ -139,14 +160,31 @@ _DEFAULT_CHUNK_ELEMENTS = 1 << 24
 
 @dataclasses.dataclass
 class _Site:
-  """A matched layer: a dense product or an embedding gather."""
+  """A matched layer: a product, an embedding gather or an elementwise op.
 
-  kind: str  # "dense" | "embed"
+  ``kind`` is ``"dense"`` (a ``dot_general`` with a parameter operand),
+  ``"embed"`` (a row gather of a table), ``"scale"`` (``x * p``) or
+  ``"shift"`` (``x + p``). ``act_index`` is the equation operand recorded
+  as the activation (the other operand of a product, the ids of a gather).
+  """
+
+  kind: str
   path: tuple[int, ...]  # equation indices from the top-level jaxpr down
-  kernel: int  # leaf index of the kernel / table
-  bias: int | None = None  # leaf index of the bias, if matched
+  kernel: int  # leaf index of the kernel / table / elementwise parameter
+  act_index: int = 0
+  bias: int | None = None  # leaf index of the bias, if matched (dense)
   mode: Any = None  # gather mode (embed)
   num_rows: int = 0  # vocabulary size (embed)
+  # dense: the activation as (B, T, K) is x.transpose(x_perm); the output
+  # as (B, T, O) is out.transpose(out_perm); the (K, O) statistic is the
+  # kernel transposed by leaf_perm (contracting axes, then free axes).
+  x_perm: tuple[int, ...] = ()
+  out_perm: tuple[int, ...] = ()
+  leaf_perm: tuple[int, ...] = ()
+  num_free: int = 0  # the kernel's free (output) axes
+  # scale / shift: the parameter broadcast from this shape (same size as
+  # the leaf, ones where it is broadcast) to the output's.
+  compact: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass
@@ -155,6 +193,7 @@ class _Plan:
   roles: list[tuple[int, str] | None]  # per leaf: (site, role) or None
   site_at: dict[tuple[int, ...], int]  # equation path -> site index
   inline: set[tuple[int, ...]]  # call equations to inline
+  reasons: list[str] = dataclasses.field(default_factory=list)  # per leaf
 
 
 def _sub_jaxpr(eqn) -> tuple[Any, Sequence[Any]] | None:
@@ -190,18 +229,36 @@ def _var_uses(jaxpr) -> dict[Any, int]:
   return counts
 
 
-def _is_dense(eqn, batch: int) -> bool:
-  x, w = (v.aval for v in eqn.invars)
+def _dense_layout(eqn, act: int, batch: int) -> dict | None:
+  """The permutations of a ``dot_general`` of an activation and a kernel.
+
+  Operand ``act`` is the activation ``x`` (batch on its axis 0), the other
+  the parameter ``W``. Any contraction of feature axes of ``x`` with axes of
+  ``W`` qualifies (no ``dot_general`` batch axes); the remaining axes of
+  ``x`` after the example axis are weight-shared positions.
+  """
   (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
-  return (
-    len(w.shape) == 2
-    and len(x.shape) >= 2
-    and x.shape[0] == batch
-    and tuple(lc) == (len(x.shape) - 1,)
-    and tuple(rc) == (0,)
-    and not lb
-    and not rb
-  )
+  if lb or rb:
+    return None
+  cx, cw = (lc, rc) if act == 0 else (rc, lc)
+  x, w = eqn.invars[act].aval, eqn.invars[1 - act].aval
+  if len(x.shape) < 2 or x.shape[0] != batch or 0 in cx or not cx:
+    return None
+  fx = [i for i in range(len(x.shape)) if i not in cx]
+  fw = [i for i in range(len(w.shape)) if i not in cw]
+  # Output axes: lhs free axes, then rhs free axes; as (B, T, O) the
+  # activation's come first.
+  nx, nw = len(fx), len(fw)
+  if act == 0:
+    out_perm = tuple(range(nx + nw))
+  else:
+    out_perm = tuple(range(nw, nw + nx)) + tuple(range(nw))
+  return {
+    "x_perm": tuple(fx) + tuple(cx),
+    "out_perm": out_perm,
+    "leaf_perm": tuple(cw) + tuple(fw),
+    "num_free": nw,
+  }
 
 
 def _is_embed(eqn, batch: int) -> bool:
@@ -220,41 +277,51 @@ def _is_embed(eqn, batch: int) -> bool:
   )
 
 
-def _is_bias_view(eqn, kind) -> bool:
-  """A 1-D leaf reshaped/broadcast to (1, ..., 1, d)."""
-  if kind is None or kind[0] != "param":
-    return False
+def _view_of(eqn, kind) -> tuple | None:
+  """``("view", leaf, compact)`` for a reshape/broadcast of a parameter.
+
+  ``compact`` is the leaf's shape with size-one axes inserted (same size,
+  same element order); the value is ``compact`` broadcast to the output.
+  """
+  if kind is None or kind[0] not in ("param", "view"):
+    return None
   src, out = eqn.invars[0].aval, eqn.outvars[0].aval
-  return (
-    len(src.shape) == 1
-    and len(out.shape) >= 1
-    and out.shape[-1] == src.shape[0]
-    and all(d == 1 for d in out.shape[:-1])
-  )
+  compact = tuple(src.shape) if kind[0] == "param" else kind[2]
+  if eqn.primitive.name == "reshape":
+    if eqn.params.get("dimensions") is not None or compact != src.shape:
+      return None
+    return ("view", kind[1], tuple(out.shape))
+  dims = tuple(eqn.params["broadcast_dimensions"])
+  if list(dims) != sorted(set(dims)) or len(dims) != len(compact):
+    return None
+  new = [1] * len(out.shape)
+  for i, d in enumerate(dims):
+    new[d] = compact[i]
+  return ("view", kind[1], tuple(new))
 
 
 @dataclasses.dataclass
 class _Walk:
   """Matching state shared by the recursive walk over (sub-)jaxprs.
 
-  ``uses[leaf]`` lists every use of a parameter leaf as ``(role, site)``;
-  a leaf is covered when its only use is one matched role.
+  ``uses[leaf]`` lists every use of a parameter leaf as ``(role, site,
+  what)``; a leaf is covered when its only use is one matched role.
   """
 
   batch: int
   plan: _Plan
-  uses: list[list[tuple[str, int]]]
+  uses: list[list[tuple[str, int, str]]]
 
-  def other(self, kind) -> None:
+  def other(self, kind, what: str) -> None:
     """Records an opaque use of a (viewed) parameter leaf."""
-    if kind is not None and kind[0] in ("param", "bias"):
-      self.uses[kind[1]].append(("other", -1))
+    if kind is not None and kind[0] in ("param", "view"):
+      self.uses[kind[1]].append(("other", -1, what))
 
-  def add_site(self, site: _Site, role: str) -> int:
+  def add_site(self, site: _Site, role: str, what: str) -> int:
     index = len(self.plan.sites)
     self.plan.sites.append(site)
     self.plan.site_at[site.path] = index
-    self.uses[site.kernel].append((role, index))
+    self.uses[site.kernel].append((role, index, what))
     return index
 
 
@@ -262,8 +329,8 @@ def _scan(jaxpr, env: dict, path: tuple[int, ...], walk: _Walk) -> list:
   """Walks a jaxpr, matching layers; returns the kinds of its outputs.
 
   ``env`` maps a variable to ``("param", leaf)`` (a leaf, possibly cast),
-  ``("bias", leaf)`` (a bias view of a leaf) or ``("site", site)`` (a matched
-  dense product with a single consumer chain).
+  ``("view", leaf, compact)`` (a reshaped or broadcast leaf) or
+  ``("site", site)`` (a matched product with a single consumer chain).
   """
   counts = _var_uses(jaxpr)
   for i, eqn in enumerate(jaxpr.eqns):
@@ -275,7 +342,7 @@ def _scan(jaxpr, env: dict, path: tuple[int, ...], walk: _Walk) -> list:
       _scan_call(eqn, kinds, env, here, walk)
     elif not _match(eqn, kinds, env, here, walk, counts):
       for k in kinds:
-        walk.other(k)
+        walk.other(k, f"an operand of {eqn.primitive.name}")
   return [env.get(v) if isinstance(v, jex.Var) else None for v in jaxpr.outvars]
 
 
@@ -295,7 +362,7 @@ def _scan_call(eqn, kinds: list, env: dict, here: tuple[int, ...], walk: _Walk):
 def _match(
   eqn, kinds: list, env: dict, here: tuple[int, ...], walk: _Walk, counts
 ) -> bool:
-  """Records the cast, layer or bias an equation forms; False if none."""
+  """Records the cast, view, layer or bias an equation forms; False if none."""
   name = eqn.primitive.name
   first = kinds[0]
   if name in _PASS_THROUGH:
@@ -303,7 +370,7 @@ def _match(
       len(kinds) == 1
       and first is not None
       and (
-        first[0] in ("param", "bias")
+        first[0] in ("param", "view")
         or (first[0] == "site" and counts[eqn.invars[0]] == 1)
       )
     )
@@ -314,28 +381,35 @@ def _match(
     return _match_dense(eqn, kinds, env, here, walk, counts)
   if name == "gather":
     return _match_embed(eqn, kinds, here, walk)
-  if name in ("reshape", "broadcast_in_dim") and _is_bias_view(eqn, first):
-    env[eqn.outvars[0]] = ("bias", first[1])
-    return True
-  if name == "add" and len(kinds) == 2:
-    return _match_bias_add(eqn, kinds, walk)
+  if name in ("reshape", "broadcast_in_dim") and len(kinds) == 1:
+    view = _view_of(eqn, first)
+    if view is not None:
+      env[eqn.outvars[0]] = view
+    return view is not None
+  if name in ("add", "mul") and len(kinds) == 2:
+    return (name == "add" and _match_bias_add(eqn, kinds, walk)) or (
+      _match_elementwise(eqn, kinds, here, walk)
+    )
   return False
 
 
 def _match_dense(eqn, kinds, env, here, walk: _Walk, counts) -> bool:
-  """``x @ W``: a site whose product may be followed by a bias."""
-  x_kind, w_kind = kinds
-  if (
-    (x_kind is not None and x_kind[0] != "site")
-    or w_kind is None
-    or w_kind[0] != "param"
-    or not _is_dense(eqn, walk.batch)
-  ):
-    return False
-  site = walk.add_site(_Site("dense", here, w_kind[1]), "kernel")
-  if counts[eqn.outvars[0]] == 1:
-    env[eqn.outvars[0]] = ("site", site)
-  return True
+  """``x . W``: a site whose product may be followed by a bias."""
+  for act in (0, 1):
+    x_kind, w_kind = kinds[act], kinds[1 - act]
+    if (x_kind is not None and x_kind[0] != "site") or (
+      w_kind is None or w_kind[0] != "param"
+    ):
+      continue
+    layout = _dense_layout(eqn, act, walk.batch)
+    if layout is None:
+      return False
+    site = _Site("dense", here, w_kind[1], act_index=act, **layout)
+    index = walk.add_site(site, "kernel", "the kernel of a dot_general")
+    if counts[eqn.outvars[0]] == 1:
+      env[eqn.outvars[0]] = ("site", index)
+    return True
+  return False
 
 
 def _match_embed(eqn, kinds, here, walk: _Walk) -> bool:
@@ -352,50 +426,112 @@ def _match_embed(eqn, kinds, here, walk: _Walk) -> bool:
     "embed",
     here,
     table[1],
+    act_index=1,
     mode=eqn.params["mode"],
     num_rows=eqn.invars[0].aval.shape[0],
   )
-  walk.add_site(site, "table")
+  walk.add_site(site, "table", "an embedding table (row gather)")
   return True
 
 
 def _match_bias_add(eqn, kinds, walk: _Walk) -> bool:
-  """``site + bias view``: the site's bias, if it has none yet."""
+  """``site + bias view``: the site's bias, if it has none yet.
+
+  The bias spans exactly the kernel's output axes (the trailing axes of
+  the product), broadcast over the example and position axes.
+  """
   for j in (0, 1):
     site_k, bias_k = kinds[j], kinds[1 - j]
     if (
-      site_k is not None
-      and site_k[0] == "site"
-      and bias_k is not None
-      and bias_k[0] == "bias"
-      and eqn.invars[j].aval.shape[-1] == eqn.invars[1 - j].aval.shape[-1]
-      and eqn.outvars[0].aval.shape == eqn.invars[j].aval.shape
+      site_k is None
+      or site_k[0] != "site"
+      or bias_k is None
+      or bias_k[0] != "view"
     ):
-      site = walk.plan.sites[site_k[1]]
-      if site.bias is None:
-        site.bias = bias_k[1]
-        walk.uses[bias_k[1]].append(("bias", site_k[1]))
-        return True
+      continue
+    site = walk.plan.sites[site_k[1]]
+    shape = tuple(eqn.invars[j].aval.shape)
+    lead = len(shape) - site.num_free
+    if (
+      site.kind != "dense"
+      or site.act_index != 0
+      or site.bias is not None
+      or site.num_free < 1
+      or bias_k[2] != (1,) * lead + shape[lead:]
+      or tuple(eqn.outvars[0].aval.shape) != shape
+    ):
+      continue
+    site.bias = bias_k[1]
+    walk.uses[bias_k[1]].append(("bias", site_k[1], "the bias of a product"))
+    return True
+  return False
+
+
+def _match_elementwise(eqn, kinds, here, walk: _Walk) -> bool:
+  """``x * p`` or ``x + p``: an elementwise scale or shift parameter.
+
+  ``p`` is a leaf broadcast along the example axis (and any others) to the
+  output, ``x`` anything but a parameter; the output is tapped and the
+  example gradient is ``delta`` (shift) or ``x * delta`` (scale) summed over
+  the broadcast axes.
+  """
+  out = eqn.outvars[0].aval
+  for j in (0, 1):
+    p_k, x_k = kinds[j], kinds[1 - j]
+    if p_k is None or p_k[0] not in ("param", "view"):
+      continue
+    if x_k is not None and x_k[0] != "site":
+      return False
+    compact = tuple(eqn.invars[j].aval.shape) if p_k[0] == "param" else p_k[2]
+    if not compact:  # a scalar parameter broadcasts along every axis
+      compact = (1,) * len(out.shape)
+    if (
+      len(out.shape) < 1
+      or out.shape[0] != walk.batch
+      or len(compact) != len(out.shape)
+      or compact[0] != 1
+      or any(c not in (1, o) for c, o in zip(compact, out.shape))
+    ):
+      return False
+    kind = "shift" if eqn.primitive.name == "add" else "scale"
+    site = _Site(kind, here, p_k[1], act_index=1 - j, compact=compact)
+    walk.add_site(site, "bias", f"an elementwise {kind} ({eqn.primitive.name})")
+    return True
   return False
 
 
 def _make_plan(closed, num_leaves: int, batch: int) -> _Plan:
   plan = _Plan(sites=[], roles=[None] * num_leaves, site_at={}, inline=set())
-  uses: list[list[tuple[str, int]]] = [[] for _ in range(num_leaves)]
+  uses: list[list[tuple[str, int, str]]] = [[] for _ in range(num_leaves)]
   env = {
     v: ("param", i) for i, v in enumerate(closed.jaxpr.invars[:num_leaves])
   }
   out_kinds = _scan(closed.jaxpr, env, (), _Walk(batch, plan, uses))
   for k in out_kinds:  # a leaf returned as an output is an opaque use
-    if k is not None and k[0] in ("param", "bias"):
-      uses[k[1]].append(("other", -1))
+    if k is not None and k[0] in ("param", "view"):
+      uses[k[1]].append(("other", -1, "returned by apply_fn"))
   for leaf, u in enumerate(uses):
     if len(u) == 1 and u[0][0] != "other":
-      role, site = u[0]
+      role, site, _ = u[0]
       plan.roles[leaf] = (site, role)
+    plan.reasons.append(_reason(u))
   # A bias whose product is not tapped for its kernel still needs the tap;
   # every site is tapped, uncovered ones simply go unused.
   return plan
+
+
+def _reason(uses: list[tuple[str, int, str]]) -> str:
+  """Why a leaf is (not) on the layer path, from its recorded uses."""
+  if not uses:
+    return "not used by apply_fn"
+  if len(uses) == 1:
+    role, _, what = uses[0]
+    return what if role != "other" else f"{what}: no layer rule matches"
+  whats = sorted({w for _, _, w in uses})
+  return (
+    f"used {len(uses)} times ({'; '.join(whats)}): a shared parameter "
+    "needs its uses summed per example"
+  )
 
 
 # --------------------------------------------------------------------------
@@ -436,8 +572,7 @@ def _eval(jaxpr, consts, args, path, plan: _Plan, taps, acts: dict) -> list:
       outs = _bind(eqn, invals)
       site = plan.site_at.get(here)
       if site is not None:
-        kind = plan.sites[site].kind
-        acts[site] = invals[0] if kind == "dense" else invals[1]
+        acts[site] = invals[plan.sites[site].act_index]
         outs = [outs[0] + taps[site]]
     for v, x in zip(eqn.outvars, outs):
       if not isinstance(v, jex.DropVar):
@@ -499,6 +634,19 @@ class LayerTape:
   @property
   def covered(self) -> PyTree:
     return jax.tree_util.tree_unflatten(self._treedef, self._covered)
+
+  def covered_for(self, structure: str) -> PyTree:
+    """Like ``covered``, for the leaves ``statistics(structure)`` fills.
+
+    ``"kron"`` leaves out covered leaves whose K-FAC factors do not fit
+    their matrix view (:class:`LeafCoverage` ``kronecker``).
+    """
+    if structure != "kron":
+      return self.covered
+    cov = _leaf_coverage(self._plan, self._leaves)
+    return jax.tree_util.tree_unflatten(
+      self._treedef, [c.kronecker for c in cov]
+    )
 
   def _prepare(self, cotangents: PyTree, lead: int) -> tuple[PyTree, int]:
     """Checks cotangents against the outputs and casts them to their dtype."""
@@ -644,6 +792,26 @@ def record(
 # Statistics from (a, delta).
 
 
+def _kron_ok(site: _Site, role: str, shape: tuple[int, ...]) -> bool:
+  """Whether K-FAC factors of a covered leaf fit its matrix view.
+
+  A :class:`KroneckerFisher` views a leaf ``(*s, n)`` as ``(prod(s), n)``:
+  a kernel's factors ``(K, K)`` and ``(O, O)`` fit when its contracted axes
+  lead and one output axis trails (``Dense``, an attention output
+  projection); a bias's ``[[B]]`` and ``(O, O)`` when it is a vector. An
+  elementwise scale or shift has no K-FAC rule (Shampoo factors from its
+  per-example gradients are already its exact block when it is a vector).
+  """
+  if site.kind in ("scale", "shift"):
+    return False
+  if role == "bias":
+    return len(shape) <= 1
+  if site.kind == "embed":
+    return True
+  n = len(site.leaf_perm)
+  return site.num_free == 1 and site.leaf_perm == tuple(range(n))
+
+
 def _chunk_map(
   fn: Callable[..., Array], xs: Sequence[Array], chunk: int
 ) -> Array:
@@ -669,6 +837,11 @@ class LayerGrads:
     self._deltas = deltas
     self.num_samples = num_samples
 
+  @property
+  def tape(self) -> LayerTape:
+    """The recorded forward pass these cotangents were pulled back on."""
+    return self._tape
+
   def take(self, samples: slice) -> LayerGrads:
     """Restricts to a slice of the ``S`` sample axis."""
     deltas = tuple(d[samples] for d in self._deltas)
@@ -679,16 +852,31 @@ class LayerGrads:
     )
     return LayerGrads(self._tape, deltas, num)
 
-  # Per-site views: a (B, T, d_in) or ids (B, T); delta (S, B, T, d_out).
+  # Per-site views: a (B, T, K) or ids (B, T); delta (S, B, T, O). An
+  # elementwise parameter takes the bias role: delta (S, B, R, P), its
+  # example gradient the sum over the R broadcast positions, P in leaf order.
   def _site(self, s: int):
     site = self._tape._plan.sites[s]
     b = self._tape.batch
     delta = numerics.widen(self._deltas[s])
-    delta = delta.reshape(delta.shape[0], b, -1, delta.shape[-1])
     act = self._tape._acts[s]
     if site.kind == "dense":
-      act = numerics.widen(act).reshape(b, -1, act.shape[-1])
-      return site, act, delta, None
+      delta = jnp.transpose(delta, (0, *(1 + i for i in site.out_perm)))
+      o = math.prod(delta.shape[delta.ndim - site.num_free :])
+      delta = delta.reshape(delta.shape[0], b, -1, o)
+      act = jnp.transpose(numerics.widen(act), site.x_perm)
+      k = math.prod(act.shape[act.ndim - len(site.leaf_perm) + site.num_free :])
+      return site, act.reshape(b, -1, k), delta, None
+    if site.kind in ("scale", "shift"):
+      if site.kind == "scale":  # d(x * p)/dp = x, broadcast like the output
+        delta = delta * jnp.broadcast_to(numerics.widen(act), delta.shape[1:])
+      axes = range(1, delta.ndim - 1)
+      summed = [1 + i for i in axes if site.compact[i] == 1]
+      kept = [1 + i for i in axes if site.compact[i] != 1]
+      delta = jnp.transpose(delta, (0, 1, *summed, *kept))
+      p = math.prod(site.compact)
+      return site, None, delta.reshape(delta.shape[0], b, -1, p), None
+    delta = delta.reshape(delta.shape[0], b, -1, delta.shape[-1])
     ids = act.reshape(b, -1).astype(jnp.int32)
     rows = site.num_rows
     if site.mode == lax.GatherScatterMode.CLIP:
@@ -699,6 +887,14 @@ class LayerGrads:
       ids = jnp.where(valid, ids, 0)
     delta = delta * valid[None, :, :, None]
     return site, ids, delta, valid
+
+  def _kernel_to_leaf(self, site: _Site, val: Array, leaf: int) -> Array:
+    """A ``(..., K, O)`` kernel statistic as ``(..., *leaf)``."""
+    shape = self._tape._leaves[leaf].shape
+    lead = val.shape[:-2]
+    val = val.reshape(lead + tuple(shape[i] for i in site.leaf_perm))
+    inverse = [len(lead) + int(i) for i in np.argsort(site.leaf_perm)]
+    return jnp.transpose(val, (*range(len(lead)), *inverse))
 
   def _leaf_items(self):
     """Yields (leaf index, site index, role) for covered leaves."""
@@ -776,7 +972,7 @@ class LayerGrads:
       )
     if act.shape[1] == 1:  # sum over samples first: one (d_in, B) matmul
       d2 = jnp.sum(delta[:, :, 0] ** 2, axis=0)
-      return act[:, 0].T ** 2 @ d2
+      return self._kernel_to_leaf(site, act[:, 0].T ** 2 @ d2, leaf)
     # Weight sharing: no shortcut, chunked per-example products. One pass
     # per sample keeps the (possibly sharded) batch axis unmerged.
     d_in, d_out = act.shape[-1], delta.shape[-1]
@@ -786,14 +982,17 @@ class LayerGrads:
       g = jnp.einsum("cti,ctj->cij", a, d)
       return jnp.sum(g**2, axis=0)[None]
 
-    return sum(
+    total = sum(
       jnp.sum(_chunk_map(part, [act, delta[s]], chunk), axis=0)
       for s in range(delta.shape[0])
     )
+    return self._kernel_to_leaf(site, jnp.asarray(total), leaf)
 
   def _kron(self, site_view, role, leaf, chunk_size):
     del chunk_size
     site, act, delta, valid = site_view
+    if not _kron_ok(site, role, self._tape._leaves[leaf].shape):
+      return None
     gamma = jnp.einsum("sntd,snte->de", delta, delta)
     t = delta.shape[2]
     if role == "bias":
@@ -861,6 +1060,7 @@ class LayerGrads:
       if role == "bias":
         val = jnp.einsum("ksn,sntd->kd", w, delta)
       elif site.kind == "embed":
+        assert act is not None  # the ids
         wd = jnp.einsum("ksn,sntd->kntd", w, delta)
         val = (
           jnp.zeros((k,) + shape, wd.dtype)
@@ -870,24 +1070,154 @@ class LayerGrads:
       else:  # weight the deltas, then k matmuls over (n, t)
         wd = jnp.einsum("ksn,sntj->kntj", w, delta)
         val = jnp.einsum("nti,kntj->kij", act, wd)
+        val = self._kernel_to_leaf(site, val, leaf)
       out[leaf] = val.reshape((k,) + shape)
     return self._unflatten(out)
 
 
 # --------------------------------------------------------------------------
-# Coverage without running the model.
+# Coverage: which path computes each leaf, and why.
+
+
+class FisherFallbackWarning(UserWarning):
+  """``method="auto"`` sends a large share of the parameters per example.
+
+  Those leaves cost a per-example backward pass and ``chunk_size`` times
+  their size in memory; :func:`coverage` says why each one falls back.
+  Silence it with ``warnings.simplefilter("ignore", FisherFallbackWarning)``
+  or pick the path explicitly with ``method=``.
+  """
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafCoverage:
+  """How ``method="auto"`` computes one parameter leaf's statistics.
+
+  Truthy exactly when the leaf is on the layer path.
+
+  Attributes:
+    path: ``"layer"`` (layer statistics from one backward pass for the whole
+      batch) or ``"per_example"`` (a ``vmap`` of per-example VJPs).
+    reason: the rule that matched (``"the kernel of a dot_general"``,
+      ``"an elementwise scale (mul)"``, ...) or why none did (``"an operand
+      of conv_general_dilated: no layer rule matches"``, ``"used 2 times
+      ..."``).
+    kronecker: whether :func:`fisher_optax.fisher.kronecker` also takes its
+      K-FAC factors from layer statistics; otherwise that leaf gets
+      Shampoo-style factors from per-example gradients.
+  """
+
+  path: str
+  reason: str
+  kronecker: bool = False
+
+  def __bool__(self) -> bool:
+    return self.path == "layer"
+
+
+def _leaf_coverage(plan: _Plan, leaves: Sequence[Any]) -> list[LeafCoverage]:
+  out = []
+  for leaf, (role, reason) in enumerate(zip(plan.roles, plan.reasons)):
+    if role is None:
+      out.append(LeafCoverage("per_example", reason))
+    else:
+      site = plan.sites[role[0]]
+      kron = _kron_ok(site, role[1], tuple(leaves[leaf].shape))
+      out.append(LeafCoverage("layer", reason, kron))
+  return out
 
 
 def coverage(
   apply_fn: Callable[[PyTree, PyTree], PyTree], params: PyTree, inputs: PyTree
 ) -> PyTree:
-  """The params-shaped tree of Python bools: leaves the layer path covers.
+  """Which path computes each parameter leaf under ``method="auto"``, and why.
 
-  Only traces ``apply_fn`` (no FLOPs), so ``params`` and ``inputs`` may be
-  ``jax.ShapeDtypeStruct`` trees.
+  The layer path recognises, in the traced ``apply_fn`` and whatever module
+  produced it: any ``dot_general`` of an activation with a parameter
+  (``Dense``, ``DenseGeneral``, attention projections, ``Einsum``) and its
+  bias, embedding gathers, and elementwise scale and shift parameters
+  (norm scales and biases, learned positions). Only traces ``apply_fn`` (no
+  FLOPs), so ``params`` and ``inputs`` may be ``jax.ShapeDtypeStruct``
+  trees.
+
+  Args:
+    apply_fn: ``apply_fn(params, inputs) -> outputs``, as in
+      :func:`fisher_optax.fisher.diagonal`.
+    params: the parameters (arrays or ``jax.ShapeDtypeStruct``).
+    inputs: a batch of inputs (leading batch axis).
+
+  Returns:
+    A params-shaped tree of :class:`LeafCoverage` (truthy on the layer
+    path).
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from fisher_optax import fisher
+    >>> def apply_fn(p, x):
+    ...   h = jnp.tanh(x @ p["w"] + p["b"]) * p["scale"]
+    ...   return jnp.sin(h * p["t"].sum())
+    >>> params = {"w": jnp.ones((3, 2)), "b": jnp.zeros(2),
+    ...           "scale": jnp.ones(2), "t": jnp.ones(2)}
+    >>> cov = fisher.coverage(apply_fn, params, jnp.ones((4, 3)))
+    >>> cov["w"].path, cov["scale"].reason
+    ('layer', 'an elementwise scale (mul)')
+    >>> cov["t"].path, cov["t"].reason
+    ('per_example', 'an operand of reduce_sum: no layer rule matches')
   """
   leaves, treedef, _, closed, _, batch = _trace(apply_fn, params, inputs)
   plan = _make_plan(closed, len(leaves), batch)
-  return jax.tree_util.tree_unflatten(
-    treedef, [r is not None for r in plan.roles]
+  return jax.tree_util.tree_unflatten(treedef, _leaf_coverage(plan, leaves))
+
+
+# Leaf sets already warned about (the warning is once per model, not per
+# call: estimators run every step).
+_WARNED: set[tuple[str, ...]] = set()
+
+
+def warn_fallback(
+  tape: LayerTape,
+  *,
+  structure: str = "diag",
+  threshold: float = 0.1,
+  stacklevel: int = 2,
+) -> None:
+  """Warns once if more than ``threshold`` of the parameters fall back.
+
+  Args:
+    tape: the recorded forward pass.
+    structure: ``"kron"`` counts leaves without K-FAC factors as falling
+      back; anything else counts leaves off the layer path.
+    threshold: the share of parameters (by count) that triggers it.
+    stacklevel: passed to :func:`warnings.warn`.
+  """
+  leaves = tape._leaves
+  cov = _leaf_coverage(tape._plan, leaves)
+  kron = structure == "kron"
+  sizes = [math.prod(np.shape(x)) for x in leaves]
+  total = sum(sizes)
+  off = [i for i, c in enumerate(cov) if not (c.kronecker if kron else c)]
+  share = sum(sizes[i] for i in off) / max(total, 1)
+  if share <= threshold:
+    return
+  skeleton = jax.tree_util.tree_unflatten(tape._treedef, [0] * len(leaves))
+  names = [
+    jax.tree_util.keystr(p)
+    for p, _ in jax.tree_util.tree_flatten_with_path(skeleton)[0]
+  ]
+  key = (structure if kron else "", *(names[i] for i in off))
+  if key in _WARNED:
+    return
+  _WARNED.add(key)
+  what = "K-FAC factors" if kron else "layer statistics"
+  listed = "; ".join(
+    f"{names[i]}: {'no K-FAC rule' if kron and cov[i] else cov[i].reason}"
+    for i in off
+  )
+  warnings.warn(
+    f"method='auto' has no {what} for {share:.0%} of the parameters and "
+    f"computes them per example (slower, more memory): {listed}. "
+    "fisher.coverage(apply_fn, params, inputs) says which path each leaf "
+    "takes.",
+    FisherFallbackWarning,
+    stacklevel=stacklevel + 1,
   )
