@@ -112,7 +112,7 @@ class _LeafPlan(NamedTuple):
   sq: jax.Array  # The instantaneous Fisher diagonal.
   b2_hat: jax.Array
   f: jax.Array  # The new Fisher diagonal (before the policy).
-  d: jax.Array  # Its denominator f^p + eps_term.
+  eps_term: jax.Array
   coef_n: jax.Array  # (1 - b1) / max(1, RMS(n) / c).
   coef_w: jax.Array | None  # lambda / max(1, RMS(w) / c); None: no decay.
   mean_squares: tuple[jax.Array, ...]  # ms(g), ms(g / d) [, ms(theta / d)].
@@ -452,7 +452,7 @@ def _leaf_plan(
     ms_w = _mean_square(jnp.asarray(theta, cd) / d)
     coef_w = hp.weight_decay / jnp.maximum(1.0, jnp.sqrt(ms_w) / hp.clip)
     mean_squares += (ms_w,)
-  return _LeafPlan(g32, sq, bh, f, d, coef_n, coef_w, mean_squares)
+  return _LeafPlan(g32, sq, bh, f, eps_term, coef_n, coef_w, mean_squares)
 
 
 def _leaf_step(
@@ -467,14 +467,17 @@ def _leaf_step(
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Pass 2: one leaf's output, momentum and Fisher after the policy.
 
-  ``ok`` False keeps the old statistics and outputs ``fill``. ``d`` is pass
-  1's (XLA:CPU stores it anyway; a second square root of the new Fisher
-  would be a second stored array). The output reads the new momentum once
-  stored, so the donated state is updated in place: a second read of the
-  old momentum would make XLA copy it.
+  ``ok`` False keeps the old statistics and outputs ``fill``. ``d`` comes
+  from the stored new Fisher and the output reads the stored momentum, not
+  from pass 1's values: XLA:CPU keeps an intermediate that two fusions read
+  in memory (with a donated state, a temporary allocated at every step),
+  and a second read of the old momentum would make it copy the state.
   """
-  g32, cd, d = plan.g, plan.g.dtype, plan.d
+  g32, cd = plan.g, plan.g.dtype
   f_new = jnp.where(ok, plan.f, f_old.astype(cd)).astype(f_old.dtype)
+  d = _denominator(
+    f_new.astype(cd) if f_new.dtype == cd else plan.f, plan.eps_term, hp
+  )
   m = hp.b1 * m_old.astype(cd) + plan.coef_n * (g32 / d)
   m_new = jnp.where(ok, m, m_old.astype(cd)).astype(m_old.dtype)
   out = m_new.astype(cd) if m_new.dtype == cd else m
