@@ -11,7 +11,16 @@ Three jitted callables are timed in interleaved rounds at every point
 * ``adam``: one ``optax.adam`` update on the same gradient (the baseline).
 
 Sweeps: d at m = 32, and m at a fixed d. The paper claims cost linear in d;
-we fit the log-log slope over the sweep. Run from the repository root::
+we fit the log-log slope over the sweep. A last table times the optimizers
+``fisher_optax.mfac(window_size=32)`` against ``optax.adam`` on one
+2^20-parameter leaf, both with their state donated.
+
+Floor: an M-FAC step must read the ``m x d`` window twice (the new Gram
+column, which is also ``G g``, and the product ``G^T w``), about ``2 m + 4``
+passes over ``d`` floats with the gradient, the written row and the output;
+Adam reads ``g, mu, nu`` and writes ``mu, nu, u``, about 7. The floor ratio
+``(2 m + 4) / 7`` is a memory-traffic bound: measured below it, Adam is not
+memory-bound on that machine. Run from the repository root::
 
   python -m benchmarks.mfac_scaling            # full (a few minutes)
   python -m benchmarks.mfac_scaling --small    # seconds-long smoke run
@@ -95,6 +104,49 @@ def measure(d: int, m: int, rounds: int, inner: int) -> dict[str, Any]:
   }
 
 
+def floor_ratio(m: int) -> float:
+  """Passes over d of an M-FAC step over those of an Adam step."""
+  return (2 * m + 4) / 7
+
+
+def measure_optimizers(d: int, m: int, rounds: int, inner: int) -> dict:
+  """``fisher_optax.mfac`` vs ``optax.adam`` on one leaf, states donated."""
+  params = jnp.zeros((d,))
+  key = jax.random.key(d)
+  g = jax.random.normal(key, (d,))
+  runs, states, steps = {}, {}, {}
+  for name, tx in (
+    ("adam", optax.adam(1e-3)),
+    ("mfac", fisher_optax.mfac(1e-3, window_size=m, damping=1e-3)),
+  ):
+    steps[name] = jax.jit(tx.update, donate_argnums=1)
+    states[name] = tx.init(params)
+    if name == "mfac":  # fill the window
+      for i in range(m):
+        _, states[name] = steps[name](g * (1.0 + i / m), states[name], params)
+
+    def run(name=name):
+      u, states[name] = steps[name](g, states[name], params)
+      return u
+
+    runs[name] = run
+  compiled = steps["mfac"].lower(g, states["mfac"], params).compile()
+  memory = compiled.memory_analysis()
+  window_bytes = 4 * m * d
+  res = common.time_ratios(runs, baseline="adam", rounds=rounds, inner=inner)
+  return {
+    "d": d,
+    "m": m,
+    "adam_median_s": res["adam"]["median_s"],
+    "mfac_median_s": res["mfac"]["median_s"],
+    "mfac_ratio": res["mfac"]["ratio"],
+    "floor_ratio": floor_ratio(m),
+    "temp_over_window": (
+      memory.temp_size_in_bytes / window_bytes if memory else float("nan")
+    ),
+  }
+
+
 def slope(xs, ys) -> float:
   """Least-squares slope of log(y) against log(x)."""
   return float(np.polyfit(np.log(xs), np.log(ys), 1)[0])
@@ -132,7 +184,7 @@ def main(argv):
   del argv
   small = _SMALL.value
   rounds, inner = (3, 2) if small else (_ROUNDS.value, _INNER.value)
-  d_sweep = [2**12, 2**14] if small else [2**14, 2**16, 2**18, 2**20]
+  d_sweep = [2**12, 2**14] if small else [2**14, 2**16, 2**18, 2**20, 2**22]
   m_sweep = [8, 16] if small else [8, 16, 32, 64, 128]
   d_for_m = 2**12 if small else 2**18
   d_rows, m_rows = [], []
@@ -142,6 +194,8 @@ def main(argv):
   for m in m_sweep:
     m_rows.append(measure(d_for_m, m, rounds, inner))
     print(m_rows[-1], flush=True)
+  single = measure_optimizers(2**14 if small else 2**20, 32, rounds, inner)
+  print(single, flush=True)
 
   ds = [r["d"] for r in d_rows]
   slopes = {
@@ -171,6 +225,7 @@ def main(argv):
       fmt_ms(r["mfac_median_s"]),
       fmt_ms(r["adam_median_s"]),
       f"{r['mfac_ratio']:.1f}x",
+      f"{floor_ratio(r['m']):.1f}x",
       f"{r['mfac_state_bytes'] / 2**20:.1f}",
     ]
     for r in d_rows + m_rows
@@ -183,9 +238,32 @@ def main(argv):
       "M-FAC step (ms)",
       "adam step (ms)",
       "M-FAC / adam",
+      "floor (passes)",
       "M-FAC state (MiB)",
     ],
     rows,
+  )
+  single_table = common.markdown_table(
+    [
+      "d (one leaf)",
+      "m",
+      "adam step (ms)",
+      "mfac step (ms)",
+      "mfac / adam",
+      "floor (passes)",
+      "XLA temp / window",
+    ],
+    [
+      [
+        single["d"],
+        single["m"],
+        fmt_ms(single["adam_median_s"]),
+        fmt_ms(single["mfac_median_s"]),
+        f"{single['mfac_ratio']:.1f}x",
+        f"{single['floor_ratio']:.1f}x",
+        f"{single['temp_over_window']:.3f}",
+      ]
+    ],
   )
   at32 = [r for r in d_rows if r["m"] == 32]
   md = (
@@ -195,8 +273,15 @@ def main(argv):
     f"Slope in m at d = {d_for_m}: ihvp {m_slopes['ihvp']:.2f}, M-FAC step "
     f"{m_slopes['mfac']:.2f}. M-FAC step / optax.adam step at m = 32: "
     + ", ".join(f"{r['mfac_ratio']:.1f}x (d = {r['d']})" for r in at32)
-    + ". Absolute times are indicative only (shared 2-core machine).\n\n"
+    + ". Absolute times are indicative only (shared 2-core machine). The "
+    "floor column is (2 m + 4) / 7, the passes over d of an M-FAC step "
+    "(two reads of the window) over an Adam step's.\n\n"
     + table
+    + "\n\n`fisher_optax.mfac(window_size=32)` vs `optax.adam`, one leaf, "
+    "states donated (`jax.jit(update, donate_argnums=1)`); XLA temp / "
+    "window is the compiled step's scratch memory over the window's bytes "
+    "(at least 1 when the step copies the window).\n\n"
+    + single_table
     + "\n"
     + (f"\n![scaling]({name}.png)\n" if plotted else "")
   )
@@ -207,6 +292,7 @@ def main(argv):
       "m_sweep": m_rows,
       "slopes_d": slopes,
       "slopes_m": m_slopes,
+      "single_leaf": single,
       "rounds": rounds,
       "inner": inner,
     },
