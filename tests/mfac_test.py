@@ -487,6 +487,7 @@ class DonatedWindowTest(parameterized.TestCase):
     )
     compiled = step.lower(grads, state).compile()
     memory = compiled.memory_analysis()
+    assert memory is not None
     self.assertLess(memory.temp_size_in_bytes, window_bytes / 4)
     # The donated window is the output's buffer.
     self.assertGreaterEqual(memory.alias_size_in_bytes, window_bytes)
