@@ -351,13 +351,10 @@ def _run_cond_steps(test, case: Case, x64: bool, preds):
       carries = new_carries
 
 
-def check_preserves_dtype(test, case: Case):
-  """Two taken steps keep every parameter's and state leaf's dtype."""
-  _run_cond_steps(test, case, x64=False, preds=(True, True))
-
-
-def check_state_stable_under_cond(test, case: Case):
-  """Taken and skipped ``lax.cond`` branches agree on the state's types."""
+def check_preserves_dtype_under_cond(test, case: Case):
+  """Taken and skipped ``lax.cond`` branches agree on the state's types, and
+  taken steps (two of them, a skipped one between) keep every parameter's and
+  state leaf's dtype, with and without x64."""
   for x64 in (False, True):
     _run_cond_steps(test, case, x64=x64, preds=(True, False, True))
 
@@ -480,8 +477,7 @@ CHECKS: dict[str, Callable[[Any, Case], None]] = {
   ),
   "learning_rate_schedule": check_learning_rate_schedule,
   "inject_hyperparams": check_inject_hyperparams,
-  "preserves_dtype": check_preserves_dtype,
-  "state_stable_under_cond": check_state_stable_under_cond,
+  "preserves_dtype_under_cond": check_preserves_dtype_under_cond,
   "multisteps_first_ministep_is_zero": check_multisteps_first_ministep_is_zero,
   "init_on_shape_dtype_struct": check_init_on_shape_dtype_struct,
   "map_params": check_map_params,

@@ -278,12 +278,8 @@ class ConformanceTest(parameterized.TestCase):
     conformance.check_inject_hyperparams(self, case)
 
   @parameterized.named_parameters(*_ROWS)
-  def test_preserves_dtype(self, case):
-    conformance.check_preserves_dtype(self, case)
-
-  @parameterized.named_parameters(*_ROWS)
-  def test_state_stable_under_cond(self, case):
-    conformance.check_state_stable_under_cond(self, case)
+  def test_preserves_dtype_under_cond(self, case):
+    conformance.check_preserves_dtype_under_cond(self, case)
 
   @parameterized.named_parameters(*_ROWS)
   def test_multisteps_first_ministep_is_zero(self, case):
