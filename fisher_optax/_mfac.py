@@ -675,34 +675,4 @@ def mfac(
     optax.scale_by_learning_rate(learning_rate),
   )
 
-  def update_fn(
-    updates: PyTree,
-    state: tuple[Any, ...],
-    params: PyTree | None = None,
-    **extra_args: Any,
-  ) -> tuple[PyTree, tuple[Any, ...]]:
-    # Checked before the weight decay can broadcast a scalar gradient.
-    if params is not None:
-      validation.check_like(updates, params, what="updates")
-    new_updates, new_state = chain.update(updates, state, params, **extra_args)
-    return new_updates, _keep_on_skip(state, new_state)
-
-  return optax.GradientTransformationExtraArgs(
-    chain.init,
-    update_fn,  # pyright: ignore[reportArgumentType]
-  )
-
-
-def _keep_on_skip(old: tuple[Any, ...], new: Any) -> tuple[Any, ...]:
-  """``mfac``'s chain state after a step that M-FAC may have skipped.
-
-  The momentum (and a schedule's count) after a skipped step would have
-  seen NaN or zero updates; they keep their old state. M-FAC's own state
-  (index 1) already follows the policy, and is not selected whole, so its
-  window is never copied.
-  """
-  skipped = new[1].notfinite_count != old[1].notfinite_count
-  return tuple(
-    n if i == 1 else numerics.tree_select(skipped, o, n)
-    for i, (o, n) in enumerate(zip(old, new))
-  )
+  return numerics.chain_following(chain, 1, check_params=True)

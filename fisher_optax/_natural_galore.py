@@ -857,30 +857,4 @@ def natural_galore(
     optax.scale_by_learning_rate(learning_rate),
   )
 
-  def update_fn(
-    updates: PyTree,
-    state: tuple[Any, ...],
-    params: PyTree | None = None,
-    **extra_args: Any,
-  ) -> tuple[PyTree, tuple[Any, ...]]:
-    new_updates, new_state = chain.update(updates, state, params, **extra_args)
-    return new_updates, _keep_on_skip(state, new_state)
-
-  return optax.GradientTransformationExtraArgs(
-    chain.init,
-    update_fn,  # pyright: ignore[reportArgumentType]
-  )
-
-
-def _keep_on_skip(old: tuple[Any, ...], new: Any) -> tuple[Any, ...]:
-  """``natural_galore``'s chain state after a step that may have been skipped.
-
-  After a step Natural GaLore skipped as non-finite, the learning-rate
-  schedule's count keeps its old value too; Natural GaLore's own state
-  (index 0) already follows the policy.
-  """
-  skipped = new[0].notfinite_count != old[0].notfinite_count
-  return tuple(
-    n if i == 0 else numerics.tree_select(skipped, o, n)
-    for i, (o, n) in enumerate(zip(old, new))
-  )
+  return numerics.chain_following(chain, 0)

@@ -10,12 +10,14 @@ writing their own.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+
+from fisher_optax.fisher import validation
 
 PyTree = Any
 MaskOrFn = PyTree | Callable[[PyTree], PyTree] | None
@@ -387,5 +389,53 @@ def widen_float16_state(
 
   return optax.GradientTransformationExtraArgs(
     init_fn,
+    update_fn,  # pyright: ignore[reportArgumentType]
+  )
+
+
+def chain_following(
+  chain: optax.GradientTransformation,
+  index: int,
+  *,
+  check_params: bool = False,
+) -> optax.GradientTransformationExtraArgs:
+  """An alias's ``optax.chain`` whose every part follows its method's skips.
+
+  The transform at ``index`` of ``chain`` follows :func:`skip_nonfinite_step`
+  (its state has ``notfinite_count``). On a step it skipped, the chain's
+  other states (momentum, a schedule's count) keep their old value too, as
+  if the step had not happened; the method's own state is not selected
+  whole, so a large window in it is never copied.
+
+  Args:
+    chain: the alias's ``optax.chain(...)``.
+    index: the position of the method's transform in the chain.
+    check_params: refuse ``updates`` that do not match ``params`` before any
+      part can broadcast them (e.g. a weight decay before the method).
+
+  Returns:
+    A :class:`optax.GradientTransformationExtraArgs` with ``chain``'s state.
+  """
+  chain = optax.with_extra_args_support(chain)
+
+  def update_fn(
+    updates: PyTree,
+    state: tuple[Any, ...],
+    params: PyTree | None = None,
+    **extra_args: Any,
+  ) -> tuple[PyTree, tuple[Any, ...]]:
+    if check_params and params is not None:
+      validation.check_like(updates, params, what="updates")
+    new_updates, new_state = chain.update(updates, state, params, **extra_args)
+    new_state = cast(tuple[Any, ...], new_state)
+    skipped = new_state[index].notfinite_count != state[index].notfinite_count
+    kept = tuple(
+      n if i == index else tree_select(skipped, o, n)
+      for i, (o, n) in enumerate(zip(state, new_state))
+    )
+    return new_updates, kept
+
+  return optax.GradientTransformationExtraArgs(
+    chain.init,
     update_fn,  # pyright: ignore[reportArgumentType]
   )
