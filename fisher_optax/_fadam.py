@@ -327,10 +327,13 @@ def fadam(
     >>> tx = fisher_optax.fadam(learning_rate=0.1)
     >>> params = jnp.zeros(3)
     >>> state = tx.init(params)
-    >>> for _ in range(100):
+    >>> @jax.jit
+    ... def step(params, state):
     ...   grads = jax.grad(loss)(params)
     ...   updates, state = tx.update(grads, state, params)
-    ...   params = optax.apply_updates(params, updates)
+    ...   return optax.apply_updates(params, updates), state
+    >>> for _ in range(100):
+    ...   params, state = step(params, state)
     >>> bool(loss(params) < 0.05)
     True
 

@@ -646,9 +646,12 @@ def mfac(
     >>> tx = fisher_optax.mfac(1.0, window_size=4, damping=1.0)
     >>> params = jnp.zeros(3)
     >>> state = tx.init(params)
-    >>> for _ in range(20):
+    >>> @jax.jit
+    ... def step(params, state):
     ...   u, state = tx.update(jax.grad(f)(params), state, params)
-    ...   params = optax.apply_updates(params, u)
+    ...   return optax.apply_updates(params, u), state
+    >>> for _ in range(20):
+    ...   params, state = step(params, state)
     >>> bool(f(params) < 1e-2)
     True
 
