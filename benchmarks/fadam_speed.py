@@ -228,6 +228,7 @@ def main(argv):
       "timings": timings,
       "plain_update_timings": plain,
       "floor_ratio": FLOOR,
+      "floors": FLOORS,
       "state_bytes": state_bytes,
       "xla_temp_bytes": temp_bytes,
     },

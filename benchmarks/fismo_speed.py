@@ -36,6 +36,7 @@ _INTERVALS = flags.DEFINE_list(
 _ROOTS = flags.DEFINE_list(
   "root_methods", ["eigh", "newton", "cholesky"], "Root methods to time."
 )
+_OUT = flags.DEFINE_string("out_dir", None, "Results dir (default results/).")
 
 
 def _grads(shapes, seed):
@@ -132,7 +133,7 @@ def main(argv: Any) -> None:
     "amortised_ratio": amortised,
   }
   name = "fismo_speed_small" if _SMALL.value else "fismo_speed"
-  path = common.write_results(name, data, "\n".join(md))
+  path = common.write_results(name, data, "\n".join(md), _OUT.value)
   print("\n".join(md))
   print(f"wrote {path}")
 

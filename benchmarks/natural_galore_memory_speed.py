@@ -29,6 +29,7 @@ _SMALL = flags.DEFINE_bool("small", False, "Tiny shapes, few rounds.")
 _RANK = flags.DEFINE_integer("rank", 64, "Projection rank for the timing.")
 _HISTORY = flags.DEFINE_integer("history_size", 8, "Natural GaLore window s.")
 _ROUNDS = flags.DEFINE_integer("rounds", 15, "Interleaved timing rounds.")
+_OUT = flags.DEFINE_string("out_dir", None, "Results dir (default results/).")
 
 MB = 1e6
 
@@ -271,7 +272,10 @@ def main(argv):
   )
   name = "natural_galore_memory_speed" + ("_small" if small else "")
   path = common.write_results(
-    name, {"memory": mem_records, "speed": speed, "small": small}, md
+    name,
+    {"memory": mem_records, "speed": speed, "small": small},
+    md,
+    _OUT.value,
   )
   print(md)
   print(f"wrote {path}")

@@ -13,6 +13,16 @@ aggregates the existing results. The headline table is also written to
 A benchmark whose results are missing shows
 as "not run". Full-size results are preferred; ``<name>_small`` results are
 used when no full-size ones exist and are labelled as such.
+
+``--speed-only`` runs only the speed benchmarks (``SPEED``), each with
+``--out_dir``, and writes one table of absolute median times, ratios to each
+benchmark's baseline and the floors the benchmarks state (a benchmark may
+store ``floors: {configuration: ratio}`` in its JSON), headed by the device
+the run used: ``speed_<platform>.md`` and ``.json``. The benchmarks' own
+results go to ``benchmarks/results/`` on CPU and ``benchmarks/results/
+<platform>/`` on an accelerator, so a GPU or TPU run never overwrites the CPU
+tables; with ``--small`` everything goes to a temporary folder (smoke numbers
+are not results). ``--speed_out_dir`` chooses the folder.
 """
 
 from __future__ import annotations
@@ -24,6 +34,7 @@ import math
 import pathlib
 import subprocess
 import sys
+import tempfile
 import time
 from typing import Any
 
@@ -41,6 +52,17 @@ flags.DEFINE_integer("timeout", 1800, "Seconds allowed per benchmark.")
 flags.DEFINE_string(
   "output", None, "Report path (default benchmarks/REPORT.md)."
 )
+flags.DEFINE_bool(
+  "speed_only",
+  False,
+  "Run only the speed benchmarks; write speed_<platform>.md (one table).",
+)
+flags.DEFINE_string(
+  "speed_out_dir",
+  None,
+  "Results folder for --speed-only (default: results/ on CPU, "
+  "results/<platform>/ on an accelerator, a temporary folder with --small).",
+)
 FLAGS = flags.FLAGS
 
 HERE = pathlib.Path(__file__).resolve().parent
@@ -57,14 +79,17 @@ def benchmark_names() -> list[str]:
 
 
 def run_benchmarks(
-  names: list[str], small: bool, timeout: int
+  names: list[str],
+  small: bool,
+  timeout: int,
+  out_dir: pathlib.Path | None = None,
 ) -> dict[str, str]:
   """Runs each benchmark as ``python -m benchmarks.<name>``; returns status."""
   status = {}
   for name in names:
-    cmd = [sys.executable, "-m", f"benchmarks.{name}"] + (
-      ["--small"] if small else []
-    )
+    cmd = [sys.executable, "-m", f"benchmarks.{name}"]
+    cmd += ["--small"] if small else []
+    cmd += [f"--out_dir={out_dir}"] if out_dir else []
     print(f"[report] running {' '.join(cmd[1:])}", flush=True)
     start = time.perf_counter()
     try:
@@ -506,8 +531,282 @@ def write_report(statuses: dict[str, str], path: pathlib.Path) -> str:
   return text
 
 
+# -- speed table (--speed-only) ---------------------------------------------
+
+
+@dataclasses.dataclass
+class SpeedRow:
+  """One timed configuration against the baseline of its benchmark."""
+
+  config: str
+  median_s: float
+  baseline: str
+  baseline_s: float
+  ratio: float
+  floor: float | None = None
+
+
+def _floor(d: dict[str, Any], name: str) -> float | None:
+  return d.get("floors", {}).get(name)
+
+
+def _timing_rows(
+  d: dict[str, Any],
+  timings: dict[str, dict[str, float]],
+  baseline: str,
+  label: Callable[[str], str],
+  floors: dict[str, Any] | None = None,
+) -> list[SpeedRow]:
+  """Rows of a ``common.time_ratios`` result, the baseline's own left out."""
+  base = timings[baseline]["median_s"]
+  return [
+    SpeedRow(
+      label(name),
+      t["median_s"],
+      baseline,
+      base,
+      t["ratio"],
+      (floors or {}).get(name, _floor(d, name)),
+    )
+    for name, t in timings.items()
+    if name != baseline
+  ]
+
+
+def _fadam_speed_rows(d: dict[str, Any]) -> list[SpeedRow]:
+  # Older results store only FAdam's floor.
+  floors = d.get("floors") or {"fisher_optax.fadam": d.get("floor_ratio")}
+  size = f"{d['n_params'] / 1e6:.1f}M params"
+  return _timing_rows(
+    d,
+    d["timings"],
+    "optax.adamw",
+    lambda n: f"{n}, donated step, {size}",
+    floors,
+  ) + _timing_rows(
+    d,
+    d["plain_update_timings"],
+    "optax.adamw",
+    lambda n: f"{n}, plain jitted update, {size}",
+    floors,
+  )
+
+
+def _fismo_speed_rows(d: dict[str, Any]) -> list[SpeedRow]:
+  shapes = ", ".join(f"{a}x{b}" for a, b in d["shapes"])
+  return _timing_rows(d, d["timings"], "muon", lambda n: f"{n}, {shapes}")
+
+
+def _mfac_floor(m: int) -> float:
+  # The benchmark's floor, (2 m + 4) / 7 passes over d (mfac_scaling.py).
+  return (2 * m + 4) / 7
+
+
+def _mfac_rows(d: dict[str, Any]) -> list[SpeedRow]:
+  rows, seen = [], set()
+  for r in d["d_sweep"] + d["m_sweep"]:
+    if (r["d"], r["m"]) in seen:
+      continue
+    seen.add((r["d"], r["m"]))
+    rows.append(
+      SpeedRow(
+        f"scale_by_mfac step, d={r['d']}, m={r['m']}",
+        r["mfac_median_s"],
+        "optax.adam",
+        r["adam_median_s"],
+        r["mfac_ratio"],
+        _mfac_floor(r["m"]),
+      )
+    )
+  s = d["single_leaf"]
+  rows.append(
+    SpeedRow(
+      f"mfac(window_size={s['m']}), one leaf d={s['d']}, donated",
+      s["mfac_median_s"],
+      "optax.adam",
+      s["adam_median_s"],
+      s["mfac_ratio"],
+      s["floor_ratio"],
+    )
+  )
+  return rows
+
+
+def _natural_galore_rows(d: dict[str, Any]) -> list[SpeedRow]:
+  sp = d["speed"]
+  rows = []
+  for phase, timings in sp["timings"].items():
+    rows += _timing_rows(
+      d,
+      timings,
+      "galore",
+      lambda n, phase=phase: (
+        f"{n}, {phase} step, rank {sp['rank']}, s={sp['history_size']}"
+      ),
+    )
+  return rows
+
+
+def _fisher_engine_rows(d: dict[str, Any]) -> list[SpeedRow]:
+  base = {
+    (r["model"], r["batch"]): r["median_s"]
+    for r in d["rows"]
+    if r["estimator"] == "batch gradient"
+  }
+  return [
+    SpeedRow(
+      f"{r['model']} B={r['batch']}: {r['estimator']}",
+      r["median_s"],
+      "batch gradient",
+      base[r["model"], r["batch"]],
+      r["ratio"],
+      _floor(d, r["estimator"]),
+    )
+    for r in d["rows"]
+    if r["estimator"] != "batch gradient" and r.get("ratio") is not None
+  ]
+
+
+# The benchmarks that time steps against a baseline, and how to read their
+# JSON. Each accepts --small and --out_dir.
+SPEED: dict[str, Callable[[dict[str, Any]], list[SpeedRow]]] = {
+  "fadam_speed": _fadam_speed_rows,
+  "fismo_speed": _fismo_speed_rows,
+  "mfac_scaling": _mfac_rows,
+  "natural_galore_memory_speed": _natural_galore_rows,
+  "fisher_engine": _fisher_engine_rows,
+}
+
+
+def probe_device() -> dict[str, Any]:
+  """The device the benchmarks will use, asked in a child process.
+
+  A child, so that this process never holds an accelerator the benchmarks
+  need (JAX preallocates most of a GPU's memory).
+  """
+  code = (
+    "import json, jax; d = jax.devices()[0]; print(json.dumps({"
+    "'platform': d.platform, 'device_kind': d.device_kind, "
+    "'device_count': jax.device_count(), 'jax': jax.__version__}))"
+  )
+  out = subprocess.run(
+    [sys.executable, "-c", code],
+    capture_output=True,
+    text=True,
+    check=True,
+  ).stdout
+  return json.loads(out.strip().splitlines()[-1])
+
+
+def _load_json(
+  out_dir: pathlib.Path, name: str, small: bool
+) -> tuple[str, dict[str, Any] | None]:
+  """``(file name, data)`` of a benchmark's results, ``data`` None if none."""
+  for stem in (f"{name}_small", name) if small else (name,):
+    path = out_dir / f"{stem}.json"
+    if path.exists():
+      return path.name, json.loads(path.read_text())
+  return f"{name}.json", None
+
+
+def _ms(s: float) -> str:
+  return f"{1e3 * s:.3g}"
+
+
+def speed_table(
+  out_dir: pathlib.Path,
+  device: dict[str, Any],
+  statuses: dict[str, str],
+  small: bool,
+) -> tuple[str, dict[str, Any]]:
+  """The combined markdown table and its JSON, from the benchmarks' JSON."""
+  lines = [
+    f"# Speed on {device['device_kind']} ({device['platform']}, "
+    f"{device['device_count']} device(s)), jax {device['jax']}"
+    + (" — `--small` smoke run, not results" if small else ""),
+    "",
+    "Generated by `python -m benchmarks.report --speed-only` from the speed "
+    "benchmarks' JSON in `"
+    + (
+      str(out_dir.relative_to(HERE.parent))
+      if out_dir.is_relative_to(HERE.parent)
+      else str(out_dir)
+    )
+    + "`. Times are medians of interleaved rounds in one process; the ratio "
+    "is the median of per-round ratios to the benchmark's baseline (so it "
+    "need not equal the quotient of the two medians). The floor is the "
+    "ratio the benchmark states as the least its method's work allows "
+    "(passes over memory); — where it states none.",
+    "",
+    "| benchmark | configuration | median (ms) | baseline | baseline "
+    "median (ms) | ratio | floor | backend | measured (UTC) |",
+    "|---|---|---|---|---|---|---|---|---|",
+  ]
+  records = []
+  for name, extract in SPEED.items():
+    status = statuses.get(name, "")
+    if status and not status.startswith("ok"):
+      lines.append(f"| {name} | {status} | | | | | | | |")
+      continue
+    file, data = _load_json(out_dir, name, small)
+    if data is None:
+      lines.append(f"| {name} | not run (no results) | | | | | | | |")
+      continue
+    env = data.get("environment", {})
+    try:
+      rows = extract(data)
+    except (KeyError, TypeError, ValueError, ZeroDivisionError) as e:
+      lines.append(
+        f"| {name} | `{file}` lacks {type(e).__name__}: {e} | | | | | | | |"
+      )
+      continue
+    for r in rows:
+      floor = "—" if r.floor is None else f"{r.floor:.2f}x"
+      lines.append(
+        f"| {name} | {r.config} | {_ms(r.median_s)} | {r.baseline} | "
+        f"{_ms(r.baseline_s)} | {r.ratio:.2f}x | {floor} | "
+        f"{env.get('backend', '?')} | {env.get('time_utc', '?')} |"
+      )
+      records.append({"benchmark": name, **dataclasses.asdict(r)})
+  return "\n".join(lines) + "\n", {
+    "device": device,
+    "small": small,
+    "statuses": statuses,
+    "rows": records,
+  }
+
+
+def run_speed(small: bool, run: bool, timeout: int) -> pathlib.Path:
+  """``--speed-only``: runs the speed benchmarks, writes the one table."""
+  device = probe_device()
+  platform = device["platform"]
+  if FLAGS.speed_out_dir:
+    out_dir = pathlib.Path(FLAGS.speed_out_dir).resolve()
+  elif small:
+    out_dir = pathlib.Path(tempfile.mkdtemp(prefix=f"speed_{platform}_"))
+  else:
+    out_dir = RESULTS if platform == "cpu" else RESULTS / platform
+  # The table lands next to the CPU tables unless the results went elsewhere.
+  table_dir = out_dir if FLAGS.speed_out_dir or small else RESULTS
+  print(f"[report] device {device}; results in {out_dir}", flush=True)
+  statuses = {}
+  if run:
+    statuses = run_benchmarks(list(SPEED), small, timeout, out_dir)
+  text, data = speed_table(out_dir, device, statuses, small)
+  stem = f"speed_{platform}" + ("_small" if small else "")
+  table_dir.mkdir(parents=True, exist_ok=True)
+  (table_dir / f"{stem}.md").write_text(text)
+  (table_dir / f"{stem}.json").write_text(json.dumps(data, indent=2) + "\n")
+  print(text)
+  return table_dir / f"{stem}.md"
+
+
 def main(argv: list[str]) -> None:
   del argv
+  if FLAGS.speed_only:
+    path = run_speed(FLAGS.small, FLAGS.run, FLAGS.timeout)
+    print(f"[report] wrote {path}")
+    return
   names = benchmark_names()
   unknown = sorted(set(FLAGS.only) - set(names))
   if unknown:
@@ -520,9 +819,17 @@ def main(argv: list[str]) -> None:
   print(f"[report] wrote {path}")
 
 
+def _absl_argv(argv: list[str]) -> list[str]:
+  """Accepts ``--speed-only`` for ``--speed_only`` and ``--no-run``/``--no_run``
+  for absl's ``--norun``."""
+  out = []
+  for a in argv:
+    if a.startswith("--"):
+      name, eq, value = a[2:].partition("=")
+      a = "--" + name.replace("-", "_") + eq + value
+    out.append("--norun" if a == "--no_run" else a)
+  return out
+
+
 if __name__ == "__main__":
-  # Accept the spelling ``--no-run`` too (absl's own is ``--norun``).
-  app.run(
-    main,
-    argv=["--norun" if a in ("--no-run", "--no_run") else a for a in sys.argv],
-  )
+  app.run(main, argv=_absl_argv(sys.argv))
