@@ -1,5 +1,5 @@
 # Copyright 2026 The fisher_optax Authors. Licensed under the Apache License 2.0.
-"""FAdam vs AdamW and Adam on scikit-learn digits (spec fadam.md §7).
+"""FAdam vs AdamW and Adam on scikit-learn digits.
 
 Protocol: standardised digits, stratified 60/20/20 split; an MLP 64-128-128-10
 (GELU, Flax NNX), cross-entropy, batch 64, 30 epochs. Each optimizer gets the
@@ -245,7 +245,7 @@ def main(argv):
     comparisons[name] = {"mean": diff, "se": se, "verdict": verdict}
     lines.append(
       f"- {name} - AdamW test NLL, paired by seed: {diff:+.4f} "
-      f"± {se:.4f} (s.e.): {verdict} AdamW by the spec's "
+      f"± {se:.4f} (s.e.): {verdict} AdamW by our "
       f"criterion (mean no worse than AdamW's by more than one "
       f"AdamW seed std, {adamw_std:.4f})."
     )
@@ -269,7 +269,7 @@ def main(argv):
   pathlib.Path(out_dir).mkdir(parents=True, exist_ok=True)
   plot_curves(finals, pathlib.Path(out_dir) / plot_name)
   md = (
-    f"### FAdam vs AdamW on digits (spec §7; {len(seeds)} seeds, "
+    f"### FAdam vs AdamW on digits ({len(seeds)} seeds, "
     f"{epochs} epochs)\n\n{table}\n\n"
     f"Mean ± std over seeds at the setting with the best validation NLL "
     f"(seed 0) in each optimizer's grid; mean train loss is the mean "

@@ -1,7 +1,7 @@
 # Copyright 2026 The fisher_optax Authors. Licensed under the Apache License 2.0.
 """Fisher merging benchmark: robust fine-tuning on digits, and throughput.
 
-E1 (spec ``merging_and_inverse_fisher.md`` §7): a 64-64-10 tanh MLP is trained
+A 64-64-10 tanh MLP is trained
 on clean digits (the base), then fine-tuned on a shifted domain (images
 transposed, or rolled by 2 pixels). Base and fine-tune are merged with
 

@@ -2,7 +2,7 @@
 """Natural GaLore: optimizer-state bytes and step time against optax GaLore.
 
 Memory is counted from the state pytree (``jax.eval_shape`` of ``init``, so
-large stacks cost nothing) and checked against the spec §5 formulas. Step
+large stacks cost nothing) and checked against closed-form sizes. Step
 time is the jitted ``update`` of the whole stack on fixed gradients, timed in
 interleaved rounds in one process; ratios are against
 ``optax.contrib.galore``. Refresh steps (SVD) and ordinary steps are timed
@@ -50,7 +50,7 @@ def layer_stack(
 
 
 def formula_floats(shapes, rank: int, s: int, method: str, side: str) -> int:
-  """Spec §5 state sizes in floats (moments + projector + window + Gram)."""
+  """Closed-form state sizes in floats (moments + projector + window + Gram)."""
   total = 0
   for st in shapes.values():
     if len(st.shape) != 2:
@@ -95,9 +95,9 @@ def optimizers(rank: int, s: int, **kw):
 
 def memory_table(small: bool) -> tuple[list[dict], str]:
   configs = [
-    # The spec §5 worked example: one 2048 x 5461 layer, r=512, s=20.
+    # A worked example: one 2048 x 5461 layer, r=512, s=20.
     (
-      "spec §5 layer 2048x5461, r=512, s=20",
+      "one 2048x5461 layer, r=512, s=20",
       {"w": jax.ShapeDtypeStruct((2048, 5461), jnp.float32)},
       512,
       20,
@@ -149,7 +149,7 @@ def memory_table(small: bool) -> tuple[list[dict], str]:
         ]
       )
   md = common.markdown_table(
-    ["config", "optimizer", "state MB (measured)", "MB (spec §5 formula)"], rows
+    ["config", "optimizer", "state MB (measured)", "MB (formula)"], rows
   )
   return records, md
 
@@ -254,7 +254,7 @@ def main(argv):
     [
       "## Natural GaLore: optimizer-state memory",
       "Bytes counted from the state pytree (`jax.eval_shape(tx.init)`), "
-      "float32 params. Formulas (spec §5, plus the s x s Gram): AdamW 2mn; "
+      "float32 params. Formulas (plus the s x s Gram): AdamW 2mn; "
       "GaLore (optax side) r·max + 2r·min; Natural GaLore + s·r·min + s² "
       "(reference side: r·min + 2r·max + s·r·max + s²). 1-D leaves: 2n.",
       mem_md,

@@ -1,5 +1,5 @@
 # Copyright 2026 The fisher_optax Authors. Licensed under the Apache License 2.0.
-"""Natural GaLore vs GaLore vs AdamW on a char-level transformer (spec §6 A).
+"""Natural GaLore vs GaLore vs AdamW on a char-level transformer.
 
 A 2-layer pre-RMSNorm transformer learns ``pydoc_data.topics`` (ships with
 CPython; the last 10% is validation). q, k, v, o, up and down kernels are
@@ -252,7 +252,7 @@ def main(argv):
       table,
       diff_table,
       f"At step {eval_steps[-1]}: {verdict} "
-      f"(spec §6 pass criterion: mean > 2·SE). Wall time {elapsed:.0f} s "
+      f"(criterion: mean > 2·SE). Wall time {elapsed:.0f} s "
       "on 2 shared CPU cores.",
     ]
   )

@@ -1,5 +1,5 @@
 # Copyright 2026 The fisher_optax Authors. Licensed under the Apache License 2.0.
-"""Spec §7 E2: one-shot pruning of a digits MLP without retraining.
+"""One-shot pruning of a digits MLP without retraining.
 
 A 64-64-10 tanh MLP is trained on sklearn's digits with Adam, then both
 kernels are pruned globally (biases kept) to 80% and 90% sparsity by
@@ -11,7 +11,7 @@ kernels are pruned globally (biases kept) to 80% and 90% sparsity by
 * ``obs_16_group``: the same with exact group OBS updates.
 
 Fisher: blocks of 128 along the flattened kernels, 512 per-example empirical
-gradients per step, damping 1e-4 (the spec's prototype settings). Test
+gradients per step, damping 1e-4 (a reference prototype's settings). Test
 accuracy without any retraining, mean ± std over seeds. Run from the
 repository root::
 

@@ -51,7 +51,7 @@ FLAGS = flags.FLAGS
 
 # %% [markdown]
 # ## The optimizers
-# Settings are the tuned ones of `benchmarks/` (AdamW and FAdam: the spec's
+# Settings are the tuned ones of `benchmarks/` (AdamW and FAdam: a
 # learning-rate x weight-decay grid on validation NLL; FISMO: its digits
 # pilot). See `benchmarks/REPORT.md` for the seeded comparisons.
 # FISMO and Natural GaLore act on the hidden 2-D kernels; the 1-D biases fall

@@ -1,7 +1,7 @@
 # Copyright 2026 The fisher_optax Authors. Licensed under the Apache License 2.0.
 """Fisher engine on 8 CPU devices == 1 device (run by fisher_multidevice_test).
 
-Two scale-out routes (spec §4): ``jit`` with the batch sharded over a mesh
+Two scale-out routes: ``jit`` with the batch sharded over a mesh
 (Auto and Explicit axis types; XLA inserts the all-reduce), and ``shard_map``
 with ``axis_name=`` (local sums, psum, then normalise; params pcast to
 varying so per-example cotangents are not psum'd across devices).
