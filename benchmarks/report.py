@@ -643,6 +643,8 @@ def _natural_galore_rows(d: dict[str, Any]) -> list[SpeedRow]:
       lambda n, phase=phase: (
         f"{n}, {phase} step, rank {sp['rank']}, s={sp['history_size']}"
       ),
+      # The flop floors are the steady step's; a refresh is an SVD.
+      floors=sp.get("floors", {}) if phase == "steady" else {},
     )
   return rows
 

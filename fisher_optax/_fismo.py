@@ -396,9 +396,12 @@ def _init_leaf(
     return (masked, masked, masked, masked, masked)
   b, m, n = plan.view.stacked_shape
   sd = numerics.compute_dtype(x.dtype)
-  left = _eye_like(b, m, sd) if plan.left else masked
-  right = _eye_like(b, n, sd) if plan.right else masked
-  return (jnp.zeros(x.shape, mu_dtype or x.dtype), left, right, left, right)
+  # The factors and their roots start equal but in separate buffers, so that
+  # a fresh state can be donated to a jitted step.
+  left = lambda: _eye_like(b, m, sd) if plan.left else masked
+  right = lambda: _eye_like(b, n, sd) if plan.right else masked
+  mu = jnp.zeros(x.shape, mu_dtype or x.dtype)
+  return (mu, left(), right(), left(), right())
 
 
 def _check_options(

@@ -38,6 +38,7 @@ Decisions where the paper leaves room, each documented where it is used:
 from __future__ import annotations
 
 from collections.abc import Callable
+import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -321,10 +322,12 @@ def _init(
   cfg: _Config, base_optimizer: optax.GradientTransformation, params: PyTree
 ) -> NaturalGaLoreState:
   leaves, treedef = jax.tree.flatten(params)
-  count = jnp.zeros([], jnp.int32)
+  # Two arrays, not one: a state whose fields share a buffer cannot be
+  # donated to a jitted step.
+  count, notfinite = jnp.zeros([], jnp.int32), jnp.zeros([], jnp.int32)
   if not leaves:  # e.g. optax.tree.map_params' placeholder
     return NaturalGaLoreState(
-      count, params, params, params, base_optimizer.init(params), count
+      count, params, params, params, base_optimizer.init(params), notfinite
     )
   parts = [
     _init_leaf(cfg, p, proj) for p, proj in zip(leaves, cfg.projections(params))
@@ -333,7 +336,7 @@ def _init(
     jax.tree.unflatten(treedef, list(column)) for column in zip(*parts)
   )
   return NaturalGaLoreState(
-    count, projector, window, gram, base_optimizer.init(proxy), count
+    count, projector, window, gram, base_optimizer.init(proxy), notfinite
   )
 
 
@@ -356,10 +359,15 @@ def _refresh_window(
     new_p.astype(dtype).T, old_p.astype(dtype), precision=_HIGHEST
   )
   w32 = window.astype(dtype)
+  # Batched matmuls keep the window's row-major layout: an einsum that
+  # contracts its middle axis makes XLA pick a transposed layout for the
+  # refresh cond's output, and the steady (pass-through) branch then copies
+  # the whole window twice on every step.
   if proj.left:
-    w32 = jnp.einsum("ij,sjn->sin", rot, w32, precision=_HIGHEST)
+    rots = jnp.broadcast_to(rot, (w32.shape[0], *rot.shape))
+    w32 = jnp.matmul(rots, w32, precision=_HIGHEST)
   else:
-    w32 = jnp.einsum("smj,ij->smi", w32, rot, precision=_HIGHEST)
+    w32 = jnp.matmul(w32, rot.T, precision=_HIGHEST)
   window = w32.astype(window.dtype)
   return window, linalg.tree_stacked_gram(window.astype(dtype))
 
@@ -385,47 +393,37 @@ def _refresh_leaf(
   return jax.lax.cond(refresh, do_refresh, lambda: (p_old, window, gram))
 
 
-def _precondition_leaf(
+def _per_example_solve(
   cfg: _Config,
   proj: _Projection,
   lg: jax.Array,
   p: jax.Array,
-  window: jax.Array,
-  gram: jax.Array,
   per_example: jax.Array | None,
-  slot: jax.Array | int,
   damping: Any,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """``(F^{-1} lg, window, gram)`` with ``F`` from the low-rank window.
+) -> jax.Array:
+  """``F^{-1} lg`` with ``F`` from this batch's projected per-example rows.
 
-  The window maths is M-FAC's (:mod:`fisher_optax.fisher.linalg`);
+  The window maths is M-FAC's (:mod:`fisher_optax.fisher.linalg`); the
   per-example gradients are projected with this step's basis and solved
   against without being stored. A Gram that overflowed from finite rows
   (1e30 gradients) never reaches the Cholesky: the solve's output is NaN
-  and the non-finite policy skips the step.
+  and the non-finite policy skips the step. Without a window (``history_size
+  = 0``) ``lg`` is returned as is: GaLore.
   """
-  scale = 1.0
-  if cfg.windowed:
-    window, gram, _ = linalg.stacked_push_rows_if_finite(
-      window, gram, lg[None], slot
-    )
-    rows, rows_gram = window, gram
-  elif cfg.per_example_window and per_example is not None:
-    rows = jax.vmap(
-      lambda x: proj.project(p, proj.view.to_matrix(x).astype(p.dtype))
-    )(per_example)
-    rows = rows.astype(numerics.compute_dtype(rows))
-    rows_gram = linalg.tree_stacked_gram(rows)
-    scale = 1.0 / rows.shape[0]
-  else:
-    return lg, window, gram
+  if not cfg.per_example_window or per_example is None:
+    return lg
+  rows = jax.vmap(
+    lambda x: proj.project(p, proj.view.to_matrix(x).astype(p.dtype))
+  )(per_example)
+  rows = rows.astype(numerics.compute_dtype(rows))
+  scale = 1.0 / rows.shape[0]
 
-  def solve(g: jax.Array) -> jax.Array:
+  def solve(gram: jax.Array) -> jax.Array:
     return linalg.woodbury_window_solve(
-      rows, g, lg, damping, scale=scale, normalized=cfg.normalize_output
+      rows, gram, lg, damping, scale=scale, normalized=cfg.normalize_output
     )
 
-  return numerics.finite_or_nan(solve, rows_gram), window, gram
+  return numerics.finite_or_nan(solve, linalg.tree_stacked_gram(rows))
 
 
 def _check_updates(
@@ -478,13 +476,13 @@ def _step(
   per_example: list[Any],
   state: NaturalGaLoreState,
 ) -> tuple[PyTree, NaturalGaLoreState]:
-  """One Natural GaLore step from finite inputs; ``hyper`` is ``(scale,
-  update_proj_gap, damping)``, the options that may be injected."""
+  """One step without a stored window (per-example rows, or GaLore) from
+  finite inputs; ``hyper`` is ``(scale, update_proj_gap, damping)``, the
+  options that may be injected."""
   scale, update_proj_gap, damping = hyper
   leaves, treedef = jax.tree.flatten(updates)
   count = state.count
   refresh = (count % update_proj_gap) == 0
-  slot = count % cfg.history_size if cfg.windowed else 0
   base_key = jax.random.fold_in(jax.random.key(0), count)
   old = zip(
     jax.tree.leaves(state.projector),
@@ -504,15 +502,38 @@ def _step(
     p, window, gram = _refresh_leaf(
       cfg, proj, g2, p, window, gram, refresh, key
     )
-    lg, window, gram = _precondition_leaf(
-      cfg, proj, proj.project(p, g2), p, window, gram, pe, slot, damping
-    )
+    lg = _per_example_solve(cfg, proj, proj.project(p, g2), p, pe, damping)
     low.append(lg)
     new.append((p, window, gram))
 
   unflat = lambda xs: jax.tree.unflatten(treedef, list(xs))
+  columns = list(zip(*new)) or [(), (), ()]
+  projector, window, gram = (unflat(column) for column in columns)
+  out, base_state = _project_back(
+    base_optimizer, scale, leaves, treedef, projs, projector, low, state
+  )
+  return out, state._replace(
+    count=jnp.asarray(optax.safe_increment(count)),
+    projector=projector,
+    window=window,
+    window_gram=gram,
+    base_optimizer_state=base_state,
+  )
+
+
+def _project_back(
+  base_optimizer: optax.GradientTransformation,
+  scale: Any,
+  leaves: list[jax.Array],
+  treedef: Any,
+  projs: list[_Projection | None],
+  projector: PyTree,
+  low: list[jax.Array],
+  state: NaturalGaLoreState,
+) -> tuple[PyTree, optax.OptState]:
+  """The base optimizer on the low-rank gradients, mapped back to full size."""
   low_updates, base_state = base_optimizer.update(
-    unflat(low), state.base_optimizer_state, None
+    jax.tree.unflatten(treedef, low), state.base_optimizer_state, None
   )
   out = [
     u
@@ -520,18 +541,118 @@ def _step(
     else (scale * proj.view.from_matrix(proj.project_back(p, u))).astype(
       g.dtype
     )
-    for g, proj, (p, _, _), u in zip(
-      leaves, projs, new, jax.tree.leaves(low_updates)
+    for g, proj, p, u in zip(
+      leaves, projs, jax.tree.leaves(projector), jax.tree.leaves(low_updates)
     )
   ]
-  columns = list(zip(*new)) or [(), (), ()]
-  projector, window, gram = (unflat(column) for column in columns)
-  return unflat(out), state._replace(
-    count=jnp.asarray(optax.safe_increment(count)),
+  return jax.tree.unflatten(treedef, out), base_state
+
+
+def _windowed_update(
+  cfg: _Config,
+  base_optimizer: optax.GradientTransformation,
+  hyper: tuple[Any, Any, Any],
+  updates: PyTree,
+  projs: list[_Projection | None],
+  state: NaturalGaLoreState,
+) -> tuple[PyTree, NaturalGaLoreState]:
+  """A step with a window of past gradients, the window updated in place.
+
+  The window is the state's one large array, so it never goes through the
+  non-finite policy's cond or its select (either makes XLA copy it whole):
+  the refresh may rotate it, the Gram and the solve see this step's row as
+  pending, and the row is written once, in place, after the policy's
+  decision (as in :func:`fisher_optax.mfac`). A refresh runs only on a
+  gradient whose squared norm is finite, so the SVD never sees NaN or Inf
+  and the step after it cannot overflow the Gram; the policy then restores
+  everything else on a skipped step.
+  """
+  scale, update_proj_gap, damping = hyper
+  leaves, treedef = jax.tree.flatten(updates)
+  count = state.count
+  sq = [
+    jnp.sum(jnp.square(g.astype(numerics.compute_dtype(g)))) for g in leaves
+  ]
+  healthy = jnp.isfinite(functools.reduce(jnp.add, sq, jnp.zeros([])))
+  refresh = ((count % update_proj_gap) == 0) & healthy
+  slot = count % cfg.history_size
+  slots = jnp.asarray(slot, jnp.int32)[None]
+  base_key = jax.random.fold_in(jax.random.key(0), count)
+  old = zip(
+    jax.tree.leaves(state.projector),
+    jax.tree.leaves(state.window),
+    jax.tree.leaves(state.window_gram),
+  )
+  # Per leaf: (projector, window, its Gram, the Gram with this step's row,
+  # the row as stored, the low-rank gradient).
+  parts = []
+  for i, (g, proj, (p, window, gram)) in enumerate(zip(leaves, projs, old)):
+    if proj is None:
+      parts.append((p, window, gram, gram, None, g))
+      continue
+    g2 = proj.view.to_matrix(g)
+    key = jax.random.fold_in(base_key, i)
+    p, window, gram = _refresh_leaf(
+      cfg, proj, g2, p, window, gram, refresh, key
+    )
+    lg = proj.project(p, g2)
+    row = lg.astype(window.dtype)[None]
+    pushed, _ = linalg.stacked_pending_gram(window, gram, row, slot)
+    parts.append((p, window, gram, pushed, row, lg))
+  unflat = lambda xs: jax.tree.unflatten(treedef, list(xs))
+  projector = unflat(part[0] for part in parts)
+
+  def step() -> tuple[PyTree, NaturalGaLoreState]:
+    low = []
+    for proj, (_, window, _, gram, row, lg) in zip(projs, parts):
+      if proj is None:
+        low.append(lg)
+        continue
+      # The pushed row is the gradient itself: G g is the Gram's column of
+      # its slot, unless the window is narrower than the gradient.
+      exact = jnp.promote_types(lg.dtype, window.dtype) == window.dtype
+
+      def solve(gram, gx, window=window, row=row, lg=lg):
+        return linalg.woodbury_window_solve(
+          window,
+          gram,
+          lg,
+          damping,
+          normalized=cfg.normalize_output,
+          gx=gx,
+          pending=(row, slots),
+        )
+
+      gx = gram[:, slot] if exact else None
+      low.append(numerics.finite_or_nan(solve, gram, gx))
+    out, base_state = _project_back(
+      base_optimizer, scale, leaves, treedef, projs, projector, low, state
+    )
+    return out, light._replace(
+      count=jnp.asarray(optax.safe_increment(count)),
+      window_gram=unflat(part[3] for part in parts),
+      base_optimizer_state=base_state,
+    )
+
+  # The policy counts from zero so that a skip is seen even once the count
+  # saturates; the refreshed basis and its Gram are kept on a skip.
+  zero = jnp.zeros([], jnp.int32)
+  light = state._replace(
     projector=projector,
+    window=(),
+    window_gram=unflat(part[2] for part in parts),
+    notfinite_count=zero,
+  )
+  out, new = numerics.skip_nonfinite_step(step, updates, light)
+  ok = new.notfinite_count == 0
+  window = unflat(
+    w if row is None else w.at[slots].set(jnp.where(ok, row, w[slots]))
+    for _, w, _, _, row, _ in parts
+  )
+  counter = state.notfinite_count
+  return out, new._replace(
     window=window,
-    window_gram=gram,
-    base_optimizer_state=base_state,
+    notfinite_count=jnp.where(ok, counter, optax.safe_increment(counter)),
   )
 
 
@@ -552,6 +673,8 @@ def _update(
       per_example_grads, updates, function="scale_by_natural_galore"
     )
     per_example = jax.tree.leaves(per_example_grads)
+  if cfg.windowed:
+    return _windowed_update(cfg, base_optimizer, hyper, updates, projs, state)
   step = lambda: _step(
     cfg, base_optimizer, hyper, updates, projs, per_example, state
   )

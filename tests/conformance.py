@@ -382,13 +382,20 @@ def check_multisteps_first_ministep_is_zero(test, case: Case):
 
 
 def check_init_on_shape_dtype_struct(test, case: Case):
-  del test
   init, _, _ = TARGETS["mixed_tensors"](jnp.float32)
   opt = case.make()
   structs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), init)
   abstract = jax.eval_shape(opt.init, structs)
   concrete = opt.init(init)
   chex.assert_trees_all_equal_shapes_and_dtypes(abstract, concrete)
+  # A fresh state can be donated to a jitted step: no two of its arrays
+  # share a buffer (e.g. one zero counter used for two fields).
+  seen: dict[int, str] = {}
+  for path, x in jax.tree_util.tree_flatten_with_path(concrete)[0]:
+    if isinstance(x, jax.Array) and x.size:
+      where = jax.tree_util.keystr(path)
+      first = seen.setdefault(x.unsafe_buffer_pointer(), where)
+      test.assertEqual(first, where, f"state{where} shares a buffer")
 
 
 def check_map_params(test, case: Case):

@@ -289,8 +289,9 @@ def estimate_fisher_diag(
 
   def init_fn(params):
     zeros = jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), jnp.float32), params)
-    z = jnp.zeros((), jnp.int32)
-    return EstimateFisherDiagState(z, zeros, z, _make_key(key), z)
+    # A fresh array per counter: a donated state must not share buffers.
+    z = lambda: jnp.zeros((), jnp.int32)
+    return EstimateFisherDiagState(z(), zeros, z(), _make_key(key), z())
 
   model_kwargs = dict(
     likelihood=likelihood,
@@ -412,9 +413,9 @@ def estimate_fisher_low_rank(
     vecs = jax.tree.map(
       lambda p: jnp.zeros((rank, *jnp.shape(p)), jnp.float32), params
     )
-    z = jnp.zeros((), jnp.int32)
+    z = lambda: jnp.zeros((), jnp.int32)
     return EstimateFisherLowRankState(
-      z, jnp.zeros((rank,), jnp.float32), vecs, z, _make_key(key), z
+      z(), jnp.zeros((rank,), jnp.float32), vecs, z(), _make_key(key), z()
     )
 
   model_kwargs = dict(
