@@ -513,32 +513,17 @@ def physguard(
   else:
     parts = (project, adam, decay)
   chain = optax.chain(*parts, optax.scale_by_learning_rate(learning_rate))
-  guarded = (parts.index(adam), parts.index(project))
+  # A step Adam skips as overflowing reaches the projection (or came from
+  # it) as a finite one: the projection's and the schedule's counts must
+  # not move on it either.
+  following = numerics.chain_following(
+    chain, (parts.index(adam), parts.index(project))
+  )
+  at_project = parts.index(project)
 
   def update_fn(updates, state, params=None, **extra_args):
     # Checked before Adam, which would broadcast a scalar gradient.
-    _check_updates(updates, state[guarded[1]])
-    new_updates, new_state = chain.update(updates, state, params, **extra_args)
-    return new_updates, _keep_on_skip(state, new_state, guarded)
+    _check_updates(updates, state[at_project])
+    return following.update(updates, state, params, **extra_args)
 
   return optax.GradientTransformationExtraArgs(chain.init, update_fn)
-
-
-def _keep_on_skip(
-  old: Any, new: Any, guarded: tuple[int, ...]
-) -> tuple[Any, ...]:
-  """The chain's old state (new skip counts) if a part skipped the step.
-
-  A step Adam skips as overflowing reaches the projection (or came from
-  it) as a finite one; without this the projection's and the schedule's
-  counts would move on a skipped step.
-  """
-  skipped = jnp.any(
-    jnp.stack(
-      [new[i].notfinite_count > old[i].notfinite_count for i in guarded]
-    )
-  )
-  kept = list(old)
-  for i in guarded:
-    kept[i] = old[i]._replace(notfinite_count=new[i].notfinite_count)
-  return numerics.tree_select(skipped, tuple(kept), new)

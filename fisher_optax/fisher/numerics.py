@@ -9,7 +9,8 @@ writing their own.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+import functools
 from typing import Any, NamedTuple, cast
 
 import jax
@@ -395,27 +396,30 @@ def widen_float16_state(
 
 def chain_following(
   chain: optax.GradientTransformation,
-  index: int,
+  index: int | Sequence[int],
   *,
   check_params: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
   """An alias's ``optax.chain`` whose every part follows its method's skips.
 
-  The transform at ``index`` of ``chain`` follows :func:`skip_nonfinite_step`
-  (its state has ``notfinite_count``). On a step it skipped, the chain's
-  other states (momentum, a schedule's count) keep their old value too, as
-  if the step had not happened; the method's own state is not selected
-  whole, so a large window in it is never copied.
+  The transforms at ``index`` of ``chain`` follow :func:`skip_nonfinite_step`
+  (their states have ``notfinite_count``). On a step one of them skipped,
+  the chain's other states (momentum, a schedule's count) keep their old
+  value too, as if the step had not happened. A guarded part's own state
+  is selected only when another guarded part skipped, so with one guarded
+  part a large window in it is never copied.
 
   Args:
     chain: the alias's ``optax.chain(...)``.
-    index: the position of the method's transform in the chain.
+    index: the position of the method's transform in the chain, or the
+      positions of several guarded parts.
     check_params: refuse ``updates`` that do not match ``params`` before any
       part can broadcast them (e.g. a weight decay before the method).
 
   Returns:
     A :class:`optax.GradientTransformationExtraArgs` with ``chain``'s state.
   """
+  guarded = (index,) if isinstance(index, int) else tuple(index)
   chain = optax.with_extra_args_support(chain)
 
   def update_fn(
@@ -428,12 +432,28 @@ def chain_following(
       validation.check_like(updates, params, what="updates")
     new_updates, new_state = chain.update(updates, state, params, **extra_args)
     new_state = cast(tuple[Any, ...], new_state)
-    skipped = new_state[index].notfinite_count != state[index].notfinite_count
-    kept = tuple(
-      n if i == index else tree_select(skipped, o, n)
-      for i, (o, n) in enumerate(zip(state, new_state))
+    skips = {
+      i: new_state[i].notfinite_count != state[i].notfinite_count
+      for i in guarded
+    }
+
+    def any_skip(exclude: int | None = None) -> jax.Array:
+      flags = [s for i, s in skips.items() if i != exclude]
+      return functools.reduce(jnp.logical_or, flags, jnp.asarray(False))
+
+    def kept(i: int, old: Any, new: Any) -> Any:
+      if i not in skips:
+        return tree_select(any_skip(), old, new)
+      # A guarded part handles its own skips; it is rewound (keeping its
+      # count) only when another guarded part skipped.
+      if len(skips) == 1:
+        return new
+      rewound = old._replace(notfinite_count=new.notfinite_count)
+      return tree_select(any_skip(exclude=i), rewound, new)
+
+    return new_updates, tuple(
+      kept(i, o, n) for i, (o, n) in enumerate(zip(state, new_state))
     )
-    return new_updates, kept
 
   return optax.GradientTransformationExtraArgs(
     chain.init,
