@@ -509,9 +509,10 @@ def _step(
   unflat = lambda xs: jax.tree.unflatten(treedef, list(xs))
   columns = list(zip(*new)) or [(), (), ()]
   projector, window, gram = (unflat(column) for column in columns)
-  out, base_state = _project_back(
-    base_optimizer, scale, leaves, treedef, projs, projector, low, state
+  low_updates, base_state = base_optimizer.update(
+    unflat(low), state.base_optimizer_state, None
   )
+  out = _expand(scale, leaves, treedef, projs, projector, low_updates)
   return out, state._replace(
     count=jnp.asarray(optax.safe_increment(count)),
     projector=projector,
@@ -521,20 +522,15 @@ def _step(
   )
 
 
-def _project_back(
-  base_optimizer: optax.GradientTransformation,
+def _expand(
   scale: Any,
   leaves: list[jax.Array],
   treedef: Any,
   projs: list[_Projection | None],
   projector: PyTree,
-  low: list[jax.Array],
-  state: NaturalGaLoreState,
-) -> tuple[PyTree, optax.OptState]:
-  """The base optimizer on the low-rank gradients, mapped back to full size."""
-  low_updates, base_state = base_optimizer.update(
-    jax.tree.unflatten(treedef, low), state.base_optimizer_state, None
-  )
+  low_updates: PyTree,
+) -> PyTree:
+  """The base optimizer's low-rank updates mapped back to full size."""
   out = [
     u
     if proj is None
@@ -545,7 +541,7 @@ def _project_back(
       leaves, projs, jax.tree.leaves(projector), jax.tree.leaves(low_updates)
     )
   ]
-  return jax.tree.unflatten(treedef, out), base_state
+  return jax.tree.unflatten(treedef, out)
 
 
 def _windowed_update(
@@ -603,6 +599,7 @@ def _windowed_update(
   projector = unflat(part[0] for part in parts)
 
   def step() -> tuple[PyTree, NaturalGaLoreState]:
+    """The base optimizer's low-rank updates and the light state."""
     low = []
     for proj, (_, window, _, gram, row, lg) in zip(projs, parts):
       if proj is None:
@@ -625,10 +622,10 @@ def _windowed_update(
 
       gx = gram[:, slot] if exact else None
       low.append(numerics.finite_or_nan(solve, gram, gx))
-    out, base_state = _project_back(
-      base_optimizer, scale, leaves, treedef, projs, projector, low, state
+    low_updates, base_state = base_optimizer.update(
+      unflat(low), state.base_optimizer_state, None
     )
-    return out, light._replace(
+    return low_updates, light._replace(
       count=jnp.asarray(optax.safe_increment(count)),
       window_gram=unflat(part[3] for part in parts),
       base_optimizer_state=base_state,
@@ -643,7 +640,12 @@ def _windowed_update(
     window_gram=unflat(part[2] for part in parts),
     notfinite_count=zero,
   )
-  out, new = numerics.skip_nonfinite_step(step, updates, light)
+  # The policy runs at low rank: a skipped step's NaN or zero updates map
+  # back to NaN or zero, and P has orthonormal columns, so the full-size
+  # updates are finite when the low-rank ones are (for a bounded base
+  # optimizer such as Adam) and need no pass of their own.
+  low_updates, new = numerics.skip_nonfinite_step(step, updates, light)
+  out = _expand(scale, leaves, treedef, projs, projector, low_updates)
   ok = new.notfinite_count == 0
   window = unflat(
     w if row is None else w.at[slots].set(jnp.where(ok, row, w[slots]))
