@@ -312,9 +312,11 @@ def main(argv):
       "r=64, d=256, so a window that streams from DRAM would put the floor "
       "near 2x; at these sizes the windows stay in cache. Between "
       "refreshes the donated window is written in place (no copy of it in "
-      "the compiled step: temp memory is checked in the tests). The rest "
-      "of the gap is the non-finite policy's passes over the gradient and "
-      "the updates, which GaLore does not make.",
+      "the compiled step: temp memory is checked in the tests). The "
+      "non-finite policy runs on the low-rank updates. The rest of the gap "
+      "is a check of the gradient (finite, and its squared norm too) that "
+      "GaLore does not make, and per-leaf s x s Cholesky factorisations "
+      "and triangular solves, small but latency-bound on a CPU.",
       speed_md,
     ]
   )
