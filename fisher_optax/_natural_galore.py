@@ -644,7 +644,14 @@ def _windowed_update(
   # back to NaN or zero, and P has orthonormal columns, so the full-size
   # updates are finite when the low-rank ones are (for a bounded base
   # optimizer such as Adam) and need no pass of their own.
-  low_updates, new = numerics.skip_nonfinite_step(step, updates, light)
+  # The squared norm is finite exactly when the gradient is and does not
+  # overflow, so the gradient is read once more only when it is not.
+  bad_in = jax.lax.cond(
+    healthy,
+    lambda: jnp.zeros([]),
+    lambda: jnp.where(numerics.tree_all_finite(updates), 0.0, jnp.nan),
+  )
+  low_updates, new = numerics.skip_nonfinite_step(step, bad_in, light)
   out = _expand(scale, leaves, treedef, projs, projector, low_updates)
   ok = new.notfinite_count == 0
   window = unflat(
