@@ -277,7 +277,7 @@ def layer_norms(layer_grads: Any) -> PyTree:
   """
   out = {}
   for leaf, s, role in layer_grads._leaf_items():
-    site, act, delta, _ = layer_grads._site(s)
+    site, act, delta, _ = layer_grads._view(s)
     if role == "bias":
       out[leaf] = jnp.sum(jnp.sum(delta, axis=2) ** 2, axis=-1).reshape(-1)
       continue
