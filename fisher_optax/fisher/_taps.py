@@ -24,7 +24,7 @@ pass (vmapped over the ``S`` cotangents).
 is traced to a jaxpr and generic patterns are matched on it, whatever module
 produced them, so the same code serves Flax Linen (``model.apply``), Flax NNX
 (an ``nnx.merge`` function) and plain functions. A parameter leaf is
-*covered* when its only use is one of
+*covered* when each of its uses is one of
 
 * an operand of a ``dot_general`` whose other operand is an activation
   ``x`` with the examples on axis 0: any contraction of feature axes of ``x``
@@ -32,7 +32,9 @@ produced them, so the same code serves Flax Linen (``model.apply``), Flax NNX
   of ``x`` (positions) are weight-shared (``x @ W``, ``jnp.einsum``, Linen
   ``Dense``/``DenseGeneral``/``Einsum``, the ``(d, heads, head_dim)`` and
   ``(heads, head_dim, d)`` kernels of ``MultiHeadDotProductAttention``, NNX
-  ``Linear``/``LinearGeneral``/``MultiHeadAttention``). Diagonal and Gram
+  ``Linear``/``LinearGeneral``/``MultiHeadAttention``; the kernel may be a
+  transposed leaf, as in a head tied to the embedding, ``Embed.attend``,
+  ``x @ table.T``). Diagonal and Gram
   are exact; the example gradient is the ``(K, O)`` matrix
   ``sum_t x_t delta_t^T`` (contracted axes ``K``, kernel free axes ``O``)
   mapped back to the kernel's axis order;
@@ -48,18 +50,38 @@ produced them, so the same code serves Flax Linen (``model.apply``), Flax NNX
   broadcast axes.
 
 Casts (``convert_element_type``) and ``jit``/``remat`` boundaries are looked
-through. A leaf used any other way (a convolution kernel, a kernel used twice
-as in tied embeddings, a leaf inside ``scan`` or a ``custom_jvp``) is not
+through, and ``scan`` bodies are walked (below). A leaf used any other way
+(a convolution kernel, a leaf in a ``scan`` carry or a ``custom_jvp``) is not
 covered; the engine computes it by the per-example path, and
 :func:`coverage` says which path each leaf takes and why.
+
+**Scans.** A leaf entering a ``scan`` (``lax.scan``, Linen ``nn.scan``,
+``nnx.scan``; ``remat`` inside or around it) as an ``xs`` operand is a stack
+of layers ``(L, ...)``, iteration ``l`` using slice ``l``: the scan is re-run
+with the taps of the layers in its body as extra ``xs`` and their
+activations returned as extra ``ys`` (``reverse``, ``length``, ``unroll``
+kept), so every statistic of the leaf comes out per slice with its leading
+``L`` axis (the Gram matrix sums the slices). A leaf entering as a const is
+shared by the iterations (a recurrent cell): its iterations are positions
+of a weight-shared layer below. Nested scans combine both.
+
+**Shared leaves.** A leaf with several uses (a head tied to the embedding
+table, a kernel applied twice, a stacked kernel used twice per iteration)
+has the per-example gradient ``g_n = sum_u g_{u,n}`` of its uses ``u``.
+Its diagonal and ``combine`` form ``g_n`` for a chunk of examples at a
+time from each use's ``(a, delta)``; its Gram matrix pairs such a chunk
+``G_j`` with every example's uses, ``<g_i, G_j> = sum_u <g_{u,i}, G_j>``,
+without forming all the ``g_i`` at once.
 
 **K-FAC factors** exist for a leaf whose matrix view (all axes but the last
 as rows) is the ``(K, O)`` layout: dense kernels with one output axis after
 the contracted ones (``Dense``, an attention output projection), embeddings
-and vector biases. Attention ``q``/``k``/``v`` kernels ``(d, heads,
-head_dim)``, their ``(heads, head_dim)`` biases and elementwise parameters
-have none; :func:`fisher_optax.fisher.kronecker` gives them Shampoo factors
-from per-example gradients.
+and vector biases, also when shared by a scan's iterations. Attention
+``q``/``k``/``v`` kernels ``(d, heads, head_dim)``, their ``(heads,
+head_dim)`` biases and elementwise parameters have none, nor have leaves
+stacked along a scan (a Kronecker factor pair per leaf has no layer axis)
+or shared by several uses; :func:`fisher_optax.fisher.kronecker` gives them
+Shampoo factors from per-example gradients.
 
 **Weight sharing.** When the activation has middle axes (a dense layer applied
 to ``(B, T, d)``), the example gradient is ``sum_t a_t delta_t^T``. Norms and
@@ -397,14 +419,27 @@ def _scan_loop(eqn, kinds, env, here: tuple[int, ...], walk: _Walk, counts):
   num_consts, num_carry = params["num_consts"], params["num_carry"]
   body = params["jaxpr"].jaxpr
   entering = [k[1] for k in kinds if k is not None and k[0] in _PARAM_KINDS]
+  # A scan over the examples themselves (``lax.map`` over the batch) would
+  # hand the body activations without the example axis: left opaque.
+  over_batch = params["length"] == walk.batch and any(
+    k is None and v.aval.shape[:1] == (walk.batch,)
+    for v, k in zip(
+      eqn.invars[num_consts + num_carry :], kinds[num_consts + num_carry :]
+    )
+  )
   mode_of: dict[int, str] = {}
   inner_env = {}
   for j, (v, k) in enumerate(zip(body.invars, kinds)):
     if k is None or k[0] not in _PARAM_KINDS:
       continue
     carry = num_consts <= j < num_consts + num_carry
-    if k[0] != "param" or carry or entering.count(k[1]) > 1:
-      walk.other(k, "a scan carry" if carry else "an operand of scan")
+    if k[0] != "param" or carry or over_batch or entering.count(k[1]) > 1:
+      what = (
+        "an operand of a scan over the batch"
+        if over_batch
+        else ("a scan carry" if carry else "an operand of scan")
+      )
+      walk.other(k, what)
       continue
     mode_of[k[1]] = "const" if j < num_consts else "xs"
     inner_env[v] = ("param", k[1])
@@ -1064,13 +1099,15 @@ class LayerGrads:
     ``A_sum = sum_n mean_t a a^T`` (``(d_in, d_in)``; an embedding's is the
     diagonal of row counts) and ``Gamma_sum = sum_{s,n,t} delta delta^T``,
     for a bias ``A_sum = [[B]]``; ``"gram"`` one ``(S * B, S * B)`` array
-    :math:`\\sum_{\\text{covered}} \\langle g_i, g_j \\rangle`.
+    :math:`\\sum_{\\text{covered}} \\langle g_i, g_j \\rangle`. A leaf
+    stacked along a scan or with several uses has no ``"kron"`` factors
+    (``None``).
 
     Args:
       structure: ``"diag"``, ``"kron"`` or ``"gram"``.
       chunk_size: examples per chunk where per-example layer gradients must
-        be formed (weight-shared diagonal); ``None`` picks a chunk of about
-        ``2**24`` elements.
+        be formed (weight-shared diagonal, shared leaves; rows ``s * B + n``
+        for those); ``None`` picks a chunk of about ``2**24`` elements.
 
     Returns:
       A params-shaped tree with ``None`` at uncovered leaves, or the Gram
@@ -1391,7 +1428,7 @@ class LayerGrads:
     """Diagonal or Gram matrix of a leaf with several uses, chunked."""
     _, count, grads = self._chunks(views, leaf, chunk_size)
     shape = tuple(np.shape(self._tape._leaves[leaf]))
-    dtype = views[0][0][2].dtype
+    dtype = jnp.result_type(*(v[0][2].dtype for v in views))
     if structure == "diag":
 
       def add(total, j):
@@ -1413,7 +1450,7 @@ class LayerGrads:
     for leaf in self._tape._plan.special:
       views = self._special_views(leaf)
       _, count, grads = self._chunks(views, leaf, None)
-      dtype = views[0][0][2].dtype
+      dtype = jnp.result_type(*(v[0][2].dtype for v in views))
       w = numerics.widen(weights).astype(
         jnp.promote_types(weights.dtype, dtype)
       )
@@ -1496,11 +1533,12 @@ def coverage(
 
   The layer path recognises, in the traced ``apply_fn`` and whatever module
   produced it: any ``dot_general`` of an activation with a parameter
-  (``Dense``, ``DenseGeneral``, attention projections, ``Einsum``) and its
-  bias, embedding gathers, and elementwise scale and shift parameters
-  (norm scales and biases, learned positions). Only traces ``apply_fn`` (no
-  FLOPs), so ``params`` and ``inputs`` may be ``jax.ShapeDtypeStruct``
-  trees.
+  (``Dense``, ``DenseGeneral``, attention projections, ``Einsum``, a tied
+  head) and its bias, embedding gathers, and elementwise scale and shift
+  parameters (norm scales and biases, learned positions), also inside
+  ``scan`` bodies (stacked layers, recurrent cells) and for a leaf with
+  several such uses (tied embeddings). Only traces ``apply_fn`` (no FLOPs),
+  so ``params`` and ``inputs`` may be ``jax.ShapeDtypeStruct`` trees.
 
   Args:
     apply_fn: ``apply_fn(params, inputs) -> outputs``, as in
@@ -1525,6 +1563,14 @@ def coverage(
     ('layer', 'an elementwise scale (mul)')
     >>> cov["t"].path, cov["t"].reason
     ('per_example', 'an operand of reduce_sum: no layer rule matches')
+    >>> import jax
+    >>> def stack_fn(p, x):  # two layers (2, 3, 3) run by a scan
+    ...   layer = lambda h, w: (jnp.tanh(h @ w), None)
+    ...   return jax.lax.scan(layer, x, p["w"])[0]
+    >>> cov = fisher.coverage(stack_fn, {"w": jnp.ones((2, 3, 3))},
+    ...                       jnp.ones((4, 3)))
+    >>> cov["w"].reason
+    'the kernel of a dot_general, stacked along the iterations of a scan'
   """
   leaves, treedef, _, closed, _, batch = _trace(apply_fn, params, inputs)
   plan = _make_plan(closed, len(leaves), batch)
