@@ -1264,14 +1264,16 @@ class LayerGrads:
 
   # -- sites inside scans, and leaves with several uses ----------------------
 
-  def _view(self, s: int):
+  def _view(self, s: int) -> tuple[Any, Any, Any, Any]:
     """``_site(s)``, with a scan's iterations folded into the positions."""
     if s not in self._tape._plan.site_loops:
       return self._site(s)
-    site, *arrays = self._loop_view(s, None)
-    return (site, *(None if x is None else x[0] for x in arrays))
+    site, act, delta, valid = self._loop_view(s, None)
+    return site, _first(act), delta[0], _first(valid)
 
-  def _loop_view(self, s: int, modes: tuple[str, ...] | None):
+  def _loop_view(
+    self, s: int, modes: tuple[str, ...] | None
+  ) -> tuple[Any, Any, Any, Any]:
     """The view of a site for a use whose leaf enters the scans around it
     as ``modes`` (``None``: all shared).
 
@@ -1282,8 +1284,9 @@ class LayerGrads:
     """
     lengths = self._tape._plan.site_loops.get(s, ())
     if not lengths:
-      site, *arrays = self._site(s)
-      return (site, *(None if x is None else x[None] for x in arrays))
+      site, act, delta, valid = self._site(s)
+      lift = lambda x: None if x is None else x[None]
+      return site, lift(act), delta[None], lift(valid)
     n = len(lengths)
     modes = modes or ("const",) * n
     site = self._tape._plan.sites[s]
@@ -1463,6 +1466,10 @@ class LayerGrads:
       init = jnp.zeros((w.shape[0],) + shape, jnp.promote_types(w.dtype, dtype))
       out[leaf] = lax.scan(add, init, jnp.arange(count))[0]
     return out
+
+
+def _first(x: Array | None) -> Array | None:
+  return None if x is None else x[0]
 
 
 def _put(values: Sequence[Any], index: int, value: Any) -> tuple:
