@@ -87,10 +87,10 @@ def _plain_general(params, x):
 
 
 def _plain_scan(params, ids):
-  """Layers stacked along a reversed, rematerialised ``lax.scan`` with a
-  nested scan (a twice-sliced leaf, the layer's kernel shared by its
-  steps), a recurrent cell's kernel shared by the steps of a scan, a kernel
-  used twice and a head tied to the embedding table."""
+  """Layers stacked along a reversed ``lax.scan`` of a rematerialised body
+  with a nested scan (a twice-sliced leaf, the layer's kernel shared by its
+  steps), a recurrent cell's kernel shared by the steps of a scan inside
+  ``remat``, a kernel used twice and a head tied to the embedding table."""
   h = jnp.take(params["table"], ids, axis=0)  # (B, T, 4)
 
   def layer(h, w):
@@ -105,13 +105,16 @@ def _plain_scan(params, ids):
   stack = (params["k"], params["b"], params["s"], params["sub"])
   h = jax.lax.scan(jax.checkpoint(layer), h, stack, reverse=True)[0]
 
-  def cell(c, x):
-    c = jnp.tanh(c @ params["cell"] + x)
-    return c, c
+  @jax.checkpoint  # remat around a scan
+  def rnn(h, w):
+    def cell(c, x):
+      c = jnp.tanh(c @ w + x)
+      return c, c
 
-  h = h + jnp.moveaxis(
-    jax.lax.scan(cell, jnp.zeros_like(h[:, 0]), jnp.moveaxis(h, 1, 0))[1], 0, 1
-  )
+    hs = jax.lax.scan(cell, jnp.zeros_like(h[:, 0]), jnp.moveaxis(h, 1, 0))[1]
+    return jnp.moveaxis(hs, 0, 1)
+
+  h = h + rnn(h, params["cell"])
   h = jnp.tanh(h @ params["shared"]) @ params["shared"]
   return h.mean(axis=1) @ params["table"].T
 

@@ -68,10 +68,9 @@ of a weight-shared layer below. Nested scans combine both.
 **Shared leaves.** A leaf with several uses (a head tied to the embedding
 table, a kernel applied twice, a stacked kernel used twice per iteration)
 has the per-example gradient ``g_n = sum_u g_{u,n}`` of its uses ``u``.
-Its diagonal and ``combine`` form ``g_n`` for a chunk of examples at a
-time from each use's ``(a, delta)``; its Gram matrix pairs such a chunk
-``G_j`` with every example's uses, ``<g_i, G_j> = sum_u <g_{u,i}, G_j>``,
-without forming all the ``g_i`` at once.
+Its statistics form ``g_n`` from each use's ``(a, delta)`` for a chunk of
+examples at a time (``chunk_size``); the Gram matrix pairs every two chunks,
+so no more than two chunks of gradients are held at once.
 
 **K-FAC factors** exist for a leaf whose matrix view (all axes but the last
 as rows) is the ``(K, O)`` layout: dense kernels with one output axis after
@@ -1388,27 +1387,6 @@ class LayerGrads:
     g = jax.vmap(one)(act, delta)  # (X, c, *per)
     return jnp.moveaxis(g, 0, 1).reshape((c,) + shape)
 
-  def _use_dots(self, view, role: str, leaf: int, sliced: int, g):
-    """``<g_i, G_j>`` of one use's ``g_i`` (all rows) and ``G (c, *leaf)``."""
-    site, act, delta, _ = view
-    shape = tuple(np.shape(self._tape._leaves[leaf]))
-    c = g.shape[0]
-    g = g.reshape((c, -1) + shape[sliced:])
-    g = jnp.moveaxis(g, 1, 0)  # (X, c, *per)
-
-    def one(a, d, gl):
-      if role == "bias":
-        r = jnp.einsum("snrp,jp->snj", d, gl.reshape(c, -1))
-      elif site.kind == "embed":
-        r = jnp.einsum("jntd,sntd->snj", gl[:, a], d)
-      else:  # the kernel as (K, O), as _kernel_to_leaf undoes
-        gk = jnp.transpose(gl, (0, *(1 + i for i in site.leaf_perm)))
-        gk = gk.reshape(c, a.shape[-1], d.shape[-1])
-        r = jnp.einsum("ntk,jko,snto->snj", a, gk, d)
-      return r.reshape(-1, c)
-
-    return jnp.sum(jax.vmap(one)(act, delta, g), axis=0)
-
   def _chunks(self, views, leaf: int, chunk_size):
     """``(chunk, count, grads)``: ``grads(j)`` is chunk ``j``'s rows and
     their per-example gradients summed over the uses (padding rows 0)."""
@@ -1428,8 +1406,13 @@ class LayerGrads:
     return chunk, -(-num // chunk), grads
 
   def _shared(self, views, leaf: int, structure: str, chunk_size):
-    """Diagonal or Gram matrix of a leaf with several uses, chunked."""
-    _, count, grads = self._chunks(views, leaf, chunk_size)
+    """Diagonal or Gram matrix of a leaf with several uses, chunked.
+
+    The Gram matrix pairs every two chunks, forming each chunk's gradients
+    once per chunk: about ``count`` times the cost of the diagonal, and
+    no more than one chunk's gradients per side in memory.
+    """
+    chunk, count, grads = self._chunks(views, leaf, chunk_size)
     shape = tuple(np.shape(self._tape._leaves[leaf]))
     dtype = jnp.result_type(*(v[0][2].dtype for v in views))
     if structure == "diag":
@@ -1439,13 +1422,18 @@ class LayerGrads:
 
       return lax.scan(add, jnp.zeros(shape, dtype), jnp.arange(count))[0]
 
-    def columns(j):  # <g_i, g_j> for every row i and chunk j's rows
-      g = grads(j)[1]
-      return sum(self._use_dots(v, r, leaf, x, g) for v, r, x in views)
-
     num = self.num_samples * self._tape.batch
-    block = lax.map(columns, jnp.arange(count))  # (count, num, chunk)
-    return jnp.moveaxis(block, 0, 1).reshape(num, -1)[:, :num]
+    rows = lambda j: grads(j)[1].reshape(chunk, -1)
+    if count == 1:
+      return rows(0) @ rows(0).T
+
+    def column(j):  # every chunk i against chunk j
+      g_j = rows(j)
+      return lax.map(lambda i: rows(i) @ g_j.T, jnp.arange(count))
+
+    blocks = lax.map(column, jnp.arange(count))  # (j, i, chunk, chunk)
+    gram = jnp.transpose(blocks, (1, 2, 0, 3)).reshape(count * chunk, -1)
+    return gram[:num, :num]
 
   def _special_combine(self, weights: Array) -> dict:
     """``combine`` of the ``_special`` leaves from chunked gradients."""
