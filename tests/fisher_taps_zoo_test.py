@@ -233,31 +233,28 @@ class ScanAndTiedZooTest(parameterized.TestCase):
   """The same blocks stacked by ``nn.scan``/``nnx.scan`` (rematerialised),
   their leaves ``(LAYERS, ...)``, with the head tied to the embedding."""
 
-  @parameterized.parameters("linen_scan", "nnx_scan")
-  def test_every_leaf_is_on_the_layer_path(self, name):
-    apply_fn, params, ids = _model(name, jnp.float32)
-    flat = jax.tree_util.tree_flatten_with_path(
-      fisher.coverage(apply_fn, params, ids)
-    )[0]
-    off = {jax.tree_util.keystr(p): c.reason for p, c in flat if not c}
-    self.assertEqual(off, {})
-    for path, c in flat:
-      key = jax.tree_util.keystr(path)
-      if "blocks" in key:
-        self.assertIn("stacked along the iterations of a scan", c.reason)
-      if "embedding" in key:
-        self.assertIn("shared by 2 uses", c.reason)
-      # No K-FAC factors for a stacked or shared leaf.
-      self.assertFalse(c.kronecker, key)
-
   @parameterized.parameters(("linen_scan", True), ("nnx_scan", False))
-  def test_statistics_equal_the_per_example_path(self, name, x64):
-    """Diagonal, Gram matrix and weighted sums of the pseudo-gradients
-    ``g_{s,n}`` (every estimator's layer statistics; the Fisher kinds only
-    change the cotangents), chunks of 2 where gradients are formed."""
+  def test_every_leaf_on_the_layer_path_and_exact(self, name, x64):
+    """Every leaf is covered, and the diagonal, Gram matrix and weighted sums
+    of the pseudo-gradients ``g_{s,n}`` (every estimator's layer statistics;
+    the Fisher kinds only change the cotangents) equal the per-example
+    ones, in chunks of 2 where gradients are formed."""
     with jax.enable_x64(x64):
       dtype = jnp.float64 if x64 else jnp.float32
       apply_fn, params, ids = _model(name, dtype)
+      flat = jax.tree_util.tree_flatten_with_path(
+        fisher.coverage(apply_fn, params, ids)
+      )[0]
+      off = {jax.tree_util.keystr(p): c.reason for p, c in flat if not c}
+      self.assertEqual(off, {})
+      for path, c in flat:
+        key = jax.tree_util.keystr(path)
+        if "blocks" in key:
+          self.assertIn("stacked along the iterations of a scan", c.reason)
+        if "embedding" in key:
+          self.assertIn("shared by 2 uses", c.reason)
+        # No K-FAC factors for a stacked or shared leaf.
+        self.assertFalse(c.kronecker, key)
       num_s = 2
       cot = jax.random.normal(jax.random.key(4), (num_s, B, T, VOCAB), dtype)
       weights = jax.random.normal(jax.random.key(5), (2, num_s * B), dtype)

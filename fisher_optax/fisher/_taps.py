@@ -174,6 +174,11 @@ _PASS_THROUGH = ("convert_element_type", "pvary", "pcast", "copy", "copy_p")
 # transposed leaf, usable as a dot_general kernel only.
 _PARAM_KINDS = ("param", "view", "perm")
 
+# Site kinds whose iterations fold into positions and whose per-example
+# gradients LayerGrads._use_grads forms: the kinds allowed inside a scan or
+# for a leaf with several uses.
+_LOOP_KINDS = ("dense", "embed", "scale", "shift")
+
 # Budget (elements) for a materialised chunk of per-example layer gradients
 # when the caller gives no chunk size (weight-shared diagonal only).
 _DEFAULT_CHUNK_ELEMENTS = 1 << 24
@@ -628,13 +633,21 @@ def _make_plan(closed, num_leaves: int, batch: int) -> _Plan:
       uses[k[1]].append(("other", -1, "returned by apply_fn"))
   for leaf, u in enumerate(uses):
     modes = [walk.modes.get((leaf, k), ()) for k in range(len(u))]
+    reason = _reason(u, modes)
     if u and all(role != "other" for role, _, _ in u):
-      plan.roles[leaf] = (u[0][1], u[0][0])
-      if len(u) > 1 or "xs" in modes[0]:
-        plan.special[leaf] = [
-          (site, role, m) for (role, site, _), m in zip(u, modes)
-        ]
-    plan.reasons.append(_reason(u, modes))
+      kinds = sorted({plan.sites[site].kind for _, site, _ in u})
+      if (len(u) > 1 or any(modes)) and not set(kinds) <= set(_LOOP_KINDS):
+        reason = (
+          f"{reason}: no rule for {', '.join(kinds)} layers inside a scan "
+          "or with several uses"
+        )
+      else:
+        plan.roles[leaf] = (u[0][1], u[0][0])
+        if len(u) > 1 or "xs" in modes[0]:
+          plan.special[leaf] = [
+            (site, role, m) for (role, site, _), m in zip(u, modes)
+          ]
+    plan.reasons.append(reason)
   # A bias whose product is not tapped for its kernel still needs the tap;
   # every site is tapped, uncovered ones simply go unused.
   return plan
@@ -1420,7 +1433,8 @@ class LayerGrads:
       def add(total, j):
         return total + jnp.sum(grads(j)[1] ** 2, axis=0), None
 
-      return lax.scan(add, jnp.zeros(shape, dtype), jnp.arange(count))[0]
+      init = _zeros_varying(shape, dtype, views)
+      return lax.scan(add, init, jnp.arange(count))[0]
 
     num = self.num_samples * self._tape.batch
     rows = lambda j: grads(j)[1].reshape(chunk, -1)
@@ -1451,9 +1465,26 @@ class LayerGrads:
         rows, g = grads(j)
         return total + jnp.tensordot(w[:, rows], g, 1), None
 
-      init = jnp.zeros((w.shape[0],) + shape, jnp.promote_types(w.dtype, dtype))
+      init = _zeros_varying(
+        (w.shape[0],) + shape, jnp.promote_types(w.dtype, dtype), [w, views]
+      )
       out[leaf] = lax.scan(add, init, jnp.arange(count))[0]
     return out
+
+
+def _zeros_varying(shape, dtype, like: Any) -> Array:
+  """Zeros varying over the manual mesh axes of ``like``'s arrays (a loop
+  carry must vary like the sums added to it under ``shard_map``)."""
+  zeros = jnp.zeros(shape, dtype)
+  vma = sorted(
+    {
+      a
+      for x in jax.tree.leaves(like)
+      if isinstance(x, jax.Array)
+      for a in _varying_axes(jax.typeof(x))
+    }
+  )
+  return lax.pcast(zeros, tuple(vma), to="varying") if vma else zeros
 
 
 def _first(x: Array | None) -> Array | None:
