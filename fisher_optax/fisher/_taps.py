@@ -180,7 +180,7 @@ _PARAM_KINDS = ("param", "view", "perm")
 _LOOP_KINDS = ("dense", "embed", "scale", "shift")
 
 # Budget (elements) for a materialised chunk of per-example layer gradients
-# when the caller gives no chunk size (weight-shared diagonal only).
+# when the caller gives no chunk size (weight-shared diagonal, shared leaves).
 _DEFAULT_CHUNK_ELEMENTS = 1 << 24
 
 
@@ -426,7 +426,7 @@ def _scan_loop(eqn, kinds, env, here: tuple[int, ...], walk: _Walk, counts):
   # A scan over the examples themselves (``lax.map`` over the batch) would
   # hand the body activations without the example axis: left opaque.
   over_batch = params["length"] == walk.batch and any(
-    k is None and v.aval.shape[:1] == (walk.batch,)
+    (k is None or k[0] == "site") and v.aval.shape[:1] == (walk.batch,)
     for v, k in zip(
       eqn.invars[num_consts + num_carry :], kinds[num_consts + num_carry :]
     )
@@ -1421,9 +1421,10 @@ class LayerGrads:
   def _shared(self, views, leaf: int, structure: str, chunk_size):
     """Diagonal or Gram matrix of a leaf with several uses, chunked.
 
-    The Gram matrix pairs every two chunks, forming each chunk's gradients
-    once per chunk: about ``count`` times the cost of the diagonal, and
-    no more than one chunk's gradients per side in memory.
+    The Gram matrix pairs every two chunks, forming chunk ``i``'s gradients
+    again for every chunk ``j``: about ``count`` times the diagonal's work,
+    with two chunks of gradients in memory (one product if one chunk holds
+    every example).
     """
     chunk, count, grads = self._chunks(views, leaf, chunk_size)
     shape = tuple(np.shape(self._tape._leaves[leaf]))
