@@ -237,8 +237,9 @@ class ScanAndTiedZooTest(parameterized.TestCase):
   def test_every_leaf_on_the_layer_path_and_exact(self, name, x64):
     """Every leaf is covered, and the diagonal, Gram matrix and weighted sums
     of the pseudo-gradients ``g_{s,n}`` (every estimator's layer statistics;
-    the Fisher kinds only change the cotangents) equal the per-example
-    ones, in chunks of 2 where gradients are formed."""
+    the Fisher kinds only change the cotangents), in chunks of 2 where
+    gradients are formed, and the one-pass gradient of the empirical kind
+    equal the per-example ones."""
     with jax.enable_x64(x64):
       dtype = jnp.float64 if x64 else jnp.float32
       apply_fn, params, ids = _model(name, dtype)
@@ -269,20 +270,29 @@ class ScanAndTiedZooTest(parameterized.TestCase):
         g = jax.tree.map(
           lambda a: jnp.swapaxes(a, 0, 1).reshape((-1,) + a.shape[2:]), g
         )  # rows s * B + n
-        grads = fisher_taps.record(apply_fn, params, ids).backward(cot)
+        tape = fisher_taps.record(apply_fn, params, ids)
+        grads = tape.backward(cot)
+        # The empirical kind's single backward pass (gradient and deltas).
+        grad, first = tape.gradient(cot[0])
         return g, (
           grads.statistics("diag", chunk_size=2),
           grads.statistics("gram", chunk_size=2),
           grads.combine(weights),
+          grad,
+          first.statistics("diag"),
         )
 
-      g, (diag, gram, combine) = run(params, ids, cot, weights)
+      g, (diag, gram, combine, grad, first) = run(params, ids, cot, weights)
       rtol = 1e-10 if x64 else 1e-5
       flat = jax.tree_util.tree_flatten_with_path(g)[0]
       rows = jnp.concatenate([a.reshape(num_s * B, -1) for _, a in flat], 1)
       _assert_tree_close([gram], [rows @ rows.T], rtol)
-      for (path, gi), d, c in zip(
-        flat, jax.tree.leaves(diag), jax.tree.leaves(combine)
+      for (path, gi), d, c, g0, d0 in zip(
+        flat,
+        jax.tree.leaves(diag),
+        jax.tree.leaves(combine),
+        jax.tree.leaves(grad),
+        jax.tree.leaves(first),
       ):
         key = jax.tree_util.keystr(path)
         if "['key']['bias']" in key:
@@ -292,6 +302,8 @@ class ScanAndTiedZooTest(parameterized.TestCase):
         with self.subTest(key):
           _assert_tree_close([d], [jnp.sum(gi**2, 0)], rtol)
           _assert_tree_close([c], [jnp.tensordot(weights, gi, 1)], rtol)
+          _assert_tree_close([g0], [jnp.sum(gi[:B], 0)], rtol)
+          _assert_tree_close([d0], [jnp.sum(gi[:B] ** 2, 0)], rtol)
 
 
 class FallbackWarningTest(absltest.TestCase):
