@@ -507,6 +507,15 @@ class CoverageTest(parameterized.TestCase):
     cov = _taps.coverage(over_batch, params, jnp.ones((4, 4, 3)))
     self.assertIn("a scan over the batch", cov["w"].reason)
 
+    # Linen's recurrent cells: nn.scan broadcasts their parameters to every
+    # step (consts), so K-FAC factors exist too.
+    rnn = nn.RNN(nn.LSTMCell(4))
+    x = jnp.ones((2, 3, 5))
+    abstract = jax.eval_shape(rnn.init, jax.random.key(0), x)
+    flat = jax.tree.leaves(_taps.coverage(rnn.apply, abstract, x))
+    self.assertLen(flat, 12)
+    self.assertTrue(all(c and c.kronecker for c in flat), flat)
+
   def test_coverage_on_shape_dtype_structs(self):
     params = fisher_testing.mlp_params(jax.random.key(0))
     abstract = jax.tree.map(
