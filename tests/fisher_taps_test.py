@@ -86,6 +86,39 @@ def _plain_general(params, x):
   return (h * params["c"]).sum(1) @ params["w2"]
 
 
+def _plain_scan(params, ids):
+  """Layers stacked along a reversed ``lax.scan`` of a rematerialised body
+  with a nested scan (a twice-sliced leaf, the layer's kernel shared by its
+  steps), a recurrent cell's kernel shared by the steps of a scan inside
+  ``remat``, a kernel used twice and a head tied to the embedding table."""
+  h = jnp.take(params["table"], ids, axis=0)  # (B, T, 4)
+
+  def layer(h, w):
+    k, b, s, sub = w
+    h = h + jnp.tanh(jnp.einsum("btd,de->bte", h, k) + b) * s
+
+    def step(h, u):
+      return h + jnp.tanh(h @ u) @ k / 4, None
+
+    return jax.lax.scan(step, h, sub)[0], None
+
+  stack = (params["k"], params["b"], params["s"], params["sub"])
+  h = jax.lax.scan(jax.checkpoint(layer), h, stack, reverse=True)[0]
+
+  @jax.checkpoint  # remat around a scan
+  def rnn(h, w):
+    def cell(c, x):
+      c = jnp.tanh(c @ w + x)
+      return c, c
+
+    hs = jax.lax.scan(cell, jnp.zeros_like(h[:, 0]), jnp.moveaxis(h, 1, 0))[1]
+    return jnp.moveaxis(hs, 0, 1)
+
+  h = h + rnn(h, params["cell"])
+  h = jnp.tanh(h @ params["shared"]) @ params["shared"]
+  return h.mean(axis=1) @ params["table"].T
+
+
 def _model(name: str, dtype=None):
   """Returns (apply_fn, params, inputs, out_dim) for a named test model."""
   dtype = dtype or jnp.float64
@@ -128,6 +161,18 @@ def _model(name: str, dtype=None):
       "w2": jax.random.normal(k[4], (5, 3), dtype) / 3,
     }
     return _plain_general, params, jax.random.normal(kx, (B, T, 2, 3), dtype), 3
+  if name == "plain_scan":
+    k = jax.random.split(kp, 7)
+    params = {
+      "table": jax.random.normal(k[0], (VOCAB, 4), dtype),
+      "k": jax.random.normal(k[1], (2, 4, 4), dtype) / 2,
+      "b": jax.random.normal(k[2], (2, 4), dtype) / 3,
+      "s": jax.random.normal(k[3], (2, 4), dtype),
+      "sub": jax.random.normal(k[4], (2, 3, 4, 4), dtype) / 3,
+      "cell": jax.random.normal(k[5], (4, 4), dtype) / 2,
+      "shared": jax.random.normal(k[6], (4, 4), dtype) / 2,
+    }
+    return _plain_scan, params, ids, VOCAB
   raise ValueError(name)
 
 
@@ -140,6 +185,7 @@ _MODELS = (
   "nnx_seq",
   "plain_seq",
   "plain_general",
+  "plain_scan",
 )
 
 
@@ -190,7 +236,8 @@ class LayerStatisticsTest(parameterized.TestCase):
       self.assertTrue(all(jax.tree.leaves(cov)), cov)
       cot = _cotangents(out_dim)
       weights = jax.random.normal(jax.random.key(3), (2, S * B), jnp.float64)
-      chunk = 5 if "seq" in name else None  # 5 does not divide S * B = 6
+      # 5 does not divide S * B = 6
+      chunk = 5 if "seq" in name or "scan" in name else None
 
       @jax.jit
       def run(params, inputs, cot, weights):
@@ -377,7 +424,7 @@ class LayerStatisticsTest(parameterized.TestCase):
 
 class CoverageTest(parameterized.TestCase):
   def test_uncovered_leaves_are_reported(self):
-    """Convs, tied and reused kernels fall back (None); norms are covered."""
+    """Convs fall back (None); norms, tied and reused kernels are covered."""
 
     class Mixed(nn.Module):
       @nn.compact
@@ -395,13 +442,14 @@ class CoverageTest(parameterized.TestCase):
     ids = jnp.array([[0, 1, 2], [3, 3, 4]])
     params = model.init(jax.random.key(0), ids)
     cov = _taps.coverage(model.apply, params, ids)["params"]
-    self.assertFalse(cov["Embed_0"]["embedding"])
+    self.assertTrue(cov["Embed_0"]["embedding"])
     self.assertFalse(cov["Conv_0"]["kernel"])
     self.assertTrue(cov["LayerNorm_0"]["scale"])
-    self.assertIn("used 2 times", cov["Dense_0"]["kernel"].reason)
+    self.assertIn("shared by 2 uses", cov["Dense_0"]["kernel"].reason)
     self.assertIn("conv_general_dilated", cov["Conv_0"]["kernel"].reason)
-    self.assertFalse(cov["Dense_0"]["kernel"])
-    self.assertFalse(cov["Dense_0"]["bias"])
+    self.assertTrue(cov["Dense_0"]["kernel"])
+    self.assertTrue(cov["Dense_0"]["bias"])
+    self.assertFalse(cov["Dense_0"]["kernel"].kronecker)
     self.assertTrue(cov["head"]["kernel"])
     self.assertTrue(cov["head"]["bias"])
     # Covered leaves still match the oracle; uncovered ones are None.
@@ -437,6 +485,36 @@ class CoverageTest(parameterized.TestCase):
       lambda p, x: x @ p["w1"] @ p["w2"], params, jnp.ones((5, 3))
     )
     self.assertTrue(cov["w1"] and cov["w2"])
+
+  def test_scan_rules(self):
+    """Stacked and const leaves are covered; a carried leaf and a scan over
+    the examples themselves are not."""
+    params = {"w": jnp.ones((3, 3)), "v": jnp.ones((2, 3, 3))}
+
+    def apply_fn(p, x):
+      h = jax.lax.scan(lambda h, v: (h @ v, None), x @ p["w"], p["v"])[0]
+      c = jax.lax.scan(lambda c, _: (c * 2, None), p["w"], None, length=2)[0]
+      return h @ c
+
+    cov = _taps.coverage(apply_fn, params, jnp.ones((4, 3)))
+    self.assertIn("stacked along the iterations", cov["v"].reason)
+    self.assertIn("a scan carry", cov["w"].reason)
+    self.assertFalse(cov["w"])
+
+    def over_batch(p, x):  # B = T = 4: the body sees (T, d) slices
+      return jax.lax.map(lambda xi: jnp.tanh(xi @ p["w"]), x)
+
+    cov = _taps.coverage(over_batch, params, jnp.ones((4, 4, 3)))
+    self.assertIn("a scan over the batch", cov["w"].reason)
+
+    # Linen's recurrent cells: nn.scan broadcasts their parameters to every
+    # step (consts), so K-FAC factors exist too.
+    rnn = nn.RNN(nn.LSTMCell(4))
+    x = jnp.ones((2, 3, 5))
+    abstract = jax.eval_shape(rnn.init, jax.random.key(0), x)
+    flat = jax.tree.leaves(_taps.coverage(rnn.apply, abstract, x))
+    self.assertLen(flat, 12)
+    self.assertTrue(all(c and c.kronecker for c in flat), flat)
 
   def test_coverage_on_shape_dtype_structs(self):
     params = fisher_testing.mlp_params(jax.random.key(0))

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fisher_optax import fisher
+from fisher_optax.fisher import _taps as fisher_taps
 
 B, T, D, H, VOCAB = 3, 5, 8, 2, 7
 
@@ -65,11 +66,91 @@ class _NnxLM(nnx.Module):
     return self.head(self.norm(x))
 
 
+# -- stacked by scan (with remat), with a tied head ----------------------------
+
+LAYERS = 2
+
+
+class _LinenBlock(nn.Module):
+  dtype: jnp.dtype = jnp.float32
+
+  @nn.compact
+  def __call__(self, x, _):
+    kw: dict[str, Any] = dict(param_dtype=self.dtype, dtype=self.dtype)
+    h = nn.LayerNorm(**kw)(x)
+    mask = nn.make_causal_mask(jnp.ones(x.shape[:2]))
+    x = x + nn.MultiHeadDotProductAttention(num_heads=H, **kw)(h, h, mask=mask)
+    h = nn.gelu(nn.Dense(2 * D, **kw)(nn.LayerNorm(**kw)(x)))
+    return x + nn.Dense(D, **kw)(h), None
+
+
+class _LinenScanLM(nn.Module):
+  """``nn.scan`` over ``nn.remat`` blocks, the head tied to the embedding."""
+
+  dtype: jnp.dtype = jnp.float32
+
+  @nn.compact
+  def __call__(self, ids):
+    kw: dict[str, Any] = dict(param_dtype=self.dtype, dtype=self.dtype)
+    embed = nn.Embed(VOCAB, D, **kw)
+    pos = self.param("pos", nn.initializers.normal(0.5), (T, D), self.dtype)
+    blocks = nn.scan(
+      nn.remat(_LinenBlock),
+      variable_axes={"params": 0},
+      split_rngs={"params": True},
+      length=LAYERS,
+    )
+    x, _ = blocks(self.dtype, name="blocks")(embed(ids) + pos, None)
+    return embed.attend(nn.LayerNorm(**kw)(x))
+
+
+class _NnxBlock(nnx.Module):
+  def __init__(self, rngs, dtype):
+    kw: dict[str, Any] = dict(param_dtype=dtype, dtype=dtype, rngs=rngs)
+    self.norm1 = nnx.LayerNorm(D, **kw)
+    self.attn = nnx.MultiHeadAttention(H, D, decode=False, **kw)
+    self.norm2 = nnx.LayerNorm(D, **kw)
+    self.up = nnx.Linear(D, 2 * D, **kw)
+    self.down = nnx.Linear(2 * D, D, **kw)
+
+  def __call__(self, x):
+    h = self.norm1(x)
+    mask = nnx.make_causal_mask(jnp.ones(x.shape[:2]))
+    x = x + self.attn(h, h, mask=mask)
+    return x + self.down(nnx.gelu(self.up(self.norm2(x))))
+
+
+class _NnxScanLM(nnx.Module):
+  """``nnx.vmap``-built blocks run by ``nnx.scan`` over ``nnx.remat``."""
+
+  def __init__(self, rngs, dtype):
+    kw: dict[str, Any] = dict(param_dtype=dtype, dtype=dtype, rngs=rngs)
+    self.embed = nnx.Embed(VOCAB, D, **kw)
+    self.pos = nnx.Param(jax.random.normal(rngs.params(), (T, D), dtype) / 2)
+
+    @nnx.split_rngs(splits=LAYERS)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def make(rngs):
+      return _NnxBlock(rngs, dtype)
+
+    self.blocks = make(rngs)
+    self.norm = nnx.LayerNorm(D, **kw)
+
+  def __call__(self, ids):
+    @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+    @nnx.remat
+    def run(x, block):
+      return block(x)
+
+    x = run(self.embed(ids) + self.pos[...], self.blocks)
+    return self.embed.attend(self.norm(x))
+
+
 def _model(name: str, dtype):
   ids = jax.random.randint(jax.random.key(1), (B, T), 0, VOCAB)
   ids = ids.at[0, :2].set(1)  # a repeated token within an example
-  if name == "linen":
-    model = _LinenLM(dtype)
+  if name in ("linen", "linen_scan"):
+    model = (_LinenLM if name == "linen" else _LinenScanLM)(dtype)
     params = jax.jit(model.init)(jax.random.key(0), ids)
     # Non-trivial norm scales and biases (their initial values are 1 and 0).
     params = jax.tree.map(
@@ -77,7 +158,8 @@ def _model(name: str, dtype):
       params,
     )
     return model.apply, params, ids
-  graphdef, state = nnx.split(_NnxLM(nnx.Rngs(0), dtype))
+  cls = _NnxLM if name == "nnx" else _NnxScanLM
+  graphdef, state = nnx.split(cls(nnx.Rngs(0), dtype))
   state = jax.tree.map(
     lambda p: p + 0.3 * jax.random.normal(jax.random.key(3), p.shape, dtype),
     state,
@@ -145,6 +227,83 @@ class TransformerZooTest(parameterized.TestCase):
       for key in [k for m, k in out if m == "auto"]:
         with self.subTest(key):
           _assert_tree_close(out["auto", key], out["per_example", key], rtol)
+
+
+class ScanAndTiedZooTest(parameterized.TestCase):
+  """The same blocks stacked by ``nn.scan``/``nnx.scan`` (rematerialised),
+  their leaves ``(LAYERS, ...)``, with the head tied to the embedding."""
+
+  @parameterized.parameters(("linen_scan", True), ("nnx_scan", False))
+  def test_every_leaf_on_the_layer_path_and_exact(self, name, x64):
+    """Every leaf is covered, and the diagonal, Gram matrix and weighted sums
+    of the pseudo-gradients ``g_{s,n}`` (every estimator's layer statistics;
+    the Fisher kinds only change the cotangents), in chunks of 2 where
+    gradients are formed, and the one-pass gradient of the empirical kind
+    equal the per-example ones."""
+    with jax.enable_x64(x64):
+      dtype = jnp.float64 if x64 else jnp.float32
+      apply_fn, params, ids = _model(name, dtype)
+      flat = jax.tree_util.tree_flatten_with_path(
+        fisher.coverage(apply_fn, params, ids)
+      )[0]
+      off = {jax.tree_util.keystr(p): c.reason for p, c in flat if not c}
+      self.assertEqual(off, {})
+      for path, c in flat:
+        key = jax.tree_util.keystr(path)
+        if "blocks" in key:
+          self.assertIn("stacked along the iterations of a scan", c.reason)
+        if "embedding" in key:
+          self.assertIn("shared by 2 uses", c.reason)
+        # No K-FAC factors for a stacked or shared leaf.
+        self.assertFalse(c.kronecker, key)
+      num_s = 2
+      cot = jax.random.normal(jax.random.key(4), (num_s, B, T, VOCAB), dtype)
+      weights = jax.random.normal(jax.random.key(5), (2, num_s * B), dtype)
+
+      @jax.jit
+      def run(params, ids, cot, weights):
+        def one(x, r):  # g_{s,n} of one example n, all s
+          _, vjp = jax.vjp(lambda p: apply_fn(p, x[None])[0], params)
+          return jax.vmap(lambda rs: vjp(rs)[0])(r)
+
+        g = jax.vmap(one, in_axes=(0, 1))(ids, cot)  # (B, S, ...)
+        g = jax.tree.map(
+          lambda a: jnp.swapaxes(a, 0, 1).reshape((-1,) + a.shape[2:]), g
+        )  # rows s * B + n
+        tape = fisher_taps.record(apply_fn, params, ids)
+        grads = tape.backward(cot)
+        # The empirical kind's single backward pass (gradient and deltas).
+        grad, first = tape.gradient(cot[0])
+        return g, (
+          grads.statistics("diag", chunk_size=2),
+          grads.statistics("gram", chunk_size=2),
+          grads.combine(weights),
+          grad,
+          first.statistics("diag"),
+        )
+
+      g, (diag, gram, combine, grad, first) = run(params, ids, cot, weights)
+      rtol = 1e-10 if x64 else 1e-5
+      flat = jax.tree_util.tree_flatten_with_path(g)[0]
+      rows = jnp.concatenate([a.reshape(num_s * B, -1) for _, a in flat], 1)
+      _assert_tree_close([gram], [rows @ rows.T], rtol)
+      for (path, gi), d, c, g0, d0 in zip(
+        flat,
+        jax.tree.leaves(diag),
+        jax.tree.leaves(combine),
+        jax.tree.leaves(grad),
+        jax.tree.leaves(first),
+      ):
+        key = jax.tree_util.keystr(path)
+        if "['key']['bias']" in key:
+          # Softmax ignores a key bias: its gradient is 0 and both paths
+          # return roundoff.
+          continue
+        with self.subTest(key):
+          _assert_tree_close([d], [jnp.sum(gi**2, 0)], rtol)
+          _assert_tree_close([c], [jnp.tensordot(weights, gi, 1)], rtol)
+          _assert_tree_close([g0], [jnp.sum(gi[:B], 0)], rtol)
+          _assert_tree_close([d0], [jnp.sum(gi[:B] ** 2, 0)], rtol)
 
 
 class FallbackWarningTest(absltest.TestCase):

@@ -277,7 +277,7 @@ def layer_norms(layer_grads: Any) -> PyTree:
   """
   out = {}
   for leaf, s, role in layer_grads._leaf_items():
-    site, act, delta, _ = layer_grads._site(s)
+    site, act, delta, _ = layer_grads._view(s)
     if role == "bias":
       out[leaf] = jnp.sum(jnp.sum(delta, axis=2) ** 2, axis=-1).reshape(-1)
       continue
@@ -291,6 +291,12 @@ def layer_norms(layer_grads: Any) -> PyTree:
       same = jnp.einsum("ntd,nud->ntu", act, act)
     dd = jnp.einsum("sntd,snud->sntu", delta, delta)
     out[leaf] = jnp.einsum("ntu,sntu->sn", same, dd).reshape(-1)
+  num = layer_grads.num_samples * layer_grads.tape.batch
+  for leaf in layer_grads.tape._plan.special:  # scanned or shared leaves
+    views = layer_grads._special_views(leaf)
+    chunk, count, grads = layer_grads._chunks(views, leaf, None)
+    rows = [grads(j)[1].reshape(chunk, -1) for j in range(count)]
+    out[leaf] = jnp.sum(jnp.concatenate(rows) ** 2, axis=1)[:num]
   return layer_grads._unflatten(out)
 
 

@@ -24,7 +24,7 @@ pass (vmapped over the ``S`` cotangents).
 is traced to a jaxpr and generic patterns are matched on it, whatever module
 produced them, so the same code serves Flax Linen (``model.apply``), Flax NNX
 (an ``nnx.merge`` function) and plain functions. A parameter leaf is
-*covered* when its only use is one of
+*covered* when each of its uses is one of
 
 * an operand of a ``dot_general`` whose other operand is an activation
   ``x`` with the examples on axis 0: any contraction of feature axes of ``x``
@@ -32,7 +32,9 @@ produced them, so the same code serves Flax Linen (``model.apply``), Flax NNX
   of ``x`` (positions) are weight-shared (``x @ W``, ``jnp.einsum``, Linen
   ``Dense``/``DenseGeneral``/``Einsum``, the ``(d, heads, head_dim)`` and
   ``(heads, head_dim, d)`` kernels of ``MultiHeadDotProductAttention``, NNX
-  ``Linear``/``LinearGeneral``/``MultiHeadAttention``). Diagonal and Gram
+  ``Linear``/``LinearGeneral``/``MultiHeadAttention``; the kernel may be a
+  transposed leaf, as in a head tied to the embedding, ``Embed.attend``,
+  ``x @ table.T``). Diagonal and Gram
   are exact; the example gradient is the ``(K, O)`` matrix
   ``sum_t x_t delta_t^T`` (contracted axes ``K``, kernel free axes ``O``)
   mapped back to the kernel's axis order;
@@ -48,18 +50,37 @@ produced them, so the same code serves Flax Linen (``model.apply``), Flax NNX
   broadcast axes.
 
 Casts (``convert_element_type``) and ``jit``/``remat`` boundaries are looked
-through. A leaf used any other way (a convolution kernel, a kernel used twice
-as in tied embeddings, a leaf inside ``scan`` or a ``custom_jvp``) is not
+through, and ``scan`` bodies are walked (below). A leaf used any other way
+(a convolution kernel, a leaf in a ``scan`` carry or a ``custom_jvp``) is not
 covered; the engine computes it by the per-example path, and
 :func:`coverage` says which path each leaf takes and why.
+
+**Scans.** A leaf entering a ``scan`` (``lax.scan``, Linen ``nn.scan``,
+``nnx.scan``; ``remat`` inside or around it) as an ``xs`` operand is a stack
+of layers ``(L, ...)``, iteration ``l`` using slice ``l``: the scan is re-run
+with the taps of the layers in its body as extra ``xs`` and their
+activations returned as extra ``ys`` (``reverse``, ``length``, ``unroll``
+kept), so every statistic of the leaf comes out per slice with its leading
+``L`` axis (the Gram matrix sums the slices). A leaf entering as a const is
+shared by the iterations (a recurrent cell): its iterations are positions
+of a weight-shared layer below. Nested scans combine both.
+
+**Shared leaves.** A leaf with several uses (a head tied to the embedding
+table, a kernel applied twice, a stacked kernel used twice per iteration)
+has the per-example gradient ``g_n = sum_u g_{u,n}`` of its uses ``u``.
+Its statistics form ``g_n`` from each use's ``(a, delta)`` for a chunk of
+examples at a time (``chunk_size``); the Gram matrix pairs every two chunks,
+so no more than two chunks of gradients are held at once.
 
 **K-FAC factors** exist for a leaf whose matrix view (all axes but the last
 as rows) is the ``(K, O)`` layout: dense kernels with one output axis after
 the contracted ones (``Dense``, an attention output projection), embeddings
-and vector biases. Attention ``q``/``k``/``v`` kernels ``(d, heads,
-head_dim)``, their ``(heads, head_dim)`` biases and elementwise parameters
-have none; :func:`fisher_optax.fisher.kronecker` gives them Shampoo factors
-from per-example gradients.
+and vector biases, also when shared by a scan's iterations. Attention
+``q``/``k``/``v`` kernels ``(d, heads, head_dim)``, their ``(heads,
+head_dim)`` biases and elementwise parameters have none, nor have leaves
+stacked along a scan (a Kronecker factor pair per leaf has no layer axis)
+or shared by several uses; :func:`fisher_optax.fisher.kronecker` gives them
+Shampoo factors from per-example gradients.
 
 **Weight sharing.** When the activation has middle axes (a dense layer applied
 to ``(B, T, d)``), the example gradient is ``sum_t a_t delta_t^T``. Norms and
@@ -149,8 +170,17 @@ _CALLS = {
 # device-variance casts shard_map inserts for replicated parameters.
 _PASS_THROUGH = ("convert_element_type", "pvary", "pcast", "copy", "copy_p")
 
+# Kinds of walked values that are (views of) a parameter leaf; "perm" is a
+# transposed leaf, usable as a dot_general kernel only.
+_PARAM_KINDS = ("param", "view", "perm")
+
+# Site kinds whose iterations fold into positions and whose per-example
+# gradients LayerGrads._use_grads forms: the kinds allowed inside a scan or
+# for a leaf with several uses.
+_LOOP_KINDS = ("dense", "embed", "scale", "shift")
+
 # Budget (elements) for a materialised chunk of per-example layer gradients
-# when the caller gives no chunk size (weight-shared diagonal only).
+# when the caller gives no chunk size (weight-shared diagonal, shared leaves).
 _DEFAULT_CHUNK_ELEMENTS = 1 << 24
 
 
@@ -194,6 +224,19 @@ class _Plan:
   site_at: dict[tuple[int, ...], int]  # equation path -> site index
   inline: set[tuple[int, ...]]  # call equations to inline
   reasons: list[str] = dataclasses.field(default_factory=list)  # per leaf
+  # scan equation path -> the sites in its body (re-run with stacked taps)
+  loops: dict[tuple[int, ...], list[int]] = dataclasses.field(
+    default_factory=dict
+  )
+  # site -> lengths of the scans around it, outermost first
+  site_loops: dict[int, tuple[int, ...]] = dataclasses.field(
+    default_factory=dict
+  )
+  # covered leaf with several uses or sliced by a scan -> its uses as
+  # (site, role, modes): per enclosing scan, "xs" (sliced) or "const"
+  special: dict[int, list[tuple[int, str, tuple[str, ...]]]] = (
+    dataclasses.field(default_factory=dict)
+  )
 
 
 def _sub_jaxpr(eqn) -> tuple[Any, Sequence[Any]] | None:
@@ -311,10 +354,15 @@ class _Walk:
   batch: int
   plan: _Plan
   uses: list[list[tuple[str, int, str]]]
+  # (leaf, use index) -> per enclosing scan (outermost first) how the leaf
+  # enters it: "xs" (sliced per iteration) or "const" (shared)
+  modes: dict[tuple[int, int], tuple[str, ...]] = dataclasses.field(
+    default_factory=dict
+  )
 
   def other(self, kind, what: str) -> None:
     """Records an opaque use of a (viewed) parameter leaf."""
-    if kind is not None and kind[0] in ("param", "view"):
+    if kind is not None and kind[0] in _PARAM_KINDS:
       self.uses[kind[1]].append(("other", -1, what))
 
   def add_site(self, site: _Site, role: str, what: str) -> int:
@@ -340,6 +388,8 @@ def _scan(jaxpr, env: dict, path: tuple[int, ...], walk: _Walk) -> list:
     here = path + (i,)
     if _sub_jaxpr(eqn) is not None:
       _scan_call(eqn, kinds, env, here, walk)
+    elif eqn.primitive.name == "scan":
+      _scan_loop(eqn, kinds, env, here, walk, counts)
     elif not _match(eqn, kinds, env, here, walk, counts):
       for k in kinds:
         walk.other(k, f"an operand of {eqn.primitive.name}")
@@ -359,6 +409,65 @@ def _scan_call(eqn, kinds: list, env: dict, here: tuple[int, ...], walk: _Walk):
       env[v] = k
 
 
+def _scan_loop(eqn, kinds, env, here: tuple[int, ...], walk: _Walk, counts):
+  """Walks a ``scan`` body with the parameter leaves it receives.
+
+  A leaf entering as an ``xs`` operand is sliced per iteration (a stack of
+  layers, ``nn.scan``/``nnx.scan``); as a const it is shared by all the
+  iterations (a recurrent cell), like a weight shared over positions. The
+  uses found in the body are tagged with that mode; a leaf in the carry, or
+  entering twice, is an opaque use. The scan is re-run at eval with its
+  sites' taps as extra ``xs`` and their activations as extra ``ys``.
+  """
+  params = eqn.params
+  num_consts, num_carry = params["num_consts"], params["num_carry"]
+  body = params["jaxpr"].jaxpr
+  entering = [k[1] for k in kinds if k is not None and k[0] in _PARAM_KINDS]
+  # A scan over the examples themselves (``lax.map`` over the batch) would
+  # hand the body activations without the example axis: left opaque.
+  over_batch = params["length"] == walk.batch and any(
+    (k is None or k[0] == "site") and v.aval.shape[:1] == (walk.batch,)
+    for v, k in zip(
+      eqn.invars[num_consts + num_carry :], kinds[num_consts + num_carry :]
+    )
+  )
+  mode_of: dict[int, str] = {}
+  inner_env = {}
+  for j, (v, k) in enumerate(zip(body.invars, kinds)):
+    if k is None or k[0] not in _PARAM_KINDS:
+      continue
+    carry = num_consts <= j < num_consts + num_carry
+    if k[0] != "param" or carry or over_batch or entering.count(k[1]) > 1:
+      what = (
+        "an operand of a scan over the batch"
+        if over_batch
+        else ("a scan carry" if carry else "an operand of scan")
+      )
+      walk.other(k, what)
+      continue
+    mode_of[k[1]] = "const" if j < num_consts else "xs"
+    inner_env[v] = ("param", k[1])
+  before = {leaf: len(walk.uses[leaf]) for leaf in mode_of}
+  num_sites = len(walk.plan.sites)
+  out_kinds = _scan(body, inner_env, here, walk)
+  for leaf, mode in mode_of.items():
+    for u in range(before[leaf], len(walk.uses[leaf])):
+      walk.modes[leaf, u] = (mode,) + walk.modes.get((leaf, u), ())
+  inner = list(range(num_sites, len(walk.plan.sites)))
+  if inner:
+    walk.plan.loops[here] = inner
+    for s in inner:
+      lengths = walk.plan.site_loops.get(s, ())
+      walk.plan.site_loops[s] = (params["length"],) + lengths
+  for j, (v, k) in enumerate(zip(eqn.outvars, out_kinds)):
+    if k is None or k[0] not in _PARAM_KINDS:
+      continue
+    if j >= num_carry and k[0] == "param" and mode_of.get(k[1]) == "xs":
+      env[v] = k  # the stacked leaf returned as is (NNX returns its state)
+    elif counts.get(v, 0):
+      walk.other(k, "an output of a scan body")
+
+
 def _match(
   eqn, kinds: list, env: dict, here: tuple[int, ...], walk: _Walk, counts
 ) -> bool:
@@ -370,7 +479,7 @@ def _match(
       len(kinds) == 1
       and first is not None
       and (
-        first[0] in ("param", "view")
+        first[0] in _PARAM_KINDS
         or (first[0] == "site" and counts[eqn.invars[0]] == 1)
       )
     )
@@ -379,6 +488,15 @@ def _match(
     return ok
   if name == "dot_general":
     return _match_dense(eqn, kinds, env, here, walk, counts)
+  if (
+    name == "transpose" and first is not None and first[0] in ("param", "perm")
+  ):
+    # A transposed leaf (a tied head ``x @ table.T``): a kernel only.
+    perm = tuple(eqn.params["permutation"])
+    if first[0] == "perm":
+      perm = tuple(first[2][i] for i in perm)
+    env[eqn.outvars[0]] = ("perm", first[1], perm)
+    return True
   if name == "gather":
     return _match_embed(eqn, kinds, here, walk)
   if name in ("reshape", "broadcast_in_dim") and len(kinds) == 1:
@@ -398,12 +516,14 @@ def _match_dense(eqn, kinds, env, here, walk: _Walk, counts) -> bool:
   for act in (0, 1):
     x_kind, w_kind = kinds[act], kinds[1 - act]
     if (x_kind is not None and x_kind[0] != "site") or (
-      w_kind is None or w_kind[0] != "param"
+      w_kind is None or w_kind[0] not in ("param", "perm")
     ):
       continue
     layout = _dense_layout(eqn, act, walk.batch)
     if layout is None:
       return False
+    if w_kind[0] == "perm":  # kernel axis i is the leaf's axis perm[i]
+      layout["leaf_perm"] = tuple(w_kind[2][i] for i in layout["leaf_perm"])
     site = _Site("dense", here, w_kind[1], act_index=act, **layout)
     index = walk.add_site(site, "kernel", "the kernel of a dot_general")
     if counts[eqn.outvars[0]] == 1:
@@ -506,31 +626,59 @@ def _make_plan(closed, num_leaves: int, batch: int) -> _Plan:
   env = {
     v: ("param", i) for i, v in enumerate(closed.jaxpr.invars[:num_leaves])
   }
-  out_kinds = _scan(closed.jaxpr, env, (), _Walk(batch, plan, uses))
+  walk = _Walk(batch, plan, uses)
+  out_kinds = _scan(closed.jaxpr, env, (), walk)
   for k in out_kinds:  # a leaf returned as an output is an opaque use
-    if k is not None and k[0] in ("param", "view"):
+    if k is not None and k[0] in _PARAM_KINDS:
       uses[k[1]].append(("other", -1, "returned by apply_fn"))
   for leaf, u in enumerate(uses):
-    if len(u) == 1 and u[0][0] != "other":
-      role, site, _ = u[0]
-      plan.roles[leaf] = (site, role)
-    plan.reasons.append(_reason(u))
+    modes = [walk.modes.get((leaf, k), ()) for k in range(len(u))]
+    reason = _reason(u, modes)
+    if u and all(role != "other" for role, _, _ in u):
+      kinds = sorted({plan.sites[site].kind for _, site, _ in u})
+      if (len(u) > 1 or any(modes)) and not set(kinds) <= set(_LOOP_KINDS):
+        reason = (
+          f"{reason}: no rule for {', '.join(kinds)} layers inside a scan "
+          "or with several uses"
+        )
+      else:
+        plan.roles[leaf] = (u[0][1], u[0][0])
+        if len(u) > 1 or "xs" in modes[0]:
+          plan.special[leaf] = [
+            (site, role, m) for (role, site, _), m in zip(u, modes)
+          ]
+    plan.reasons.append(reason)
   # A bias whose product is not tapped for its kernel still needs the tap;
   # every site is tapped, uncovered ones simply go unused.
   return plan
 
 
-def _reason(uses: list[tuple[str, int, str]]) -> str:
+def _reason(
+  uses: list[tuple[str, int, str]], modes: Sequence[tuple[str, ...]]
+) -> str:
   """Why a leaf is (not) on the layer path, from its recorded uses."""
   if not uses:
     return "not used by apply_fn"
+
+  def where(what: str, m: tuple[str, ...]) -> str:
+    if "xs" in m:
+      return f"{what}, stacked along the iterations of a scan"
+    return f"{what}, shared by the iterations of a scan" if m else what
+
   if len(uses) == 1:
     role, _, what = uses[0]
-    return what if role != "other" else f"{what}: no layer rule matches"
-  whats = sorted({w for _, _, w in uses})
+    if role == "other":
+      return f"{what}: no layer rule matches"
+    return where(what, modes[0])
+  whats = "; ".join(sorted({where(w, m) for (_, _, w), m in zip(uses, modes)}))
+  others = [w for role, _, w in uses if role == "other"]
+  if others:
+    return (
+      f"used {len(uses)} times ({whats}): {others[0]}: no layer rule matches"
+    )
   return (
-    f"used {len(uses)} times ({'; '.join(whats)}): a shared parameter "
-    "needs its uses summed per example"
+    f"shared by {len(uses)} uses ({whats}): per-example gradients summed "
+    "over the uses"
   )
 
 
@@ -568,6 +716,8 @@ def _eval(jaxpr, consts, args, path, plan: _Plan, taps, acts: dict) -> list:
     if here in plan.inline:
       inner, inner_consts = _call_body(eqn)
       outs = _eval(inner, inner_consts, invals, here, plan, taps, acts)
+    elif here in plan.loops:
+      outs = _eval_loop(eqn, invals, here, plan, taps, acts)
     else:
       outs = _bind(eqn, invals)
       site = plan.site_at.get(here)
@@ -578,6 +728,44 @@ def _eval(jaxpr, consts, args, path, plan: _Plan, taps, acts: dict) -> list:
       if not isinstance(v, jex.DropVar):
         env[v] = x
   return [read(v) for v in jaxpr.outvars]
+
+
+def _eval_loop(eqn, invals, here, plan: _Plan, taps, acts: dict) -> list:
+  """Re-runs a ``scan`` whose body holds sites: their taps enter as extra
+  ``xs`` and their activations leave as extra ``ys`` (a leading iteration
+  axis, aligned with ``xs`` also when ``reverse``)."""
+  params = eqn.params
+  num_consts, num_carry = params["num_consts"], params["num_carry"]
+  body = params["jaxpr"]
+  consts = invals[:num_consts]
+  init = invals[num_consts : num_consts + num_carry]
+  inner = plan.loops[here]
+
+  def step(carry, x):
+    xs, inner_taps = x
+    inner_acts: dict = {}
+    outs = _eval(
+      body.jaxpr,
+      body.consts,
+      [*consts, *carry, *xs],
+      here,
+      plan,
+      dict(zip(inner, inner_taps)),
+      inner_acts,
+    )
+    ys = (outs[num_carry:], tuple(inner_acts[s] for s in inner))
+    return outs[:num_carry], ys
+
+  carry, (ys, inner_acts) = lax.scan(
+    step,
+    list(init),
+    (list(invals[num_consts + num_carry :]), tuple(taps[s] for s in inner)),
+    length=params["length"],
+    reverse=params["reverse"],
+    unroll=params["unroll"],
+  )
+  acts.update(zip(inner, inner_acts))
+  return [*carry, *ys]
 
 
 def _trace(apply_fn, params, inputs):
@@ -748,19 +936,22 @@ def record(
   covered = [r is not None for r in plan.roles]
   out_shapes = {}
 
-  def _collect(jaxpr, path):
+  def _collect(jaxpr, path, lead=()):
     for i, eqn in enumerate(jaxpr.eqns):
       here = path + (i,)
       if here in plan.site_at:
-        out_shapes[plan.site_at[here]] = eqn.outvars[0].aval
+        out_shapes[plan.site_at[here]] = (lead, eqn.outvars[0].aval)
       if here in plan.inline:
-        _collect(_call_body(eqn)[0], here)
+        _collect(_call_body(eqn)[0], here, lead)
+      elif here in plan.loops:  # a tap per iteration
+        length = (eqn.params["length"],)
+        _collect(eqn.params["jaxpr"].jaxpr, here, lead + length)
 
   _collect(closed.jaxpr, ())
   taps = []
   for s in range(len(plan.sites)):
-    aval = out_shapes[s]
-    t = jnp.zeros(aval.shape, aval.dtype)
+    lead, aval = out_shapes[s]
+    t = jnp.zeros(lead + aval.shape, aval.dtype)
     # Under shard_map a tap must vary like its layer output: an invariant tap
     # would have its cotangent summed over devices, mixing examples.
     vma = _varying_axes(aval)
@@ -897,9 +1088,11 @@ class LayerGrads:
     return jnp.transpose(val, (*range(len(lead)), *inverse))
 
   def _leaf_items(self):
-    """Yields (leaf index, site index, role) for covered leaves."""
+    """Yields (leaf index, site index, role) for covered leaves with one use
+    and no scan slicing them (the others are ``_special``)."""
+    special = self._tape._plan.special
     for leaf, r in enumerate(self._tape._plan.roles):
-      if r is not None:
+      if r is not None and leaf not in special:
         yield leaf, r[0], r[1]
 
   def _unflatten(self, values: dict) -> PyTree:
@@ -918,13 +1111,15 @@ class LayerGrads:
     ``A_sum = sum_n mean_t a a^T`` (``(d_in, d_in)``; an embedding's is the
     diagonal of row counts) and ``Gamma_sum = sum_{s,n,t} delta delta^T``,
     for a bias ``A_sum = [[B]]``; ``"gram"`` one ``(S * B, S * B)`` array
-    :math:`\\sum_{\\text{covered}} \\langle g_i, g_j \\rangle`.
+    :math:`\\sum_{\\text{covered}} \\langle g_i, g_j \\rangle`. A leaf
+    stacked along a scan or with several uses has no ``"kron"`` factors
+    (``None``).
 
     Args:
       structure: ``"diag"``, ``"kron"`` or ``"gram"``.
       chunk_size: examples per chunk where per-example layer gradients must
-        be formed (weight-shared diagonal); ``None`` picks a chunk of about
-        ``2**24`` elements.
+        be formed (weight-shared diagonal, shared leaves; rows ``s * B + n``
+        for those); ``None`` picks a chunk of about ``2**24`` elements.
 
     Returns:
       A params-shaped tree with ``None`` at uncovered leaves, or the Gram
@@ -938,20 +1133,24 @@ class LayerGrads:
 
     def site(s):
       if s not in cache:
-        cache[s] = self._site(s)
+        cache[s] = self._view(s)
       return cache[s]
 
+    special = self._special(structure, chunk_size)
     if structure == "gram":
       n = self.num_samples * self._tape.batch
       total = jnp.zeros((n, n), jnp.float32)
       for _, s, role in self._leaf_items():
         total = total + self._gram(site(s), role, chunk_size)
+      for val in special.values():
+        total = total + val
       return total
     fn = {"diag": self._diag, "kron": self._kron}[structure]
     out = {
       leaf: fn(site(s), role, leaf, chunk_size)
       for leaf, s, role in self._leaf_items()
     }
+    out.update(special)
     return self._unflatten(out)
 
   def _diag(self, site_view, role, leaf, chunk_size):
@@ -1050,7 +1249,7 @@ class LayerGrads:
       )
     out = {}
     for leaf, s, role in self._leaf_items():
-      site, act, delta, _ = self._site(s)
+      site, act, delta, _ = self._view(s)
       w = numerics.widen(weights).astype(
         jnp.promote_types(weights.dtype, delta.dtype)
       )
@@ -1072,7 +1271,232 @@ class LayerGrads:
         val = jnp.einsum("nti,kntj->kij", act, wd)
         val = self._kernel_to_leaf(site, val, leaf)
       out[leaf] = val.reshape((k,) + shape)
+    out.update(self._special_combine(weights))
     return self._unflatten(out)
+
+  # -- sites inside scans, and leaves with several uses ----------------------
+
+  def _view(self, s: int) -> tuple[Any, Any, Any, Any]:
+    """``_site(s)``, with a scan's iterations folded into the positions."""
+    if s not in self._tape._plan.site_loops:
+      return self._site(s)
+    site, act, delta, valid = self._loop_view(s, None)
+    return site, _first(act), delta[0], _first(valid)
+
+  def _loop_view(
+    self, s: int, modes: tuple[str, ...] | None
+  ) -> tuple[Any, Any, Any, Any]:
+    """The view of a site for a use whose leaf enters the scans around it
+    as ``modes`` (``None``: all shared).
+
+    Returns ``(site, act, delta, valid)`` like ``_site`` with a leading axis
+    ``X`` over the iterations of the scans that slice the leaf (``"xs"``,
+    ``X = 1`` if none); the iterations of the scans that share it
+    (``"const"``) become positions, like a weight shared over positions.
+    """
+    lengths = self._tape._plan.site_loops.get(s, ())
+    if not lengths:
+      site, act, delta, valid = self._site(s)
+      lift = lambda x: None if x is None else x[None]
+      return site, lift(act), delta[None], lift(valid)
+    n = len(lengths)
+    modes = modes or ("const",) * n
+    site = self._tape._plan.sites[s]
+    act = self._tape._acts[s]
+    act = act.reshape((-1,) + act.shape[n:])
+    delta = jnp.moveaxis(self._deltas[s], 0, n)
+    delta = delta.reshape((-1,) + delta.shape[n:])
+
+    def one(a, d):  # the view of one iteration
+      tape = dataclasses.replace(self._tape, _acts=_put(self._tape._acts, s, a))
+      grads = LayerGrads(tape, _put(self._deltas, s, d), self.num_samples)
+      return grads._site(s)[1:]
+
+    sliced = [i for i, m in enumerate(modes) if m == "xs"]
+    shared = [i for i, m in enumerate(modes) if m != "xs"]
+
+    def fold(x, pre):  # (L..., *pre, B, T, ...) -> (X, *pre, B, L_c * T, ...)
+      if x is None:
+        return None
+      x = x.reshape(tuple(lengths) + x.shape[1:])
+      mid = list(range(n, n + pre + 1))
+      x = jnp.transpose(
+        x, sliced + mid + shared + list(range(n + pre + 1, x.ndim))
+      )
+      rest = x.shape[len(sliced) :]
+      pos = math.prod(rest[pre + 1 : pre + 2 + len(shared)])
+      return x.reshape(
+        (-1,) + rest[: pre + 1] + (pos,) + rest[pre + 2 + len(shared) :]
+      )
+
+    act, delta, valid = jax.vmap(one)(act, delta)
+    return site, fold(act, 0), fold(delta, 1), fold(valid, 0)
+
+  def _layer_proxy(self, leaf: int, sliced: int) -> LayerGrads:
+    """This object with leaf's leading ``sliced`` axes dropped (one layer)."""
+    leaves = list(self._tape._leaves)
+    shape = tuple(np.shape(leaves[leaf]))[sliced:]
+    leaves[leaf] = jax.ShapeDtypeStruct(shape, jnp.float32)
+    tape = dataclasses.replace(self._tape, _leaves=leaves)
+    return LayerGrads(tape, self._deltas, self.num_samples)
+
+  def _special_views(self, leaf: int) -> list:
+    return [
+      (self._loop_view(s, modes), role, modes.count("xs"))
+      for s, role, modes in self._tape._plan.special[leaf]
+    ]
+
+  def _special(self, structure: str, chunk_size) -> dict:
+    """Statistics of leaves sliced by scans or with several uses.
+
+    A leaf stacked along a scan's iterations with one use in the body: the
+    usual statistics of each iteration's slice (``lax.map`` over the
+    layers; the Gram matrix is their sum). A shared leaf: per-example
+    gradients summed over its uses, formed for a chunk of examples at a
+    time. Neither has K-FAC factors here.
+    """
+    out: dict = {}
+    for leaf in self._tape._plan.special:
+      if structure == "kron":
+        out[leaf] = None
+        continue
+      views = self._special_views(leaf)
+      if len(views) > 1:
+        out[leaf] = self._shared(views, leaf, structure, chunk_size)
+        continue
+      ((site, *arrays), role, sliced) = views[0]
+      proxy = self._layer_proxy(leaf, sliced)
+      if structure == "diag":
+        val = lax.map(
+          lambda a: proxy._diag((site, *a), role, leaf, chunk_size),
+          tuple(arrays),
+        )
+        out[leaf] = val.reshape(np.shape(self._tape._leaves[leaf]))
+      else:
+        val = lax.map(
+          lambda a: proxy._gram((site, *a), role, chunk_size), tuple(arrays)
+        )
+        out[leaf] = jnp.sum(val, axis=0)
+    return out
+
+  def _use_grads(self, view, role: str, leaf: int, sliced: int, rows):
+    """Per-example gradients ``(c, *leaf)`` of one use, rows ``s * B + n``."""
+    (site, act, delta, _), b = view, self._tape.batch
+    shape = tuple(np.shape(self._tape._leaves[leaf]))
+    per, c = shape[sliced:], rows.shape[0]
+    proxy = self._layer_proxy(leaf, sliced)
+    sample, n = rows // b, rows % b
+
+    def one(a, d):  # one iteration's slice of the leaf
+      d = d[sample, n]  # (c, T, O)
+      if role == "bias":
+        return jnp.sum(d, axis=1).reshape((c,) + per)
+      if site.kind == "embed":
+        g = jnp.zeros((c,) + per, d.dtype)
+        return g.at[jnp.arange(c)[:, None], a[n]].add(d)
+      g = jnp.einsum("cti,ctj->cij", a[n], d)
+      return proxy._kernel_to_leaf(site, g, leaf)
+
+    g = jax.vmap(one)(act, delta)  # (X, c, *per)
+    return jnp.moveaxis(g, 0, 1).reshape((c,) + shape)
+
+  def _chunks(self, views, leaf: int, chunk_size):
+    """``(chunk, count, grads)``: ``grads(j)`` is chunk ``j``'s rows and
+    their per-example gradients summed over the uses (padding rows 0)."""
+    shape = tuple(np.shape(self._tape._leaves[leaf]))
+    num = self.num_samples * self._tape.batch
+    chunk = chunk_size or max(1, _DEFAULT_CHUNK_ELEMENTS // math.prod(shape))
+    chunk = min(chunk, num)
+
+    def grads(j):
+      rows = j * chunk + jnp.arange(chunk)
+      keep = rows < num
+      rows = jnp.minimum(rows, num - 1)
+      g = sum(self._use_grads(v, r, leaf, x, rows) for v, r, x in views)
+      g = jnp.asarray(g)
+      return rows, g * keep.reshape((-1,) + (1,) * len(shape)).astype(g.dtype)
+
+    return chunk, -(-num // chunk), grads
+
+  def _shared(self, views, leaf: int, structure: str, chunk_size):
+    """Diagonal or Gram matrix of a leaf with several uses, chunked.
+
+    The Gram matrix pairs every two chunks, forming chunk ``i``'s gradients
+    again for every chunk ``j``: about ``count`` times the diagonal's work,
+    with two chunks of gradients in memory (one product if one chunk holds
+    every example).
+    """
+    chunk, count, grads = self._chunks(views, leaf, chunk_size)
+    shape = tuple(np.shape(self._tape._leaves[leaf]))
+    dtype = jnp.result_type(*(v[0][2].dtype for v in views))
+    if structure == "diag":
+
+      def add(total, j):
+        return total + jnp.sum(grads(j)[1] ** 2, axis=0), None
+
+      init = _zeros_varying(shape, dtype, views)
+      return lax.scan(add, init, jnp.arange(count))[0]
+
+    num = self.num_samples * self._tape.batch
+    rows = lambda j: grads(j)[1].reshape(chunk, -1)
+    if count == 1:
+      return rows(0) @ rows(0).T
+
+    def column(j):  # every chunk i against chunk j
+      g_j = rows(j)
+      return lax.map(lambda i: rows(i) @ g_j.T, jnp.arange(count))
+
+    blocks = lax.map(column, jnp.arange(count))  # (j, i, chunk, chunk)
+    gram = jnp.transpose(blocks, (1, 2, 0, 3)).reshape(count * chunk, -1)
+    return gram[:num, :num]
+
+  def _special_combine(self, weights: Array) -> dict:
+    """``combine`` of the ``_special`` leaves from chunked gradients."""
+    out = {}
+    for leaf in self._tape._plan.special:
+      views = self._special_views(leaf)
+      _, count, grads = self._chunks(views, leaf, None)
+      dtype = jnp.result_type(*(v[0][2].dtype for v in views))
+      w = numerics.widen(weights).astype(
+        jnp.promote_types(weights.dtype, dtype)
+      )
+      shape = tuple(np.shape(self._tape._leaves[leaf]))
+
+      def add(total, j, w=w, grads=grads):
+        rows, g = grads(j)
+        return total + jnp.tensordot(w[:, rows], g, 1), None
+
+      init = _zeros_varying(
+        (w.shape[0],) + shape, jnp.promote_types(w.dtype, dtype), [w, views]
+      )
+      out[leaf] = lax.scan(add, init, jnp.arange(count))[0]
+    return out
+
+
+def _zeros_varying(shape, dtype, like: Any) -> Array:
+  """Zeros varying over the manual mesh axes of ``like``'s arrays (a loop
+  carry must vary like the sums added to it under ``shard_map``)."""
+  zeros = jnp.zeros(shape, dtype)
+  vma = sorted(
+    {
+      a
+      for x in jax.tree.leaves(like)
+      if isinstance(x, jax.Array)
+      for a in _varying_axes(jax.typeof(x))
+    }
+  )
+  return lax.pcast(zeros, tuple(vma), to="varying") if vma else zeros
+
+
+def _first(x: Array | None) -> Array | None:
+  return None if x is None else x[0]
+
+
+def _put(values: Sequence[Any], index: int, value: Any) -> tuple:
+  """``values`` as a tuple with entry ``index`` replaced."""
+  out = list(values)
+  out[index] = value
+  return tuple(out)
 
 
 # --------------------------------------------------------------------------
@@ -1122,7 +1546,9 @@ def _leaf_coverage(plan: _Plan, leaves: Sequence[Any]) -> list[LeafCoverage]:
       out.append(LeafCoverage("per_example", reason))
     else:
       site = plan.sites[role[0]]
-      kron = _kron_ok(site, role[1], tuple(leaves[leaf].shape))
+      kron = leaf not in plan.special and _kron_ok(
+        site, role[1], tuple(leaves[leaf].shape)
+      )
       out.append(LeafCoverage("layer", reason, kron))
   return out
 
@@ -1134,11 +1560,12 @@ def coverage(
 
   The layer path recognises, in the traced ``apply_fn`` and whatever module
   produced it: any ``dot_general`` of an activation with a parameter
-  (``Dense``, ``DenseGeneral``, attention projections, ``Einsum``) and its
-  bias, embedding gathers, and elementwise scale and shift parameters
-  (norm scales and biases, learned positions). Only traces ``apply_fn`` (no
-  FLOPs), so ``params`` and ``inputs`` may be ``jax.ShapeDtypeStruct``
-  trees.
+  (``Dense``, ``DenseGeneral``, attention projections, ``Einsum``, a tied
+  head) and its bias, embedding gathers, and elementwise scale and shift
+  parameters (norm scales and biases, learned positions), also inside
+  ``scan`` bodies (stacked layers, recurrent cells) and for a leaf with
+  several such uses (tied embeddings). Only traces ``apply_fn`` (no FLOPs),
+  so ``params`` and ``inputs`` may be ``jax.ShapeDtypeStruct`` trees.
 
   Args:
     apply_fn: ``apply_fn(params, inputs) -> outputs``, as in
@@ -1163,6 +1590,14 @@ def coverage(
     ('layer', 'an elementwise scale (mul)')
     >>> cov["t"].path, cov["t"].reason
     ('per_example', 'an operand of reduce_sum: no layer rule matches')
+    >>> import jax
+    >>> def stack_fn(p, x):  # two layers (2, 3, 3) run by a scan
+    ...   layer = lambda h, w: (jnp.tanh(h @ w), None)
+    ...   return jax.lax.scan(layer, x, p["w"])[0]
+    >>> cov = fisher.coverage(stack_fn, {"w": jnp.ones((2, 3, 3))},
+    ...                       jnp.ones((4, 3)))
+    >>> cov["w"].reason
+    'the kernel of a dot_general, stacked along the iterations of a scan'
   """
   leaves, treedef, _, closed, _, batch = _trace(apply_fn, params, inputs)
   plan = _make_plan(closed, len(leaves), batch)

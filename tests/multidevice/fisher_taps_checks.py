@@ -9,6 +9,7 @@ from jax.sharding import AxisType
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from tests import fisher_taps_test
 from tests import fisher_testing
 
 
@@ -54,6 +55,35 @@ class TapsShardedTest(absltest.TestCase):
     with jax.set_mesh(mesh):
       out = jax.jit(local)(
         params, jax.device_put(x, P("d")), jax.device_put(cot, P(None, "d"))
+      )
+    chex.assert_trees_all_close(out, ref, rtol=1e-5, atol=1e-6)
+
+  def test_shard_map_scan_and_shared_leaves(self):
+    """Stacked, scan-shared and tied leaves: their chunked sums are carried
+    in loops, whose carries must vary per device too."""
+    apply_fn, params, _, out_dim = fisher_taps_test._model(
+      "plain_scan", jnp.float32
+    )
+    k = jax.random.split(jax.random.key(3))
+    ids = jax.random.randint(k[0], (16, fisher_taps_test.T), 0, out_dim)
+    cot = jax.random.normal(k[1], (2, 16, out_dim))
+
+    def stats(p, x, c):
+      return fisher_testing.layer_statistics(
+        apply_fn, p, x, c, structure="diag", chunk_size=1
+      )[0]
+
+    ref = jax.jit(stats)(params, ids, cot)
+    mesh = jax.make_mesh((8,), ("d",), axis_types=(AxisType.Explicit,))
+    local = jax.shard_map(
+      lambda p, x, c: jax.lax.psum(stats(p, x, c), "d"),
+      mesh=mesh,
+      in_specs=(P(), P("d"), P(None, "d")),
+      out_specs=P(),
+    )
+    with jax.set_mesh(mesh):
+      out = jax.jit(local)(
+        params, jax.device_put(ids, P("d")), jax.device_put(cot, P(None, "d"))
       )
     chex.assert_trees_all_close(out, ref, rtol=1e-5, atol=1e-6)
 
