@@ -19,6 +19,17 @@ timed against ``jax.value_and_grad`` of the mean loss in the same process
   forward and one backward pass (``_taps.record(...).gradient``), the floor
   the engine can reach.
 
+For the MLP each ratio has its floor: the flops the estimator's math needs
+over the batch gradient's, counted for dense layers (``fwd`` = ``2 B P``;
+the gradient adds ``2 B P`` for the weights and ``2 B P'`` to carry the
+cotangent back through every layer but the first, ``P'`` their weights; a
+diagonal adds ``2 B P`` for ``(a^2)^T delta^2``; each further cotangent
+(MC sample, class of the exact Fisher) another ``2 B P'``; K-FAC
+``2 B (d_in^2 + d_out^2)`` per layer; top-k low rank the ghost Gram
+``2 B^2 (d_in + d_out)`` per layer and ``2 k B P`` to form its ``k``
+directions). A ratio under its floor means the estimator's matmuls run
+closer to the machine's peak than the gradient's own.
+
 Memory is XLA's temp bytes of the compiled function. Run from the repository
 root::
 
@@ -85,6 +96,28 @@ def make_model(name: str, small: bool):
   model = SmallCNN(width=4 if small else 8)
   params = model.init(jax.random.key(0), jnp.zeros((1, side, side, 1)))
   return model.apply, params, (side, side, 1)
+
+
+def mlp_flop_floors(
+  dims: list[tuple[int, int]], batch: int, rank: int = 8
+) -> dict[str, float]:
+  """Flops each estimator's math needs / the batch gradient's (see above)."""
+  b = batch
+  p = sum(i * o for i, o in dims)
+  back = sum(i * o for i, o in dims[1:])  # cotangent carried to layer inputs
+  grad = 2 * b * p + 2 * b * p + 2 * b * back
+  diag = 2 * b * p
+  kfac = sum(2 * b * (i * i + o * o) for i, o in dims)
+  gram = sum(2 * b * b * (i + o) for i, o in dims)
+  flops = {
+    "diag empirical / auto": grad + diag,
+    "diag mc-1 / auto": grad + 2 * b * back + diag,
+    "diag exact / auto": grad + NUM_CLASSES * 2 * b * back + diag,
+    "kron (K-FAC) / auto": grad + kfac,
+    "top-8 low rank / auto": grad + gram + 2 * rank * b * p,
+    "taps one pass (grad + diag emp.)": grad + diag,
+  }
+  return {k: v / grad for k, v in flops.items()}
 
 
 def estimators(apply_fn, chunk: int) -> dict[str, tuple[Callable, bool]]:
@@ -187,6 +220,10 @@ def run_one(
   )
   total = sum(int(np.prod(l.shape)) for l in jax.tree.leaves(params))
 
+  floors = {}
+  if model_name == "mlp":
+    dims = [l.shape for l in jax.tree.leaves(params) if l.ndim == 2]
+    floors = mlp_flop_floors([(int(i), int(o)) for i, o in dims], batch)
   rows: dict[str, dict[str, Any]] = {}
   jitted = {}
   for name, (fn, slow) in fns.items():
@@ -205,6 +242,7 @@ def run_one(
       if model_name == "mlp"
       else "",
       "num_params": total,
+      "floor": floors.get(name),
     }
     if name not in skip:
       jitted[name] = functools.partial(jax.jit(fn), params, x, y, key)
@@ -257,7 +295,10 @@ def to_markdown(
         if name == "batch gradient":
           cells.append(f"{1e3 * base[b]:.2f} ms")
         else:
-          cells.append(_fmt_ratio(r["ratio"]))
+          cell = _fmt_ratio(r["ratio"])
+          if r.get("floor") is not None:
+            cell += f" ({r['floor']:.2f})"
+          cells.append(cell)
       mems = [f"{by_b[b]['temp_mb']:.1f}" for b in batches_m]
       table.append([name] + cells + mems)
     title = {
@@ -270,7 +311,9 @@ def to_markdown(
       f'`method="auto"`). Per-example chunk: {chunk}. Ratios are '
       "wall time / the jitted batch gradient in the same process "
       "(median of within-round ratios); the batch-gradient row "
-      "gives its absolute median time.\n"
+      "gives its absolute median time"
+      + ("; in parentheses, the flop floor." if model == "mlp" else ".")
+      + "\n"
     )
     out.append(common.markdown_table(header, table))
     out.append("")

@@ -662,7 +662,7 @@ def _fisher_engine_rows(d: dict[str, Any]) -> list[SpeedRow]:
       "batch gradient",
       base[r["model"], r["batch"]],
       r["ratio"],
-      _floor(d, r["estimator"]),
+      r.get("floor"),
     )
     for r in d["rows"]
     if r["estimator"] != "batch gradient" and r.get("ratio") is not None

@@ -1266,7 +1266,14 @@ class LayerGrads:
           .at[:, act.reshape(-1)]
           .add(wd.reshape(k, -1, shape[-1]))
         )
-      else:  # weight the deltas, then k matmuls over (n, t)
+      elif num_s == 1:
+        # Weighting the activations puts k and i on one operand, so the
+        # matmul writes (k, i, j) as it is returned: no transposed copy of
+        # the k x P result (the dominant memory traffic here).
+        wa = jnp.einsum("kn,nti->knti", w[:, 0], act.astype(w.dtype))
+        val = jnp.einsum("knti,ntj->kij", wa, delta[0])
+        val = self._kernel_to_leaf(site, val, leaf)
+      else:  # sum the S deltas per example first: k matmuls over (n, t)
         wd = jnp.einsum("ksn,sntj->kntj", w, delta)
         val = jnp.einsum("nti,kntj->kij", act, wd)
         val = self._kernel_to_leaf(site, val, leaf)
