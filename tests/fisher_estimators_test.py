@@ -932,5 +932,40 @@ class PerExampleGradsTest(absltest.TestCase):
         )
 
 
+class LowRankMemoryTest(absltest.TestCase):
+  def test_directions_are_written_once(self):
+    # The k directions (k x P floats, the output) come straight out of their
+    # matmuls: XLA's temp stays far below the output, where a transposed
+    # copy of them (once 90% of it) would show.
+    sizes = [(256, 256), (256, 256), (256, 10)]
+    keys = jax.random.split(jax.random.key(0), len(sizes))
+    params = [
+      {"w": 0.05 * jax.random.normal(k, s), "b": jnp.zeros(s[1])}
+      for k, s in zip(keys, sizes)
+    ]
+
+    def apply_fn(ps, x):
+      for i, p in enumerate(ps):
+        x = x @ p["w"] + p["b"]
+        x = jax.nn.relu(x) if i < len(ps) - 1 else x
+      return x
+
+    x, y = jnp.ones((64, 256)), jnp.arange(64) % 10
+    fn = jax.jit(
+      lambda p, x, y: fisher.low_rank(
+        apply_fn,
+        p,
+        (x, y),
+        likelihood=fisher.Categorical(),
+        kind="empirical",
+        rank=8,
+      )
+    )
+    stats = fn.lower(params, x, y).compile().memory_analysis()
+    if stats is None:
+      self.skipTest("no memory analysis on this backend")
+    self.assertLess(stats.temp_size_in_bytes, 0.25 * stats.output_size_in_bytes)
+
+
 if __name__ == "__main__":
   absltest.main()
