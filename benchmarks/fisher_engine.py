@@ -2,8 +2,10 @@
 """Fisher engine cost: each estimator against one jitted batch gradient.
 
 Models (float32, softmax cross-entropy, 10 classes): the MLP 784-512-512-10
-(NNX, every leaf on the layer path) and a small Linen CNN (two convolutions,
-which fall back to the per-example path, and a dense head). For each batch
+(NNX), a small Linen transformer on Flax's own layers (token and learned
+positional embeddings, ``MultiHeadDotProductAttention``, ``LayerNorm``, an
+MLP; 32 tokens per example, so every kernel is weight-shared over positions)
+and a small Linen CNN (two convolutions and a dense head). For each batch
 size, every estimator returns the mean gradient and its statistic, and is
 timed against ``jax.value_and_grad`` of the mean loss in the same process
 (interleaved rounds, median of within-round ratios). Rows:
@@ -65,7 +67,9 @@ _CHUNK = flags.DEFINE_integer("chunk", 32, "Per-example path chunk size.")
 _BATCHES = flags.DEFINE_list(
   "batches", ["32", "128", "512"], "Batch sizes (full run)."
 )
-_MODELS = flags.DEFINE_list("models", ["mlp", "cnn"], "Models to run.")
+_MODELS = flags.DEFINE_list(
+  "models", ["mlp", "transformer", "cnn"], "Models to run."
+)
 _OUT = flags.DEFINE_string("out_dir", None, "Results dir (default results/).")
 
 NAME = "fisher_engine"
@@ -84,8 +88,37 @@ class SmallCNN(nn.Module):
     return nn.Dense(NUM_CLASSES)(x.reshape(x.shape[0], -1))
 
 
+class SmallTransformer(nn.Module):
+  """Token classifier on Flax's own layers: learned positions, pre-LayerNorm
+  blocks of ``MultiHeadDotProductAttention`` (causal) and an MLP, mean pool,
+  dense head."""
+
+  vocab: int = 256
+  d: int = 128
+  heads: int = 4
+  layers: int = 2
+
+  @nn.compact
+  def __call__(self, ids):
+    t = ids.shape[-1]
+    x = nn.Embed(self.vocab, self.d)(ids)
+    x = x + self.param("pos", nn.initializers.normal(0.02), (t, self.d))
+    mask = nn.make_causal_mask(ids)
+    for _ in range(self.layers):
+      h = nn.LayerNorm()(x)
+      x = x + nn.MultiHeadDotProductAttention(self.heads)(h, h, mask=mask)
+      h = nn.Dense(4 * self.d)(nn.LayerNorm()(x))
+      x = x + nn.Dense(self.d)(jax.nn.gelu(h))
+    return nn.Dense(NUM_CLASSES)(nn.LayerNorm()(x).mean(axis=1))
+
+
 def make_model(name: str, small: bool):
   """(apply_fn, params, input shape without batch)."""
+  if name == "transformer":
+    t = 8 if small else 32
+    model = SmallTransformer(d=16 if small else 128, heads=2 if small else 4)
+    params = model.init(jax.random.key(0), jnp.zeros((1, t), jnp.int32))
+    return model.apply, params, (t,)
   if name == "mlp":
     sizes = (64, 64, 64, 10) if small else (784, 512, 512, 10)
     apply_fn, params = models.functional(
@@ -194,7 +227,10 @@ def run_one(
 ) -> list[dict[str, Any]]:
   apply_fn, params, in_shape = make_model(model_name, small)
   rng = np.random.default_rng(batch)
-  x = jnp.asarray(rng.normal(size=(batch,) + in_shape), jnp.float32)
+  if model_name == "transformer":  # token ids
+    x = jnp.asarray(rng.integers(0, 256, size=(batch,) + in_shape), jnp.int32)
+  else:
+    x = jnp.asarray(rng.normal(size=(batch,) + in_shape), jnp.float32)
   y = jnp.asarray(rng.integers(0, NUM_CLASSES, size=batch), jnp.int32)
   key = jax.random.key(1)
 
@@ -271,7 +307,8 @@ def to_markdown(
   rows: list[dict[str, Any]], batches: list[int], chunk: int
 ) -> str:
   out = []
-  for model in sorted({r["model"] for r in rows}, reverse=True):
+  order = ["mlp", "transformer", "cnn"]
+  for model in sorted({r["model"] for r in rows}, key=order.index):
     sub = [r for r in rows if r["model"] == model]
     batches_m = [b for b in batches if any(r["batch"] == b for r in sub)]
     frac = sub[0]["covered_fraction"]
@@ -304,6 +341,8 @@ def to_markdown(
     title = {
       "mlp": "MLP (NNX, relu): " + sub[0]["sizes"],
       "cnn": "small CNN (Linen: 2 convs + dense head)",
+      "transformer": "small transformer (Linen: 2 blocks of "
+      "MultiHeadDotProductAttention + LayerNorm + MLP, d=128, T=32)",
     }[model]
     out.append(
       f"### {title}\n\nParameters on the layer path: "
