@@ -600,28 +600,30 @@ def _windowed_update(
 
   def step() -> tuple[PyTree, NaturalGaLoreState]:
     """The base optimizer's low-rank updates and the light state."""
-    low = []
-    for proj, (_, window, _, gram, row, lg) in zip(projs, parts):
-      if proj is None:
-        low.append(lg)
-        continue
-      # The pushed row is the gradient itself: G g is the Gram's column of
-      # its slot, unless the window is narrower than the gradient.
-      exact = jnp.promote_types(lg.dtype, window.dtype) == window.dtype
-
-      def solve(gram, gx, window=window, row=row, lg=lg):
-        return linalg.woodbury_window_solve(
-          window,
-          gram,
-          lg,
-          damping,
-          normalized=cfg.normalize_output,
-          gx=gx,
-          pending=(row, slots),
-        )
-
-      gx = gram[:, slot] if exact else None
-      low.append(numerics.finite_or_nan(solve, gram, gx))
+    low = [lg for *_, lg in parts]
+    solved = [i for i, proj in enumerate(projs) if proj is not None]
+    windows = [parts[i][1] for i in solved]
+    grams = [parts[i][3] for i in solved]
+    # The pushed row is the gradient itself: G g is the Gram's column of its
+    # slot, unless the window is narrower than the gradient.
+    gxs = [
+      gram[:, slot]
+      if jnp.promote_types(low[i].dtype, w.dtype) == w.dtype
+      else None
+      for i, w, gram in zip(solved, windows, grams)
+    ]
+    # One batched s x s factorisation and solve for all leaves.
+    outs = linalg.woodbury_window_solves(
+      windows,
+      grams,
+      [low[i] for i in solved],
+      damping,
+      normalized=cfg.normalize_output,
+      gxs=gxs,
+      pendings=[(parts[i][4], slots) for i in solved],
+    )
+    for i, out in zip(solved, outs):
+      low[i] = out
     low_updates, base_state = base_optimizer.update(
       unflat(low), state.base_optimizer_state, None
     )

@@ -154,6 +154,45 @@ class WoodburyTest(parameterized.TestCase):
     )
 
 
+class WoodburyWindowSolvesTest(parameterized.TestCase):
+  @parameterized.parameters(False, True)
+  def test_equals_one_solve_per_window_and_isolates_nan(self, normalized):
+    rng = np.random.default_rng(0)
+    shapes = [(3, 5), (3, 4, 2), (3, 7)]  # windows of m = 3 rows
+    windows = [jnp.asarray(rng.normal(size=s), jnp.float32) for s in shapes]
+    xs = [jnp.asarray(rng.normal(size=s[1:]), jnp.float32) for s in shapes]
+    grams = [linalg.tree_stacked_gram(w) for w in windows]
+    rows = jnp.asarray(rng.normal(size=(1, 7)), jnp.float32)
+    slots = jnp.array([1], jnp.int32)
+    pending_gram, _ = linalg.stacked_pending_gram(windows[2], grams[2], rows, 1)
+    grams[2] = pending_gram
+    pendings = [None, None, (rows, slots)]
+    gxs = [grams[0][:, 0], None, None]
+    xs[0] = windows[0][0]  # G x is the Gram's column of row 0
+    got = linalg.woodbury_window_solves(
+      windows,
+      grams,
+      xs,
+      0.1,
+      normalized=normalized,
+      gxs=gxs,
+      pendings=pendings,
+    )
+    for w, g, x, gx, pend, out in zip(windows, grams, xs, gxs, pendings, got):
+      want = linalg.woodbury_window_solve(
+        w, g, x, 0.1, normalized=normalized, gx=gx, pending=pend
+      )
+      np.testing.assert_allclose(out, want, rtol=2e-5, atol=1e-6)
+    # A non-finite Gram gives its window NaN and leaves the others alone.
+    grams[1] = grams[1].at[0, 0].set(jnp.inf)
+    got = linalg.woodbury_window_solves(
+      windows, grams, xs, 0.1, gxs=gxs, pendings=pendings
+    )
+    self.assertTrue(bool(jnp.isnan(got[1]).all()))
+    self.assertTrue(bool(jnp.isfinite(got[0]).all()))
+    self.assertTrue(bool(jnp.isfinite(got[2]).all()))
+
+
 class PushIfFiniteTest(parameterized.TestCase):
   """One-row pushes (Natural GaLore's window): the cache stays the exact Gram
   of the stored (possibly bfloat16) window, and NaN rows change nothing."""
