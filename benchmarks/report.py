@@ -40,6 +40,7 @@ from typing import Any
 
 from absl import app
 from absl import flags
+import numpy as np
 
 flags.DEFINE_bool("small", False, "Run every benchmark with --small.")
 flags.DEFINE_list("only", [], "Benchmarks to run (default: all).")
@@ -424,11 +425,48 @@ CLAIMS = [
 ]
 
 
+# The optimizers that the loss-per-second benchmark trains against their
+# baselines, by the method name used in CLAIMS.
+_WALLCLOCK_PAIRS = {
+  "FAdam": "fadam",
+  "FISMO": "fismo",
+  "Natural GaLore": "natural_galore",
+  "M-FAC": "mfac",
+}
+
+
+def equal_time_cell(method: str, r: Result) -> str:
+  """Validation loss of ``method`` minus its baseline's at equal wall-clock
+  time on the transformer LM (``lm_wallclock``), paired over seeds."""
+  key = _WALLCLOCK_PAIRS.get(method)
+  if key is None:
+    return "—"
+  if r.data is None:
+    return "not run"
+  try:
+    ours, base = r.data["pairs"][key]
+    pair = r.data["equal_time"][key]
+    a = np.asarray(pair[ours]["loss_at_equal_time"], float)
+    b = np.asarray(pair[base]["loss_at_equal_time"], float)
+  except (KeyError, TypeError, ValueError):
+    return f"`{r.stem}.json` incomplete"
+  diff = a - b
+  se = float(diff.std(ddof=1) / np.sqrt(len(diff))) if len(diff) > 1 else 0.0
+  small = " (small run only)" if r.small else ""
+  return (
+    f"{ours} − {base}: {diff.mean():+.3f} ± {se:.3f} (n={len(diff)}, "
+    f"{pair['equal_time_s']:.0f} s){small}"
+  )
+
+
 def headline(results: dict[str, Result]) -> str:
   lines = [
-    "| Method | Paper | Claim | Verdict at this scale | Evidence |",
-    "|---|---|---|---|---|",
+    "| Method | Paper | Claim | Verdict at this scale | Evidence "
+    "| At equal wall-clock (LM val loss) |",
+    "|---|---|---|---|---|---|",
   ]
+  wallclock = results.get("lm_wallclock") or load("lm_wallclock")
+  shown: set[str] = set()
   for c in CLAIMS:
     r = results.get(c.benchmark) or load(c.benchmark)
     if r.data is None:
@@ -449,9 +487,12 @@ def headline(results: dict[str, Result]) -> str:
         )
       if r.small:
         verdict += " (small run only)"
+    # Once per method, on its first claim.
+    cell = "—" if c.method in shown else equal_time_cell(c.method, wallclock)
+    shown.add(c.method)
     lines.append(
       f"| {c.method} | {c.paper} | {c.claim} | {verdict} | "
-      f"{evidence} ([{c.benchmark}](#{c.benchmark})) |"
+      f"{evidence} ([{c.benchmark}](#{c.benchmark})) | {cell} |"
     )
   return "\n".join(lines)
 
