@@ -299,6 +299,12 @@ def fadam(
   :math:`\lambda` acts on :math:`\theta / d`, so a good :math:`\lambda` is
   on another scale than AdamW's.
 
+  **Learning rate.** Use AdamW's: the clipped natural gradient has Adam's
+  scale. Swapped for :func:`optax.adamw` at AdamW's best lr (1e-3 on a
+  digits MLP, 400 steps, three seeds) it reached the same test loss within
+  about one standard error (0.063 vs 0.060); it also trained well at 3e-2
+  (0.064).
+
   Args:
     learning_rate: a float or an optax schedule.
     b1: decay rate of the momentum.

@@ -603,7 +603,7 @@ def _fismo_step(
 def scale_by_fismo(
   beta: float | jax.Array = 0.95,
   gamma: float | jax.Array = 0.95,
-  damping: float | jax.Array = 0.1,
+  damping: float | jax.Array = 1.0,
   ns_coeffs: Any = _matrix_roots.QUINTIC_NS_COEFFS,
   ns_steps: int = 5,
   eps: float | jax.Array = 1e-8,
@@ -656,7 +656,23 @@ def scale_by_fismo(
   * damping: Algorithm 1's :math:`\mu \operatorname{tr}(P_{old})/m`
     (Theorem 1's :math:`\operatorname{tr}(Q^{-1})` variant is not offered);
     the paper gives no defaults, ours are :math:`\beta=\gamma=0.95`,
-    :math:`\mu=0.1`.
+    :math:`\mu=1`.
+  * **How the defaults were chosen.** The paper leaves damping, momentum
+    space, refresh interval and grafting open; we swept them (damping 1e-3
+    to 1, both momentum spaces, both graftings, a refresh every 1, 10 or 50
+    steps; 32 configurations, each with its own lr chosen on a validation
+    split) on a task that no test or other benchmark tunes on (a 64-96-96-10
+    MLP on another split of the digits data), against Muon and AdamW at
+    their best lrs, over three seeds. The damping decided it: with
+    :math:`\mu \le 0.1` every configuration ended at 1.5 to 3.9 times
+    Muon's test loss; with :math:`\mu = 1` all eight came within 1.07 to
+    1.28 times (about one standard error), at Muon's own best lr. Momentum
+    space, grafting and interval moved the loss by less than the seed noise
+    there, so they keep the paper's choices (whitened momentum, no
+    grafting) and interval 10. Less damping trusts the factors more: lower
+    it (and the lr) when the factor statistics are reliable, e.g. large
+    batches or ``fisher_source="per_example"``; ``damping=0.1`` was the
+    default before this sweep.
   * roots: the inverse square roots are recomputed in float32 every
     ``precondition_interval`` steps (``lax.cond`` on the step count only) and
     cached in the state. Between refreshes the Gauss-Seidel sweep uses the
@@ -677,8 +693,8 @@ def scale_by_fismo(
   * Newton-Schulz: Muon's quintic coefficients, 5 steps (optax's defaults).
   * ``grafting``: ``"none"`` (paper) or ``"muon_norm"``, which rescales
     :math:`\Delta` to the Frobenius norm of :math:`\mathrm{Polar}(M)` so
-    that Muon learning rates transfer (the unscaled step is larger: the mean
-    inverse eigenvalue of a trace-normalised factor is >= 1).
+    that Muon learning rates transfer (the unscaled step is usually larger:
+    the mean inverse eigenvalue of a trace-normalised factor is >= 1).
   * ``momentum_space``: ``"whitened"`` (paper; the momentum goes stale
     as :math:`P, Q` move) or ``"original"`` (Mousse: momentum on :math:`G`,
     whitened after accumulation).
@@ -880,7 +896,7 @@ def fismo(
   learning_rate: optax.ScalarOrSchedule,
   beta: float | jax.Array = 0.95,
   gamma: float | jax.Array = 0.95,
-  damping: float | jax.Array = 0.1,
+  damping: float | jax.Array = 1.0,
   ns_coeffs: Any = _matrix_roots.QUINTIC_NS_COEFFS,
   ns_steps: int = 5,
   eps: float | jax.Array = 1e-8,
@@ -924,6 +940,14 @@ def fismo(
   :class:`fisher_optax.fisher.numerics.SkipNonfiniteState`; float32
   moments for float16 params). See :func:`scale_by_fismo` for the algorithm and the documented
   decisions on the paper's ambiguities.
+
+  **Learning rate.** Use Muon's lr, not AdamW's: the step has Muon's
+  spectral scale (and ``adam_learning_rate`` defaults to the same lr). On a
+  digits MLP (every matrix to FISMO or Muon, 400 steps, three seeds) both
+  were best at 3e-3, and at AdamW's best lr (1e-3) both undertrained (test
+  loss 0.82 for FISMO, 0.32 for Muon, 0.06 for AdamW). There FISMO still
+  trails Muon at the best lr (test loss 0.083 vs 0.038; 0.126 with the
+  earlier damping 0.1).
 
   Args:
     learning_rate: FISMO learning rate or schedule.

@@ -306,8 +306,10 @@ class AlgorithmOracleTest(parameterized.TestCase):
     """grafting="muon_norm" rescales the step to ||Polar(M)||_F."""
     grads = _grads(12, (6, 4), 3)
     params = jnp.zeros((6, 4))
+    # Little damping, so that the factors are far from the identity and the
+    # plain step is visibly larger than the polar factor.
     kw = dict(gamma=0.5, precondition_interval=1, ns_coeffs=EXACT_NS[0])
-    kw["ns_steps"] = EXACT_NS[1]
+    kw.update(ns_steps=EXACT_NS[1], damping=0.1)
     (plain, _), (graft, _) = _run_many(
       [
         fisher_optax.scale_by_fismo(**kw),
