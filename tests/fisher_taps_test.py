@@ -8,6 +8,7 @@ models, with and without weight sharing, with ``S > 1`` cotangents.
 """
 
 import functools
+import math
 
 from absl.testing import absltest
 from absl.testing import parameterized
@@ -424,14 +425,16 @@ class LayerStatisticsTest(parameterized.TestCase):
 
 class CoverageTest(parameterized.TestCase):
   def test_uncovered_leaves_are_reported(self):
-    """Convs fall back (None); norms, tied and reused kernels are covered."""
+    """A conv kernel used twice falls back (None); norms, tied and reused
+    dense kernels are covered."""
 
     class Mixed(nn.Module):
       @nn.compact
       def __call__(self, ids):
         emb = nn.Embed(VOCAB, 4)
         h = emb(ids)  # (B, T, 4)
-        h = nn.Conv(4, (2,))(h)
+        conv = nn.Conv(4, (2,))
+        h = conv(conv(h))  # a conv kernel used twice: no rule
         h = nn.LayerNorm()(h)
         shared = nn.Dense(4)
         h = shared(jnp.tanh(shared(h)))  # a kernel used twice
@@ -447,6 +450,8 @@ class CoverageTest(parameterized.TestCase):
     self.assertTrue(cov["LayerNorm_0"]["scale"])
     self.assertIn("shared by 2 uses", cov["Dense_0"]["kernel"].reason)
     self.assertIn("conv_general_dilated", cov["Conv_0"]["kernel"].reason)
+    self.assertIn("no rule for conv layers", cov["Conv_0"]["kernel"].reason)
+    self.assertTrue(cov["Conv_0"]["bias"])
     self.assertTrue(cov["Dense_0"]["kernel"])
     self.assertTrue(cov["Dense_0"]["bias"])
     self.assertFalse(cov["Dense_0"]["kernel"].kronecker)
@@ -515,6 +520,119 @@ class CoverageTest(parameterized.TestCase):
     flat = jax.tree.leaves(_taps.coverage(rnn.apply, abstract, x))
     self.assertLen(flat, 12)
     self.assertTrue(all(c and c.kronecker for c in flat), flat)
+
+  @parameterized.parameters(
+    # (dimension_numbers, kernel shape, strides, padding, lhs/rhs dilation,
+    # feature groups)
+    (("NCHW", "OIHW", "NCHW"), (4, 2, 3, 2), (1, 2), "SAME", (1, 1), (1, 1), 1),
+    (
+      ("NHWC", "HWIO", "NHWC"),
+      (2, 2, 1, 4),
+      (2, 1),
+      "VALID",
+      (1, 1),
+      (2, 1),
+      2,
+    ),
+    (
+      ("NHWC", "HWIO", "NHWC"),
+      (3, 1, 2, 4),
+      (1, 1),
+      ((1, 2), (0, 1)),
+      (2, 1),
+      (1, 1),
+      1,
+    ),
+    (("NWHC", "WHIO", "NHWC"), (2, 2, 1, 2), (1, 1), "SAME", (1, 1), (1, 2), 2),
+  )
+  def test_conv_layouts(
+    self, dn, shape, strides, padding, lhs_d, rhs_d, groups
+  ):
+    """Any dimension numbers, strides, padding, dilations and feature groups:
+    diag, Gram and norms equal the oracle; no K-FAC factors."""
+
+    def apply_fn(p, x):
+      h = jax.lax.conv_general_dilated(
+        x,
+        p["k"],
+        strides,
+        padding,
+        lhs_d,
+        rhs_d,
+        dn,
+        feature_group_count=groups,
+      )
+      return jnp.tanh(h).reshape(x.shape[0], -1) @ p["w"]
+
+    with jax.enable_x64(True):
+      x = jax.random.normal(jax.random.key(0), (B, 5, 5, 5), jnp.float64)
+      x = x[..., :2] if dn[0].endswith("C") else x[:, :2]  # 2 channels in
+      k = jax.random.normal(jax.random.key(1), shape, jnp.float64)
+      h = jax.eval_shape(
+        lambda: jax.lax.conv_general_dilated(
+          x, k, strides, padding, lhs_d, rhs_d, dn, feature_group_count=groups
+        )
+      )
+      w = jax.random.normal(
+        jax.random.key(2), (math.prod(h.shape[1:]), 3), jnp.float64
+      )
+      params = {"k": k, "w": w}
+      cov = _taps.coverage(apply_fn, params, x)
+      self.assertTrue(cov["k"])
+      self.assertFalse(cov["k"].kronecker)
+      cot = _cotangents(3)
+      g = _pseudo_grads(apply_fn, params, x, cot)
+      for structure in ("diag", "gram", "norms"):
+        got, _ = _stats(apply_fn, params, x, cot, structure, 2)
+        if structure == "diag":
+          want = jax.tree.map(lambda gi: jnp.sum(gi**2, 0), g)
+        else:
+          flat = jnp.concatenate(
+            [a.reshape(a.shape[0], -1) for a in jax.tree.leaves(g)], 1
+          )
+          want = flat @ flat.T
+          if structure == "norms":
+            want = jax.tree.map(
+              lambda gi: jnp.sum(gi.reshape(gi.shape[0], -1) ** 2, 1), g
+            )
+        with self.subTest(structure):
+          for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            _assert_close(self, a, b, rtol=1e-9)
+
+  def test_conv_rules(self):
+    """A conv kernel in a scan or with batch groups is not covered (its
+    bias is); a conv of a parameter by an activation is not either."""
+    x = jnp.ones((4, 6, 2))
+    k = jnp.ones((2, 2, 2))
+
+    def in_scan(p, x):
+      step = lambda h, _: (
+        jax.lax.conv_general_dilated(
+          h, p["k"], (1,), "SAME", dimension_numbers=("NWC", "WIO", "NWC")
+        )
+        + p["b"],
+        None,
+      )
+      return jax.lax.scan(step, x, None, length=2)[0]
+
+    cov = _taps.coverage(in_scan, {"k": k, "b": jnp.ones(2)}, x)
+    self.assertFalse(cov["k"])
+    self.assertIn("no rule for conv layers inside a scan", cov["k"].reason)
+    self.assertTrue(cov["b"])
+
+    def batch_groups(p, x):
+      return jax.lax.conv_general_dilated(
+        x,
+        p["k"],
+        (1,),
+        "SAME",
+        dimension_numbers=("NWC", "WIO", "NWC"),
+        batch_group_count=2,
+      )
+
+    cov = _taps.coverage(batch_groups, {"k": k}, x)
+    self.assertIn("batch_group_count > 1", cov["k"].reason)
+    self.assertFalse(cov["k"])
 
   def test_coverage_on_shape_dtype_structs(self):
     params = fisher_testing.mlp_params(jax.random.key(0))

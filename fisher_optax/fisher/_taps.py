@@ -47,12 +47,23 @@ produced them, so the same code serves Flax Linen (``model.apply``), Flax NNX
   ``RMSNorm`` scales and biases, learned positional parameters, a bias whose
   product has other consumers. The output ``y`` is tapped; the example
   gradient is ``x * delta`` (scale) or ``delta`` (shift) summed over the
-  broadcast axes.
+  broadcast axes;
+* the kernel of a ``conv_general_dilated`` whose input (the lhs) has the
+  examples on axis 0, as does its output: any dimension numbers (Flax's
+  ``NHWC``/``HWIO``), strides, padding, lhs/rhs dilation and feature groups
+  (grouped and depthwise convs), ``batch_group_count == 1`` (Linen/NNX
+  ``Conv``, a ViT patch embedding). The output is tapped and the example
+  gradient is the convolution transposed in its kernel applied to one
+  example's ``(x_n, delta_n)``; every statistic of the kernel is formed from
+  these gradients for a chunk of examples at a time (as for shared leaves
+  below), so diagonal, Gram matrix and norms are exact with memory
+  ``chunk_size`` times the kernel. Its bias (added after the conv,
+  broadcast over the spatial axes) is an elementwise shift.
 
 Casts (``convert_element_type``) and ``jit``/``remat`` boundaries are looked
 through, and ``scan`` bodies are walked (below). A leaf used any other way
-(a convolution kernel, a leaf in a ``scan`` carry or a ``custom_jvp``) is not
-covered; the engine computes it by the per-example path, and
+(a leaf in a ``scan`` carry or a ``custom_jvp``, a convolution kernel inside
+a ``scan`` or with several uses) is not covered; the engine computes it by the per-example path, and
 :func:`coverage` says which path each leaf takes and why.
 
 **Scans.** A leaf entering a ``scan`` (``lax.scan``, Linen ``nn.scan``,
@@ -79,8 +90,9 @@ and vector biases, also when shared by a scan's iterations. Attention
 ``q``/``k``/``v`` kernels ``(d, heads, head_dim)``, their ``(heads,
 head_dim)`` biases and elementwise parameters have none, nor have leaves
 stacked along a scan (a Kronecker factor pair per leaf has no layer axis)
-or shared by several uses; :func:`fisher_optax.fisher.kronecker` gives them
-Shampoo factors from per-example gradients.
+or shared by several uses, nor convolution kernels;
+:func:`fisher_optax.fisher.kronecker` gives them Shampoo factors from
+per-example gradients.
 
 **Weight sharing.** When the activation has middle axes (a dense layer applied
 to ``(B, T, d)``), the example gradient is ``sum_t a_t delta_t^T``. Norms and
@@ -194,7 +206,8 @@ class _Site:
 
   ``kind`` is ``"dense"`` (a ``dot_general`` with a parameter operand),
   ``"embed"`` (a row gather of a table), ``"scale"`` (``x * p``) or
-  ``"shift"`` (``x + p``). ``act_index`` is the equation operand recorded
+  ``"shift"`` (``x + p``) or ``"conv"`` (a ``conv_general_dilated`` with a
+  parameter kernel). ``act_index`` is the equation operand recorded
   as the activation (the other operand of a product, the ids of a gather).
   """
 
@@ -215,6 +228,8 @@ class _Site:
   # scale / shift: the parameter broadcast from this shape (same size as
   # the leaf, ones where it is broadcast) to the output's.
   compact: tuple[int, ...] = ()
+  # conv: the convolution equation (its parameters, to transpose it in W)
+  eqn: Any = None
 
 
 @dataclasses.dataclass
@@ -499,6 +514,8 @@ def _match(
     return True
   if name == "gather":
     return _match_embed(eqn, kinds, here, walk)
+  if name == "conv_general_dilated":
+    return _match_conv(eqn, kinds, here, walk)
   if name in ("reshape", "broadcast_in_dim") and len(kinds) == 1:
     view = _view_of(eqn, first)
     if view is not None:
@@ -530,6 +547,40 @@ def _match_dense(eqn, kinds, env, here, walk: _Walk, counts) -> bool:
       env[eqn.outvars[0]] = ("site", index)
     return True
   return False
+
+
+def _match_conv(eqn, kinds, here, walk: _Walk) -> bool:
+  """``conv(x, W)``: a convolution of an activation with a parameter kernel.
+
+  ``x`` (the lhs) carries the examples on axis 0, as does the output; any
+  kernel layout, strides, padding, dilations and feature groups. The
+  output is tapped; per-example kernel gradients are the transpose of the
+  convolution in ``W`` applied to ``delta`` for one example at a time.
+  """
+  x_k, w_k = kinds[0], kinds[1]
+  if w_k is None or w_k[0] != "param" or (x_k is not None and x_k[0] != "site"):
+    return False
+  params = eqn.params
+  dn = params["dimension_numbers"]
+  x, out = eqn.invars[0].aval, eqn.outvars[0].aval
+  what = "the kernel of a conv_general_dilated"
+  if params.get("batch_group_count", 1) != 1:
+    walk.uses[w_k[1]].append(
+      ("other", -1, f"{what} with batch_group_count > 1")
+    )
+    return True
+  if (
+    dn.lhs_spec[0] != 0
+    or dn.out_spec[0] != 0
+    or x.shape[:1] != (walk.batch,)
+    or out.shape[:1] != (walk.batch,)
+  ):
+    walk.uses[w_k[1]].append(
+      ("other", -1, f"{what} whose input has no example axis 0")
+    )
+    return True
+  walk.add_site(_Site("conv", here, w_k[1], eqn=eqn), "kernel", what)
+  return True
 
 
 def _match_embed(eqn, kinds, here, walk: _Walk) -> bool:
@@ -643,7 +694,9 @@ def _make_plan(closed, num_leaves: int, batch: int) -> _Plan:
         )
       else:
         plan.roles[leaf] = (u[0][1], u[0][0])
-        if len(u) > 1 or "xs" in modes[0]:
+        # A conv kernel's statistics always come from chunked per-example
+        # gradients (no cheap (a, delta) form for them).
+        if len(u) > 1 or "xs" in modes[0] or kinds == ["conv"]:
           plan.special[leaf] = [
             (site, role, m) for (role, site, _), m in zip(u, modes)
           ]
@@ -993,7 +1046,7 @@ def _kron_ok(site: _Site, role: str, shape: tuple[int, ...]) -> bool:
   elementwise scale or shift has no K-FAC rule (Shampoo factors from its
   per-example gradients are already its exact block when it is a vector).
   """
-  if site.kind in ("scale", "shift"):
+  if site.kind in ("scale", "shift", "conv"):
     return False
   if role == "bias":
     return len(shape) <= 1
@@ -1051,6 +1104,8 @@ class LayerGrads:
     b = self._tape.batch
     delta = numerics.widen(self._deltas[s])
     act = self._tape._acts[s]
+    if site.kind == "conv":  # a (B, ...) and delta (S, B, ...) as laid out
+      return site, numerics.widen(act), delta, None
     if site.kind == "dense":
       delta = jnp.transpose(delta, (0, *(1 + i for i in site.out_perm)))
       o = math.prod(delta.shape[delta.ndim - site.num_free :])
@@ -1368,7 +1423,7 @@ class LayerGrads:
         out[leaf] = None
         continue
       views = self._special_views(leaf)
-      if len(views) > 1:
+      if len(views) > 1 or views[0][0][0].kind == "conv":
         out[leaf] = self._shared(views, leaf, structure, chunk_size)
         continue
       ((site, *arrays), role, sliced) = views[0]
@@ -1401,6 +1456,8 @@ class LayerGrads:
       if site.kind == "embed":
         g = jnp.zeros((c,) + per, d.dtype)
         return g.at[jnp.arange(c)[:, None], a[n]].add(d)
+      if site.kind == "conv":
+        return jax.vmap(lambda x, dx: _conv_grad(site.eqn, x, dx, per))(a[n], d)
       g = jnp.einsum("cti,ctj->cij", a[n], d)
       return proxy._kernel_to_leaf(site, g, leaf)
 
@@ -1480,6 +1537,19 @@ class LayerGrads:
     return out
 
 
+def _conv_grad(eqn, x: Array, delta: Array, shape: tuple[int, ...]) -> Array:
+  """One example's kernel gradient: the convolution ``eqn`` of ``x[None]``
+  transposed in its kernel (linear in it) and applied to ``delta[None]``."""
+  dtype = jnp.promote_types(x.dtype, delta.dtype)
+  kernel = jax.ShapeDtypeStruct(shape, dtype)
+
+  def conv(w):
+    return _bind(eqn, [x[None].astype(dtype), w])[0]
+
+  (g,) = jax.linear_transpose(conv, kernel)(delta[None].astype(dtype))
+  return g
+
+
 def _zeros_varying(shape, dtype, like: Any) -> Array:
   """Zeros varying over the manual mesh axes of ``like``'s arrays (a loop
   carry must vary like the sums added to it under ``shard_map``)."""
@@ -1531,8 +1601,7 @@ class LeafCoverage:
       batch) or ``"per_example"`` (a ``vmap`` of per-example VJPs).
     reason: the rule that matched (``"the kernel of a dot_general"``,
       ``"an elementwise scale (mul)"``, ...) or why none did (``"an operand
-      of conv_general_dilated: no layer rule matches"``, ``"used 2 times
-      ..."``).
+      of sort: no layer rule matches"``, ``"used 2 times ..."``).
     kronecker: whether :func:`fisher_optax.fisher.kronecker` also takes its
       K-FAC factors from layer statistics; otherwise that leaf gets
       Shampoo-style factors from per-example gradients.
@@ -1568,10 +1637,13 @@ def coverage(
   The layer path recognises, in the traced ``apply_fn`` and whatever module
   produced it: any ``dot_general`` of an activation with a parameter
   (``Dense``, ``DenseGeneral``, attention projections, ``Einsum``, a tied
-  head) and its bias, embedding gathers, and elementwise scale and shift
-  parameters (norm scales and biases, learned positions), also inside
-  ``scan`` bodies (stacked layers, recurrent cells) and for a leaf with
-  several such uses (tied embeddings). Only traces ``apply_fn`` (no FLOPs),
+  head) and its bias, convolution kernels (``conv_general_dilated``: Linen
+  and NNX ``Conv`` with any strides, padding, dilation and feature groups),
+  embedding gathers, and elementwise scale and shift parameters (norm
+  scales and biases, learned positions, conv biases), also inside ``scan``
+  bodies (stacked layers, recurrent cells) and for a leaf with several such
+  uses (tied embeddings); a convolution kernel only outside scans and with
+  one use. Only traces ``apply_fn`` (no FLOPs),
   so ``params`` and ``inputs`` may be ``jax.ShapeDtypeStruct`` trees.
 
   Args:
