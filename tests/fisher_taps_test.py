@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from examples.common import models
+from fisher_optax import fisher
 from fisher_optax.fisher import _taps
 from tests import fisher_testing
 
@@ -387,6 +388,76 @@ class LayerStatisticsTest(parameterized.TestCase):
         .add(1.0)
       )
       _assert_close(self, kron["table"][0], jnp.diag(counts) / T)
+
+  def test_kron_weight_sharing_both_conventions_brute_force(self):
+    """expand and reduce factors equal their definitions from per-example
+    activations and cotangents; with one position the Kronecker product of
+    either is the exact block of one example; kronecker() threads it."""
+
+    def apply_fn(p, ids):
+      e = p["table"][ids]  # (B, T, 4)
+      h = jnp.tanh(e @ p["w1"] + p["b1"])
+      return h.sum(axis=1) @ p["w2"]  # positions pooled before the output
+
+    with jax.enable_x64(True):
+      k = jax.random.split(jax.random.key(0), 4)
+      params = {
+        "table": jax.random.normal(k[0], (VOCAB, 4)),
+        "w1": jax.random.normal(k[1], (4, 6)) / 2,
+        "b1": jax.random.normal(k[2], (6,)) / 4,
+        "w2": jax.random.normal(k[3], (6, 3)) / 3,
+      }
+      ids = jax.random.randint(jax.random.key(1), (B, T), 0, VOCAB)
+      ids = ids.at[0, :2].set(2)  # a repeated row within an example
+      cot = _cotangents(3)
+      # Per-example quantities by hand.
+      e = params["table"][ids]
+      z = e @ params["w1"] + params["b1"]
+      h = jnp.tanh(z)
+      dz = jnp.einsum("sbo,ho->sbh", cot, params["w2"])[:, :, None] * (
+        1 - h**2
+      )  # (S, B, T, 6)
+      de = dz @ params["w1"].T  # (S, B, T, 4)
+      onehot = jax.nn.one_hot(ids, VOCAB)  # (B, T, V)
+      sq = lambda x: jnp.einsum("...i,...j->ij", x, x)
+      want = {
+        "expand": {
+          "w1": (sq(e) / T, sq(dz)),
+          "b1": (jnp.full((1, 1), B), sq(dz)),
+          "table": (sq(onehot) / T, sq(de)),
+          "w2": (sq(h.sum(1)), sq(cot)),
+        },
+        "reduce": {
+          "w1": (sq(e.mean(1)), sq(dz.sum(2))),
+          "b1": (jnp.full((1, 1), B), sq(dz.sum(2))),
+          "table": (sq(onehot.mean(1)), sq(de.sum(2))),
+          "w2": (sq(h.sum(1)), sq(cot)),
+        },
+      }
+      for mode, leaves in want.items():
+        grads = _taps.record(apply_fn, params, ids).backward(cot)
+        kron = grads.statistics("kron", weight_sharing=mode)
+        for name, (a_want, g_want) in leaves.items():
+          with self.subTest(f"{mode}/{name}"):
+            _assert_close(self, kron[name][0], a_want)
+            _assert_close(self, kron[name][1], g_want)
+        # One example, one position (w2): either product is the exact block.
+        one = _taps.record(apply_fn, params, ids[:1]).backward(cot[:, :1])
+        a_sum, gamma = one.statistics("kron", weight_sharing=mode)["w2"]
+        g = jnp.einsum("i,sj->sij", h[0].sum(0), cot[:, 0]).reshape(S, -1)
+        _assert_close(self, jnp.kron(a_sum, gamma), g.T @ g)
+        stat = fisher.kronecker(
+          apply_fn,
+          params,
+          (ids, jnp.arange(B) % 3),
+          likelihood=fisher.Categorical(),
+          kind="exact",
+          estimator="kfac",
+          weight_sharing=mode,
+        )
+        _assert_close(self, stat.left["w1"], want[mode]["w1"][0] / B)
+      with self.assertRaisesRegex(ValueError, "weight_sharing"):
+        grads.statistics("kron", weight_sharing="sum")
 
   def test_tape_gradient_backward_and_take(self):
     """gradient() is the batch VJP plus S=1 stats; take() slices samples."""

@@ -99,10 +99,16 @@ to ``(B, T, d)``), the example gradient is ``sum_t a_t delta_t^T``. Norms and
 the Gram matrix keep a cheap exact form
 (:math:`\\langle a a^\\top, \\delta \\delta^\\top \\rangle`, "ghost norms"); the
 exact diagonal does not, and is computed as a chunked per-example einsum. The
-K-FAC factors use the "expand" convention (positions as examples):
-``A_sum = sum_n mean_t a_t a_t^T`` and
-``Gamma_sum = sum_{s,n,t} delta delta^T``,
-so that ``(A_sum / B) kron (Gamma_sum / B)`` is the exact block when ``T = 1``.
+K-FAC factors use the "expand" convention (positions as examples) by
+default: ``A_sum = sum_n mean_t a_t a_t^T`` and
+``Gamma_sum = sum_{s,n,t} delta delta^T``; ``weight_sharing="reduce"``
+sums over the positions first: ``A_sum = sum_n abar_n abar_n^T`` with
+``abar_n = mean_t a_t``, ``Gamma_sum = sum_{s,n} (sum_t delta)(sum_t
+delta)^T``. Either way ``(A_sum / B) kron (Gamma_sum / B)`` is the exact
+block when ``T = 1`` (for ``kind="exact"``, the exact Fisher's); with
+``T > 1`` neither is exact: "expand" suits layers whose positions act as
+independent examples (a language model's per-token loss), "reduce" those
+whose positions are pooled before the loss (Eschenhagen et al, 2023).
 
 **Sharding.** Under ``shard_map`` (any axis type) taps vary per device like
 their layer outputs, so statistics are local sums to ``psum``. A global-view
@@ -149,6 +155,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 import dataclasses
+import functools
 import math
 from typing import Any
 import warnings
@@ -165,6 +172,9 @@ Array = jax.Array
 PyTree = Any
 
 STRUCTURES = ("diag", "kron", "gram")
+
+# K-FAC conventions for weight-shared layers (Eschenhagen et al, 2023).
+WEIGHT_SHARING = ("expand", "reduce")
 
 # Call-like primitives whose body is looked into (and inlined when it holds a
 # tapped layer), with the name of the parameter holding the body.
@@ -1155,7 +1165,11 @@ class LayerGrads:
     return jax.tree_util.tree_unflatten(self._tape._treedef, vals)
 
   def statistics(
-    self, structure: str, *, chunk_size: int | None = None
+    self,
+    structure: str,
+    *,
+    chunk_size: int | None = None,
+    weight_sharing: str = "expand",
   ) -> PyTree:
     """Sums of per-example statistics over samples and examples.
 
@@ -1168,13 +1182,18 @@ class LayerGrads:
     for a bias ``A_sum = [[B]]``; ``"gram"`` one ``(S * B, S * B)`` array
     :math:`\\sum_{\\text{covered}} \\langle g_i, g_j \\rangle`. A leaf
     stacked along a scan or with several uses has no ``"kron"`` factors
-    (``None``).
+    (``None``). ``weight_sharing="reduce"`` sums over the positions
+    first (Eschenhagen et al, 2023): ``A_sum = sum_n abar_n abar_n^T`` with
+    ``abar_n = mean_t a_t`` and ``Gamma_sum = sum_{s,n} (sum_t delta)
+    (sum_t delta)^T``; both conventions agree when ``T = 1``.
 
     Args:
       structure: ``"diag"``, ``"kron"`` or ``"gram"``.
       chunk_size: examples per chunk where per-example layer gradients must
         be formed (weight-shared diagonal, shared leaves; rows ``s * B + n``
         for those); ``None`` picks a chunk of about ``2**24`` elements.
+      weight_sharing: ``"expand"`` (positions as extra examples) or
+        ``"reduce"`` (positions summed first), for ``"kron"`` only.
 
     Returns:
       A params-shaped tree with ``None`` at uncovered leaves, or the Gram
@@ -1183,6 +1202,11 @@ class LayerGrads:
     if structure not in STRUCTURES:
       raise ValueError(
         f"structure must be one of {STRUCTURES}, got {structure!r}."
+      )
+    if weight_sharing not in WEIGHT_SHARING:
+      raise ValueError(
+        f"weight_sharing must be one of {WEIGHT_SHARING}, got "
+        f"{weight_sharing!r}."
       )
     cache: dict = {}
 
@@ -1200,7 +1224,8 @@ class LayerGrads:
       for val in special.values():
         total = total + val
       return total
-    fn = {"diag": self._diag, "kron": self._kron}[structure]
+    kron = functools.partial(self._kron, reduce=weight_sharing == "reduce")
+    fn = {"diag": self._diag, "kron": kron}[structure]
     out = {
       leaf: fn(site(s), role, leaf, chunk_size)
       for leaf, s, role in self._leaf_items()
@@ -1242,22 +1267,38 @@ class LayerGrads:
     )
     return self._kernel_to_leaf(site, jnp.asarray(total), leaf)
 
-  def _kron(self, site_view, role, leaf, chunk_size):
+  def _kron(self, site_view, role, leaf, chunk_size, reduce: bool = False):
     del chunk_size
     site, act, delta, valid = site_view
     if not _kron_ok(site, role, self._tape._leaves[leaf].shape):
       return None
-    gamma = jnp.einsum("sntd,snte->de", delta, delta)
     t = delta.shape[2]
+    if reduce:  # sum over positions first
+      summed = jnp.sum(delta, axis=2)
+      gamma = jnp.einsum("snd,sne->de", summed, summed)
+    else:  # positions as examples
+      gamma = jnp.einsum("sntd,snte->de", delta, delta)
     if role == "bias":
       return (jnp.full((1, 1), self._tape.batch, delta.dtype), gamma)
     if site.kind == "embed":
+      if reduce:  # abar_n: row counts of example n over T
+        b = self._tape.batch
+        rows = jnp.arange(b)[:, None]
+        counts = (
+          jnp.zeros((b, site.num_rows), delta.dtype)
+          .at[rows, act]
+          .add(valid.astype(delta.dtype))
+        ) / t
+        return (counts.T @ counts, gamma)
       counts = (
         jnp.zeros((site.num_rows,), delta.dtype)
         .at[act.reshape(-1)]
         .add(valid.reshape(-1).astype(delta.dtype))
       )
       return (jnp.diag(counts) / t, gamma)
+    if reduce:
+      mean = jnp.mean(act, axis=1)
+      return (mean.T @ mean, gamma)
     return (jnp.einsum("ntd,nte->de", act, act) / t, gamma)
 
   def _gram(self, site_view, role, chunk_size):
