@@ -459,6 +459,71 @@ class LayerStatisticsTest(parameterized.TestCase):
       with self.assertRaisesRegex(ValueError, "weight_sharing"):
         grads.statistics("kron", weight_sharing="sum")
 
+  @parameterized.parameters("expand", "reduce")
+  def test_conv_kron_factors(self, mode):
+    """An HWIO conv kernel's factors are its input patches' and output
+    cotangents' (brute force by slicing); with one output position the
+    product is the exact block of one example; grouped convs have none."""
+    dn = ("NHWC", "HWIO", "NHWC")
+
+    def apply_fn(p, x):
+      h = jax.lax.conv_general_dilated(
+        x, p["k"], (1, 1), "VALID", None, None, dn
+      )
+      return jnp.tanh(h).reshape(x.shape[0], -1) @ p["w"]
+
+    with jax.enable_x64(True):
+      x = jax.random.normal(jax.random.key(0), (B, 4, 5, 2))
+      k = jax.random.normal(jax.random.key(1), (3, 3, 2, 4))
+      params = {
+        "k": k,
+        "w": jax.random.normal(jax.random.key(2), (2 * 3 * 4, 3)),
+      }
+      self.assertTrue(_taps.coverage(apply_fn, params, x)["k"].kronecker)
+      cot = _cotangents(3)
+      got = (
+        _taps.record(apply_fn, params, x)
+        .backward(cot)
+        .statistics("kron", weight_sharing=mode)["k"]
+      )
+      patches = jnp.stack(
+        [
+          x[:, i : i + 3, j : j + 3, :].reshape(B, -1)
+          for i in range(2)
+          for j in range(3)
+        ],
+        1,
+      )  # (B, T, 18), positions row-major
+      h = jax.lax.conv_general_dilated(x, k, (1, 1), "VALID", None, None, dn)
+      delta = jnp.einsum("sbo,po->sbp", cot, params["w"]).reshape(
+        (S,) + h.shape
+      ) * (1 - jnp.tanh(h) ** 2)
+      delta = delta.reshape(S, B, -1, 4)
+      sq = lambda z: jnp.einsum("...i,...j->ij", z, z)
+      if mode == "expand":
+        want = (sq(patches) / patches.shape[1], sq(delta))
+      else:
+        want = (sq(patches.mean(1)), sq(delta.sum(2)))
+      _assert_close(self, got[0], want[0])
+      _assert_close(self, got[1], want[1])
+      # One output position, one example: the exact block.
+      params1 = dict(params, w=params["w"][:4])
+      x1 = x[:1, :3, :3]
+      one = _taps.record(apply_fn, params1, x1).backward(cot[:, :1])
+      a_sum, gamma = one.statistics("kron", weight_sharing=mode)["k"]
+      g = _pseudo_grads(apply_fn, params1, x1, cot[:, :1])["k"].reshape(S, -1)
+      _assert_close(self, jnp.kron(a_sum, gamma), g.T @ g)
+
+      def grouped(p, x):
+        h = jax.lax.conv_general_dilated(
+          x, p["k"], (1, 1), "VALID", None, None, dn, feature_group_count=2
+        )
+        return h.reshape(x.shape[0], -1)
+
+      cov = _taps.coverage(grouped, {"k": k[:, :, :1]}, x)
+      self.assertTrue(cov["k"])
+      self.assertFalse(cov["k"].kronecker)
+
   def test_tape_gradient_backward_and_take(self):
     """gradient() is the batch VJP plus S=1 stats; take() slices samples."""
     with jax.enable_x64(True):
@@ -620,7 +685,7 @@ class CoverageTest(parameterized.TestCase):
     self, dn, shape, strides, padding, lhs_d, rhs_d, groups
   ):
     """Any dimension numbers, strides, padding, dilations and feature groups:
-    diag, Gram and norms equal the oracle; no K-FAC factors."""
+    diag, Gram and norms equal the oracle."""
 
     def apply_fn(p, x):
       h = jax.lax.conv_general_dilated(
@@ -650,7 +715,8 @@ class CoverageTest(parameterized.TestCase):
       params = {"k": k, "w": w}
       cov = _taps.coverage(apply_fn, params, x)
       self.assertTrue(cov["k"])
-      self.assertFalse(cov["k"].kronecker)
+      # K-FAC factors fit the (patch, O) matrix view of HWIO, one group.
+      self.assertEqual(cov["k"].kronecker, dn[1] == "HWIO" and groups == 1)
       cot = _cotangents(3)
       g = _pseudo_grads(apply_fn, params, x, cot)
       for structure in ("diag", "gram", "norms"):

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fisher_optax import fisher
+from fisher_optax.fisher import _statistics as fisher_statistics
 from fisher_optax.fisher import _taps as fisher_taps
 
 B, T, D, H, VOCAB = 3, 5, 8, 2, 7
@@ -476,10 +477,30 @@ class ConvZooTest(parameterized.TestCase):
       off = {jax.tree_util.keystr(p): c.reason for p, c in flat if not c}
       self.assertEqual(off, {})
       convs = [c for p, c in flat if "conv_general_dilated" in c.reason]
-      self.assertLen(convs, 4 if name.endswith("cnn") else 1)
-      self.assertFalse(any(c.kronecker for c in convs))
+      # K-FAC factors for ungrouped convs (the first two, the patch
+      # embedding), not grouped ones.
+      want = [True, True, False, False] if name.endswith("cnn") else [True]
+      self.assertEqual([c.kronecker for c in convs], want)
       rtol = 1e-10 if x64 else 1e-5
       cot = jax.random.normal(jax.random.key(4), (2, B, CLASSES), dtype)
+      grads = fisher_taps.record(apply_fn, params, x).backward(cot)
+      for mode in ("expand", "reduce"):
+        kron = grads.statistics("kron", weight_sharing=mode)
+        leaves = jax.tree.leaves(params)
+        for (path, c), f, p in zip(
+          flat,
+          jax.tree.leaves(
+            kron, is_leaf=lambda v: v is None or isinstance(v, tuple)
+          ),
+          leaves,
+        ):
+          key = jax.tree_util.keystr(path)
+          with self.subTest(f"{mode}{key}"):
+            self.assertEqual(f is not None, c.kronecker)
+            if f is not None:
+              rows, cols = fisher_statistics.matrix_shape(p.shape)
+              self.assertEqual(f[0].shape, (rows, rows))
+              self.assertEqual(f[1].shape, (cols, cols))
       _check_layer_statistics(self, apply_fn, params, x, cot, rtol)
 
   @parameterized.parameters("linen_cnn", "nnx_vit")

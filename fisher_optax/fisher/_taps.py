@@ -90,9 +90,13 @@ and vector biases, also when shared by a scan's iterations. Attention
 ``q``/``k``/``v`` kernels ``(d, heads, head_dim)``, their ``(heads,
 head_dim)`` biases and elementwise parameters have none, nor have leaves
 stacked along a scan (a Kronecker factor pair per leaf has no layer axis)
-or shared by several uses, nor convolution kernels;
-:func:`fisher_optax.fisher.kronecker` gives them Shampoo factors from
-per-example gradients.
+or shared by several uses; :func:`fisher_optax.fisher.kronecker` gives
+them Shampoo factors from per-example gradients. A convolution kernel in
+the ``(spatial..., I, O)`` layout (Flax's ``HWIO``) with one feature group
+has factors in its matrix view ``(prod(spatial) * I, O)``: ``a`` its input
+patches (``lax.conv_general_dilated_patches``), the output positions
+weight-shared (Grosse & Martens, 2016); grouped convs and other kernel
+layouts have none.
 
 **Weight sharing.** When the activation has middle axes (a dense layer applied
 to ``(B, T, d)``), the example gradient is ``sum_t a_t delta_t^T``. Norms and
@@ -146,6 +150,9 @@ References:
 
   Li et al, `Large language models can be strong differentially private
   learners <https://arxiv.org/abs/2110.05679>`_, 2021 (ghost norms).
+
+  Grosse & Martens, `A Kronecker-factored approximate Fisher matrix for
+  convolution layers <https://arxiv.org/abs/1602.01407>`_, 2016.
 
   Eschenhagen et al, `Kronecker-factored approximate curvature for modern
   neural network architectures <https://arxiv.org/abs/2311.00636>`_, 2023.
@@ -1052,11 +1059,15 @@ def _kron_ok(site: _Site, role: str, shape: tuple[int, ...]) -> bool:
   A :class:`KroneckerFisher` views a leaf ``(*s, n)`` as ``(prod(s), n)``:
   a kernel's factors ``(K, K)`` and ``(O, O)`` fit when its contracted axes
   lead and one output axis trails (``Dense``, an attention output
-  projection); a bias's ``[[B]]`` and ``(O, O)`` when it is a vector. An
+  projection); a conv kernel's ``(patch, patch)`` and ``(O, O)`` when it is
+  ``HWIO``-like with one feature group; a bias's ``[[B]]`` and ``(O, O)``
+  when it is a vector. An
   elementwise scale or shift has no K-FAC rule (Shampoo factors from its
   per-example gradients are already its exact block when it is a vector).
   """
-  if site.kind in ("scale", "shift", "conv"):
+  if site.kind == "conv":
+    return _conv_kron_ok(site.eqn)
+  if site.kind in ("scale", "shift"):
     return False
   if role == "bias":
     return len(shape) <= 1
@@ -1064,6 +1075,43 @@ def _kron_ok(site: _Site, role: str, shape: tuple[int, ...]) -> bool:
     return True
   n = len(site.leaf_perm)
   return site.num_free == 1 and site.leaf_perm == tuple(range(n))
+
+
+def _conv_kron_ok(eqn) -> bool:
+  """A conv kernel's matrix view ``(prod(spatial) * I, O)`` is the K-FAC
+  ``(patch, O)`` layout: spatial axes, then input, then output (``HWIO``),
+  one feature group."""
+  rhs = tuple(eqn.params["dimension_numbers"].rhs_spec)
+  n = len(rhs)
+  return eqn.params["feature_group_count"] == 1 and rhs == (
+    n - 1,
+    n - 2,
+    *range(n - 2),
+  )
+
+
+def _conv_patches(eqn, x: Array) -> Array:
+  """``(B, T, K)`` patches of a conv's input, ``K`` in the kernel's
+  ``(spatial..., I)`` order, ``T`` the output positions."""
+  p = eqn.params
+  dn = p["dimension_numbers"]
+  w = eqn.invars[1].aval.shape
+  spatial = tuple(w[i] for i in dn.rhs_spec[2:])
+  patches = lax.conv_general_dilated_patches(
+    x,
+    spatial,
+    p["window_strides"],
+    p["padding"],
+    p["lhs_dilation"],
+    p["rhs_dilation"],
+    dn,
+  )
+  c = x.shape[dn.lhs_spec[1]]
+  patches = jnp.moveaxis(patches, dn.out_spec[1], -1)
+  b, k = patches.shape[0], patches.shape[-1]
+  # Patch features come channel-major, (I, spatial...).
+  patches = patches.reshape(b, -1, c, k // c)
+  return jnp.swapaxes(patches, 2, 3).reshape(b, -1, k)
 
 
 def _chunk_map(
@@ -1215,7 +1263,9 @@ class LayerGrads:
         cache[s] = self._view(s)
       return cache[s]
 
-    special = self._special(structure, chunk_size)
+    special = self._special(
+      structure, chunk_size, reduce=weight_sharing == "reduce"
+    )
     if structure == "gram":
       n = self.num_samples * self._tape.batch
       total = jnp.zeros((n, n), jnp.float32)
@@ -1449,7 +1499,25 @@ class LayerGrads:
       for s, role, modes in self._tape._plan.special[leaf]
     ]
 
-  def _special(self, structure: str, chunk_size) -> dict:
+  def _conv_kron(self, leaf: int, reduce: bool):
+    """K-FAC factors of a conv kernel with one use outside scans (else
+    ``None``): ``a`` its input patches, ``delta`` its output cotangents."""
+    uses = self._tape._plan.special[leaf]
+    if len(uses) != 1 or uses[0][2]:
+      return None
+    s = uses[0][0]
+    site = self._tape._plan.sites[s]
+    if site.kind != "conv" or not _conv_kron_ok(site.eqn):
+      return None
+    act = _conv_patches(site.eqn, numerics.widen(self._tape._acts[s]))
+    delta = numerics.widen(self._deltas[s])
+    out_spec = site.eqn.params["dimension_numbers"].out_spec
+    delta = jnp.moveaxis(delta, 1 + out_spec[1], -1)
+    b = self._tape.batch
+    delta = delta.reshape(delta.shape[0], b, -1, delta.shape[-1])
+    return self._kron((site, act, delta, None), "kernel", leaf, None, reduce)
+
+  def _special(self, structure: str, chunk_size, **kwargs) -> dict:
     """Statistics of leaves sliced by scans or with several uses.
 
     A leaf stacked along a scan's iterations with one use in the body: the
@@ -1461,7 +1529,7 @@ class LayerGrads:
     out: dict = {}
     for leaf in self._tape._plan.special:
       if structure == "kron":
-        out[leaf] = None
+        out[leaf] = self._conv_kron(leaf, kwargs.get("reduce", False))
         continue
       views = self._special_views(leaf)
       if len(views) > 1 or views[0][0][0].kind == "conv":
@@ -1663,7 +1731,14 @@ def _leaf_coverage(plan: _Plan, leaves: Sequence[Any]) -> list[LeafCoverage]:
       out.append(LeafCoverage("per_example", reason))
     else:
       site = plan.sites[role[0]]
-      kron = leaf not in plan.special and _kron_ok(
+      uses = plan.special.get(leaf)
+      single_conv = (
+        uses is not None
+        and len(uses) == 1
+        and not uses[0][2]
+        and site.kind == "conv"
+      )
+      kron = (leaf not in plan.special or single_conv) and _kron_ok(
         site, role[1], tuple(leaves[leaf].shape)
       )
       out.append(LeafCoverage("layer", reason, kron))
