@@ -8,6 +8,7 @@ models, with and without weight sharing, with ``S > 1`` cotangents.
 """
 
 import functools
+import math
 
 from absl.testing import absltest
 from absl.testing import parameterized
@@ -19,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from examples.common import models
+from fisher_optax import fisher
 from fisher_optax.fisher import _taps
 from tests import fisher_testing
 
@@ -387,6 +389,141 @@ class LayerStatisticsTest(parameterized.TestCase):
       )
       _assert_close(self, kron["table"][0], jnp.diag(counts) / T)
 
+  def test_kron_weight_sharing_both_conventions_brute_force(self):
+    """expand and reduce factors equal their definitions from per-example
+    activations and cotangents; with one position the Kronecker product of
+    either is the exact block of one example; kronecker() threads it."""
+
+    def apply_fn(p, ids):
+      e = p["table"][ids]  # (B, T, 4)
+      h = jnp.tanh(e @ p["w1"] + p["b1"])
+      return h.sum(axis=1) @ p["w2"]  # positions pooled before the output
+
+    with jax.enable_x64(True):
+      k = jax.random.split(jax.random.key(0), 4)
+      params = {
+        "table": jax.random.normal(k[0], (VOCAB, 4)),
+        "w1": jax.random.normal(k[1], (4, 6)) / 2,
+        "b1": jax.random.normal(k[2], (6,)) / 4,
+        "w2": jax.random.normal(k[3], (6, 3)) / 3,
+      }
+      ids = jax.random.randint(jax.random.key(1), (B, T), 0, VOCAB)
+      ids = ids.at[0, :2].set(2)  # a repeated row within an example
+      cot = _cotangents(3)
+      # Per-example quantities by hand.
+      e = params["table"][ids]
+      z = e @ params["w1"] + params["b1"]
+      h = jnp.tanh(z)
+      dz = jnp.einsum("sbo,ho->sbh", cot, params["w2"])[:, :, None] * (
+        1 - h**2
+      )  # (S, B, T, 6)
+      de = dz @ params["w1"].T  # (S, B, T, 4)
+      onehot = jax.nn.one_hot(ids, VOCAB)  # (B, T, V)
+      sq = lambda x: jnp.einsum("...i,...j->ij", x, x)
+      want = {
+        "expand": {
+          "w1": (sq(e) / T, sq(dz)),
+          "b1": (jnp.full((1, 1), B), sq(dz)),
+          "table": (sq(onehot) / T, sq(de)),
+          "w2": (sq(h.sum(1)), sq(cot)),
+        },
+        "reduce": {
+          "w1": (sq(e.mean(1)), sq(dz.sum(2))),
+          "b1": (jnp.full((1, 1), B), sq(dz.sum(2))),
+          "table": (sq(onehot.mean(1)), sq(de.sum(2))),
+          "w2": (sq(h.sum(1)), sq(cot)),
+        },
+      }
+      for mode, leaves in want.items():
+        grads = _taps.record(apply_fn, params, ids).backward(cot)
+        kron = grads.statistics("kron", weight_sharing=mode)
+        for name, (a_want, g_want) in leaves.items():
+          with self.subTest(f"{mode}/{name}"):
+            _assert_close(self, kron[name][0], a_want)
+            _assert_close(self, kron[name][1], g_want)
+        # One example, one position (w2): either product is the exact block.
+        one = _taps.record(apply_fn, params, ids[:1]).backward(cot[:, :1])
+        a_sum, gamma = one.statistics("kron", weight_sharing=mode)["w2"]
+        g = jnp.einsum("i,sj->sij", h[0].sum(0), cot[:, 0]).reshape(S, -1)
+        _assert_close(self, jnp.kron(a_sum, gamma), g.T @ g)
+        stat = fisher.kronecker(
+          apply_fn,
+          params,
+          (ids, jnp.arange(B) % 3),
+          likelihood=fisher.Categorical(),
+          kind="exact",
+          estimator="kfac",
+          weight_sharing=mode,
+        )
+        _assert_close(self, stat.left["w1"], want[mode]["w1"][0] / B)
+      with self.assertRaisesRegex(ValueError, "weight_sharing"):
+        grads.statistics("kron", weight_sharing="sum")
+
+  @parameterized.parameters("expand", "reduce")
+  def test_conv_kron_factors(self, mode):
+    """An HWIO conv kernel's factors are its input patches' and output
+    cotangents' (brute force by slicing); with one output position the
+    product is the exact block of one example; grouped convs have none."""
+    dn = ("NHWC", "HWIO", "NHWC")
+
+    def apply_fn(p, x):
+      h = jax.lax.conv_general_dilated(
+        x, p["k"], (1, 1), "VALID", None, None, dn
+      )
+      return jnp.tanh(h).reshape(x.shape[0], -1) @ p["w"]
+
+    with jax.enable_x64(True):
+      x = jax.random.normal(jax.random.key(0), (B, 4, 5, 2))
+      k = jax.random.normal(jax.random.key(1), (3, 3, 2, 4))
+      params = {
+        "k": k,
+        "w": jax.random.normal(jax.random.key(2), (2 * 3 * 4, 3)),
+      }
+      self.assertTrue(_taps.coverage(apply_fn, params, x)["k"].kronecker)
+      cot = _cotangents(3)
+      got = (
+        _taps.record(apply_fn, params, x)
+        .backward(cot)
+        .statistics("kron", weight_sharing=mode)["k"]
+      )
+      patches = jnp.stack(
+        [
+          x[:, i : i + 3, j : j + 3, :].reshape(B, -1)
+          for i in range(2)
+          for j in range(3)
+        ],
+        1,
+      )  # (B, T, 18), positions row-major
+      h = jax.lax.conv_general_dilated(x, k, (1, 1), "VALID", None, None, dn)
+      delta = jnp.einsum("sbo,po->sbp", cot, params["w"]).reshape(
+        (S,) + h.shape
+      ) * (1 - jnp.tanh(h) ** 2)
+      delta = delta.reshape(S, B, -1, 4)
+      sq = lambda z: jnp.einsum("...i,...j->ij", z, z)
+      if mode == "expand":
+        want = (sq(patches) / patches.shape[1], sq(delta))
+      else:
+        want = (sq(patches.mean(1)), sq(delta.sum(2)))
+      _assert_close(self, got[0], want[0])
+      _assert_close(self, got[1], want[1])
+      # One output position, one example: the exact block.
+      params1 = dict(params, w=params["w"][:4])
+      x1 = x[:1, :3, :3]
+      one = _taps.record(apply_fn, params1, x1).backward(cot[:, :1])
+      a_sum, gamma = one.statistics("kron", weight_sharing=mode)["k"]
+      g = _pseudo_grads(apply_fn, params1, x1, cot[:, :1])["k"].reshape(S, -1)
+      _assert_close(self, jnp.kron(a_sum, gamma), g.T @ g)
+
+      def grouped(p, x):
+        h = jax.lax.conv_general_dilated(
+          x, p["k"], (1, 1), "VALID", None, None, dn, feature_group_count=2
+        )
+        return h.reshape(x.shape[0], -1)
+
+      cov = _taps.coverage(grouped, {"k": k[:, :, :1]}, x)
+      self.assertTrue(cov["k"])
+      self.assertFalse(cov["k"].kronecker)
+
   def test_tape_gradient_backward_and_take(self):
     """gradient() is the batch VJP plus S=1 stats; take() slices samples."""
     with jax.enable_x64(True):
@@ -424,14 +561,16 @@ class LayerStatisticsTest(parameterized.TestCase):
 
 class CoverageTest(parameterized.TestCase):
   def test_uncovered_leaves_are_reported(self):
-    """Convs fall back (None); norms, tied and reused kernels are covered."""
+    """A conv kernel used twice falls back (None); norms, tied and reused
+    dense kernels are covered."""
 
     class Mixed(nn.Module):
       @nn.compact
       def __call__(self, ids):
         emb = nn.Embed(VOCAB, 4)
         h = emb(ids)  # (B, T, 4)
-        h = nn.Conv(4, (2,))(h)
+        conv = nn.Conv(4, (2,))
+        h = conv(conv(h))  # a conv kernel used twice: no rule
         h = nn.LayerNorm()(h)
         shared = nn.Dense(4)
         h = shared(jnp.tanh(shared(h)))  # a kernel used twice
@@ -447,6 +586,8 @@ class CoverageTest(parameterized.TestCase):
     self.assertTrue(cov["LayerNorm_0"]["scale"])
     self.assertIn("shared by 2 uses", cov["Dense_0"]["kernel"].reason)
     self.assertIn("conv_general_dilated", cov["Conv_0"]["kernel"].reason)
+    self.assertIn("no rule for conv layers", cov["Conv_0"]["kernel"].reason)
+    self.assertTrue(cov["Conv_0"]["bias"])
     self.assertTrue(cov["Dense_0"]["kernel"])
     self.assertTrue(cov["Dense_0"]["bias"])
     self.assertFalse(cov["Dense_0"]["kernel"].kronecker)
@@ -515,6 +656,120 @@ class CoverageTest(parameterized.TestCase):
     flat = jax.tree.leaves(_taps.coverage(rnn.apply, abstract, x))
     self.assertLen(flat, 12)
     self.assertTrue(all(c and c.kronecker for c in flat), flat)
+
+  @parameterized.parameters(
+    # (dimension_numbers, kernel shape, strides, padding, lhs/rhs dilation,
+    # feature groups)
+    (("NCHW", "OIHW", "NCHW"), (4, 2, 3, 2), (1, 2), "SAME", (1, 1), (1, 1), 1),
+    (
+      ("NHWC", "HWIO", "NHWC"),
+      (2, 2, 1, 4),
+      (2, 1),
+      "VALID",
+      (1, 1),
+      (2, 1),
+      2,
+    ),
+    (
+      ("NHWC", "HWIO", "NHWC"),
+      (3, 1, 2, 4),
+      (1, 1),
+      ((1, 2), (0, 1)),
+      (2, 1),
+      (1, 1),
+      1,
+    ),
+    (("NWHC", "WHIO", "NHWC"), (2, 2, 1, 2), (1, 1), "SAME", (1, 1), (1, 2), 2),
+  )
+  def test_conv_layouts(
+    self, dn, shape, strides, padding, lhs_d, rhs_d, groups
+  ):
+    """Any dimension numbers, strides, padding, dilations and feature groups:
+    diag, Gram and norms equal the oracle."""
+
+    def apply_fn(p, x):
+      h = jax.lax.conv_general_dilated(
+        x,
+        p["k"],
+        strides,
+        padding,
+        lhs_d,
+        rhs_d,
+        dn,
+        feature_group_count=groups,
+      )
+      return jnp.tanh(h).reshape(x.shape[0], -1) @ p["w"]
+
+    with jax.enable_x64(True):
+      x = jax.random.normal(jax.random.key(0), (B, 5, 5, 5), jnp.float64)
+      x = x[..., :2] if dn[0].endswith("C") else x[:, :2]  # 2 channels in
+      k = jax.random.normal(jax.random.key(1), shape, jnp.float64)
+      h = jax.eval_shape(
+        lambda: jax.lax.conv_general_dilated(
+          x, k, strides, padding, lhs_d, rhs_d, dn, feature_group_count=groups
+        )
+      )
+      w = jax.random.normal(
+        jax.random.key(2), (math.prod(h.shape[1:]), 3), jnp.float64
+      )
+      params = {"k": k, "w": w}
+      cov = _taps.coverage(apply_fn, params, x)
+      self.assertTrue(cov["k"])
+      # K-FAC factors fit the (patch, O) matrix view of HWIO, one group.
+      self.assertEqual(cov["k"].kronecker, dn[1] == "HWIO" and groups == 1)
+      cot = _cotangents(3)
+      g = _pseudo_grads(apply_fn, params, x, cot)
+      for structure in ("diag", "gram", "norms"):
+        got, _ = _stats(apply_fn, params, x, cot, structure, 2)
+        if structure == "diag":
+          want = jax.tree.map(lambda gi: jnp.sum(gi**2, 0), g)
+        else:
+          flat = jnp.concatenate(
+            [a.reshape(a.shape[0], -1) for a in jax.tree.leaves(g)], 1
+          )
+          want = flat @ flat.T
+          if structure == "norms":
+            want = jax.tree.map(
+              lambda gi: jnp.sum(gi.reshape(gi.shape[0], -1) ** 2, 1), g
+            )
+        with self.subTest(structure):
+          for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            _assert_close(self, a, b, rtol=1e-9)
+
+  def test_conv_rules(self):
+    """A conv kernel in a scan or with batch groups is not covered (its
+    bias is); a conv of a parameter by an activation is not either."""
+    x = jnp.ones((4, 6, 2))
+    k = jnp.ones((2, 2, 2))
+
+    def in_scan(p, x):
+      step = lambda h, _: (
+        jax.lax.conv_general_dilated(
+          h, p["k"], (1,), "SAME", dimension_numbers=("NWC", "WIO", "NWC")
+        )
+        + p["b"],
+        None,
+      )
+      return jax.lax.scan(step, x, None, length=2)[0]
+
+    cov = _taps.coverage(in_scan, {"k": k, "b": jnp.ones(2)}, x)
+    self.assertFalse(cov["k"])
+    self.assertIn("no rule for conv layers inside a scan", cov["k"].reason)
+    self.assertTrue(cov["b"])
+
+    def batch_groups(p, x):
+      return jax.lax.conv_general_dilated(
+        x,
+        p["k"],
+        (1,),
+        "SAME",
+        dimension_numbers=("NWC", "WIO", "NWC"),
+        batch_group_count=2,
+      )
+
+    cov = _taps.coverage(batch_groups, {"k": k}, x)
+    self.assertIn("batch_group_count > 1", cov["k"].reason)
+    self.assertFalse(cov["k"])
 
   def test_coverage_on_shape_dtype_structs(self):
     params = fisher_testing.mlp_params(jax.random.key(0))

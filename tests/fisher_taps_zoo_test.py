@@ -8,6 +8,7 @@ entirely on the layer path, and its statistics must equal the per-example
 path's.
 """
 
+from collections.abc import Callable
 import functools
 import re
 from typing import Any
@@ -22,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fisher_optax import fisher
+from fisher_optax.fisher import _statistics as fisher_statistics
 from fisher_optax.fisher import _taps as fisher_taps
 
 B, T, D, H, VOCAB = 3, 5, 8, 2, 7
@@ -306,13 +308,242 @@ class ScanAndTiedZooTest(parameterized.TestCase):
           _assert_tree_close([d0], [jnp.sum(gi[:B] ** 2, 0)], rtol)
 
 
+# -- convolutions: a small CNN and a ViT-style block ---------------------------
+
+IMG, CH, CLASSES, PATCH = 8, 3, 4, 4
+
+
+class _LinenCNN(nn.Module):
+  """Conv, GroupNorm, a strided conv, a grouped conv (dilated), a depthwise
+  1x1 conv, global pooling and a Dense head."""
+
+  dtype: jnp.dtype = jnp.float32
+
+  @nn.compact
+  def __call__(self, x):
+    kw: dict[str, Any] = dict(param_dtype=self.dtype, dtype=self.dtype)
+    x = nn.relu(nn.GroupNorm(num_groups=2, **kw)(nn.Conv(4, (3, 3), **kw)(x)))
+    x = nn.relu(nn.Conv(4, (3, 3), strides=2, padding="VALID", **kw)(x))
+    x = nn.Conv(4, (2, 2), kernel_dilation=2, feature_group_count=2, **kw)(x)
+    x = nn.Conv(4, (1, 1), feature_group_count=4, **kw)(jnp.tanh(x))
+    return nn.Dense(CLASSES, **kw)(jnp.mean(x, axis=(1, 2)))
+
+
+class _NnxCNN(nnx.Module):
+  def __init__(self, rngs, dtype):
+    kw: dict[str, Any] = dict(param_dtype=dtype, dtype=dtype, rngs=rngs)
+    self.conv1 = nnx.Conv(CH, 4, (3, 3), **kw)
+    self.norm = nnx.GroupNorm(4, num_groups=2, **kw)
+    self.conv2 = nnx.Conv(4, 4, (3, 3), strides=2, padding="VALID", **kw)
+    self.conv3 = nnx.Conv(
+      4, 4, (2, 2), kernel_dilation=2, feature_group_count=2, **kw
+    )
+    self.conv4 = nnx.Conv(4, 4, (1, 1), feature_group_count=4, **kw)
+    self.head = nnx.Linear(4, CLASSES, **kw)
+
+  def __call__(self, x):
+    x = nnx.relu(self.norm(self.conv1(x)))
+    x = nnx.relu(self.conv2(x))
+    x = self.conv4(jnp.tanh(self.conv3(x)))
+    return self.head(jnp.mean(x, axis=(1, 2)))
+
+
+class _LinenViT(nn.Module):
+  """A patch embedding (a conv with stride = kernel size), learned
+  positions, one pre-norm attention block and a pooled Dense head."""
+
+  dtype: jnp.dtype = jnp.float32
+
+  @nn.compact
+  def __call__(self, x):
+    kw: dict[str, Any] = dict(param_dtype=self.dtype, dtype=self.dtype)
+    x = nn.Conv(D, (PATCH, PATCH), strides=PATCH, padding="VALID", **kw)(x)
+    x = x.reshape(x.shape[0], -1, D)
+    pos = self.param(
+      "pos", nn.initializers.normal(0.5), x.shape[1:], self.dtype
+    )
+    x = x + pos
+    h = nn.LayerNorm(**kw)(x)
+    x = x + nn.MultiHeadDotProductAttention(num_heads=H, **kw)(h, h)
+    return nn.Dense(CLASSES, **kw)(jnp.mean(nn.LayerNorm(**kw)(x), axis=1))
+
+
+class _NnxViT(nnx.Module):
+  def __init__(self, rngs, dtype):
+    kw: dict[str, Any] = dict(param_dtype=dtype, dtype=dtype, rngs=rngs)
+    self.patch = nnx.Conv(
+      CH, D, (PATCH, PATCH), strides=PATCH, padding="VALID", **kw
+    )
+    tokens = (IMG // PATCH) ** 2
+    self.pos = nnx.Param(
+      jax.random.normal(rngs.params(), (tokens, D), dtype) / 2
+    )
+    self.norm1 = nnx.LayerNorm(D, **kw)
+    self.attn = nnx.MultiHeadAttention(H, D, decode=False, **kw)
+    self.norm2 = nnx.LayerNorm(D, **kw)
+    self.head = nnx.Linear(D, CLASSES, **kw)
+
+  def __call__(self, x):
+    x = self.patch(x)
+    x = x.reshape(x.shape[0], -1, D) + self.pos[...]
+    h = self.norm1(x)
+    x = x + self.attn(h, h)
+    return self.head(jnp.mean(self.norm2(x), axis=1))
+
+
+def _conv_model(
+  name: str, dtype
+) -> tuple[Callable[[Any, Any], Any], Any, jax.Array]:
+  x = jax.random.normal(jax.random.key(1), (B, IMG, IMG, CH), dtype)
+  noise = lambda p: (
+    p + 0.3 * jax.random.normal(jax.random.key(3), p.shape, dtype)
+  )
+  if name.startswith("linen"):
+    model = (_LinenCNN if name == "linen_cnn" else _LinenViT)(dtype)
+    params = jax.tree.map(noise, jax.jit(model.init)(jax.random.key(0), x))
+    return model.apply, params, x
+  cls = _NnxCNN if name == "nnx_cnn" else _NnxViT
+  graphdef, state = nnx.split(cls(nnx.Rngs(0), dtype))
+  state = jax.tree.map(noise, state)
+  return (lambda st, inp: nnx.merge(graphdef, st)(inp)), state, x
+
+
+def _check_layer_statistics(test, apply_fn, params, inputs, cot, rtol):
+  """Diagonal, Gram matrix and weighted sums of the pseudo-gradients
+  ``g_{s,n}`` (in chunks of 2 where gradients are formed), and the one-pass
+  gradient, against per-example VJPs."""
+  num_s = cot.shape[0]
+  weights = jax.random.normal(jax.random.key(5), (2, num_s * B), cot.dtype)
+
+  @jax.jit
+  def run(params, inputs, cot, weights):
+    def one(x, r):  # g_{s,n} of one example n, all s
+      _, vjp = jax.vjp(lambda p: apply_fn(p, x[None])[0], params)
+      return jax.vmap(lambda rs: vjp(rs)[0])(r)
+
+    g = jax.vmap(one, in_axes=(0, 1))(inputs, cot)  # (B, S, ...)
+    g = jax.tree.map(
+      lambda a: jnp.swapaxes(a, 0, 1).reshape((-1,) + a.shape[2:]), g
+    )  # rows s * B + n
+    tape = fisher_taps.record(apply_fn, params, inputs)
+    grads = tape.backward(cot)
+    grad, first = tape.gradient(cot[0])
+    return g, (
+      grads.statistics("diag", chunk_size=2),
+      grads.statistics("gram", chunk_size=2),
+      grads.combine(weights),
+      grad,
+      first.statistics("diag"),
+    )
+
+  g, (diag, gram, combine, grad, first) = run(params, inputs, cot, weights)
+  flat = jax.tree_util.tree_flatten_with_path(g)[0]
+  rows = jnp.concatenate([a.reshape(num_s * B, -1) for _, a in flat], 1)
+  _assert_tree_close([gram], [rows @ rows.T], rtol)
+  for (path, gi), d, c, g0, d0 in zip(
+    flat,
+    jax.tree.leaves(diag),
+    jax.tree.leaves(combine),
+    jax.tree.leaves(grad),
+    jax.tree.leaves(first),
+  ):
+    key = jax.tree_util.keystr(path)
+    if "['key']['bias']" in key:
+      continue  # softmax ignores a key bias: both paths return roundoff
+    with test.subTest(key):
+      _assert_tree_close([d], [jnp.sum(gi**2, 0)], rtol)
+      _assert_tree_close([c], [jnp.tensordot(weights, gi, 1)], rtol)
+      _assert_tree_close([g0], [jnp.sum(gi[:B], 0)], rtol)
+      _assert_tree_close([d0], [jnp.sum(gi[:B] ** 2, 0)], rtol)
+
+
+class ConvZooTest(parameterized.TestCase):
+  """A CNN (plain, strided, dilated, grouped and depthwise convs) and a
+  ViT-style block (a patch-embedding conv and Flax attention)."""
+
+  @parameterized.parameters(
+    ("linen_cnn", True),
+    ("nnx_cnn", False),
+    ("linen_vit", False),
+    ("nnx_vit", True),
+  )
+  def test_every_leaf_on_the_layer_path_and_exact(self, name, x64):
+    with jax.enable_x64(x64):
+      dtype = jnp.float64 if x64 else jnp.float32
+      apply_fn, params, x = _conv_model(name, dtype)
+      flat = jax.tree_util.tree_flatten_with_path(
+        fisher.coverage(apply_fn, params, x)
+      )[0]
+      off = {jax.tree_util.keystr(p): c.reason for p, c in flat if not c}
+      self.assertEqual(off, {})
+      convs = [c for p, c in flat if "conv_general_dilated" in c.reason]
+      # K-FAC factors for ungrouped convs (the first two, the patch
+      # embedding), not grouped ones.
+      want = [True, True, False, False] if name.endswith("cnn") else [True]
+      self.assertEqual([c.kronecker for c in convs], want)
+      rtol = 1e-10 if x64 else 1e-5
+      cot = jax.random.normal(jax.random.key(4), (2, B, CLASSES), dtype)
+      grads = fisher_taps.record(apply_fn, params, x).backward(cot)
+      for mode in ("expand", "reduce"):
+        kron = grads.statistics("kron", weight_sharing=mode)
+        leaves = jax.tree.leaves(params)
+        for (path, c), f, p in zip(
+          flat,
+          jax.tree.leaves(
+            kron, is_leaf=lambda v: v is None or isinstance(v, tuple)
+          ),
+          leaves,
+        ):
+          key = jax.tree_util.keystr(path)
+          with self.subTest(f"{mode}{key}"):
+            self.assertEqual(f is not None, c.kronecker)
+            if f is not None:
+              rows, cols = fisher_statistics.matrix_shape(p.shape)
+              self.assertEqual(f[0].shape, (rows, rows))
+              self.assertEqual(f[1].shape, (cols, cols))
+      _check_layer_statistics(self, apply_fn, params, x, cot, rtol)
+
+  @parameterized.parameters("linen_cnn", "nnx_vit")
+  def test_estimators_equal_the_per_example_path(self, name):
+    """``method="auto"`` (no fallback warning) against ``"per_example"``:
+    diagonals of the empirical and exact Fisher and a top-4 low rank."""
+    with jax.enable_x64(True):
+      apply_fn, params, x = _conv_model(name, jnp.float64)
+      y = jnp.arange(B) % CLASSES
+
+      @jax.jit
+      def run(params, x, y):
+        out = {}
+        for method in ("auto", "per_example"):
+          kw: dict[str, Any] = dict(
+            likelihood=fisher.Categorical(), method=method
+          )
+          for kind in ("empirical", "exact"):
+            out[method, kind] = fisher.diagonal(
+              apply_fn, params, (x, y), kind=kind, **kw
+            ).diag
+          top = fisher.low_rank(
+            apply_fn, params, (x, y), kind="exact", rank=4, **kw
+          )
+          v = jax.tree.map(jnp.ones_like, params)
+          out[method, "low_rank"] = (top.eigvals, top.matvec(v))
+        return out
+
+      with warnings.catch_warnings():
+        warnings.simplefilter("error", fisher.FisherFallbackWarning)
+        out = run(params, x, y)
+      for key in ("empirical", "exact", "low_rank"):
+        with self.subTest(key):
+          _assert_tree_close(out["auto", key], out["per_example", key], 1e-10)
+
+
 class FallbackWarningTest(absltest.TestCase):
   def test_warns_once_naming_the_leaves(self):
-    def apply_fn(p, x):  # a convolution: no layer rule (yet)
-      h = jax.lax.conv_general_dilated(x, p["conv"], (1,), "SAME")
-      return h.reshape(x.shape[0], -1) @ p["w"]
+    def apply_fn(p, x):  # a kernel through sin: no layer rule
+      h = x.reshape(x.shape[0], -1) @ jnp.sin(p["k"])
+      return h @ p["w"]
 
-    params = {"conv": jnp.ones((4, 2, 3)), "w": jnp.ones((4 * 6, 2)) / 9}
+    params = {"k": jnp.ones((12, 24)), "w": jnp.ones((24, 2)) / 9}
     x, y = jnp.ones((2, 2, 6)), jnp.array([0, 1])
     kw: dict[str, Any] = dict(likelihood=fisher.Categorical(), kind="empirical")
     with warnings.catch_warnings(record=True) as caught:
@@ -322,11 +553,11 @@ class FallbackWarningTest(absltest.TestCase):
       fisher.diagonal(apply_fn, params, (x, y), method="per_example", **kw)
     found = [w for w in caught if w.category is fisher.FisherFallbackWarning]
     self.assertLen(found, 1)
-    self.assertIn("['conv']", str(found[0].message))
-    self.assertIn("conv_general_dilated", str(found[0].message))
+    self.assertIn("['k']", str(found[0].message))
+    self.assertIn("an operand of sin", str(found[0].message))
     self.assertEqual(found[0].filename, __file__)
     cov = fisher.coverage(apply_fn, params, x)
-    self.assertEqual(cov["conv"].path, "per_example")
+    self.assertEqual(cov["k"].path, "per_example")
     self.assertEqual(cov["w"].path, "layer")
 
 

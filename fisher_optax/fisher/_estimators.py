@@ -794,13 +794,18 @@ def _shampoo_factors(ps: _Pass, num_iters: int) -> tuple[PyTree, PyTree]:
   return jax.lax.fori_loop(0, num_iters, one_round, (left, right))
 
 
-def _kfac_factors(ps: _Pass, num_iters: int) -> tuple[PyTree, PyTree, bool]:
+def _kfac_factors(
+  ps: _Pass, num_iters: int, weight_sharing: str = "expand"
+) -> tuple[PyTree, PyTree, bool]:
   """K-FAC factors of covered leaves, Shampoo-style ones elsewhere.
 
   Returns ``(left, right, mixed)``; ``mixed`` when some leaf is not covered.
   """
   stats = _psum(
-    ps.layers.statistics("kron", chunk_size=ps.chunk_size), ps.axis_name
+    ps.layers.statistics(
+      "kron", chunk_size=ps.chunk_size, weight_sharing=weight_sharing
+    ),
+    ps.axis_name,
   )
   sub = _uncovered(ps)
   sub_l, sub_r = _shampoo_factors(sub, num_iters) if sub else (None, None)
@@ -828,6 +833,7 @@ def kronecker(
   method: str = "auto",
   chunk_size: int | None = None,
   axis_name: str | None = None,
+  weight_sharing: str = "expand",
 ) -> _statistics.KroneckerFisher:
   """Per-leaf Kronecker factors ``F_leaf ~ left ⊗ right``.
 
@@ -842,6 +848,15 @@ def kronecker(
       \\text{left} = \\frac{1}{N}\\sum_n a_n a_n^\\top, \\qquad
       \\text{right} = \\frac{1}{N}\\sum_{s,n} \\delta_{s,n}\\delta_{s,n}^\\top.
 
+    A layer applied at ``T`` positions (a sequence, weight sharing) follows
+    ``weight_sharing``: ``"expand"`` (default) takes positions as extra
+    examples, ``left = (1/N) sum_n mean_t a_t a_t^T``, ``right = (1/N)
+    sum_{s,n,t} delta delta^T``; ``"reduce"`` sums them first,
+    ``left = (1/N) sum_n abar_n abar_n^T`` (``abar_n = mean_t a_t``),
+    ``right = (1/N) sum_{s,n} (sum_t delta)(sum_t delta)^T``. With
+    ``kind="exact"`` and ``T = 1`` both give the exact Fisher block of a
+    dense layer; with ``T > 1`` each is exact for its model class only
+    (Eschenhagen et al, 2023).
   - ``estimator="shampoo"`` (any leaf, from per-example gradients): with
     ``num_iters=0`` one nearest-Kronecker step from the identity,
     ``left = E[G G^T]``, ``right = E[G^T G] / tr E[G G^T]`` (exact for
@@ -860,6 +875,8 @@ def kronecker(
   Args:
     estimator: ``"auto" | "kfac" | "shampoo"``.
     num_iters: nearest-Kronecker rounds for ``shampoo`` (static int ``>= 0``).
+    weight_sharing: ``"expand" | "reduce"``, the K-FAC convention for
+      weight-shared layers (``kfac`` leaves only).
 
   Returns:
     A :class:`KroneckerFisher` with float32 factors.
@@ -878,9 +895,14 @@ def kronecker(
     Martens & Grosse, `Optimizing neural networks with Kronecker-factored
     approximate curvature <https://arxiv.org/abs/1503.05671>`_, 2015;
     Morwani et al, `A new perspective on Shampoo's preconditioner
-    <https://arxiv.org/abs/2406.17748>`_, 2024
+    <https://arxiv.org/abs/2406.17748>`_, 2024;
+    Eschenhagen et al, `Kronecker-factored approximate curvature for modern
+    neural network architectures <https://arxiv.org/abs/2311.00636>`_, 2023
   """
   validation.check_choice("estimator", estimator, ("auto", "kfac", "shampoo"))
+  validation.check_choice(
+    "weight_sharing", weight_sharing, ("expand", "reduce")
+  )
   num_iters = validation.check_static_int("num_iters", num_iters)
   opts = _Options(
     likelihood, kind, num_samples, key, method, chunk_size, axis_name
@@ -907,7 +929,7 @@ def kronecker(
     ps = ps._replace(covered=ps.layers.tape.covered_for("kron"))
     _check_covered(ps.covered, "taps" if estimator == "kfac" else method)
     _warn_fallback(ps, method, "kron")
-    left, right, mixed = _kfac_factors(ps, num_iters)
+    left, right, mixed = _kfac_factors(ps, num_iters, weight_sharing)
     estimator_name = "mixed" if mixed else "kfac"
   return _statistics.KroneckerFisher(
     left, right, ps.mean_grad, ps.count, kind, estimator_name

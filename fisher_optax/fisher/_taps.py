@@ -47,12 +47,23 @@ produced them, so the same code serves Flax Linen (``model.apply``), Flax NNX
   ``RMSNorm`` scales and biases, learned positional parameters, a bias whose
   product has other consumers. The output ``y`` is tapped; the example
   gradient is ``x * delta`` (scale) or ``delta`` (shift) summed over the
-  broadcast axes.
+  broadcast axes;
+* the kernel of a ``conv_general_dilated`` whose input (the lhs) has the
+  examples on axis 0, as does its output: any dimension numbers (Flax's
+  ``NHWC``/``HWIO``), strides, padding, lhs/rhs dilation and feature groups
+  (grouped and depthwise convs), ``batch_group_count == 1`` (Linen/NNX
+  ``Conv``, a ViT patch embedding). The output is tapped and the example
+  gradient is the convolution transposed in its kernel applied to one
+  example's ``(x_n, delta_n)``; every statistic of the kernel is formed from
+  these gradients for a chunk of examples at a time (as for shared leaves
+  below), so diagonal, Gram matrix and norms are exact with memory
+  ``chunk_size`` times the kernel. Its bias (added after the conv,
+  broadcast over the spatial axes) is an elementwise shift.
 
 Casts (``convert_element_type``) and ``jit``/``remat`` boundaries are looked
 through, and ``scan`` bodies are walked (below). A leaf used any other way
-(a convolution kernel, a leaf in a ``scan`` carry or a ``custom_jvp``) is not
-covered; the engine computes it by the per-example path, and
+(a leaf in a ``scan`` carry or a ``custom_jvp``, a convolution kernel inside
+a ``scan`` or with several uses) is not covered; the engine computes it by the per-example path, and
 :func:`coverage` says which path each leaf takes and why.
 
 **Scans.** A leaf entering a ``scan`` (``lax.scan``, Linen ``nn.scan``,
@@ -79,18 +90,29 @@ and vector biases, also when shared by a scan's iterations. Attention
 ``q``/``k``/``v`` kernels ``(d, heads, head_dim)``, their ``(heads,
 head_dim)`` biases and elementwise parameters have none, nor have leaves
 stacked along a scan (a Kronecker factor pair per leaf has no layer axis)
-or shared by several uses; :func:`fisher_optax.fisher.kronecker` gives them
-Shampoo factors from per-example gradients.
+or shared by several uses; :func:`fisher_optax.fisher.kronecker` gives
+them Shampoo factors from per-example gradients. A convolution kernel in
+the ``(spatial..., I, O)`` layout (Flax's ``HWIO``) with one feature group
+has factors in its matrix view ``(prod(spatial) * I, O)``: ``a`` its input
+patches (``lax.conv_general_dilated_patches``), the output positions
+weight-shared (Grosse & Martens, 2016); grouped convs and other kernel
+layouts have none.
 
 **Weight sharing.** When the activation has middle axes (a dense layer applied
 to ``(B, T, d)``), the example gradient is ``sum_t a_t delta_t^T``. Norms and
 the Gram matrix keep a cheap exact form
 (:math:`\\langle a a^\\top, \\delta \\delta^\\top \\rangle`, "ghost norms"); the
 exact diagonal does not, and is computed as a chunked per-example einsum. The
-K-FAC factors use the "expand" convention (positions as examples):
-``A_sum = sum_n mean_t a_t a_t^T`` and
-``Gamma_sum = sum_{s,n,t} delta delta^T``,
-so that ``(A_sum / B) kron (Gamma_sum / B)`` is the exact block when ``T = 1``.
+K-FAC factors use the "expand" convention (positions as examples) by
+default: ``A_sum = sum_n mean_t a_t a_t^T`` and
+``Gamma_sum = sum_{s,n,t} delta delta^T``; ``weight_sharing="reduce"``
+sums over the positions first: ``A_sum = sum_n abar_n abar_n^T`` with
+``abar_n = mean_t a_t``, ``Gamma_sum = sum_{s,n} (sum_t delta)(sum_t
+delta)^T``. Either way ``(A_sum / B) kron (Gamma_sum / B)`` is the exact
+block when ``T = 1`` (for ``kind="exact"``, the exact Fisher's); with
+``T > 1`` neither is exact: "expand" suits layers whose positions act as
+independent examples (a language model's per-token loss), "reduce" those
+whose positions are pooled before the loss (Eschenhagen et al, 2023).
 
 **Sharding.** Under ``shard_map`` (any axis type) taps vary per device like
 their layer outputs, so statistics are local sums to ``psum``. A global-view
@@ -129,6 +151,9 @@ References:
   Li et al, `Large language models can be strong differentially private
   learners <https://arxiv.org/abs/2110.05679>`_, 2021 (ghost norms).
 
+  Grosse & Martens, `A Kronecker-factored approximate Fisher matrix for
+  convolution layers <https://arxiv.org/abs/1602.01407>`_, 2016.
+
   Eschenhagen et al, `Kronecker-factored approximate curvature for modern
   neural network architectures <https://arxiv.org/abs/2311.00636>`_, 2023.
 """
@@ -137,6 +162,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 import dataclasses
+import functools
 import math
 from typing import Any
 import warnings
@@ -153,6 +179,9 @@ Array = jax.Array
 PyTree = Any
 
 STRUCTURES = ("diag", "kron", "gram")
+
+# K-FAC conventions for weight-shared layers (Eschenhagen et al, 2023).
+WEIGHT_SHARING = ("expand", "reduce")
 
 # Call-like primitives whose body is looked into (and inlined when it holds a
 # tapped layer), with the name of the parameter holding the body.
@@ -194,7 +223,8 @@ class _Site:
 
   ``kind`` is ``"dense"`` (a ``dot_general`` with a parameter operand),
   ``"embed"`` (a row gather of a table), ``"scale"`` (``x * p``) or
-  ``"shift"`` (``x + p``). ``act_index`` is the equation operand recorded
+  ``"shift"`` (``x + p``) or ``"conv"`` (a ``conv_general_dilated`` with a
+  parameter kernel). ``act_index`` is the equation operand recorded
   as the activation (the other operand of a product, the ids of a gather).
   """
 
@@ -215,6 +245,8 @@ class _Site:
   # scale / shift: the parameter broadcast from this shape (same size as
   # the leaf, ones where it is broadcast) to the output's.
   compact: tuple[int, ...] = ()
+  # conv: the convolution equation (its parameters, to transpose it in W)
+  eqn: Any = None
 
 
 @dataclasses.dataclass
@@ -499,6 +531,8 @@ def _match(
     return True
   if name == "gather":
     return _match_embed(eqn, kinds, here, walk)
+  if name == "conv_general_dilated":
+    return _match_conv(eqn, kinds, here, walk)
   if name in ("reshape", "broadcast_in_dim") and len(kinds) == 1:
     view = _view_of(eqn, first)
     if view is not None:
@@ -530,6 +564,40 @@ def _match_dense(eqn, kinds, env, here, walk: _Walk, counts) -> bool:
       env[eqn.outvars[0]] = ("site", index)
     return True
   return False
+
+
+def _match_conv(eqn, kinds, here, walk: _Walk) -> bool:
+  """``conv(x, W)``: a convolution of an activation with a parameter kernel.
+
+  ``x`` (the lhs) carries the examples on axis 0, as does the output; any
+  kernel layout, strides, padding, dilations and feature groups. The
+  output is tapped; per-example kernel gradients are the transpose of the
+  convolution in ``W`` applied to ``delta`` for one example at a time.
+  """
+  x_k, w_k = kinds[0], kinds[1]
+  if w_k is None or w_k[0] != "param" or (x_k is not None and x_k[0] != "site"):
+    return False
+  params = eqn.params
+  dn = params["dimension_numbers"]
+  x, out = eqn.invars[0].aval, eqn.outvars[0].aval
+  what = "the kernel of a conv_general_dilated"
+  if params.get("batch_group_count", 1) != 1:
+    walk.uses[w_k[1]].append(
+      ("other", -1, f"{what} with batch_group_count > 1")
+    )
+    return True
+  if (
+    dn.lhs_spec[0] != 0
+    or dn.out_spec[0] != 0
+    or x.shape[:1] != (walk.batch,)
+    or out.shape[:1] != (walk.batch,)
+  ):
+    walk.uses[w_k[1]].append(
+      ("other", -1, f"{what} whose input has no example axis 0")
+    )
+    return True
+  walk.add_site(_Site("conv", here, w_k[1], eqn=eqn), "kernel", what)
+  return True
 
 
 def _match_embed(eqn, kinds, here, walk: _Walk) -> bool:
@@ -643,7 +711,9 @@ def _make_plan(closed, num_leaves: int, batch: int) -> _Plan:
         )
       else:
         plan.roles[leaf] = (u[0][1], u[0][0])
-        if len(u) > 1 or "xs" in modes[0]:
+        # A conv kernel's statistics always come from chunked per-example
+        # gradients (no cheap (a, delta) form for them).
+        if len(u) > 1 or "xs" in modes[0] or kinds == ["conv"]:
           plan.special[leaf] = [
             (site, role, m) for (role, site, _), m in zip(u, modes)
           ]
@@ -989,10 +1059,14 @@ def _kron_ok(site: _Site, role: str, shape: tuple[int, ...]) -> bool:
   A :class:`KroneckerFisher` views a leaf ``(*s, n)`` as ``(prod(s), n)``:
   a kernel's factors ``(K, K)`` and ``(O, O)`` fit when its contracted axes
   lead and one output axis trails (``Dense``, an attention output
-  projection); a bias's ``[[B]]`` and ``(O, O)`` when it is a vector. An
+  projection); a conv kernel's ``(patch, patch)`` and ``(O, O)`` when it is
+  ``HWIO``-like with one feature group; a bias's ``[[B]]`` and ``(O, O)``
+  when it is a vector. An
   elementwise scale or shift has no K-FAC rule (Shampoo factors from its
   per-example gradients are already its exact block when it is a vector).
   """
+  if site.kind == "conv":
+    return _conv_kron_ok(site.eqn)
   if site.kind in ("scale", "shift"):
     return False
   if role == "bias":
@@ -1001,6 +1075,43 @@ def _kron_ok(site: _Site, role: str, shape: tuple[int, ...]) -> bool:
     return True
   n = len(site.leaf_perm)
   return site.num_free == 1 and site.leaf_perm == tuple(range(n))
+
+
+def _conv_kron_ok(eqn) -> bool:
+  """A conv kernel's matrix view ``(prod(spatial) * I, O)`` is the K-FAC
+  ``(patch, O)`` layout: spatial axes, then input, then output (``HWIO``),
+  one feature group."""
+  rhs = tuple(eqn.params["dimension_numbers"].rhs_spec)
+  n = len(rhs)
+  return eqn.params["feature_group_count"] == 1 and rhs == (
+    n - 1,
+    n - 2,
+    *range(n - 2),
+  )
+
+
+def _conv_patches(eqn, x: Array) -> Array:
+  """``(B, T, K)`` patches of a conv's input, ``K`` in the kernel's
+  ``(spatial..., I)`` order, ``T`` the output positions."""
+  p = eqn.params
+  dn = p["dimension_numbers"]
+  w = eqn.invars[1].aval.shape
+  spatial = tuple(w[i] for i in dn.rhs_spec[2:])
+  patches = lax.conv_general_dilated_patches(
+    x,
+    spatial,
+    p["window_strides"],
+    p["padding"],
+    p["lhs_dilation"],
+    p["rhs_dilation"],
+    dn,
+  )
+  c = x.shape[dn.lhs_spec[1]]
+  patches = jnp.moveaxis(patches, dn.out_spec[1], -1)
+  b, k = patches.shape[0], patches.shape[-1]
+  # Patch features come channel-major, (I, spatial...).
+  patches = patches.reshape(b, -1, c, k // c)
+  return jnp.swapaxes(patches, 2, 3).reshape(b, -1, k)
 
 
 def _chunk_map(
@@ -1051,6 +1162,8 @@ class LayerGrads:
     b = self._tape.batch
     delta = numerics.widen(self._deltas[s])
     act = self._tape._acts[s]
+    if site.kind == "conv":  # a (B, ...) and delta (S, B, ...) as laid out
+      return site, numerics.widen(act), delta, None
     if site.kind == "dense":
       delta = jnp.transpose(delta, (0, *(1 + i for i in site.out_perm)))
       o = math.prod(delta.shape[delta.ndim - site.num_free :])
@@ -1100,7 +1213,11 @@ class LayerGrads:
     return jax.tree_util.tree_unflatten(self._tape._treedef, vals)
 
   def statistics(
-    self, structure: str, *, chunk_size: int | None = None
+    self,
+    structure: str,
+    *,
+    chunk_size: int | None = None,
+    weight_sharing: str = "expand",
   ) -> PyTree:
     """Sums of per-example statistics over samples and examples.
 
@@ -1113,13 +1230,18 @@ class LayerGrads:
     for a bias ``A_sum = [[B]]``; ``"gram"`` one ``(S * B, S * B)`` array
     :math:`\\sum_{\\text{covered}} \\langle g_i, g_j \\rangle`. A leaf
     stacked along a scan or with several uses has no ``"kron"`` factors
-    (``None``).
+    (``None``). ``weight_sharing="reduce"`` sums over the positions
+    first (Eschenhagen et al, 2023): ``A_sum = sum_n abar_n abar_n^T`` with
+    ``abar_n = mean_t a_t`` and ``Gamma_sum = sum_{s,n} (sum_t delta)
+    (sum_t delta)^T``; both conventions agree when ``T = 1``.
 
     Args:
       structure: ``"diag"``, ``"kron"`` or ``"gram"``.
       chunk_size: examples per chunk where per-example layer gradients must
         be formed (weight-shared diagonal, shared leaves; rows ``s * B + n``
         for those); ``None`` picks a chunk of about ``2**24`` elements.
+      weight_sharing: ``"expand"`` (positions as extra examples) or
+        ``"reduce"`` (positions summed first), for ``"kron"`` only.
 
     Returns:
       A params-shaped tree with ``None`` at uncovered leaves, or the Gram
@@ -1129,6 +1251,11 @@ class LayerGrads:
       raise ValueError(
         f"structure must be one of {STRUCTURES}, got {structure!r}."
       )
+    if weight_sharing not in WEIGHT_SHARING:
+      raise ValueError(
+        f"weight_sharing must be one of {WEIGHT_SHARING}, got "
+        f"{weight_sharing!r}."
+      )
     cache: dict = {}
 
     def site(s):
@@ -1136,7 +1263,9 @@ class LayerGrads:
         cache[s] = self._view(s)
       return cache[s]
 
-    special = self._special(structure, chunk_size)
+    special = self._special(
+      structure, chunk_size, reduce=weight_sharing == "reduce"
+    )
     if structure == "gram":
       n = self.num_samples * self._tape.batch
       total = jnp.zeros((n, n), jnp.float32)
@@ -1145,7 +1274,8 @@ class LayerGrads:
       for val in special.values():
         total = total + val
       return total
-    fn = {"diag": self._diag, "kron": self._kron}[structure]
+    kron = functools.partial(self._kron, reduce=weight_sharing == "reduce")
+    fn = {"diag": self._diag, "kron": kron}[structure]
     out = {
       leaf: fn(site(s), role, leaf, chunk_size)
       for leaf, s, role in self._leaf_items()
@@ -1187,22 +1317,38 @@ class LayerGrads:
     )
     return self._kernel_to_leaf(site, jnp.asarray(total), leaf)
 
-  def _kron(self, site_view, role, leaf, chunk_size):
+  def _kron(self, site_view, role, leaf, chunk_size, reduce: bool = False):
     del chunk_size
     site, act, delta, valid = site_view
     if not _kron_ok(site, role, self._tape._leaves[leaf].shape):
       return None
-    gamma = jnp.einsum("sntd,snte->de", delta, delta)
     t = delta.shape[2]
+    if reduce:  # sum over positions first
+      summed = jnp.sum(delta, axis=2)
+      gamma = jnp.einsum("snd,sne->de", summed, summed)
+    else:  # positions as examples
+      gamma = jnp.einsum("sntd,snte->de", delta, delta)
     if role == "bias":
       return (jnp.full((1, 1), self._tape.batch, delta.dtype), gamma)
     if site.kind == "embed":
+      if reduce:  # abar_n: row counts of example n over T
+        b = self._tape.batch
+        rows = jnp.arange(b)[:, None]
+        counts = (
+          jnp.zeros((b, site.num_rows), delta.dtype)
+          .at[rows, act]
+          .add(valid.astype(delta.dtype))
+        ) / t
+        return (counts.T @ counts, gamma)
       counts = (
         jnp.zeros((site.num_rows,), delta.dtype)
         .at[act.reshape(-1)]
         .add(valid.reshape(-1).astype(delta.dtype))
       )
       return (jnp.diag(counts) / t, gamma)
+    if reduce:
+      mean = jnp.mean(act, axis=1)
+      return (mean.T @ mean, gamma)
     return (jnp.einsum("ntd,nte->de", act, act) / t, gamma)
 
   def _gram(self, site_view, role, chunk_size):
@@ -1353,7 +1499,25 @@ class LayerGrads:
       for s, role, modes in self._tape._plan.special[leaf]
     ]
 
-  def _special(self, structure: str, chunk_size) -> dict:
+  def _conv_kron(self, leaf: int, reduce: bool):
+    """K-FAC factors of a conv kernel with one use outside scans (else
+    ``None``): ``a`` its input patches, ``delta`` its output cotangents."""
+    uses = self._tape._plan.special[leaf]
+    if len(uses) != 1 or uses[0][2]:
+      return None
+    s = uses[0][0]
+    site = self._tape._plan.sites[s]
+    if site.kind != "conv" or not _conv_kron_ok(site.eqn):
+      return None
+    act = _conv_patches(site.eqn, numerics.widen(self._tape._acts[s]))
+    delta = numerics.widen(self._deltas[s])
+    out_spec = site.eqn.params["dimension_numbers"].out_spec
+    delta = jnp.moveaxis(delta, 1 + out_spec[1], -1)
+    b = self._tape.batch
+    delta = delta.reshape(delta.shape[0], b, -1, delta.shape[-1])
+    return self._kron((site, act, delta, None), "kernel", leaf, None, reduce)
+
+  def _special(self, structure: str, chunk_size, **kwargs) -> dict:
     """Statistics of leaves sliced by scans or with several uses.
 
     A leaf stacked along a scan's iterations with one use in the body: the
@@ -1365,10 +1529,10 @@ class LayerGrads:
     out: dict = {}
     for leaf in self._tape._plan.special:
       if structure == "kron":
-        out[leaf] = None
+        out[leaf] = self._conv_kron(leaf, kwargs.get("reduce", False))
         continue
       views = self._special_views(leaf)
-      if len(views) > 1:
+      if len(views) > 1 or views[0][0][0].kind == "conv":
         out[leaf] = self._shared(views, leaf, structure, chunk_size)
         continue
       ((site, *arrays), role, sliced) = views[0]
@@ -1401,6 +1565,8 @@ class LayerGrads:
       if site.kind == "embed":
         g = jnp.zeros((c,) + per, d.dtype)
         return g.at[jnp.arange(c)[:, None], a[n]].add(d)
+      if site.kind == "conv":
+        return jax.vmap(lambda x, dx: _conv_grad(site.eqn, x, dx, per))(a[n], d)
       g = jnp.einsum("cti,ctj->cij", a[n], d)
       return proxy._kernel_to_leaf(site, g, leaf)
 
@@ -1480,6 +1646,19 @@ class LayerGrads:
     return out
 
 
+def _conv_grad(eqn, x: Array, delta: Array, shape: tuple[int, ...]) -> Array:
+  """One example's kernel gradient: the convolution ``eqn`` of ``x[None]``
+  transposed in its kernel (linear in it) and applied to ``delta[None]``."""
+  dtype = jnp.promote_types(x.dtype, delta.dtype)
+  kernel = jax.ShapeDtypeStruct(shape, dtype)
+
+  def conv(w):
+    return _bind(eqn, [x[None].astype(dtype), w])[0]
+
+  (g,) = jax.linear_transpose(conv, kernel)(delta[None].astype(dtype))
+  return g
+
+
 def _zeros_varying(shape, dtype, like: Any) -> Array:
   """Zeros varying over the manual mesh axes of ``like``'s arrays (a loop
   carry must vary like the sums added to it under ``shard_map``)."""
@@ -1531,8 +1710,7 @@ class LeafCoverage:
       batch) or ``"per_example"`` (a ``vmap`` of per-example VJPs).
     reason: the rule that matched (``"the kernel of a dot_general"``,
       ``"an elementwise scale (mul)"``, ...) or why none did (``"an operand
-      of conv_general_dilated: no layer rule matches"``, ``"used 2 times
-      ..."``).
+      of sort: no layer rule matches"``, ``"used 2 times ..."``).
     kronecker: whether :func:`fisher_optax.fisher.kronecker` also takes its
       K-FAC factors from layer statistics; otherwise that leaf gets
       Shampoo-style factors from per-example gradients.
@@ -1553,7 +1731,14 @@ def _leaf_coverage(plan: _Plan, leaves: Sequence[Any]) -> list[LeafCoverage]:
       out.append(LeafCoverage("per_example", reason))
     else:
       site = plan.sites[role[0]]
-      kron = leaf not in plan.special and _kron_ok(
+      uses = plan.special.get(leaf)
+      single_conv = (
+        uses is not None
+        and len(uses) == 1
+        and not uses[0][2]
+        and site.kind == "conv"
+      )
+      kron = (leaf not in plan.special or single_conv) and _kron_ok(
         site, role[1], tuple(leaves[leaf].shape)
       )
       out.append(LeafCoverage("layer", reason, kron))
@@ -1568,10 +1753,13 @@ def coverage(
   The layer path recognises, in the traced ``apply_fn`` and whatever module
   produced it: any ``dot_general`` of an activation with a parameter
   (``Dense``, ``DenseGeneral``, attention projections, ``Einsum``, a tied
-  head) and its bias, embedding gathers, and elementwise scale and shift
-  parameters (norm scales and biases, learned positions), also inside
-  ``scan`` bodies (stacked layers, recurrent cells) and for a leaf with
-  several such uses (tied embeddings). Only traces ``apply_fn`` (no FLOPs),
+  head) and its bias, convolution kernels (``conv_general_dilated``: Linen
+  and NNX ``Conv`` with any strides, padding, dilation and feature groups),
+  embedding gathers, and elementwise scale and shift parameters (norm
+  scales and biases, learned positions, conv biases), also inside ``scan``
+  bodies (stacked layers, recurrent cells) and for a leaf with several such
+  uses (tied embeddings); a convolution kernel only outside scans and with
+  one use. Only traces ``apply_fn`` (no FLOPs),
   so ``params`` and ``inputs`` may be ``jax.ShapeDtypeStruct`` trees.
 
   Args:
