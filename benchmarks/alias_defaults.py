@@ -126,15 +126,8 @@ def make_runner(apply_fn, make_tx, data, steps: int, vmap: bool = True):
   return run
 
 
-def mean_se(xs) -> tuple[float, float]:
-  xs = np.asarray(xs, np.float64)
-  se = float(xs.std(ddof=1) / math.sqrt(len(xs))) if len(xs) > 1 else 0.0
-  return float(xs.mean()), se
-
-
-def fmt(xs, digits: int = 4) -> str:
-  m, s = mean_se(xs)
-  return f"{m:.{digits}f} ± {s:.{digits}f}"
+mean_se = common.mean_se
+fmt = common.fmt_mean_se
 
 
 def tune(run, grid) -> dict[float, float]:

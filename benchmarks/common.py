@@ -212,6 +212,18 @@ def fmt_mean_std(xs: Sequence[float], digits: int = 4) -> str:
   return f"{m:.{digits}f} ± {s:.{digits}f}"
 
 
+def mean_se(xs: Sequence[float] | np.ndarray) -> tuple[float, float]:
+  """Mean and standard error of the mean (0 for one value)."""
+  a = np.asarray(xs, np.float64)
+  se = float(a.std(ddof=1) / math.sqrt(len(a))) if len(a) > 1 else 0.0
+  return float(a.mean()), se
+
+
+def fmt_mean_se(xs: Sequence[float] | np.ndarray, digits: int = 4) -> str:
+  m, s = mean_se(xs)
+  return f"{m:.{digits}f} ± {s:.{digits}f}"
+
+
 def paired_difference(
   a: Sequence[float], b: Sequence[float]
 ) -> tuple[float, float]:

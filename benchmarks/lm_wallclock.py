@@ -375,9 +375,7 @@ class Trainer:
 
 
 def _fmt(xs, digits: int = 3) -> str:
-  xs = np.asarray(xs, float)
-  se = xs.std(ddof=1) / math.sqrt(len(xs)) if len(xs) > 1 else 0.0
-  return f"{xs.mean():.{digits}f} ± {se:.{digits}f}"
+  return common.fmt_mean_se(xs, digits)
 
 
 def _plot(curves, times, eval_steps, pairs, out: pathlib.Path, name: str):
