@@ -3,9 +3,10 @@
 
 The protocol of Kirkpatrick et al. (2017), scaled down. Five tasks (task
 0 = identity, tasks 1-4 = seeded pixel permutations), one 10-way head, MLP
-64-128-128-10 ReLU, Adam 1e-3, batch 32, ``--steps`` per task. After each task the Fisher (or protected basis)
-is computed on that task's train split and folded into the optimizer state
-with ``optax.tree.set``; the jitted training step is the same for every task.
+64-128-128-10 ReLU, Adam 1e-3, batch 32, ``--steps`` per task. After each
+task the Fisher (or protected basis) is computed on that task's train split
+and folded into the optimizer state with ``optax.tree.set``; the jitted
+training step is the same for every task.
 
 ``R[t, i]`` = accuracy on task ``i`` after training task ``t``;
 ``ACC = mean_i R[T-1, i]``, ``FGT = mean_{i<T-1} max_{l<T-1} R[l, i] -
