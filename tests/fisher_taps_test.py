@@ -9,6 +9,7 @@ models, with and without weight sharing, with ``S > 1`` cotangents.
 
 import functools
 import math
+from unittest import mock
 
 from absl.testing import absltest
 from absl.testing import parameterized
@@ -735,6 +736,44 @@ class CoverageTest(parameterized.TestCase):
         with self.subTest(structure):
           for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
             _assert_close(self, a, b, rtol=1e-9)
+
+  def test_conv_patch_budget_chunks_rows(self):
+    """With the default chunking, rows are split so that a chunk's input
+    patches fit the patch budget (a padded last chunk included); statistics
+    and the combination equal the oracle."""
+
+    def apply_fn(p, x):
+      h = jax.lax.conv_general_dilated(
+        x, p["k"], (2, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")
+      )
+      return jnp.tanh(h).reshape(x.shape[0], -1) @ p["w"]
+
+    with jax.enable_x64(True):
+      x = jax.random.normal(jax.random.key(0), (B, 5, 4, 2), jnp.float64)
+      params = {
+        "k": jax.random.normal(jax.random.key(1), (3, 2, 2, 3), jnp.float64),
+        "w": jax.random.normal(jax.random.key(2), (3 * 4 * 3, 2), jnp.float64),
+      }
+      cot = _cotangents(2)
+      g = _pseudo_grads(apply_fn, params, x, cot)
+      flat = jnp.concatenate(
+        [a.reshape(a.shape[0], -1) for a in jax.tree.leaves(g)], 1
+      )
+      weights = jax.random.normal(jax.random.key(3), (2, S * B), jnp.float64)
+      patches = 3 * 4 * 6 * 2  # positions x window x input channels
+      # Chunks of 4 rows of S * B = 6: the last one padded.
+      with mock.patch.object(_taps, "_PATCH_CHUNK_ELEMENTS", 4 * patches):
+        diag, _ = _stats(apply_fn, params, x, cot, "diag", None)
+        _jit_stats.clear_cache()
+        tape = _taps.record(apply_fn, params, x)
+        combined = tape.backward(cot).combine(weights)
+      _jit_stats.clear_cache()
+      want = jax.tree.map(lambda gi: jnp.sum(gi**2, 0), g)
+      for a, b in zip(jax.tree.leaves(diag), jax.tree.leaves(want)):
+        _assert_close(self, a, b, rtol=1e-9)
+      want = fisher_testing.unravel_like(params, weights @ flat)
+      for a, b in zip(jax.tree.leaves(combined), jax.tree.leaves(want)):
+        _assert_close(self, a, b, rtol=1e-9)
 
   def test_conv_rules(self):
     """A conv kernel in a scan or with batch groups is not covered (its

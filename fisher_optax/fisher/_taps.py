@@ -53,12 +53,14 @@ produced them, so the same code serves Flax Linen (``model.apply``), Flax NNX
   ``NHWC``/``HWIO``), strides, padding, lhs/rhs dilation and feature groups
   (grouped and depthwise convs), ``batch_group_count == 1`` (Linen/NNX
   ``Conv``, a ViT patch embedding). The output is tapped and the example
-  gradient is the convolution transposed in its kernel applied to one
-  example's ``(x_n, delta_n)``; every statistic of the kernel is formed from
-  these gradients for a chunk of examples at a time (as for shared leaves
-  below), so diagonal, Gram matrix and norms are exact with memory
-  ``chunk_size`` times the kernel. Its bias (added after the conv,
-  broadcast over the spatial axes) is an elementwise shift.
+  gradient contracts the example's input patches (strided slices of its
+  padded input, ``(positions, window, I)``) with its ``delta`` over the
+  output positions, per feature group; every statistic of the kernel is
+  formed from these gradients for a chunk of examples at a time (as for
+  shared leaves below), so diagonal, Gram matrix and norms are exact with
+  memory ``chunk_size`` times the kernel plus one example's patches. Its
+  bias (added after the conv, broadcast over the spatial axes) is an
+  elementwise shift.
 
 Casts (``convert_element_type``) and ``jit``/``remat`` boundaries are looked
 through, and ``scan`` bodies are walked (below). A leaf used any other way
@@ -94,7 +96,7 @@ or shared by several uses; :func:`fisher_optax.fisher.kronecker` gives
 them Shampoo factors from per-example gradients. A convolution kernel in
 the ``(spatial..., I, O)`` layout (Flax's ``HWIO``) with one feature group
 has factors in its matrix view ``(prod(spatial) * I, O)``: ``a`` its input
-patches (``lax.conv_general_dilated_patches``), the output positions
+patches, the output positions
 weight-shared (Grosse & Martens, 2016); grouped convs and other kernel
 layouts have none.
 
@@ -211,6 +213,9 @@ _LOOP_KINDS = ("dense", "embed", "scale", "shift")
 # Budget (elements) for a materialised chunk of per-example layer gradients
 # when the caller gives no chunk size (weight-shared diagonal, shared leaves).
 _DEFAULT_CHUNK_ELEMENTS = 1 << 24
+# Conv input patches per chunk: a chunk's patches and gradients stay in
+# cache (on XLA:CPU, 10x the rows in one chunk ran 25x slower).
+_PATCH_CHUNK_ELEMENTS = 1 << 20
 
 
 # --------------------------------------------------------------------------
@@ -245,7 +250,7 @@ class _Site:
   # scale / shift: the parameter broadcast from this shape (same size as
   # the leaf, ones where it is broadcast) to the output's.
   compact: tuple[int, ...] = ()
-  # conv: the convolution equation (its parameters, to transpose it in W)
+  # conv: the convolution equation (its layouts, strides, padding, groups)
   eqn: Any = None
 
 
@@ -571,8 +576,8 @@ def _match_conv(eqn, kinds, here, walk: _Walk) -> bool:
 
   ``x`` (the lhs) carries the examples on axis 0, as does the output; any
   kernel layout, strides, padding, dilations and feature groups. The
-  output is tapped; per-example kernel gradients are the transpose of the
-  convolution in ``W`` applied to ``delta`` for one example at a time.
+  output is tapped; per-example kernel gradients contract the input
+  patches with ``delta`` (:func:`_conv_kernel_grads`).
   """
   x_k, w_k = kinds[0], kinds[1]
   if w_k is None or w_k[0] != "param" or (x_k is not None and x_k[0] != "site"):
@@ -1091,27 +1096,79 @@ def _conv_kron_ok(eqn) -> bool:
 
 
 def _conv_patches(eqn, x: Array) -> Array:
-  """``(B, T, K)`` patches of a conv's input, ``K`` in the kernel's
-  ``(spatial..., I)`` order, ``T`` the output positions."""
+  """``(B, *out_spatial, S, I)`` input patches of a convolution.
+
+  ``S`` runs over the kernel's spatial offsets (row-major, in the kernel's
+  spatial axis order) and ``I`` over all input channels. Built from strided
+  slices of the padded (and lhs-dilated) input: memory passes only, where
+  ``lax.conv_general_dilated_patches`` runs a convolution with an identity
+  kernel (on XLA:CPU several times slower than the gradient itself).
+  """
   p = eqn.params
   dn = p["dimension_numbers"]
+  lhs, rhs = tuple(dn.lhs_spec), tuple(dn.rhs_spec)
+  out = eqn.outvars[0].aval.shape
   w = eqn.invars[1].aval.shape
-  spatial = tuple(w[i] for i in dn.rhs_spec[2:])
-  patches = lax.conv_general_dilated_patches(
-    x,
-    spatial,
-    p["window_strides"],
-    p["padding"],
-    p["lhs_dilation"],
-    p["rhs_dilation"],
-    dn,
-  )
-  c = x.shape[dn.lhs_spec[1]]
-  patches = jnp.moveaxis(patches, dn.out_spec[1], -1)
-  b, k = patches.shape[0], patches.shape[-1]
-  # Patch features come channel-major, (I, spatial...).
-  patches = patches.reshape(b, -1, c, k // c)
-  return jnp.swapaxes(patches, 2, 3).reshape(b, -1, k)
+  window = tuple(w[i] for i in rhs[2:])
+  out_sp = tuple(out[i] for i in dn.out_spec[2:])
+  x = jnp.transpose(x, (lhs[0], *lhs[2:], lhs[1]))  # (B, spatial..., I)
+  zero = jnp.zeros((), x.dtype)
+  config = [(0, 0, 0)]
+  for (lo, hi), dil in zip(p["padding"], p["lhs_dilation"]):
+    config.append((lo, hi, dil - 1))
+  x = lax.pad(x, zero, config + [(0, 0, 0)])
+  b, c = x.shape[0], x.shape[-1]
+  slices = []
+  for offset in np.ndindex(*window):
+    start = [0] + [k * d for k, d in zip(offset, p["rhs_dilation"])] + [0]
+    limit = (
+      [b]
+      + [
+        s0 + st * (n - 1) + 1
+        for s0, st, n in zip(start[1:-1], p["window_strides"], out_sp)
+      ]
+      + [c]
+    )
+    slices.append(lax.slice(x, start, limit, (1, *p["window_strides"], 1)))
+  return jnp.stack(slices, axis=-2)
+
+
+def _patch_elements(eqn) -> int:
+  """Elements of one example's :func:`_conv_patches`."""
+  dn = eqn.params["dimension_numbers"]
+  out, w = eqn.outvars[0].aval.shape, eqn.invars[1].aval.shape
+  x = eqn.invars[0].aval.shape
+  positions = math.prod(out[i] for i in dn.out_spec[2:])
+  window = math.prod(w[i] for i in dn.rhs_spec[2:])
+  return positions * window * x[dn.lhs_spec[1]]
+
+
+def _conv_kernel_grads(eqn, x: Array, delta: Array) -> Array:
+  """Per-example kernel gradients ``(c, *kernel)`` of a convolution.
+
+  ``x`` are ``c`` examples of its input and ``delta`` their output
+  cotangents, both in the equation's layouts: one contraction of the input
+  patches with ``delta`` over the output positions, per feature group.
+  """
+  p = eqn.params
+  dn = p["dimension_numbers"]
+  rhs = tuple(dn.rhs_spec)
+  w = eqn.invars[1].aval.shape
+  groups = p["feature_group_count"]
+  dtype = jnp.promote_types(x.dtype, delta.dtype)
+  patches = _conv_patches(eqn, x.astype(dtype))
+  c, s, i_all = patches.shape[0], patches.shape[-2], patches.shape[-1]
+  patches = patches.reshape(c, -1, s, groups, i_all // groups)
+  out = dn.out_spec
+  delta = jnp.transpose(delta.astype(dtype), (out[0], *out[2:], out[1]))
+  o = delta.shape[-1]
+  delta = delta.reshape(c, -1, groups, o // groups)
+  g = jnp.einsum("ctsgi,ctgo->csigo", patches, delta)
+  window = tuple(w[k] for k in rhs[2:])
+  g = g.reshape((c, *window, i_all // groups, o))
+  # Axes now follow the kernel's (spatial..., I, O) dims; put them in place.
+  order = (*rhs[2:], rhs[1], rhs[0])
+  return jnp.transpose(g, (0, *(1 + int(k) for k in np.argsort(order))))
 
 
 def _chunk_map(
@@ -1510,6 +1567,7 @@ class LayerGrads:
     if site.kind != "conv" or not _conv_kron_ok(site.eqn):
       return None
     act = _conv_patches(site.eqn, numerics.widen(self._tape._acts[s]))
+    act = act.reshape(act.shape[0], -1, math.prod(act.shape[-2:]))
     delta = numerics.widen(self._deltas[s])
     out_spec = site.eqn.params["dimension_numbers"].out_spec
     delta = jnp.moveaxis(delta, 1 + out_spec[1], -1)
@@ -1566,7 +1624,7 @@ class LayerGrads:
         g = jnp.zeros((c,) + per, d.dtype)
         return g.at[jnp.arange(c)[:, None], a[n]].add(d)
       if site.kind == "conv":
-        return jax.vmap(lambda x, dx: _conv_grad(site.eqn, x, dx, per))(a[n], d)
+        return _conv_kernel_grads(site.eqn, a[n], d)
       g = jnp.einsum("cti,ctj->cij", a[n], d)
       return proxy._kernel_to_leaf(site, g, leaf)
 
@@ -1578,7 +1636,18 @@ class LayerGrads:
     their per-example gradients summed over the uses (padding rows 0)."""
     shape = tuple(np.shape(self._tape._leaves[leaf]))
     num = self.num_samples * self._tape.batch
-    chunk = chunk_size or max(1, _DEFAULT_CHUNK_ELEMENTS // math.prod(shape))
+    patches = sum(
+      _patch_elements(site.eqn)
+      for (site, *_), _, _ in views
+      if site.kind == "conv"
+    )
+    chunk = chunk_size or max(
+      1,
+      min(
+        _DEFAULT_CHUNK_ELEMENTS // math.prod(shape),
+        _PATCH_CHUNK_ELEMENTS // max(patches, 1),
+      ),
+    )
     chunk = min(chunk, num)
 
     def grads(j):
@@ -1644,19 +1713,6 @@ class LayerGrads:
       )
       out[leaf] = lax.scan(add, init, jnp.arange(count))[0]
     return out
-
-
-def _conv_grad(eqn, x: Array, delta: Array, shape: tuple[int, ...]) -> Array:
-  """One example's kernel gradient: the convolution ``eqn`` of ``x[None]``
-  transposed in its kernel (linear in it) and applied to ``delta[None]``."""
-  dtype = jnp.promote_types(x.dtype, delta.dtype)
-  kernel = jax.ShapeDtypeStruct(shape, dtype)
-
-  def conv(w):
-    return _bind(eqn, [x[None].astype(dtype), w])[0]
-
-  (g,) = jax.linear_transpose(conv, kernel)(delta[None].astype(dtype))
-  return g
 
 
 def _zeros_varying(shape, dtype, like: Any) -> Array:
