@@ -461,6 +461,87 @@ class LayerStatisticsTest(parameterized.TestCase):
         grads.statistics("kron", weight_sharing="sum")
 
   @parameterized.parameters("expand", "reduce")
+  def test_kron_attention_projections(self, mode):
+    """A q/k/v-style kernel (d, heads, head_dim) and its (heads, head_dim)
+    bias get factors in the (d, heads * head_dim) view, an output kernel
+    (heads, head_dim, d) in (heads * head_dim, d); with one position the
+    product is the exact block; KroneckerFisher applies it to the leaf."""
+
+    def apply_fn(p, x):
+      z = jnp.einsum("btd,dhk->bthk", x, p["q"]) + p["qb"]
+      y = jnp.einsum("bthk,hke->bte", jnp.tanh(z), p["o"])
+      return jnp.sum(jnp.tanh(y), axis=1)  # (B, 5)
+
+    with jax.enable_x64(True):
+      k = jax.random.split(jax.random.key(0), 4)
+      params = {
+        "q": jax.random.normal(k[0], (4, 2, 3)) / 2,
+        "qb": jax.random.normal(k[1], (2, 3)) / 4,
+        "o": jax.random.normal(k[2], (2, 3, 5)) / 2,
+      }
+      x = jax.random.normal(k[3], (B, T, 4))
+      cov = _taps.coverage(apply_fn, params, x)
+      self.assertTrue(all(c.kronecker for c in jax.tree.leaves(cov)), cov)
+      cot = _cotangents(5)
+      # Per-example quantities by hand.
+      z = jnp.einsum("btd,dhk->bthk", x, params["q"]) + params["qb"]
+      h = jnp.tanh(z).reshape(B, T, 6)
+      y = h @ params["o"].reshape(6, 5)
+      dy = cot[:, :, None] * (1 - jnp.tanh(y) ** 2)  # (S, B, T, 5)
+      dz = (dy @ params["o"].reshape(6, 5).T) * (1 - h**2)  # (S, B, T, 6)
+      sq = lambda v: jnp.einsum("...i,...j->ij", v, v)
+      if mode == "expand":
+        want = {
+          "q": (sq(x) / T, sq(dz)),
+          "qb": (jnp.full((1, 1), B), sq(dz)),
+          "o": (sq(h) / T, sq(dy)),
+        }
+      else:
+        want = {
+          "q": (sq(x.mean(1)), sq(dz.sum(2))),
+          "qb": (jnp.full((1, 1), B), sq(dz.sum(2))),
+          "o": (sq(h.mean(1)), sq(dy.sum(2))),
+        }
+      grads = _taps.record(apply_fn, params, x).backward(cot)
+      kron = grads.statistics("kron", weight_sharing=mode)
+      for name, (a_want, g_want) in want.items():
+        with self.subTest(name):
+          _assert_close(self, kron[name][0], a_want)
+          _assert_close(self, kron[name][1], g_want)
+      # One example, one position: the product is the exact block.
+      one = _taps.record(apply_fn, params, x[:1, :1]).backward(cot[:, :1])
+      a_sum, gamma = one.statistics("kron", weight_sharing=mode)["q"]
+      g = _pseudo_grads(apply_fn, params, x[:1, :1], cot[:, :1])["q"]
+      g = g.reshape(S, -1)
+      _assert_close(self, jnp.kron(a_sum, gamma), g.T @ g)
+      stat = fisher.kronecker(
+        apply_fn,
+        params,
+        (x, jnp.zeros((B, 5))),
+        likelihood=fisher.Gaussian(),
+        kind="empirical",
+        estimator="kfac",
+        weight_sharing=mode,
+      )
+      self.assertEqual(stat.estimator, "kfac")
+      self.assertEqual(stat.left["q"].shape, (4, 4))
+      self.assertEqual(stat.right["q"].shape, (6, 6))
+      self.assertEqual(stat.left["o"].shape, (6, 6))
+      v = jax.tree.map(lambda p: jnp.cos(p), params)
+      got = stat.matvec(v)
+      for name in params:
+        dense = jnp.kron(stat.left[name], stat.right[name])
+        want_v = (dense @ v[name].reshape(-1)).reshape(params[name].shape)
+        with self.subTest(f"matvec/{name}"):
+          _assert_close(self, got[name], want_v)
+      solved = stat.solve(got, 0.0 + 1e-3)
+      back = stat.matvec(solved)
+      for name in params:
+        np.testing.assert_allclose(
+          back[name] + 1e-3 * solved[name], got[name], rtol=1e-6, atol=1e-9
+        )
+
+  @parameterized.parameters("expand", "reduce")
   def test_conv_kron_factors(self, mode):
     """An HWIO conv kernel's factors are its input patches' and output
     cotangents' (brute force by slicing); with one output position the

@@ -10,6 +10,7 @@ path's.
 
 from collections.abc import Callable
 import functools
+import math
 import re
 from typing import Any
 import warnings
@@ -23,7 +24,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from fisher_optax import fisher
-from fisher_optax.fisher import _statistics as fisher_statistics
 from fisher_optax.fisher import _taps as fisher_taps
 
 B, T, D, H, VOCAB = 3, 5, 8, 2, 7
@@ -203,12 +203,12 @@ class TransformerZooTest(parameterized.TestCase):
     off = {jax.tree_util.keystr(p): c.reason for p, c in flat if not c}
     self.assertEqual(off, {})
     self.assertTrue(all(isinstance(c, fisher.LeafCoverage) for _, c in flat))
-    # K-FAC factors: Dense kernels and vector biases, the attention output
-    # projection (contracted axes first); not the (d, heads, head_dim) q/k/v
-    # kernels, their (heads, head_dim) biases or the elementwise parameters.
+    # K-FAC factors: Dense kernels and biases, the (d, heads, head_dim) q/k/v
+    # kernels, their (heads, head_dim) biases and the output projection;
+    # not the elementwise parameters (norms, positions).
     for path, c in flat:
       key = jax.tree_util.keystr(path)
-      fallback = re.search(r"\['(query|key|value)'\]|norm|pos", key, re.I)
+      fallback = re.search(r"norm|pos", key, re.I)
       self.assertEqual(c.kronecker, not fallback, key)
 
   @parameterized.parameters(
@@ -497,10 +497,13 @@ class ConvZooTest(parameterized.TestCase):
           key = jax.tree_util.keystr(path)
           with self.subTest(f"{mode}{key}"):
             self.assertEqual(f is not None, c.kronecker)
-            if f is not None:
-              rows, cols = fisher_statistics.matrix_shape(p.shape)
+            if f is not None:  # square factors of a row-major view
+              rows, cols = f[0].shape[0], f[1].shape[0]
               self.assertEqual(f[0].shape, (rows, rows))
               self.assertEqual(f[1].shape, (cols, cols))
+              self.assertEqual(rows * cols, p.size)
+              lead = [math.prod(p.shape[:k]) for k in range(p.ndim + 1)]
+              self.assertIn(rows, lead)
       _check_layer_statistics(self, apply_fn, params, x, cot, rtol)
 
   @parameterized.parameters("linen_cnn", "nnx_vit")

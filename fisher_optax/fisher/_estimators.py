@@ -924,8 +924,8 @@ def kronecker(
     left, right = _shampoo_factors(ps, num_iters)
     estimator_name = "shampoo"
   else:
-    # Leaves whose K-FAC factors do not fit their matrix view (attention
-    # q/k/v kernels, elementwise parameters) take Shampoo factors.
+    # Leaves without K-FAC factors (elementwise parameters, leaves stacked
+    # along a scan or shared) take Shampoo factors.
     ps = ps._replace(covered=ps.layers.tape.covered_for("kron"))
     _check_covered(ps.covered, "taps" if estimator == "kfac" else method)
     _warn_fallback(ps, method, "kron")

@@ -207,21 +207,41 @@ jax.tree_util.register_dataclass(
 
 
 def matrix_shape(shape: tuple[int, ...]) -> tuple[int, int]:
-  """A leaf's matrix view: ``(*s, n) -> (prod(s), n)``, ``(n,) -> (1, n)``."""
+  """A leaf's default matrix view: ``(*s, n) -> (prod(s), n)``, ``(n,) ->
+  (1, n)``."""
   if not shape:
     return (1, 1)
   return (math.prod(shape[:-1]), shape[-1])
+
+
+def _as_factor_matrix(
+  left: jax.Array, right: jax.Array, x: jax.Array
+) -> jax.Array:
+  """``x`` as the ``(m, n)`` matrix its factors ``(m, m)``, ``(n, n)`` act on
+  (row-major: leading axes are rows)."""
+  m, n = left.shape[-1], right.shape[-1]
+  if m * n != math.prod(jnp.shape(x)):
+    raise ValueError(
+      f"Kronecker factors ({m}, {m}) and ({n}, {n}) do not fit a leaf of "
+      f"shape {tuple(jnp.shape(x))}."
+    )
+  return numerics.widen(x).reshape(m, n)
 
 
 @dataclasses.dataclass(frozen=True)
 class KroneckerFisher:
   """Per-leaf Kronecker-factored Fisher ``F_leaf = left ⊗ right``.
 
-  Each leaf ``W`` is viewed as a matrix ``(m, n)`` (:func:`matrix_shape`: all
-  but the last axis are rows; a vector is one row) and its Fisher block on
-  the row-major ``vec(W)`` is ``left ⊗ right``, i.e. ``F vec(V) =
-  vec(left @ V @ right)``. For a dense kernel ``(d_in, d_out)`` under K-FAC,
-  ``left = E[a a^T]`` and ``right = E[delta delta^T]``.
+  Each leaf ``W`` is viewed as a row-major matrix ``(m, n)``, its leading
+  axes the rows, with ``m`` and ``n`` the sizes of its factors, and its
+  Fisher block on ``vec(W)`` is ``left ⊗ right``, i.e. ``F vec(V) = vec(left
+  @ V @ right)``. For a dense kernel ``(d_in, d_out)`` under K-FAC, ``left =
+  E[a a^T]`` and ``right = E[delta delta^T]``; a kernel with several output
+  axes (an attention projection ``(d, heads, head_dim)``) is ``(d, heads *
+  head_dim)``, one with several contracted axes (``(heads, head_dim, d)``)
+  ``(heads * head_dim, d)``, and a bias ``(1, size)``. Without layer
+  statistics a leaf has :func:`matrix_shape`'s view: all but the last axis
+  are rows.
 
   Attributes:
     left: params-shaped tree of ``(m, m)`` float32 matrices.
@@ -245,7 +265,7 @@ class KroneckerFisher:
     """``F v`` leaf by leaf: ``left @ V @ right``."""
 
     def leaf(l, r, x):
-      m = numerics.widen(x).reshape(matrix_shape(x.shape))
+      m = _as_factor_matrix(l, r, x)
       return (l @ m @ r).reshape(x.shape).astype(x.dtype)
 
     return jax.tree.map(leaf, self.left, self.right, v)
@@ -254,7 +274,7 @@ class KroneckerFisher:
     """``v^T F v = sum_leaves <V, left V right>``."""
 
     def leaf(l, r, x):
-      m = numerics.widen(x).reshape(matrix_shape(x.shape))
+      m = _as_factor_matrix(l, r, x)
       return jnp.sum(m * (l @ m @ r))
 
     return sum(
@@ -270,7 +290,7 @@ class KroneckerFisher:
     """
 
     def leaf(l, r, x):
-      m = numerics.widen(x).reshape(matrix_shape(x.shape))
+      m = _as_factor_matrix(l, r, x)
       (qa, qb), denom = _kron_eigen(l, r, damping)
       inner = (qa.T @ m @ qb) / denom
       return (qa @ inner @ qb.T).reshape(x.shape).astype(x.dtype)

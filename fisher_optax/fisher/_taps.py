@@ -85,19 +85,19 @@ Its statistics form ``g_n`` from each use's ``(a, delta)`` for a chunk of
 examples at a time (``chunk_size``); the Gram matrix pairs every two chunks,
 so no more than two chunks of gradients are held at once.
 
-**K-FAC factors** exist for a leaf whose matrix view (all axes but the last
-as rows) is the ``(K, O)`` layout: dense kernels with one output axis after
-the contracted ones (``Dense``, an attention output projection), embeddings
-and vector biases, also when shared by a scan's iterations. Attention
-``q``/``k``/``v`` kernels ``(d, heads, head_dim)``, their ``(heads,
-head_dim)`` biases and elementwise parameters have none, nor have leaves
-stacked along a scan (a Kronecker factor pair per leaf has no layer axis)
-or shared by several uses; :func:`fisher_optax.fisher.kronecker` gives
-them Shampoo factors from per-example gradients. A convolution kernel in
-the ``(spatial..., I, O)`` layout (Flax's ``HWIO``) with one feature group
-has factors in its matrix view ``(prod(spatial) * I, O)``: ``a`` its input
-patches, the output positions
-weight-shared (Grosse & Martens, 2016); grouped convs and other kernel
+**K-FAC factors** exist for a dense kernel whose contracted axes lead and
+whose output axes trail, viewed as the matrix ``(K, O)`` (``Dense``,
+``DenseGeneral``, attention ``q``/``k``/``v`` kernels ``(d, heads,
+head_dim)`` as ``(d, heads * head_dim)`` and output projections ``(heads,
+head_dim, d)`` as ``(heads * head_dim, d)``), for embeddings and for
+biases of any shape (``(1, O)``), also when shared by a scan's iterations.
+Elementwise parameters have none, nor have leaves stacked along a scan (a
+Kronecker factor pair per leaf has no layer axis) or shared by several
+uses; :func:`fisher_optax.fisher.kronecker` gives them Shampoo factors
+from per-example gradients. A convolution kernel in the ``(spatial..., I,
+O)`` layout (Flax's ``HWIO``) with one feature group has factors in its
+matrix view ``(prod(spatial) * I, O)``: ``a`` its input patches, the
+output positions weight-shared (Grosse & Martens, 2016); grouped convs and other kernel
 layouts have none.
 
 **Weight sharing.** When the activation has middle axes (a dense layer applied
@@ -1058,28 +1058,26 @@ def record(
 # Statistics from (a, delta).
 
 
-def _kron_ok(site: _Site, role: str, shape: tuple[int, ...]) -> bool:
-  """Whether K-FAC factors of a covered leaf fit its matrix view.
+def _kron_ok(site: _Site, role: str) -> bool:
+  """Whether K-FAC factors of a covered leaf fit a row-major matrix view.
 
-  A :class:`KroneckerFisher` views a leaf ``(*s, n)`` as ``(prod(s), n)``:
-  a kernel's factors ``(K, K)`` and ``(O, O)`` fit when its contracted axes
-  lead and one output axis trails (``Dense``, an attention output
-  projection); a conv kernel's ``(patch, patch)`` and ``(O, O)`` when it is
-  ``HWIO``-like with one feature group; a bias's ``[[B]]`` and ``(O, O)``
-  when it is a vector. An
-  elementwise scale or shift has no K-FAC rule (Shampoo factors from its
-  per-example gradients are already its exact block when it is a vector).
+  A :class:`KroneckerFisher` views a leaf as ``(m, n)`` from its factors'
+  sizes, leading axes as rows: a kernel's factors ``(K, K)`` and ``(O, O)``
+  fit when its contracted axes lead and its output axes trail (``Dense``,
+  ``DenseGeneral``, attention ``q``/``k``/``v`` ``(d, heads, head_dim)``
+  and output ``(heads, head_dim, d)`` projections); a conv kernel's
+  ``(patch, patch)`` and ``(O, O)`` when it is ``HWIO``-like with one
+  feature group; a bias's ``[[B]]`` and ``(O, O)`` always. An elementwise
+  scale or shift has no K-FAC rule (Shampoo factors from its per-example
+  gradients are already its exact block when it is a vector).
   """
   if site.kind == "conv":
     return _conv_kron_ok(site.eqn)
   if site.kind in ("scale", "shift"):
     return False
-  if role == "bias":
-    return len(shape) <= 1
-  if site.kind == "embed":
+  if role == "bias" or site.kind == "embed":
     return True
-  n = len(site.leaf_perm)
-  return site.num_free == 1 and site.leaf_perm == tuple(range(n))
+  return site.leaf_perm == tuple(range(len(site.leaf_perm)))
 
 
 def _conv_kron_ok(eqn) -> bool:
@@ -1377,7 +1375,7 @@ class LayerGrads:
   def _kron(self, site_view, role, leaf, chunk_size, reduce: bool = False):
     del chunk_size
     site, act, delta, valid = site_view
-    if not _kron_ok(site, role, self._tape._leaves[leaf].shape):
+    if not _kron_ok(site, role):
       return None
     t = delta.shape[2]
     if reduce:  # sum over positions first
@@ -1795,7 +1793,7 @@ def _leaf_coverage(plan: _Plan, leaves: Sequence[Any]) -> list[LeafCoverage]:
         and site.kind == "conv"
       )
       kron = (leaf not in plan.special or single_conv) and _kron_ok(
-        site, role[1], tuple(leaves[leaf].shape)
+        site, role[1]
       )
       out.append(LeafCoverage("layer", reason, kron))
   return out
