@@ -309,23 +309,30 @@ class LayerStatisticsTest(parameterized.TestCase):
           gi = jnp.swapaxes(gi, 0, 1).reshape(S * B, -1)
           _assert_close(self, n, jnp.sum(gi**2, 1), rtol=tol)
 
-  def test_weight_shared_diag_chunking(self):
-    """Chunked per-example einsum (with remainder rows) == unchunked."""
-    apply_fn, params, inputs, out_dim = _model("linen_seq", jnp.float32)
-    cot = _cotangents(out_dim, dtype=jnp.float32)
+  def test_weight_shared_diag_loop_and_chunks(self):
+    """The scan over examples (CPU) and the chunked batched einsum (other
+    backends; chunks with remainder rows) equal the oracle."""
+    with jax.enable_x64(True):
+      apply_fn, params, inputs, out_dim = _model("linen_seq")
+      cot = _cotangents(out_dim)
+      g = _pseudo_grads(apply_fn, params, inputs, cot)
+      want = jax.tree.map(lambda gi: jnp.sum(gi**2, 0), g)
+      for loop in (True, False):
+        with mock.patch.object(_taps, "_loop_over_examples", lambda: loop):
 
-    @jax.jit
-    def run(params, inputs, cot):
-      return [
-        fisher_testing.layer_statistics(
-          apply_fn, params, inputs, cot, structure="diag", chunk_size=c
-        )[0]
-        for c in (1, 4, None)
-      ]
+          @jax.jit
+          def run(params, inputs, cot):
+            return [
+              fisher_testing.layer_statistics(
+                apply_fn, params, inputs, cot, structure="diag", chunk_size=c
+              )[0]
+              for c in (1, 4, None)
+            ]
 
-    ones, fours, whole = run(params, inputs, cot)
-    chex.assert_trees_all_close(ones, whole, rtol=1e-5)
-    chex.assert_trees_all_close(fours, whole, rtol=1e-5)
+          for c, got in zip((1, 4, None), run(params, inputs, cot)):
+            with self.subTest(loop=loop, chunk=c):
+              for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+                _assert_close(self, a, b)
 
   def test_gram_both_weight_sharing_forms(self):
     """Ghost form (small T) and materialised form (large T) both exact."""
