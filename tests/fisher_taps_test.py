@@ -549,6 +549,98 @@ class LayerStatisticsTest(parameterized.TestCase):
         )
 
   @parameterized.parameters("expand", "reduce")
+  def test_kron_of_a_scanned_stack_is_per_layer(self, mode):
+    """A (L, d, h, k) kernel and (L, h, k) bias stacked along a scan get one
+    factor pair per layer, equal to the unrolled model's; KroneckerFisher
+    applies the stacked factors layer by layer."""
+    num_layers = 3
+
+    def layer(x, w, b):
+      z = jnp.einsum("btd,dhk->bthk", x, w) + b
+      return jnp.tanh(z).reshape(x.shape)
+
+    def scanned(p, x):
+      step = lambda h, wb: (layer(h, *wb), None)
+      return jnp.sum(jax.lax.scan(step, x, (p["w"], p["b"]))[0], axis=1)
+
+    def unrolled(p, x):
+      for i in range(num_layers):
+        x = layer(x, p[f"w{i}"], p[f"b{i}"])
+      return jnp.sum(x, axis=1)
+
+    with jax.enable_x64(True):
+      k = jax.random.split(jax.random.key(0), 3)
+      params = {
+        "w": jax.random.normal(k[0], (num_layers, 4, 2, 2)) / 2,
+        "b": jax.random.normal(k[1], (num_layers, 2, 2)) / 4,
+      }
+      flat = {f"w{i}": params["w"][i] for i in range(num_layers)}
+      flat.update({f"b{i}": params["b"][i] for i in range(num_layers)})
+      x = jax.random.normal(k[2], (B, T, 4))
+      cov = _taps.coverage(scanned, params, x)
+      self.assertTrue(cov["w"].kronecker and cov["b"].kronecker, cov)
+      cot = _cotangents(4)
+      got = _taps.record(scanned, params, x).backward(cot)
+      got = got.statistics("kron", weight_sharing=mode)
+      want = _taps.record(unrolled, flat, x).backward(cot)
+      want = want.statistics("kron", weight_sharing=mode)
+      self.assertEqual(got["w"][0].shape, (num_layers, 4, 4))
+      self.assertEqual(got["w"][1].shape, (num_layers, 4, 4))
+      for name in ("w", "b"):
+        for i in range(num_layers):
+          for j in (0, 1):
+            with self.subTest(f"{name}{i}/{j}"):
+              _assert_close(self, got[name][j][i], want[f"{name}{i}"][j])
+      stat = fisher.kronecker(
+        scanned,
+        params,
+        (x, jnp.zeros((B, 4))),
+        likelihood=fisher.Gaussian(),
+        kind="empirical",
+        weight_sharing=mode,
+      )
+      self.assertEqual(stat.estimator, "kfac")
+      per_layer = fisher.KroneckerFisher(
+        {
+          f"{n}{i}": stat.left[n][i]
+          for n in ("w", "b")
+          for i in range(num_layers)
+        },
+        {
+          f"{n}{i}": stat.right[n][i]
+          for n in ("w", "b")
+          for i in range(num_layers)
+        },
+        None,
+        stat.count,
+      )
+      v = jax.tree.map(jnp.cos, params)
+      v_flat = {
+        f"{n}{i}": v[n][i] for n in ("w", "b") for i in range(num_layers)
+      }
+      for method, args in (
+        ("matvec", ()),
+        ("solve", (1e-2,)),
+        ("inverse_diag", (1e-2, params)),
+        ("diagonal", (params,)),
+      ):
+        if method in ("inverse_diag", "diagonal"):
+          out = getattr(stat, method)(*args)
+          ref = getattr(per_layer, method)(*args[:-1], flat)
+        else:
+          out = getattr(stat, method)(v, *args)
+          ref = getattr(per_layer, method)(v_flat, *args)
+        for name in ("w", "b"):
+          for i in range(num_layers):
+            with self.subTest(f"{method}/{name}{i}"):
+              _assert_close(self, out[name][i], ref[f"{name}{i}"])
+      _assert_close(
+        self, stat.quadratic_form(v), per_layer.quadratic_form(v_flat)
+      )
+      with self.assertRaisesRegex(ValueError, "do not fit"):
+        stat.matvec({"w": v["w"][:2], "b": v["b"]})
+
+  @parameterized.parameters("expand", "reduce")
   def test_conv_kron_factors(self, mode):
     """An HWIO conv kernel's factors are its input patches' and output
     cotangents' (brute force by slicing); with one output position the

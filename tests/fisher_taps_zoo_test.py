@@ -256,8 +256,10 @@ class ScanAndTiedZooTest(parameterized.TestCase):
           self.assertIn("stacked along the iterations of a scan", c.reason)
         if "embedding" in key:
           self.assertIn("shared by 2 uses", c.reason)
-        # No K-FAC factors for a stacked or shared leaf.
-        self.assertFalse(c.kronecker, key)
+        # K-FAC factors per layer for the stacked kernels and biases; none
+        # for the elementwise or shared (tied embedding) leaves.
+        want = "blocks" in key and not re.search(r"norm", key, re.I)
+        self.assertEqual(c.kronecker, want, key)
       num_s = 2
       cot = jax.random.normal(jax.random.key(4), (num_s, B, T, VOCAB), dtype)
       weights = jax.random.normal(jax.random.key(5), (2, num_s * B), dtype)

@@ -217,15 +217,25 @@ def matrix_shape(shape: tuple[int, ...]) -> tuple[int, int]:
 def _as_factor_matrix(
   left: jax.Array, right: jax.Array, x: jax.Array
 ) -> jax.Array:
-  """``x`` as the ``(m, n)`` matrix its factors ``(m, m)``, ``(n, n)`` act on
-  (row-major: leading axes are rows)."""
-  m, n = left.shape[-1], right.shape[-1]
-  if m * n != math.prod(jnp.shape(x)):
+  """``x`` as the ``(*L, m, n)`` matrices its factors ``(*L, m, m)`` and
+  ``(*L, n, n)`` act on (row-major: leading axes are rows; ``L`` a stack of
+  layers, as for a leaf stacked along a scan)."""
+  lead, m, n = left.shape[:-2], left.shape[-1], right.shape[-1]
+  shape = tuple(jnp.shape(x))
+  if (
+    right.shape[:-2] != lead
+    or shape[: len(lead)] != lead
+    or math.prod(lead) * m * n != math.prod(shape)
+  ):
     raise ValueError(
-      f"Kronecker factors ({m}, {m}) and ({n}, {n}) do not fit a leaf of "
-      f"shape {tuple(jnp.shape(x))}."
+      f"Kronecker factors {tuple(left.shape)} and {tuple(right.shape)} do "
+      f"not fit a leaf of shape {shape}."
     )
-  return numerics.widen(x).reshape(m, n)
+  return numerics.widen(x).reshape(*lead, m, n)
+
+
+def _t(a: jax.Array) -> jax.Array:
+  return jnp.swapaxes(a, -1, -2)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -241,11 +251,14 @@ class KroneckerFisher:
   head_dim)``, one with several contracted axes (``(heads, head_dim, d)``)
   ``(heads * head_dim, d)``, and a bias ``(1, size)``. Without layer
   statistics a leaf has :func:`matrix_shape`'s view: all but the last axis
-  are rows.
+  are rows. A leaf stacked along a scan ``(L, ...)`` may have one factor
+  pair per layer, ``(L, m, m)`` and ``(L, n, n)``: a block per layer.
 
   Attributes:
-    left: params-shaped tree of ``(m, m)`` float32 matrices.
-    right: params-shaped tree of ``(n, n)`` float32 matrices.
+    left: params-shaped tree of ``(m, m)`` (or ``(L, m, m)``) float32
+      matrices.
+    right: params-shaped tree of ``(n, n)`` (or ``(L, n, n)``) float32
+      matrices.
     mean_grad: params-shaped mean loss gradient (or ``None``).
     count: int32 number of examples.
     kind: the Fisher kind.
@@ -292,8 +305,8 @@ class KroneckerFisher:
     def leaf(l, r, x):
       m = _as_factor_matrix(l, r, x)
       (qa, qb), denom = _kron_eigen(l, r, damping)
-      inner = (qa.T @ m @ qb) / denom
-      return (qa @ inner @ qb.T).reshape(x.shape).astype(x.dtype)
+      inner = (_t(qa) @ m @ qb) / denom
+      return (qa @ inner @ _t(qb)).reshape(x.shape).astype(x.dtype)
 
     return jax.tree.map(leaf, self.left, self.right, v)
 
@@ -308,7 +321,7 @@ class KroneckerFisher:
 
     def leaf(l, r):
       (qa, qb), denom = _kron_eigen(l, r, damping)
-      return jnp.square(qa) @ (1.0 / denom) @ jnp.square(qb).T
+      return jnp.square(qa) @ (1.0 / denom) @ _t(jnp.square(qb))
 
     return self._shaped_like(jax.tree.map(leaf, self.left, self.right), like)
 
@@ -321,8 +334,11 @@ class KroneckerFisher:
   def diagonal(self, like: PyTree | None = None) -> PyTree:
     """The diagonal of ``left ⊗ right``, shaped like ``like`` (default
     ``mean_grad``; matrix-shaped ``(m, n)`` leaves when both are ``None``)."""
+    diag = lambda a: jnp.diagonal(a, axis1=-2, axis2=-1)
     mats = jax.tree.map(
-      lambda l, r: jnp.outer(jnp.diag(l), jnp.diag(r)), self.left, self.right
+      lambda l, r: diag(l)[..., :, None] * diag(r)[..., None, :],
+      self.left,
+      self.right,
     )
     return self._shaped_like(mats, like)
 
@@ -338,7 +354,7 @@ def _kron_eigen(
   # Non-finite factors give NaN results without reaching LAPACK.
   a, qa = numerics.finite_or_nan(jnp.linalg.eigh, linalg.symmetrize(left))
   b, qb = numerics.finite_or_nan(jnp.linalg.eigh, linalg.symmetrize(right))
-  return (qa, qb), a[:, None] * b[None, :] + damping
+  return (qa, qb), a[..., :, None] * b[..., None, :] + damping
 
 
 jax.tree_util.register_dataclass(

@@ -1606,6 +1606,26 @@ class LayerGrads:
     delta = delta.reshape(delta.shape[0], b, -1, delta.shape[-1])
     return self._kron((site, act, delta, None), "kernel", leaf, None, reduce)
 
+  def _stacked_kron(self, leaf: int, reduce: bool):
+    """K-FAC factors of each layer of a leaf stacked along a scan with one
+    use in its body, ``(*L, K, K)`` and ``(*L, O, O)`` (else ``None``)."""
+    uses = self._tape._plan.special[leaf]
+    if len(uses) != 1 or "xs" not in uses[0][2]:
+      return None
+    ((site, *arrays), role, sliced) = self._special_views(leaf)[0]
+    if site.kind == "conv" or not _kron_ok(site, role):
+      return None
+    proxy = self._layer_proxy(leaf, sliced)
+    a_sum, gamma = lax.map(
+      lambda a: proxy._kron((site, *a), role, leaf, None, reduce),
+      tuple(arrays),
+    )
+    lead = tuple(np.shape(self._tape._leaves[leaf]))[:sliced]
+    return (
+      a_sum.reshape(lead + a_sum.shape[1:]),
+      gamma.reshape(lead + gamma.shape[1:]),
+    )
+
   def _special(self, structure: str, chunk_size, **kwargs) -> dict:
     """Statistics of leaves sliced by scans or with several uses.
 
@@ -1613,12 +1633,15 @@ class LayerGrads:
     usual statistics of each iteration's slice (``lax.map`` over the
     layers; the Gram matrix is their sum). A shared leaf: per-example
     gradients summed over its uses, formed for a chunk of examples at a
-    time. Neither has K-FAC factors here.
+    time. A stacked leaf has K-FAC factors per layer; a shared one none.
     """
     out: dict = {}
     for leaf in self._tape._plan.special:
       if structure == "kron":
-        out[leaf] = self._conv_kron(leaf, kwargs.get("reduce", False))
+        reduce = kwargs.get("reduce", False)
+        out[leaf] = self._conv_kron(leaf, reduce)
+        if out[leaf] is None:
+          out[leaf] = self._stacked_kron(leaf, reduce)
         continue
       views = self._special_views(leaf)
       if len(views) > 1 or views[0][0][0].kind == "conv":
@@ -1819,15 +1842,17 @@ def _leaf_coverage(plan: _Plan, leaves: Sequence[Any]) -> list[LeafCoverage]:
     else:
       site = plan.sites[role[0]]
       uses = plan.special.get(leaf)
-      single_conv = (
-        uses is not None
-        and len(uses) == 1
-        and not uses[0][2]
-        and site.kind == "conv"
-      )
-      kron = (leaf not in plan.special or single_conv) and _kron_ok(
-        site, role[1]
-      )
+      # K-FAC factors need one use: a conv outside scans, any other layer
+      # in a scan that slices the leaf (factors per layer).
+      if uses is None:
+        one_use = True
+      elif len(uses) != 1:
+        one_use = False
+      elif site.kind == "conv":
+        one_use = not uses[0][2]
+      else:
+        one_use = "xs" in uses[0][2]
+      kron = one_use and _kron_ok(site, role[1])
       out.append(LeafCoverage("layer", reason, kron))
   return out
 
