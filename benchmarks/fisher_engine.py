@@ -4,8 +4,10 @@
 Models (float32, softmax cross-entropy, 10 classes): the MLP 784-512-512-10
 (NNX), a small Linen transformer on Flax's own layers (token and learned
 positional embeddings, ``MultiHeadDotProductAttention``, ``LayerNorm``, an
-MLP; 32 tokens per example, so every kernel is weight-shared over positions)
-and a small Linen CNN (two convolutions and a dense head). For each batch
+MLP; 32 tokens per example, so every kernel is weight-shared over positions),
+the same transformer with its blocks stacked by ``nn.scan`` over
+``nn.remat`` (every block leaf ``(layers, ...)``) and a small Linen CNN (two
+convolutions and a dense head). For each batch
 size, every estimator returns the mean gradient and its statistic, and is
 timed against ``jax.value_and_grad`` of the mean loss in the same process
 (interleaved rounds, median of within-round ratios). Rows:
@@ -35,14 +37,17 @@ closer to the machine's peak than the gradient's own.
 Memory is XLA's temp bytes of the compiled function. Run from the repository
 root::
 
-  python -m benchmarks.fisher_engine           # full run (< 10 minutes)
+  python -m benchmarks.fisher_engine           # full run
   python -m benchmarks.fisher_engine --small   # seconds-long smoke run
+  python -m benchmarks.fisher_engine --models=cnn --merge  # one model again
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 import functools
+import json
+import pathlib
 from typing import Any
 
 from absl import app
@@ -68,7 +73,12 @@ _BATCHES = flags.DEFINE_list(
   "batches", ["32", "128", "512"], "Batch sizes (full run)."
 )
 _MODELS = flags.DEFINE_list(
-  "models", ["mlp", "transformer", "cnn"], "Models to run."
+  "models",
+  ["mlp", "transformer", "transformer_scan", "cnn"],
+  "Models to run.",
+)
+_MERGE = flags.DEFINE_bool(
+  "merge", False, "Keep the stored rows of the models not run this time."
 )
 _OUT = flags.DEFINE_string("out_dir", None, "Results dir (default results/).")
 
@@ -112,11 +122,51 @@ class SmallTransformer(nn.Module):
     return nn.Dense(NUM_CLASSES)(nn.LayerNorm()(x).mean(axis=1))
 
 
+class _Block(nn.Module):
+  """One pre-LayerNorm block of :class:`SmallTransformer` (a scan body)."""
+
+  d: int
+  heads: int
+
+  @nn.compact
+  def __call__(self, x, _):
+    mask = nn.make_causal_mask(jnp.ones(x.shape[:2]))
+    h = nn.LayerNorm()(x)
+    x = x + nn.MultiHeadDotProductAttention(self.heads)(h, h, mask=mask)
+    h = nn.Dense(4 * self.d)(nn.LayerNorm()(x))
+    return x + nn.Dense(self.d)(jax.nn.gelu(h)), None
+
+
+class ScannedTransformer(nn.Module):
+  """:class:`SmallTransformer` with its blocks stacked by ``nn.scan`` over
+  ``nn.remat`` (leaves ``(layers, ...)``), as large models are written."""
+
+  vocab: int = 256
+  d: int = 128
+  heads: int = 4
+  layers: int = 2
+
+  @nn.compact
+  def __call__(self, ids):
+    t = ids.shape[-1]
+    x = nn.Embed(self.vocab, self.d)(ids)
+    x = x + self.param("pos", nn.initializers.normal(0.02), (t, self.d))
+    blocks = nn.scan(
+      nn.remat(_Block),
+      variable_axes={"params": 0},
+      split_rngs={"params": True},
+      length=self.layers,
+    )
+    x, _ = blocks(self.d, self.heads, name="blocks")(x, None)
+    return nn.Dense(NUM_CLASSES)(nn.LayerNorm()(x).mean(axis=1))
+
+
 def make_model(name: str, small: bool):
   """(apply_fn, params, input shape without batch)."""
-  if name == "transformer":
+  if name in ("transformer", "transformer_scan"):
     t = 8 if small else 32
-    model = SmallTransformer(d=16 if small else 128, heads=2 if small else 4)
+    cls = SmallTransformer if name == "transformer" else ScannedTransformer
+    model = cls(d=16 if small else 128, heads=2 if small else 4)
     params = model.init(jax.random.key(0), jnp.zeros((1, t), jnp.int32))
     return model.apply, params, (t,)
   if name == "mlp":
@@ -227,7 +277,7 @@ def run_one(
 ) -> list[dict[str, Any]]:
   apply_fn, params, in_shape = make_model(model_name, small)
   rng = np.random.default_rng(batch)
-  if model_name == "transformer":  # token ids
+  if model_name.startswith("transformer"):  # token ids
     x = jnp.asarray(rng.integers(0, 256, size=(batch,) + in_shape), jnp.int32)
   else:
     x = jnp.asarray(rng.normal(size=(batch,) + in_shape), jnp.float32)
@@ -307,7 +357,7 @@ def to_markdown(
   rows: list[dict[str, Any]], batches: list[int], chunk: int
 ) -> str:
   out = []
-  order = ["mlp", "transformer", "cnn"]
+  order = ["mlp", "transformer", "transformer_scan", "cnn"]
   for model in sorted({r["model"] for r in rows}, key=order.index):
     sub = [r for r in rows if r["model"] == model]
     batches_m = [b for b in batches if any(r["batch"] == b for r in sub)]
@@ -343,6 +393,8 @@ def to_markdown(
       "cnn": "small CNN (Linen: 2 convs + dense head)",
       "transformer": "small transformer (Linen: 2 blocks of "
       "MultiHeadDotProductAttention + LayerNorm + MLP, d=128, T=32)",
+      "transformer_scan": "the same transformer, blocks stacked by nn.scan "
+      "over nn.remat",
     }[model]
     out.append(
       f"### {title}\n\nParameters on the layer path: "
@@ -359,6 +411,11 @@ def to_markdown(
   return "\n".join(out)
 
 
+def _stored_rows() -> list[dict[str, Any]]:
+  path = pathlib.Path(_OUT.value or common.RESULTS_DIR) / f"{NAME}.json"
+  return json.loads(path.read_text())["rows"] if path.exists() else []
+
+
 def main(argv):
   del argv
   small = _SMALL.value
@@ -367,6 +424,8 @@ def main(argv):
   slow_rounds = 1 if small else _SLOW_ROUNDS.value
   chunk = 4 if small else _CHUNK.value
   rows = []
+  if _MERGE.value and not small:
+    rows = [r for r in _stored_rows() if r["model"] not in _MODELS.value]
   for model_name in _MODELS.value:
     for b in batches:
       print(f"[{NAME}] {model_name} B={b}", flush=True)
