@@ -839,9 +839,10 @@ def kronecker(
 
   Each leaf is viewed as an ``(m, n)`` matrix (:class:`KroneckerFisher`).
 
-  - ``estimator="kfac"`` (dense/embedding kernels, layer-statistics path):
-    for a kernel ``(d_in, d_out)`` with inputs ``a`` and pre-activation
-    cotangents ``delta``,
+  - ``estimator="kfac"`` (layer-statistics path: dense, attention, conv and
+    embedding kernels, biases; one factor pair per layer for a leaf stacked
+    along a scan): for a kernel ``(d_in, d_out)`` with inputs ``a`` and
+    pre-activation cotangents ``delta``,
 
     .. math::
 
@@ -924,8 +925,8 @@ def kronecker(
     left, right = _shampoo_factors(ps, num_iters)
     estimator_name = "shampoo"
   else:
-    # Leaves without K-FAC factors (elementwise parameters, leaves stacked
-    # along a scan or shared) take Shampoo factors.
+    # Leaves without K-FAC factors (elementwise parameters, leaves with
+    # several uses) take Shampoo factors.
     ps = ps._replace(covered=ps.layers.tape.covered_for("kron"))
     _check_covered(ps.covered, "taps" if estimator == "kfac" else method)
     _warn_fallback(ps, method, "kron")

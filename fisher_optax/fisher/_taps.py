@@ -90,15 +90,15 @@ whose output axes trail, viewed as the matrix ``(K, O)`` (``Dense``,
 ``DenseGeneral``, attention ``q``/``k``/``v`` kernels ``(d, heads,
 head_dim)`` as ``(d, heads * head_dim)`` and output projections ``(heads,
 head_dim, d)`` as ``(heads * head_dim, d)``), for embeddings and for
-biases of any shape (``(1, O)``), also when shared by a scan's iterations.
-Elementwise parameters have none, nor have leaves stacked along a scan (a
-Kronecker factor pair per leaf has no layer axis) or shared by several
-uses; :func:`fisher_optax.fisher.kronecker` gives them Shampoo factors
+biases of any shape (``(1, O)``), also when shared by a scan's iterations,
+and per layer for a leaf stacked along a scan (factors ``(L, K, K)``,
+``(L, O, O)``). Elementwise parameters have none, nor have leaves shared by
+several uses; :func:`fisher_optax.fisher.kronecker` gives them Shampoo factors
 from per-example gradients. A convolution kernel in the ``(spatial..., I,
 O)`` layout (Flax's ``HWIO``) with one feature group has factors in its
 matrix view ``(prod(spatial) * I, O)``: ``a`` its input patches, the
-output positions weight-shared (Grosse & Martens, 2016); grouped convs and other kernel
-layouts have none.
+output positions weight-shared (Grosse & Martens, 2016); grouped convs and
+other kernel layouts have none.
 
 **Weight sharing.** When the activation has middle axes (a dense layer applied
 to ``(B, T, d)``), the example gradient is ``sum_t a_t delta_t^T``. Norms and
