@@ -267,6 +267,25 @@ class LayerStatisticsTest(parameterized.TestCase):
       for got, gi in zip(jax.tree.leaves(out["combine"]), g):
         _assert_close(self, got, jnp.tensordot(weights, gi, 1))
 
+  @parameterized.parameters("plain_seq", "linen_seq")
+  def test_gram_and_combine_in_blocks(self, name):
+    """With a tiny block budget the Gram matrix is summed over input-feature
+    blocks (one-hot blocks for an embedding) and the weighted sums over
+    example chunks (a padded last one): both equal the oracle."""
+    with jax.enable_x64(True):
+      apply_fn, params, inputs, out_dim = _model(name)
+      cot = _cotangents(out_dim)
+      weights = jax.random.normal(jax.random.key(3), (2, S * B), jnp.float64)
+      g = jax.tree.leaves(_pseudo_grads(apply_fn, params, inputs, cot))
+      with mock.patch.object(_taps, "_BLOCK_ELEMENTS", 8):
+        grads = _taps.record(apply_fn, params, inputs).backward(cot)
+        gram = grads.statistics("gram")
+        combined = grads.combine(weights)
+      flat = jnp.concatenate([gi.reshape(S * B, -1) for gi in g], 1)
+      _assert_close(self, gram, flat @ flat.T)
+      for got, gi in zip(jax.tree.leaves(combined), g):
+        _assert_close(self, got, jnp.tensordot(weights, gi, 1))
+
   def test_transformer_matches_per_example_vjps(self):
     """Attention (q, k, v, o on (B, T, d)), MLP, embedding, head."""
     with jax.enable_x64(True):

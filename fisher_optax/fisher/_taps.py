@@ -214,6 +214,10 @@ _LOOP_KINDS = ("dense", "embed", "scale", "shift")
 # Budget (elements) for a materialised chunk of per-example layer gradients
 # when the caller gives no chunk size (weight-shared diagonal, shared leaves).
 _DEFAULT_CHUNK_ELEMENTS = 1 << 24
+# Per-layer intermediates of the Gram matrix and of weighted sums that grow
+# with the batch (input blocks, example chunks); XLA may hold several
+# layers' at once.
+_BLOCK_ELEMENTS = 1 << 22
 # Conv input patches per chunk: a chunk's patches and gradients stay in
 # cache (on XLA:CPU, 10x the rows in one chunk ran 25x slower).
 _PATCH_CHUNK_ELEMENTS = 1 << 20
@@ -1142,6 +1146,81 @@ def _patch_elements(eqn) -> int:
   return positions * window * x[dn.lhs_spec[1]]
 
 
+def _gram_by_input_blocks(
+  a: Array, d: Array, chunk_size, num_rows: int | None = None
+) -> Array:
+  """``sum <g_i, g_j>`` of a weight-shared kernel from its per-example
+  gradients ``g = a^T d``, formed for a block of input features at a time.
+
+  ``a`` is ``(B, T, K)`` (or, for an embedding table of ``num_rows`` rows,
+  the ``(B, T)`` ids: ``a`` their one-hot rows, built a block at a time),
+  ``d`` ``(S, B, T, O)``. A block holds ``S * B * k_blk * O`` elements, at
+  most the chunk budget (``chunk_size`` examples' gradients, else the
+  default), so memory does not grow with ``B * K``.
+  """
+  num_s, b, _, o = d.shape
+  k, n = (a.shape[-1] if num_rows is None else num_rows), num_s * b
+  budget = chunk_size * k * o if chunk_size else _BLOCK_ELEMENTS
+  blk = max(1, min(k, budget // (n * o)))
+  count = -(-k // blk)
+  dtype = jnp.promote_types(a.dtype, d.dtype) if num_rows is None else d.dtype
+  if num_rows is None:
+    a = jnp.pad(a, ((0, 0), (0, 0), (0, count * blk - k)))
+
+  def gram(i):
+    if num_rows is None:
+      a_i = lax.dynamic_slice_in_dim(a, i * blk, blk, axis=2)
+    else:  # one-hot rows i * blk ... of the ids (padding rows match none)
+      a_i = (a[..., None] == i * blk + jnp.arange(blk)).astype(dtype)
+    g = jnp.einsum("nti,sntj->snij", a_i, d).reshape(n, -1)
+    return g @ g.T
+
+  if count == 1:
+    return gram(0)
+  init = _zeros_varying((n, n), dtype, [a, d])
+  return lax.scan(lambda t, i: (t + gram(i), None), init, jnp.arange(count))[0]
+
+
+def _combine_dense(w: Array, a: Array, d: Array) -> Array:
+  """``sum_{s,n} w[k, s, n] a_n^T d_{s,n}``, ``(k, K, O)``, for ``a`` ``(B,
+  T, K)`` and ``d`` ``(S, B, T, O)``.
+
+  The weighted operand (``k`` times the activations or the cotangents) is
+  formed for a chunk of examples at a time when it would pass the default
+  budget, the chunks' products summed.
+  """
+  k, num_s, b = w.shape
+  t, i, j = a.shape[1], a.shape[-1], d.shape[-1]
+
+  def part(w_c, a_c, d_c):
+    if num_s == 1:
+      # Weighting the activations puts k and i on one operand, so the
+      # matmul writes (k, i, j) as it is returned: no transposed copy of
+      # the k x P result (the dominant memory traffic here).
+      wa = jnp.einsum("kn,nti->knti", w_c[:, 0], a_c.astype(w.dtype))
+      return jnp.einsum("knti,ntj->kij", wa, d_c[0])
+    # Sum the S cotangents per example first: k matmuls over (n, t).
+    wd = jnp.einsum("ksn,sntj->kntj", w_c, d_c)
+    return jnp.einsum("nti,kntj->kij", a_c, wd)
+
+  chunk = max(1, _BLOCK_ELEMENTS // (k * t * (i if num_s == 1 else j)))
+  if chunk >= b:
+    return part(w, a, d)
+  count = -(-b // chunk)
+  pad = count * chunk - b  # zero weights on the padding examples
+  w = jnp.pad(w, ((0, 0), (0, 0), (0, pad)))
+  a = jnp.pad(a, ((0, pad), (0, 0), (0, 0)))
+  d = jnp.pad(d, ((0, 0), (0, pad), (0, 0), (0, 0)))
+
+  def add(total, c):
+    sl = lambda x, axis: lax.dynamic_slice_in_dim(x, c * chunk, chunk, axis)
+    return total + part(sl(w, 2), sl(a, 0), sl(d, 1)), None
+
+  dtype = jnp.promote_types(w.dtype, jnp.promote_types(a.dtype, d.dtype))
+  init = _zeros_varying((k, i, j), dtype, [w, a, d])
+  return lax.scan(add, init, jnp.arange(count))[0]
+
+
 def _loop_over_examples() -> bool:
   """Whether per-example kernel products run as a loop of 2-D matmuls.
 
@@ -1447,17 +1526,16 @@ class LayerGrads:
       g = jnp.sum(rows, axis=1)
       return g @ g.T
     if site.kind == "embed":
+      if (num_s * b * t) ** 2 > _BLOCK_ELEMENTS:
+        return _gram_by_input_blocks(act, delta, chunk_size, site.num_rows)
       ka = (act[:, None, :, None] == act[None, :, None, :]).astype(
         delta.dtype
       )  # (B, B, T, T)
     else:
-      d_in = act.shape[-1]
-      if t > 1 and d_in * d_out < num_s * b * t * t:
-        acts = jnp.broadcast_to(act, (num_s,) + act.shape).reshape(
-          num_s * b, t, d_in
-        )
-        g = jnp.einsum("cti,ctj->cij", acts, rows).reshape(num_s * b, -1)
-        return g @ g.T
+      d_in, n = act.shape[-1], num_s * b
+      ghost = n * n * t * t
+      if t > 1 and (d_in * d_out < n * t * t or ghost > _BLOCK_ELEMENTS):
+        return _gram_by_input_blocks(act, delta, chunk_size)
       ka = jnp.einsum("ntd,mud->nmtu", act, act)
     kd = jnp.einsum("itd,jud->ijtu", rows, rows).reshape(
       num_s, b, num_s, b, t, t
@@ -1500,16 +1578,8 @@ class LayerGrads:
           .at[:, act.reshape(-1)]
           .add(wd.reshape(k, -1, shape[-1]))
         )
-      elif num_s == 1:
-        # Weighting the activations puts k and i on one operand, so the
-        # matmul writes (k, i, j) as it is returned: no transposed copy of
-        # the k x P result (the dominant memory traffic here).
-        wa = jnp.einsum("kn,nti->knti", w[:, 0], act.astype(w.dtype))
-        val = jnp.einsum("knti,ntj->kij", wa, delta[0])
-        val = self._kernel_to_leaf(site, val, leaf)
-      else:  # sum the S deltas per example first: k matmuls over (n, t)
-        wd = jnp.einsum("ksn,sntj->kntj", w, delta)
-        val = jnp.einsum("nti,kntj->kij", act, wd)
+      else:
+        val = _combine_dense(w, act, delta)
         val = self._kernel_to_leaf(site, val, leaf)
       out[leaf] = val.reshape((k,) + shape)
     out.update(self._special_combine(weights))
@@ -1720,7 +1790,8 @@ class LayerGrads:
     The Gram matrix pairs every two chunks, forming chunk ``i``'s gradients
     again for every chunk ``j``: about ``count`` times the diagonal's work,
     with two chunks of gradients in memory (one product if one chunk holds
-    every example).
+    every example, or, without a ``chunk_size``, if every example's
+    gradient fits the default budget).
     """
     chunk, count, grads = self._chunks(views, leaf, chunk_size)
     shape = tuple(np.shape(self._tape._leaves[leaf]))
@@ -1737,6 +1808,12 @@ class LayerGrads:
     rows = lambda j: grads(j)[1].reshape(chunk, -1)
     if count == 1:
       return rows(0) @ rows(0).T
+    fits = count * chunk * math.prod(shape) <= _DEFAULT_CHUNK_ELEMENTS
+    if chunk_size is None and fits:
+      # Every example's gradient fits the default budget (the chunks bound
+      # a conv's patches): form each chunk once, one product.
+      g = lax.map(rows, jnp.arange(count)).reshape(count * chunk, -1)
+      return (g @ g.T)[:num, :num]
 
     def column(j):  # every chunk i against chunk j
       g_j = rows(j)
