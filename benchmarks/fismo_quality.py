@@ -30,6 +30,7 @@ import optax
 
 from benchmarks import common
 from examples.common import datasets
+from examples.common import models
 import fisher_optax
 
 _SMALL = flags.DEFINE_bool("small", False, "Tiny budget smoke run.")
@@ -216,7 +217,7 @@ def run_charlm(seeds: int, steps: int, small: bool) -> dict[str, Any]:
   tune_x, tune_y = datasets.char_eval_windows(val_ids[:half], context, 64)
   test_x, test_y = datasets.char_eval_windows(val_ids[half:], context, 128)
   apply_fn, params0 = common.char_transformer(len(vocab), seed=0, **model_kw)
-  dims = hidden_dims(params0, exclude=("embed", "head"))
+  dims = models.hidden_dims(params0, DN)  # attention (3-D) and MLP kernels
   init_fn = lambda s: common.char_transformer(len(vocab), seed=s, **model_kw)[1]
   evaluate = _evaluator(apply_fn)
   data_fn = lambda s: _stack(

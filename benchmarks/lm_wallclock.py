@@ -126,79 +126,26 @@ def grid(name: str, points: int) -> tuple[float, ...]:
 # -- model -------------------------------------------------------------------
 
 
-class TransformerBlock(nnx.Module):
-  """Pre-LayerNorm block: causal ``nnx.MultiHeadAttention`` and a GELU MLP."""
-
-  def __init__(self, d: int, heads: int, ffn: int, *, rngs: nnx.Rngs):
-    self.ln1 = nnx.LayerNorm(d, rngs=rngs)
-    self.attn = nnx.MultiHeadAttention(
-      num_heads=heads, in_features=d, decode=False, rngs=rngs
-    )
-    self.ln2 = nnx.LayerNorm(d, rngs=rngs)
-    self.fc = nnx.Linear(d, ffn, rngs=rngs)
-    self.proj = nnx.Linear(ffn, d, rngs=rngs)
-
-  def __call__(self, x: jax.Array) -> jax.Array:
-    h = self.ln1(x)
-    mask = nnx.make_causal_mask(x[..., 0])
-    x = x + self.attn(h, mask=mask)
-    return x + self.proj(jax.nn.gelu(self.fc(self.ln2(x))))
-
-
-class TransformerLM(nnx.Module):
-  """A standard GPT-style byte-level LM on Flax's own layers."""
-
-  def __init__(
-    self,
-    vocab: int,
-    *,
-    d: int,
-    heads: int,
-    layers: int,
-    context: int,
-    rngs: nnx.Rngs,
-  ):
-    self.embed = nnx.Embed(vocab, d, rngs=rngs)
-    self.pos = nnx.Param(0.02 * jax.random.normal(rngs.params(), (context, d)))
-    self.blocks = nnx.List(
-      [TransformerBlock(d, heads, 4 * d, rngs=rngs) for _ in range(layers)]
-    )
-    self.ln_f = nnx.LayerNorm(d, rngs=rngs)
-    self.head = nnx.Linear(d, vocab, rngs=rngs)
-
-  def __call__(self, ids: jax.Array) -> jax.Array:
-    x = self.embed(ids) + self.pos[: ids.shape[-1]]
-    for block in self.blocks:
-      x = block(x)
-    return self.head(self.ln_f(x))
+def _model(cfg: dict[str, Any], seed: int) -> models.CharTransformer:
+  return models.CharTransformer(
+    256,
+    d=cfg["d"],
+    heads=cfg["heads"],
+    layers=cfg["layers"],
+    ffn=4 * cfg["d"],
+    context=cfg["context"],
+    rngs=nnx.Rngs(seed),
+  )
 
 
 def transformer_lm(seed: int, cfg: dict[str, Any]):
-  """``(apply_fn, params)`` of :class:`TransformerLM` for a config."""
-  return models.functional(
-    TransformerLM(
-      256,
-      d=cfg["d"],
-      heads=cfg["heads"],
-      layers=cfg["layers"],
-      context=cfg["context"],
-      rngs=nnx.Rngs(seed),
-    )
-  )
+  """``(apply_fn, params)`` of the benchmark's model for a config."""
+  return models.functional(_model(cfg, seed))
 
 
 def count_params(cfg: dict[str, Any]) -> int:
   """Parameter count of a config's model, without allocating it."""
-  model = nnx.eval_shape(
-    lambda: TransformerLM(
-      256,
-      d=cfg["d"],
-      heads=cfg["heads"],
-      layers=cfg["layers"],
-      context=cfg["context"],
-      rngs=nnx.Rngs(0),
-    )
-  )
+  model = nnx.eval_shape(lambda: _model(cfg, 0))
   return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(model)))
 
 
@@ -240,39 +187,6 @@ def split(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 # -- optimizers --------------------------------------------------------------
 
-_ATTN = ("query", "key", "value")
-
-
-def _names(path) -> list[str]:
-  return [str(getattr(k, "key", getattr(k, "idx", k))) for k in path]
-
-
-def hidden_axes(params: Any) -> Any:
-  """``(reduction, output)`` axes of every hidden matrix, None elsewhere."""
-
-  def pick(path, leaf):
-    names = _names(path)
-    if names[-1] != "kernel" or "blocks" not in names:
-      return None
-    if names[-2] in _ATTN:  # (d, heads, head_dim)
-      return (0, (1, 2))
-    if names[-2] == "out":  # (heads, head_dim, d)
-      return ((0, 1), 2)
-    if leaf.ndim == 2:  # MLP
-      return (0, 1)
-    return None
-
-  return jax.tree_util.tree_map_with_path(pick, params)
-
-
-def _dims(params: Any, kind) -> Any:
-  axes = hidden_axes(params)
-  return jax.tree.map(
-    lambda a: None if a is None else kind(*a),
-    axes,
-    is_leaf=lambda a: a is None or isinstance(a, tuple),
-  )
-
 
 def make_tx(
   name: str, params: Any, adam_lr: float, cfg: dict[str, Any]
@@ -286,7 +200,7 @@ def make_tx(
   if name == "fadam":
     return optax.inject_hyperparams(fisher_optax.fadam)(1e-3, weight_decay=0.0)
   if name in ("muon", "fismo"):
-    dims = _dims(params, optax.contrib.MuonDimensionNumbers)
+    dims = models.hidden_dims(params, optax.contrib.MuonDimensionNumbers)
     if name == "muon":
       return optax.inject_hyperparams(
         optax.contrib.muon, static_args=("ns_steps", "nesterov")
@@ -301,7 +215,7 @@ def make_tx(
       static_args=("ns_steps", "max_precond_dim", "max_aspect_ratio"),
     )(1e-3, adam_learning_rate=adam_lr, fismo_weight_dimension_numbers=dims)
   if name in ("galore", "natural_galore"):
-    dims = _dims(params, optax.contrib.GaLoreDimensionNumbers)
+    dims = models.hidden_dims(params, optax.contrib.GaLoreDimensionNumbers)
     kw = dict(
       rank=rank, update_proj_gap=100, scale=1.0, weight_dimension_numbers=dims
     )
@@ -317,7 +231,7 @@ def make_tx(
   if name == "mfac":
     labels = jax.tree.map(
       lambda a: "adam" if a is None else "mfac",
-      hidden_axes(params),
+      models.hidden_axes(params),
       is_leaf=lambda a: a is None or isinstance(a, tuple),
     )
 

@@ -29,6 +29,7 @@ import optax
 
 from benchmarks import common
 from examples.common import datasets
+from examples.common import models
 import fisher_optax
 
 _SMALL = flags.DEFINE_bool("small", False, "A seconds-long smoke run.")
@@ -47,24 +48,11 @@ _BATCH = flags.DEFINE_integer("batch", 32, "Batch size.")
 _CONTEXT = flags.DEFINE_integer("context", 64, "Context length.")
 _D = flags.DEFINE_integer("d", 64, "Model width.")
 
-_PROJECTED = ("q", "k", "v", "o", "up", "down")
-
 
 def projected_dims(params):
-  """GaLoreDimensionNumbers for attention/MLP kernels, None elsewhere."""
-
-  def pick(path, leaf):
-    names = [str(getattr(k, "key", getattr(k, "idx", k))) for k in path]
-    if (
-      leaf.ndim == 2
-      and len(names) >= 2
-      and names[-1] == "kernel"
-      and names[-2] in _PROJECTED
-    ):
-      return optax.contrib.GaLoreDimensionNumbers(0, 1)
-    return None
-
-  return jax.tree_util.tree_map_with_path(pick, params)
+  """GaLoreDimensionNumbers for the attention and MLP kernels (attention's
+  3-D kernels as ``d x (heads * head_dim)`` matrices), None elsewhere."""
+  return models.hidden_dims(params, optax.contrib.GaLoreDimensionNumbers)
 
 
 def make_optimizers(rank, gap, history, damping):
@@ -242,7 +230,7 @@ def main(argv):
       "## Natural GaLore: char-level transformer on pydoc_data.topics",
       f"2-layer pre-RMSNorm transformer, d={cfg['d']}, 4 heads, FFN "
       f"{4 * cfg['d']}, context {cfg['context']}, batch {cfg['batch']}, "
-      f"{steps} steps; q/k/v/o/up/down projected at rank {_RANK.value}, "
+      f"{steps} steps; attention and MLP kernels projected at rank {_RANK.value}, "
       f"T={_GAP.value}, scale 1 (embeddings, head, norms: plain Adam). "
       f"Natural GaLore s={_HISTORY.value}, damping {_DAMPING.value:g}, "
       "same (optax) projection side as GaLore. Each optimizer's lr is the "

@@ -57,9 +57,11 @@ FLAGS = flags.FLAGS
 
 # %% [markdown]
 # ## The optimizers
-# FISMO preconditions the 2-D kernels (q, k, v, o, up, down, head) and
-# falls back to Adam on embeddings, norms and biases. All three share one
-# warmup-cosine schedule (optax schedules work everywhere).
+# FISMO preconditions the hidden matrices: the MLP kernels and the attention
+# kernels, whose `(d, heads, head_dim)` layout it reads as a `d x (heads *
+# head_dim)` matrix through `models.hidden_dims`; embeddings, norms, biases
+# and the head get Adam. All three share one warmup-cosine schedule (optax
+# schedules work everywhere).
 
 
 # %%
@@ -68,7 +70,14 @@ def optimizers(steps: int) -> dict[str, optax.GradientTransformation]:
   return {
     "AdamW": optax.adamw(lr, weight_decay=1e-2),
     "FAdam": fisher_optax.fadam(lr, weight_decay=1e-2),
-    "FISMO": fisher_optax.fismo(lr, adam_learning_rate=lr, weight_decay=1e-2),
+    "FISMO": fisher_optax.fismo(
+      lr,
+      adam_learning_rate=lr,
+      weight_decay=1e-2,
+      fismo_weight_dimension_numbers=lambda p: models.hidden_dims(
+        p, optax.contrib.MuonDimensionNumbers
+      ),
+    ),
   }
 
 

@@ -10,7 +10,6 @@ inputs)`` and a plain nested dict of parameters, the form every
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-import math
 from typing import Any
 
 from flax import nnx
@@ -37,47 +36,36 @@ class MLP(nnx.Module):
     return self.layers[-1](x)
 
 
-class CausalSelfAttention(nnx.Module):
-  """Multi-head causal attention with separate 2-D q, k, v, o kernels."""
+class Block(nnx.Module):
+  """Pre-LayerNorm block: causal ``nnx.MultiHeadAttention`` and a GELU MLP."""
 
-  def __init__(self, d: int, heads: int, *, rngs: nnx.Rngs):
+  def __init__(self, d: int, heads: int, ffn: int, *, rngs: nnx.Rngs):
     if d % heads:
       raise ValueError(f"d={d} is not divisible by heads={heads}.")
-    self.heads = heads
-    self.q = nnx.Linear(d, d, use_bias=False, rngs=rngs)
-    self.k = nnx.Linear(d, d, use_bias=False, rngs=rngs)
-    self.v = nnx.Linear(d, d, use_bias=False, rngs=rngs)
-    self.o = nnx.Linear(d, d, use_bias=False, rngs=rngs)
+    self.ln1 = nnx.LayerNorm(d, rngs=rngs)
+    self.attn = nnx.MultiHeadAttention(
+      num_heads=heads, in_features=d, decode=False, rngs=rngs
+    )
+    self.ln2 = nnx.LayerNorm(d, rngs=rngs)
+    self.fc = nnx.Linear(d, ffn, rngs=rngs)
+    self.proj = nnx.Linear(ffn, d, rngs=rngs)
 
   def __call__(self, x: jax.Array) -> jax.Array:
-    b, t, d = x.shape
-    split = lambda y: y.reshape(b, t, self.heads, d // self.heads)
-    q, k, v = split(self.q(x)), split(self.k(x)), split(self.v(x))
-    logits = jnp.einsum("bthd,bshd->bhts", q, k) / math.sqrt(d // self.heads)
-    mask = jnp.tril(jnp.ones((t, t), bool))
-    logits = jnp.where(mask, logits, -1e30)
-    att = jax.nn.softmax(logits, axis=-1)
-    return self.o(jnp.einsum("bhts,bshd->bthd", att, v).reshape(b, t, d))
-
-
-class Block(nnx.Module):
-  def __init__(self, d: int, heads: int, ffn: int, *, rngs: nnx.Rngs):
-    self.norm1 = nnx.RMSNorm(d, rngs=rngs)
-    self.attn = CausalSelfAttention(d, heads, rngs=rngs)
-    self.norm2 = nnx.RMSNorm(d, rngs=rngs)
-    self.up = nnx.Linear(d, ffn, rngs=rngs)
-    self.down = nnx.Linear(ffn, d, rngs=rngs)
-
-  def __call__(self, x: jax.Array) -> jax.Array:
-    x = x + self.attn(self.norm1(x))
-    return x + self.down(jax.nn.gelu(self.up(self.norm2(x))))
+    h = self.ln1(x)
+    x = x + self.attn(h, mask=nnx.make_causal_mask(x[..., 0]))
+    return x + self.proj(jax.nn.gelu(self.fc(self.ln2(x))))
 
 
 class CharTransformer(nnx.Module):
-  """A small pre-RMSNorm decoder-only transformer for character LMs.
+  """A small GPT-style decoder on Flax's own layers, for character and byte
+  LMs: ``nnx.Embed`` and learned positions, pre-``nnx.LayerNorm`` blocks of
+  causal ``nnx.MultiHeadAttention`` and a GELU MLP, a final LayerNorm and an
+  ``nnx.Linear`` head.
 
-  Projection-friendly: every attention/MLP weight is a 2-D ``nnx.Linear``
-  kernel named ``q``, ``k``, ``v``, ``o``, ``up``, ``down``.
+  The attention ``query``/``key``/``value`` kernels are ``(d, heads,
+  head_dim)`` and the ``out`` kernel ``(heads, head_dim, d)``; matrix
+  methods (Muon, FISMO, GaLore) see them as ``d x (heads * head_dim)`` and
+  ``(heads * head_dim) x d`` through :func:`hidden_axes`.
   """
 
   def __init__(
@@ -96,14 +84,54 @@ class CharTransformer(nnx.Module):
     self.blocks = nnx.List(
       [Block(d, heads, ffn, rngs=rngs) for _ in range(layers)]
     )
-    self.norm = nnx.RMSNorm(d, rngs=rngs)
+    self.ln_f = nnx.LayerNorm(d, rngs=rngs)
     self.head = nnx.Linear(d, vocab, rngs=rngs)
 
   def __call__(self, ids: jax.Array) -> jax.Array:
     x = self.embed(ids) + self.pos[: ids.shape[-1]]
     for block in self.blocks:
       x = block(x)
-    return self.head(self.norm(x))
+    return self.head(self.ln_f(x))
+
+
+_ATTN = ("query", "key", "value")
+
+
+def hidden_axes(params: PyTree) -> PyTree:
+  """``(reduction, output)`` axes of the hidden matrices of a
+  :class:`CharTransformer` (attention and MLP kernels in its blocks), None
+  for the embedding, positions, norms, biases and head.
+
+  Map them to ``optax.contrib.MuonDimensionNumbers`` or
+  ``GaLoreDimensionNumbers`` with :func:`hidden_dims`.
+  """
+
+  def pick(path, leaf):
+    # Keys and indices only: an nnx.State path ends in the Variable's
+    # ``.value`` attribute.
+    names = [
+      str(getattr(k, "key", getattr(k, "idx", k)))
+      for k in path
+      if not isinstance(k, jax.tree_util.GetAttrKey)
+    ]
+    if names[-1] != "kernel" or "blocks" not in names:
+      return None
+    if names[-2] in _ATTN:  # (d, heads, head_dim)
+      return (0, (1, 2))
+    if names[-2] == "out":  # (heads, head_dim, d)
+      return ((0, 1), 2)
+    return (0, 1) if jnp.ndim(leaf) == 2 else None
+
+  return jax.tree_util.tree_map_with_path(pick, params)
+
+
+def hidden_dims(params: PyTree, kind: Callable[..., Any]) -> PyTree:
+  """``kind(*axes)`` for every :func:`hidden_axes` entry, None elsewhere."""
+  return jax.tree.map(
+    lambda a: None if a is None else kind(*a),
+    hidden_axes(params),
+    is_leaf=lambda a: a is None or isinstance(a, tuple),
+  )
 
 
 def functional(module: nnx.Module) -> tuple[Callable[..., Any], PyTree]:
