@@ -46,9 +46,6 @@ _NAME = flags.DEFINE_string("name", "alias_defaults", "Results file name.")
 LR_GRID = (1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 1e-1)
 SMALL_LR_GRID = (1e-3, 1e-2)
 BATCH = 128
-# Run one lane at a time: under jax.vmap this one's step hung XLA:CPU (every
-# thread waiting) in our runs.
-NO_VMAP = ("natural_galore",)
 TUNE_SEED = 100
 
 # Each optimizer at its defaults with lr 1 (the lr is applied per lane).
@@ -78,7 +75,7 @@ ARMS: dict[str, Callable[[], optax.GradientTransformation]] = {
 }
 
 
-def make_runner(apply_fn, make_tx, data, steps: int, vmap: bool = True):
+def make_runner(apply_fn, make_tx, data, steps: int):
   """``run(seeds, lrs) -> (val_loss, test_loss, test_acc)``, one lane each."""
   tx = make_tx()
   xtr, ytr = map(jnp.asarray, data["train"])
@@ -108,16 +105,9 @@ def make_runner(apply_fn, make_tx, data, steps: int, vmap: bool = True):
     )
 
   batched = jax.jit(jax.vmap(one))
-  single = jax.jit(one)
 
   def run(seeds, lrs):
     inits = [common.digits_mlp(seed=int(s))[1] for s in seeds]
-    if not vmap:
-      outs = [
-        single(p, jax.random.key(s), jnp.float32(lr))
-        for p, s, lr in zip(inits, seeds, lrs)
-      ]
-      return [np.asarray([o[i] for o in outs], np.float64) for i in range(3)]
     params = jax.tree.map(lambda *xs: jnp.stack(xs), *inits)
     keys = jax.vmap(jax.random.key)(jnp.asarray(seeds, jnp.uint32))
     out = batched(params, keys, jnp.asarray(lrs, jnp.float32))
@@ -225,9 +215,7 @@ def main(argv: Any) -> None:
   results: dict[str, dict[str, Any]] = {}
   adamw_lr = math.nan  # set by the first arm, AdamW
   for name in arms:
-    run = make_runner(
-      apply_fn, ARMS[name], data, steps, vmap=name not in NO_VMAP
-    )
+    run = make_runner(apply_fn, ARMS[name], data, steps)
     scores = tune(run, grid)
     best = min(scores, key=lambda lr: scores[lr])
     adamw_lr = best if name == "adamw" else adamw_lr

@@ -381,16 +381,36 @@ def _refresh_leaf(
   gram: jax.Array,
   refresh: jax.Array,
   key: jax.Array,
+  healthy: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """``(projector, window, gram)``, refreshed when ``refresh`` is True."""
+  """``(projector, window, gram)``, refreshed when ``refresh`` is True.
 
-  def do_refresh():
-    p_new = _new_projector(
+  ``refresh`` is the schedule alone: it depends only on the step count (and
+  ``update_proj_gap``), so under :func:`jax.vmap` over hyperparameters or
+  data it stays unbatched and the cond stays a cond. The gradient-dependent
+  ``healthy`` flag (None: True) gets a cond of its own inside the branch: in
+  the predicate, under ``vmap`` it would turn the outer cond into a select
+  that runs the refresh, SVD included, on every step. The refresh runs lane
+  by lane under ``vmap`` (:func:`fisher_optax.fisher.numerics.lane_by_lane`):
+  batched LAPACK calls can deadlock XLA:CPU.
+  """
+  new_projector = numerics.lane_by_lane(
+    lambda g2, p_old, key: _new_projector(
       proj, g2, p_old, cfg.svd_method, cfg.svd_power_iterations, key
     )
+  )
+  keep = lambda: (p_old, window, gram)
+
+  def do_refresh():
+    p_new = new_projector(g2, p_old, key)
     return (p_new, *_refresh_window(cfg, proj, p_old, p_new, window, gram))
 
-  return jax.lax.cond(refresh, do_refresh, lambda: (p_old, window, gram))
+  def scheduled():
+    if healthy is None:
+      return do_refresh()
+    return jax.lax.cond(healthy, do_refresh, keep)
+
+  return jax.lax.cond(refresh, scheduled, keep)
 
 
 def _per_example_solve(
@@ -570,7 +590,7 @@ def _windowed_update(
     jnp.sum(jnp.square(g.astype(numerics.compute_dtype(g)))) for g in leaves
   ]
   healthy = jnp.isfinite(functools.reduce(jnp.add, sq, jnp.zeros([])))
-  refresh = ((count % update_proj_gap) == 0) & healthy
+  refresh = (count % update_proj_gap) == 0
   slot = count % cfg.history_size
   slots = jnp.asarray(slot, jnp.int32)[None]
   base_key = jax.random.fold_in(jax.random.key(0), count)
@@ -589,7 +609,7 @@ def _windowed_update(
     g2 = proj.view.to_matrix(g)
     key = jax.random.fold_in(base_key, i)
     p, window, gram = _refresh_leaf(
-      cfg, proj, g2, p, window, gram, refresh, key
+      cfg, proj, g2, p, window, gram, refresh, key, healthy
     )
     lg = proj.project(p, g2)
     row = lg.astype(window.dtype)[None]

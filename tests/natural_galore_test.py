@@ -4,6 +4,11 @@
 from __future__ import annotations
 
 import functools
+import json
+import os
+import pathlib
+import subprocess
+import sys
 
 from absl.testing import absltest
 from absl.testing import parameterized
@@ -17,6 +22,8 @@ import pytest
 import fisher_optax
 from fisher_optax.fisher import validation
 from tests import nonfinite_testing
+
+_ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 def _grads(shapes, steps, seed=0, dtype=jnp.float32):
@@ -688,6 +695,118 @@ class NaturalGaLoreDonatedWindowTest(parameterized.TestCase):
     for _ in range(2):  # a refresh step, then a steady one, both donated
       u, state = step(grads, state)
     chex.assert_tree_all_finite((u, state))
+
+
+# Trains two small weights with natural_galore, every lane its own learning
+# rate, under jit(vmap(...)) and lane by lane; prints the largest difference.
+# Its own process: on XLA:CPU a batched LAPACK call can deadlock the thread
+# pool, and a hang must fail the test, not stall the suite.
+_VMAP_SCRIPT = """
+import json, sys
+import jax, jax.numpy as jnp, numpy as np, optax
+import fisher_optax
+
+svd_method, history_size = sys.argv[1], int(sys.argv[2])
+# float64: the lanes must agree to rounding, which Adam would amplify in
+# float32 where a low-rank gradient entry is near zero.
+jax.config.update("jax_enable_x64", True)
+tx = fisher_optax.natural_galore(
+  1.0, rank=8, update_proj_gap=2, history_size=history_size,
+  svd_method=svd_method,
+)
+keys = jax.random.split(jax.random.key(0), 3)
+params = {
+  "a": jax.random.normal(keys[0], (48, 40), jnp.float64),
+  "b": jax.random.normal(keys[1], (40, 48), jnp.float64),
+}
+x = jax.random.normal(keys[2], (6, 16, 48), jnp.float64)
+
+def loss(p, xb):
+  return jnp.mean(jnp.square(jnp.tanh(xb @ p["a"]) @ p["b"] - xb))
+
+def train(lr):
+  def body(carry, xb):
+    p, s = carry
+    u, s = tx.update(jax.grad(loss)(p, xb), s, p)
+    p = optax.apply_updates(p, jax.tree.map(lambda v: lr * v, u))
+    return (p, s), loss(p, xb)
+  (p, s), losses = jax.lax.scan(body, (params, tx.init(params)), x)
+  return p, s, losses
+
+lrs = jnp.asarray([1e-2, 3e-2])
+batched = jax.jit(jax.vmap(train))(lrs)
+lanes = [jax.jit(train)(lr) for lr in lrs]
+diff = max(
+  float(np.max(np.abs(np.asarray(b[i]) - np.asarray(l)), initial=0.0))
+  for i, lane in enumerate(lanes)
+  for b, l in zip(jax.tree.leaves(batched), jax.tree.leaves(lane))
+)
+finite = bool(all(jnp.all(jnp.isfinite(v)) for v in jax.tree.leaves(batched)))
+print(json.dumps({"diff": diff, "finite": finite}))
+"""
+
+
+def _walk_svds(jaxpr, under_cond=False):
+  """``under_cond`` for every ``svd`` equation of ``jaxpr``, nested ones too."""
+  out = []
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "svd":
+      out.append(under_cond)
+    for value in eqn.params.values():
+      for sub in value if isinstance(value, (tuple, list)) else (value,):
+        sub = getattr(sub, "jaxpr", sub)
+        if hasattr(sub, "eqns"):
+          cond = under_cond or eqn.primitive.name == "cond"
+          out.extend(_walk_svds(sub, cond))
+  return out
+
+
+class NaturalGaLoreVmapTest(parameterized.TestCase):
+  """Under ``jax.vmap`` over learning rates a step finishes, lane by lane.
+
+  ``jit(vmap(train))`` over learning rates once hung XLA:CPU (every thread
+  waiting at 0% CPU): a gradient-dependent refresh predicate, batched, ran
+  the SVD on every step as a select, and each leaf's batched SVD blocked a
+  thread-pool thread until its batch, queued on the same exhausted pool,
+  was done.
+  """
+
+  @parameterized.parameters(("exact", 4), ("randomized", 0))
+  def test_vmap_over_learning_rates_equals_lanes(self, method, history):
+    proc = subprocess.run(
+      [sys.executable, "-c", _VMAP_SCRIPT, method, str(history)],
+      cwd=_ROOT,
+      env={**os.environ, "PYTHONPATH": str(_ROOT)},
+      capture_output=True,
+      text=True,
+      timeout=240,
+      check=False,
+    )
+    self.assertEqual(proc.returncode, 0, proc.stderr[-3000:])
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    self.assertTrue(result["finite"])
+    self.assertLess(result["diff"], 1e-9)
+
+  def test_refresh_stays_a_cond_and_unbatched_under_vmap(self):
+    tx = fisher_optax.natural_galore(1.0, rank=4, update_proj_gap=3)
+    params = {"w": jnp.ones((8, 6)), "b": jnp.ones((6,))}
+
+    def step(lr, g):
+      u, _ = tx.update(g, tx.init(params), params)
+      return jax.tree.map(lambda v: lr * v, u)
+
+    grads = jax.tree.map(lambda x: jnp.stack([x, 2 * x]), params)
+    vmapped = jax.vmap(step)
+    jaxpr = jax.make_jaxpr(vmapped)(jnp.ones(2), grads).jaxpr
+    # The SVD runs only on refresh steps: under a cond, not a select.
+    self.assertEqual(_walk_svds(jaxpr), [True])
+    # No decomposition of the refresh sees the vmap axis. (The window
+    # solve's s x s Cholesky is one batched call per step by design.)
+    hlo = jax.jit(vmapped).lower(jnp.ones(2), grads).as_text()
+    calls = [line for line in hlo.splitlines() if "lapack_sgesdd" in line]
+    self.assertNotEmpty(calls)
+    for line in calls:
+      self.assertIn('num_batch_dims = "0"', line)
 
 
 if __name__ == "__main__":

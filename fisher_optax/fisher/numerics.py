@@ -271,6 +271,49 @@ def finite_or_nan(fn: Callable[..., PyTree], *args: Any) -> PyTree:
   return jax.tree.map(poison, fn(*safe))
 
 
+def lane_by_lane(fn: Callable[..., PyTree]) -> Callable[..., PyTree]:
+  """``fn`` that, under :func:`jax.vmap`, runs one lane at a time.
+
+  For functions that call LAPACK decompositions (SVD, QR, ``eigh``,
+  Cholesky): batched by ``vmap``, they become one batched LAPACK custom call
+  each, and jaxlib 0.10.2's CPU kernels split a batch over XLA:CPU's
+  intra-op thread pool and block a pool thread until it is done. Once as many
+  such calls run at once as the pool has threads (two independent leaves on a
+  two-core host), every pool thread waits for work only a pool thread can do
+  and XLA:CPU deadlocks at 0% CPU; fewer of them still serialize badly. Under
+  ``vmap`` this wrapper runs ``fn`` with :func:`jax.lax.map` instead (nested
+  ``vmap`` nests the maps), so no decomposition sees a batch axis; unbatched
+  arguments are closed over, not broadcast. Without ``vmap`` it is ``fn``.
+  Not differentiable (an optimizer's basis refresh need not be).
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from fisher_optax.fisher import numerics
+    >>> qr = numerics.lane_by_lane(lambda a: jnp.linalg.qr(a)[0])
+    >>> jax.vmap(qr)(jnp.ones((3, 4, 2))).shape
+    (3, 4, 2)
+  """
+
+  @jax.custom_batching.custom_vmap
+  def wrapped(*args: Any) -> PyTree:
+    return fn(*args)
+
+  @wrapped.def_vmap
+  def _rule(axis_size: int, in_batched: Sequence[Any], *args: Any):
+    del axis_size
+    flags = [any(jax.tree.leaves(b)) for b in in_batched]
+    lanes = tuple(a for a, b in zip(args, flags) if b)
+
+    def one(xs: tuple[Any, ...]) -> PyTree:
+      it = iter(xs)
+      return wrapped(*(next(it) if b else a for a, b in zip(args, flags)))
+
+    out = jax.lax.map(one, lanes)
+    return out, jax.tree.map(lambda _: True, out)
+
+  return wrapped
+
+
 class SkipNonfiniteState(NamedTuple):
   """State of :func:`skip_nonfinite`.
 
