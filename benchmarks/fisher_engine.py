@@ -98,32 +98,9 @@ class SmallCNN(nn.Module):
     return nn.Dense(NUM_CLASSES)(x.reshape(x.shape[0], -1))
 
 
-class SmallTransformer(nn.Module):
-  """Token classifier on Flax's own layers: learned positions, pre-LayerNorm
-  blocks of ``MultiHeadDotProductAttention`` (causal) and an MLP, mean pool,
-  dense head."""
-
-  vocab: int = 256
-  d: int = 128
-  heads: int = 4
-  layers: int = 2
-
-  @nn.compact
-  def __call__(self, ids):
-    t = ids.shape[-1]
-    x = nn.Embed(self.vocab, self.d)(ids)
-    x = x + self.param("pos", nn.initializers.normal(0.02), (t, self.d))
-    mask = nn.make_causal_mask(ids)
-    for _ in range(self.layers):
-      h = nn.LayerNorm()(x)
-      x = x + nn.MultiHeadDotProductAttention(self.heads)(h, h, mask=mask)
-      h = nn.Dense(4 * self.d)(nn.LayerNorm()(x))
-      x = x + nn.Dense(self.d)(jax.nn.gelu(h))
-    return nn.Dense(NUM_CLASSES)(nn.LayerNorm()(x).mean(axis=1))
-
-
 class _Block(nn.Module):
-  """One pre-LayerNorm block of :class:`SmallTransformer` (a scan body)."""
+  """Pre-LayerNorm block: causal ``MultiHeadDotProductAttention`` and an
+  MLP (a scan body: ``(x, _) -> (x, None)``)."""
 
   d: int
   heads: int
@@ -137,27 +114,35 @@ class _Block(nn.Module):
     return x + nn.Dense(self.d)(jax.nn.gelu(h)), None
 
 
-class ScannedTransformer(nn.Module):
-  """:class:`SmallTransformer` with its blocks stacked by ``nn.scan`` over
-  ``nn.remat`` (leaves ``(layers, ...)``), as large models are written."""
+class SmallTransformer(nn.Module):
+  """Token classifier on Flax's own layers: learned positions, pre-LayerNorm
+  blocks of ``MultiHeadDotProductAttention`` (causal) and an MLP, mean pool,
+  dense head. ``scan=True`` stacks the blocks by ``nn.scan`` over
+  ``nn.remat`` (block leaves ``(layers, ...)``), as large models are
+  written."""
 
   vocab: int = 256
   d: int = 128
   heads: int = 4
   layers: int = 2
+  scan: bool = False
 
   @nn.compact
   def __call__(self, ids):
     t = ids.shape[-1]
     x = nn.Embed(self.vocab, self.d)(ids)
     x = x + self.param("pos", nn.initializers.normal(0.02), (t, self.d))
-    blocks = nn.scan(
-      nn.remat(_Block),
-      variable_axes={"params": 0},
-      split_rngs={"params": True},
-      length=self.layers,
-    )
-    x, _ = blocks(self.d, self.heads, name="blocks")(x, None)
+    if self.scan:
+      blocks = nn.scan(
+        nn.remat(_Block),
+        variable_axes={"params": 0},
+        split_rngs={"params": True},
+        length=self.layers,
+      )
+      x, _ = blocks(self.d, self.heads, name="blocks")(x, None)
+    else:
+      for _ in range(self.layers):
+        x, _ = _Block(self.d, self.heads)(x, None)
     return nn.Dense(NUM_CLASSES)(nn.LayerNorm()(x).mean(axis=1))
 
 
@@ -165,8 +150,11 @@ def make_model(name: str, small: bool):
   """(apply_fn, params, input shape without batch)."""
   if name in ("transformer", "transformer_scan"):
     t = 8 if small else 32
-    cls = SmallTransformer if name == "transformer" else ScannedTransformer
-    model = cls(d=16 if small else 128, heads=2 if small else 4)
+    model = SmallTransformer(
+      d=16 if small else 128,
+      heads=2 if small else 4,
+      scan=name == "transformer_scan",
+    )
     params = model.init(jax.random.key(0), jnp.zeros((1, t), jnp.int32))
     return model.apply, params, (t,)
   if name == "mlp":
