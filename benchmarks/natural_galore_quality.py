@@ -1,8 +1,9 @@
 # Copyright 2026 The fisher_optax Authors. Licensed under the Apache License 2.0.
 """Natural GaLore vs GaLore vs AdamW on a char-level transformer.
 
-A 2-layer pre-RMSNorm transformer learns ``pydoc_data.topics`` (ships with
-CPython; the last 10% is validation). q, k, v, o, up and down kernels are
+A 2-layer pre-LayerNorm transformer (Flax attention) learns
+``pydoc_data.topics`` (ships with CPython; the last 10% is validation). The
+attention and MLP kernels (3-D attention kernels as matrices) are
 projected at equal rank for GaLore and Natural GaLore (same projection side,
 optax's), everything else gets plain Adam inside the same transform. Each
 optimizer first picks its learning rate on a tuning seed, then runs
@@ -228,7 +229,7 @@ def main(argv):
   md = "\n\n".join(
     [
       "## Natural GaLore: char-level transformer on pydoc_data.topics",
-      f"2-layer pre-RMSNorm transformer, d={cfg['d']}, 4 heads, FFN "
+      f"2-layer pre-LayerNorm transformer (nnx.MultiHeadAttention), d={cfg['d']}, 4 heads, FFN "
       f"{4 * cfg['d']}, context {cfg['context']}, batch {cfg['batch']}, "
       f"{steps} steps; attention and MLP kernels projected at rank {_RANK.value}, "
       f"T={_GAP.value}, scale 1 (embeddings, head, norms: plain Adam). "
