@@ -128,7 +128,6 @@ def _plans(
 
 # -- per-leaf mathematics ------------------------------------------------------
 
-_mT = lambda a: jnp.swapaxes(a, -1, -2)
 _mm = lambda a, b: jnp.matmul(a, b, precision=_HIGHEST)
 
 
@@ -170,7 +169,11 @@ def _statistic(
     left: which side's statistic.
   """
   if per_example is None:
-    outer = _mm(x, _mT(x)) if left else _mm(_mT(x), x)
+    outer = (
+      _mm(x, jnp.matrix_transpose(x))
+      if left
+      else _mm(jnp.matrix_transpose(x), x)
+    )
     return outer / side_dim
   pattern = "kbmn,kbpn->bmp" if left else "kbmn,kbmp->bnp"
   outer = jnp.einsum(pattern, per_example, per_example, precision=_HIGHEST)
@@ -294,8 +297,12 @@ def _update_factors(
     stat = _statistic(y, ype, n, True)
     p, wp = _refresh_factor(p, wp, stat, m, refresh, opts)
   if plan.right:
-    z = _mm(_mT(wp), gm) if plan.left else gm
-    zpe = None if pe is None else (_mm(_mT(wp), pe) if plan.left else pe)
+    z = _mm(jnp.matrix_transpose(wp), gm) if plan.left else gm
+    zpe = (
+      None
+      if pe is None
+      else (_mm(jnp.matrix_transpose(wp), pe) if plan.left else pe)
+    )
     stat = _statistic(z, zpe, m, False)
     q, wq = _refresh_factor(q, wq, stat, n, refresh, opts)
   return p, q, wp, wq
@@ -322,7 +329,7 @@ def _direction(
   """``P^{-1/2} Polar(M) Q^{-1/2}`` (optionally grafted to Polar's norm)."""
   if opts.momentum_space == "original":  # Whiten after accumulation.
     if plan.left:
-      mu_hat = jnp.matmul(_mT(wp), mu_hat)
+      mu_hat = jnp.matmul(jnp.matrix_transpose(wp), mu_hat)
     if plan.right:
       mu_hat = jnp.matmul(mu_hat, wq)
   ortho = _matrix_roots.newton_schulz_polar(
@@ -332,7 +339,7 @@ def _direction(
   if plan.left:
     delta = jnp.matmul(wp, delta)
   if plan.right:
-    delta = jnp.matmul(delta, _mT(wq))
+    delta = jnp.matmul(delta, jnp.matrix_transpose(wq))
   if opts.grafting == "muon_norm":
     fro = lambda a: jnp.sqrt(
       jnp.sum(jnp.square(a), axis=(-2, -1), keepdims=True)
@@ -376,7 +383,7 @@ def _leaf_update(
   x = gm
   if opts.momentum_space == "whitened":
     if plan.left:
-      x = _mm(_mT(wp), x)
+      x = _mm(jnp.matrix_transpose(wp), x)
     if plan.right:
       x = jnp.matmul(x, wq)
   mu_prev = view.to_matrices(mu).astype(sd)

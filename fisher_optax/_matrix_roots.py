@@ -49,10 +49,6 @@ QUINTIC_NS_COEFFS: tuple[float, float, float] = (3.4445, -4.7750, 2.0315)
 CUBIC_NS_COEFFS: tuple[float, float, float] = (1.5, -0.5, 0.0)
 
 
-def _mT(a: jax.Array) -> jax.Array:
-  return jnp.swapaxes(a, -1, -2)
-
-
 def _batched_eye(a: jax.Array, dtype: Any = None) -> jax.Array:
   n = a.shape[-1]
   eye = jnp.eye(n, dtype=dtype or a.dtype)
@@ -114,7 +110,7 @@ def newton_schulz_polar(
     raise ValueError(f"newton_schulz_polar needs a matrix, got {x.shape}.")
   transposed = x.shape[-2] > x.shape[-1]
   if transposed:
-    x = _mT(x)
+    x = jnp.matrix_transpose(x)
   norm = jnp.linalg.norm(x, ord="fro", axis=(-2, -1), keepdims=True)
   x = x / (norm + eps)
   coeff_arr = coeff_arr.astype(x.dtype)
@@ -124,10 +120,10 @@ def newton_schulz_polar(
     else [coeff_arr] * steps
   )
   for abc in schedule:
-    gram = x @ _mT(x)
+    gram = x @ jnp.matrix_transpose(x)
     poly = abc[1] * gram + abc[2] * gram @ gram  # (c A) A, as optax.
     x = abc[0] * x + poly @ x
-  return _mT(x) if transposed else x
+  return jnp.matrix_transpose(x) if transposed else x
 
 
 def _floor_eigenvalues(evals: jax.Array, floor: Any) -> jax.Array:
@@ -175,7 +171,9 @@ def matrix_inverse_root_eigh(
   evals, evecs = jnp.linalg.eigh(linalg.symmetrize(a))
   evals = _floor_eigenvalues(evals, floor)
   scaled = evecs * (evals ** (-1.0 / p))[..., None, :]
-  return linalg.symmetrize(jnp.matmul(scaled, _mT(evecs), precision=_HIGHEST))
+  return linalg.symmetrize(
+    jnp.matmul(scaled, jnp.matrix_transpose(evecs), precision=_HIGHEST)
+  )
 
 
 def _power_iteration_max_eig(a: jax.Array, iters: int) -> jax.Array:
@@ -289,7 +287,7 @@ def matrix_inverse_root_newton(
     m0 = a
   else:
     h0 = init.astype(a.dtype)
-    m0 = linalg.symmetrize(mm(_mT(h0), mm(a, h0)))
+    m0 = linalg.symmetrize(mm(jnp.matrix_transpose(h0), mm(a, h0)))
   # Scale: M0 / c with c ~ lambda_max(M0), H0 * c^{-1/p}.
   c = _power_iteration_max_eig(m0, power_iters)
   c = jnp.where(jnp.isfinite(c) & (c > 0), c, 1.0)[..., None, None]
@@ -357,4 +355,4 @@ def cholesky_whitening(
   a = a + jnp.maximum(floor * mean, jnp.finfo(a.dtype).tiny) * eye
   chol = jnp.linalg.cholesky(a)
   linv = jax.scipy.linalg.solve_triangular(chol, eye, lower=True)
-  return _mT(linv)
+  return jnp.matrix_transpose(linv)

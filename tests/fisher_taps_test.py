@@ -220,6 +220,19 @@ def _pseudo_grads(apply_fn, params, inputs, cot):
   return fisher_testing.unravel_like(params, g)
 
 
+def _gaussian_kfac(apply_fn, params, x, out_dim, mode):
+  """``fisher.kronecker`` (K-FAC, empirical, Gaussian) of ``(x, 0)``."""
+  return fisher.kronecker(
+    apply_fn,
+    params,
+    (x, jnp.zeros((x.shape[0], out_dim))),
+    likelihood=fisher.Gaussian(),
+    kind="empirical",
+    estimator="kfac",
+    weight_sharing=mode,
+  )
+
+
 def _leaf_values(tree):
   return jax.tree.leaves(tree, is_leaf=lambda x: x is None)
 
@@ -540,15 +553,7 @@ class LayerStatisticsTest(parameterized.TestCase):
       g = _pseudo_grads(apply_fn, params, x[:1, :1], cot[:, :1])["q"]
       g = g.reshape(S, -1)
       _assert_close(self, jnp.kron(a_sum, gamma), g.T @ g)
-      stat = fisher.kronecker(
-        apply_fn,
-        params,
-        (x, jnp.zeros((B, 5))),
-        likelihood=fisher.Gaussian(),
-        kind="empirical",
-        estimator="kfac",
-        weight_sharing=mode,
-      )
+      stat = _gaussian_kfac(apply_fn, params, x, 5, mode)
       self.assertEqual(stat.estimator, "kfac")
       self.assertEqual(stat.left["q"].shape, (4, 4))
       self.assertEqual(stat.right["q"].shape, (6, 6))
@@ -593,8 +598,10 @@ class LayerStatisticsTest(parameterized.TestCase):
         "w": jax.random.normal(k[0], (num_layers, 4, 2, 2)) / 2,
         "b": jax.random.normal(k[1], (num_layers, 2, 2)) / 4,
       }
-      flat = {f"w{i}": params["w"][i] for i in range(num_layers)}
-      flat.update({f"b{i}": params["b"][i] for i in range(num_layers)})
+      unstack = lambda tree: {
+        f"{n}{i}": tree[n][i] for n in ("w", "b") for i in range(num_layers)
+      }
+      flat = unstack(params)
       x = jax.random.normal(k[2], (B, T, 4))
       cov = _taps.coverage(scanned, params, x)
       self.assertTrue(cov["w"].kronecker and cov["b"].kronecker, cov)
@@ -610,33 +617,13 @@ class LayerStatisticsTest(parameterized.TestCase):
           for j in (0, 1):
             with self.subTest(f"{name}{i}/{j}"):
               _assert_close(self, got[name][j][i], want[f"{name}{i}"][j])
-      stat = fisher.kronecker(
-        scanned,
-        params,
-        (x, jnp.zeros((B, 4))),
-        likelihood=fisher.Gaussian(),
-        kind="empirical",
-        weight_sharing=mode,
-      )
+      stat = _gaussian_kfac(scanned, params, x, 4, mode)
       self.assertEqual(stat.estimator, "kfac")
       per_layer = fisher.KroneckerFisher(
-        {
-          f"{n}{i}": stat.left[n][i]
-          for n in ("w", "b")
-          for i in range(num_layers)
-        },
-        {
-          f"{n}{i}": stat.right[n][i]
-          for n in ("w", "b")
-          for i in range(num_layers)
-        },
-        None,
-        stat.count,
+        unstack(stat.left), unstack(stat.right), None, stat.count
       )
       v = jax.tree.map(jnp.cos, params)
-      v_flat = {
-        f"{n}{i}": v[n][i] for n in ("w", "b") for i in range(num_layers)
-      }
+      v_flat = unstack(v)
       for method, args in (
         ("matvec", ()),
         ("solve", (1e-2,)),

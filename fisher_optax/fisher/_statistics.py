@@ -234,10 +234,6 @@ def _as_factor_matrix(
   return numerics.widen(x).reshape(*lead, m, n)
 
 
-def _t(a: jax.Array) -> jax.Array:
-  return jnp.swapaxes(a, -1, -2)
-
-
 @dataclasses.dataclass(frozen=True)
 class KroneckerFisher:
   """Per-leaf Kronecker-factored Fisher ``F_leaf = left ⊗ right``.
@@ -305,8 +301,10 @@ class KroneckerFisher:
     def leaf(l, r, x):
       m = _as_factor_matrix(l, r, x)
       (qa, qb), denom = _kron_eigen(l, r, damping)
-      inner = (_t(qa) @ m @ qb) / denom
-      return (qa @ inner @ _t(qb)).reshape(x.shape).astype(x.dtype)
+      inner = (jnp.matrix_transpose(qa) @ m @ qb) / denom
+      return (
+        (qa @ inner @ jnp.matrix_transpose(qb)).reshape(x.shape).astype(x.dtype)
+      )
 
     return jax.tree.map(leaf, self.left, self.right, v)
 
@@ -321,7 +319,9 @@ class KroneckerFisher:
 
     def leaf(l, r):
       (qa, qb), denom = _kron_eigen(l, r, damping)
-      return jnp.square(qa) @ (1.0 / denom) @ _t(jnp.square(qb))
+      return (
+        jnp.square(qa) @ (1.0 / denom) @ jnp.matrix_transpose(jnp.square(qb))
+      )
 
     return self._shaped_like(jax.tree.map(leaf, self.left, self.right), like)
 

@@ -1177,8 +1177,7 @@ def _gram_by_input_blocks(
 
   if count == 1:
     return gram(0)
-  init = _zeros_varying((n, n), dtype, [a, d])
-  return lax.scan(lambda t, i: (t + gram(i), None), init, jnp.arange(count))[0]
+  return _loop_sum(gram, count, (n, n), dtype, [a, d])
 
 
 def _combine_dense(w: Array, a: Array, d: Array) -> Array:
@@ -1212,13 +1211,12 @@ def _combine_dense(w: Array, a: Array, d: Array) -> Array:
   a = jnp.pad(a, ((0, pad), (0, 0), (0, 0)))
   d = jnp.pad(d, ((0, 0), (0, pad), (0, 0), (0, 0)))
 
-  def add(total, c):
+  def one(c):
     sl = lambda x, axis: lax.dynamic_slice_in_dim(x, c * chunk, chunk, axis)
-    return total + part(sl(w, 2), sl(a, 0), sl(d, 1)), None
+    return part(sl(w, 2), sl(a, 0), sl(d, 1))
 
   dtype = jnp.promote_types(w.dtype, jnp.promote_types(a.dtype, d.dtype))
-  init = _zeros_varying((k, i, j), dtype, [w, a, d])
-  return lax.scan(add, init, jnp.arange(count))[0]
+  return _loop_sum(one, count, (k, i, j), dtype, [w, a, d])
 
 
 def _loop_over_examples() -> bool:
@@ -1237,16 +1235,15 @@ def _sum_sq_example_grads(a: Array, d: Array) -> Array:
   """``sum_{s,n} (a_n^T d_{s,n})^2`` for ``a`` ``(B, T, K)`` and ``d`` ``(S,
   B, T, O)``: a scan over examples, one ``(K, T) x (T, S * O)`` matmul each."""
   dtype = jnp.promote_types(a.dtype, d.dtype)
-  k, o = a.shape[-1], d.shape[-1]
 
-  def step(total, xs):
-    a_n, n = xs
+  def one(n):
+    a_n = lax.dynamic_index_in_dim(a, n, axis=0, keepdims=False)  # (T, K)
     d_n = lax.dynamic_index_in_dim(d, n, axis=1, keepdims=False)  # (S, T, O)
     g = jnp.einsum("tk,sto->kso", a_n, d_n)
-    return total + jnp.sum(g * g, axis=1), None
+    return jnp.sum(g * g, axis=1)
 
-  init = _zeros_varying((k, o), dtype, [a, d])
-  return lax.scan(step, init, (a, jnp.arange(a.shape[0])))[0]
+  shape = (a.shape[-1], d.shape[-1])
+  return _loop_sum(one, a.shape[0], shape, dtype, [a, d])
 
 
 def _conv_kernel_grads(eqn, x: Array, delta: Array) -> Array:
@@ -1797,12 +1794,8 @@ class LayerGrads:
     shape = tuple(np.shape(self._tape._leaves[leaf]))
     dtype = jnp.result_type(*(v[0][2].dtype for v in views))
     if structure == "diag":
-
-      def add(total, j):
-        return total + jnp.sum(grads(j)[1] ** 2, axis=0), None
-
-      init = _zeros_varying(shape, dtype, views)
-      return lax.scan(add, init, jnp.arange(count))[0]
+      square = lambda j: jnp.sum(grads(j)[1] ** 2, axis=0)
+      return _loop_sum(square, count, shape, dtype, views)
 
     num = self.num_samples * self._tape.batch
     rows = lambda j: grads(j)[1].reshape(chunk, -1)
@@ -1835,15 +1828,25 @@ class LayerGrads:
       )
       shape = tuple(np.shape(self._tape._leaves[leaf]))
 
-      def add(total, j, w=w, grads=grads):
+      def weighted(j, w=w, grads=grads):
         rows, g = grads(j)
-        return total + jnp.tensordot(w[:, rows], g, 1), None
+        return jnp.tensordot(w[:, rows], g, 1)
 
-      init = _zeros_varying(
-        (w.shape[0],) + shape, jnp.promote_types(w.dtype, dtype), [w, views]
+      out_dtype = jnp.promote_types(w.dtype, dtype)
+      out[leaf] = _loop_sum(
+        weighted, count, (w.shape[0],) + shape, out_dtype, [w, views]
       )
-      out[leaf] = lax.scan(add, init, jnp.arange(count))[0]
     return out
+
+
+def _loop_sum(
+  fn: Callable[[Array], Array], count: int, shape, dtype, like: Any
+) -> Array:
+  """``sum_{j < count} fn(j)`` as a ``scan`` (one ``fn(j)`` live at a time),
+  the carry varying like ``like`` under ``shard_map``."""
+  init = _zeros_varying(shape, dtype, like)
+  add = lambda total, j: (total + fn(j).astype(dtype), None)
+  return lax.scan(add, init, jnp.arange(count))[0]
 
 
 def _zeros_varying(shape, dtype, like: Any) -> Array:

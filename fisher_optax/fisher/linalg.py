@@ -179,7 +179,7 @@ def _woodbury_apply(
 
 def symmetrize(a: jax.Array) -> jax.Array:
   """``(A + A^T) / 2`` over the last two axes."""
-  return 0.5 * (a + jnp.swapaxes(a, -1, -2))
+  return 0.5 * (a + jnp.matrix_transpose(a))
 
 
 def stacked_push_rows(
