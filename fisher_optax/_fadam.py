@@ -108,10 +108,8 @@ class _Hyper(NamedTuple):
 class _LeafPlan(NamedTuple):
   """Pass 1's per-leaf results: the clips as scalar coefficients."""
 
-  g: jax.Array  # The gradient in the compute dtype.
-  sq: jax.Array  # The instantaneous Fisher diagonal.
+  dtype: Any  # The compute dtype.
   b2_hat: jax.Array
-  f: jax.Array  # The new Fisher diagonal (before the policy).
   eps_term: jax.Array
   coef_n: jax.Array  # (1 - b1) / max(1, RMS(n) / c).
   coef_w: jax.Array | None  # lambda / max(1, RMS(w) / c); None: no decay.
@@ -404,13 +402,8 @@ def _debiased_b2(b2: Any, count: jax.typing.ArrayLike) -> jax.Array:
 
 def _mean_square(x: jax.Array) -> jax.Array:
   # A reduction, not a dot: a dot over sharded axes needs an explicit
-  # out_sharding under explicit-sharding meshes. Rows first: XLA:CPU fuses
-  # the producer of x (g / d) into a row reduction, while it hands a whole
-  # reduction of a square to a library kernel that needs x in memory.
-  sq = jnp.square(x)
-  if x.ndim > 1:
-    sq = jnp.sum(sq, axis=-1)
-  return jnp.sum(sq) / x.size
+  # out_sharding under explicit-sharding meshes.
+  return jnp.sum(jnp.square(x)) / x.size
 
 
 def _eps_term(ms_g: jax.Array, cd: jnp.dtype, hp: _Hyper) -> jax.Array:
@@ -433,6 +426,30 @@ def _denominator(f: jax.Array, eps_term: jax.Array, hp: _Hyper) -> jax.Array:
   return power + eps_term
 
 
+def _fresh(xs: Any, after: Any) -> Any:
+  """``xs`` unchanged, but a value XLA cannot merge with other uses of them.
+
+  XLA keeps an elementwise value that two fusions read (the new Fisher, a
+  denominator, even a scalar broadcast to the leaf's shape) in memory. On
+  XLA:CPU with a donated state that is a leaf-sized temporary, allocated and
+  page-faulted anew at every step, and one that lives across the policy's
+  all-leaf decision is as large as all leaves together. So each sweep over
+  a leaf derives its terms from its own fresh inputs and recomputes them,
+  which costs arithmetic only. ``after`` (a scalar the sweep follows) makes
+  two barriers over the same arrays distinct.
+  """
+  return jax.lax.optimization_barrier((xs, after))[0]
+
+
+def _new_fisher(
+  g: jax.Array, f_old: jax.Array, sq: jax.Array | None, bh: jax.Array, cd: Any
+) -> tuple[jax.Array, jax.Array]:
+  """The gradient in the compute dtype and the new Fisher diagonal."""
+  g32 = jnp.asarray(g, cd)
+  sq = jnp.square(g32) if sq is None else jnp.asarray(sq, cd)
+  return g32, bh * f_old.astype(cd) + (1.0 - bh) * sq
+
+
 def _leaf_plan(
   g: jax.Array,
   f_old: jax.Array,
@@ -447,21 +464,25 @@ def _leaf_plan(
   The clips become scalar coefficients, so pass 2 fuses into one sweep.
   """
   cd = numerics.compute_dtype(g)
-  g32 = jnp.asarray(g, cd)
   bh = b2_hat.astype(cd)
-  sq = jnp.square(g32) if sq is None else jnp.asarray(sq, cd)
-  ms_g = _mean_square(g32)
+  ms_g = _mean_square(jnp.asarray(g, cd))
   eps_term = _eps_term(ms_g, cd, hp)
-  f = bh * f_old.astype(cd) + (1.0 - bh) * sq
-  d = _denominator(f, eps_term, hp)
-  ms_n = _mean_square(g32 / d)
+
+  def ms_over_d(x: jax.Array | None, after: Any) -> jax.Array:
+    """ms(x / d), x = g when None, from fresh inputs (see :func:`_fresh`)."""
+    g_, f_, sq_, x, bh_, eps_ = _fresh((g, f_old, sq, x, bh, eps_term), after)
+    g32, f = _new_fisher(g_, f_, sq_, bh_, cd)
+    x = g32 if x is None else jnp.asarray(x, cd)
+    return _mean_square(x / _denominator(f, eps_, hp))
+
+  ms_n = ms_over_d(None, ms_g)
   coef_n = (1.0 - hp.b1) / jnp.maximum(1.0, jnp.sqrt(ms_n) / hp.clip)
   coef_w, mean_squares = None, (ms_g, ms_n)
   if decay:
-    ms_w = _mean_square(jnp.asarray(theta, cd) / d)
+    ms_w = ms_over_d(theta, ms_n)
     coef_w = hp.weight_decay / jnp.maximum(1.0, jnp.sqrt(ms_w) / hp.clip)
     mean_squares += (ms_w,)
-  return _LeafPlan(g32, sq, bh, f, eps_term, coef_n, coef_w, mean_squares)
+  return _LeafPlan(cd, bh, eps_term, coef_n, coef_w, mean_squares)
 
 
 def _leaf_step(
@@ -470,28 +491,34 @@ def _leaf_step(
   m_old: jax.Array,
   f_old: jax.Array,
   theta: jax.Array | None,
+  sq: jax.Array | None,
   ok: jax.Array,
   fill: jax.Array,
   hp: _Hyper,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Pass 2: one leaf's output, momentum and Fisher after the policy.
 
-  ``ok`` False keeps the old statistics and outputs ``fill``. ``d`` comes
-  from the stored new Fisher and the output reads the stored momentum, not
-  from pass 1's values: XLA:CPU keeps an intermediate that two fusions read
-  in memory (with a donated state, a temporary allocated at every step),
-  and a second read of the old momentum would make it copy the state.
+  ``ok`` False keeps the old statistics and outputs ``fill``. The new
+  Fisher is recomputed from the inputs, and the weight-decay term takes its
+  own denominator (see :func:`_fresh`); the output reads the stored
+  momentum, since a second read of the old momentum would make XLA copy a
+  donated state.
   """
-  g32, cd = plan.g, plan.g.dtype
-  f_new = jnp.where(ok, plan.f, f_old.astype(cd)).astype(f_old.dtype)
-  d = _denominator(
-    f_new.astype(cd) if f_new.dtype == cd else plan.f, plan.eps_term, hp
+  cd = plan.dtype
+  g, f_old, sq, scalars = _fresh((g, f_old, sq, tuple(plan[1:])), ok)
+  plan = _LeafPlan(cd, *scalars)
+  g32, f = _new_fisher(g, f_old, sq, plan.b2_hat, cd)
+  f_new = jnp.where(ok, f, f_old.astype(cd)).astype(f_old.dtype)
+  f_d = f_new.astype(cd) if f_new.dtype == cd else f
+  m = hp.b1 * m_old.astype(cd) + plan.coef_n * (
+    g32 / _denominator(f_d, plan.eps_term, hp)
   )
-  m = hp.b1 * m_old.astype(cd) + plan.coef_n * (g32 / d)
   m_new = jnp.where(ok, m, m_old.astype(cd)).astype(m_old.dtype)
   out = m_new.astype(cd) if m_new.dtype == cd else m
   if plan.coef_w is not None:
-    out = out + plan.coef_w * (jnp.asarray(theta, cd) / d)
+    f_w, eps_w = _fresh((f_d, plan.eps_term), m_new)
+    d_w = _denominator(f_w, eps_w, hp)
+    out = out + plan.coef_w * (jnp.asarray(theta, cd) / d_w)
   out = jnp.where(ok, out, fill.astype(cd))
   return out.astype(jnp.result_type(g)), m_new, f_new
 
@@ -499,7 +526,7 @@ def _leaf_step(
 def _narrows(stored: jax.Array, plan: _LeafPlan) -> bool:
   """Whether storing a statistic can overflow (e.g. a float16 ``fim``)."""
   big = lambda dt: jnp.finfo(dt).max
-  return bool(big(stored.dtype) < big(plan.g.dtype))
+  return bool(big(stored.dtype) < big(plan.dtype))
 
 
 def _fadam_update(
@@ -545,9 +572,9 @@ def _fadam_update(
   true, zero = jnp.asarray(True), jnp.zeros([])  # candidates, no policy
   narrow = [
     new
-    for g, plan, m, f, theta in zip(grads, plans, mus, fims, thetas)
+    for g, plan, m, f, theta, sq in zip(grads, plans, mus, fims, thetas, stats)
     if plan is not None and (_narrows(m, plan) or _narrows(f, plan))
-    for new in _leaf_step(g, plan, m, f, theta, true, zero, hp)[1:]
+    for new in _leaf_step(g, plan, m, f, theta, sq, true, zero, hp)[1:]
   ]
   if narrow:  # statistics stored narrower than computed may overflow
     ok = ok & numerics.tree_all_finite(narrow)
@@ -561,8 +588,8 @@ def _fadam_update(
   steps = [
     (g, m, f)
     if plan is None
-    else _leaf_step(g, plan, m, f, theta, ok, fill, hp)
-    for g, plan, m, f, theta in zip(grads, plans, mus, fims, thetas)
+    else _leaf_step(g, plan, m, f, theta, sq, ok, fill, hp)
+    for g, plan, m, f, theta, sq in zip(grads, plans, mus, fims, thetas, stats)
   ]
   outs, new_mus, new_fims = zip(*steps) if steps else ((), (), ())
   nf = state.notfinite_count
