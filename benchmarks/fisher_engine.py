@@ -23,15 +23,20 @@ timed against ``jax.value_and_grad`` of the mean loss in the same process
   forward and one backward pass (``_taps.record(...).gradient``), the floor
   the engine can reach.
 
-For the MLP each ratio has its floor: the flops the estimator's math needs
-over the batch gradient's, counted for dense layers (``fwd`` = ``2 B P``;
-the gradient adds ``2 B P`` for the weights and ``2 B P'`` to carry the
-cotangent back through every layer but the first, ``P'`` their weights; a
-diagonal adds ``2 B P`` for ``(a^2)^T delta^2``; each further cotangent
-(MC sample, class of the exact Fisher) another ``2 B P'``; K-FAC
-``2 B (d_in^2 + d_out^2)`` per layer; top-k low rank the ghost Gram
-``2 B^2 (d_in + d_out)`` per layer and ``2 k B P`` to form its ``k``
-directions). A ratio under its floor means the estimator's matmuls run
+Each ratio has its floor: the flops the estimator's math needs over the
+batch gradient's, counted over the model's contractions (``Site``: a
+``k -> o`` matmul at ``rows`` positions per example; ``P`` = the sum of
+``rows k o``, ``P'`` the same over the layers that carry the cotangent on to
+their input). The gradient is ``2 B P`` forward, ``2 B P`` for the weights
+and ``2 B P'`` backward, plus attention scores (``4 T^2 d`` forward, twice
+that backward, per block) and, under ``nn.remat``, the blocks' forward
+again; a diagonal adds ``2 B P`` (``(a^2)^T delta^2``, or the per-example
+products of a weight-shared layer); each further cotangent (MC sample,
+class of the exact Fisher) another backward pass, and with weight sharing
+its own per-example products; K-FAC ``2 B rows (k^2 + o^2)`` per layer,
+one input factor for q, k and v; top-k low rank (dense layers only) the
+ghost Gram ``2 B^2 (k + o)`` per layer and ``2 k B P`` to form its ``k``
+directions. A ratio under its floor means the estimator's matmuls run
 closer to the machine's peak than the gradient's own.
 
 Memory is XLA's temp bytes of the compiled function. Run from the repository
@@ -48,7 +53,7 @@ from collections.abc import Callable
 import functools
 import json
 import pathlib
-from typing import Any
+from typing import Any, NamedTuple
 
 from absl import app
 from absl import flags
@@ -169,26 +174,115 @@ def make_model(name: str, small: bool):
   return model.apply, params, (side, side, 1)
 
 
-def mlp_flop_floors(
-  dims: list[tuple[int, int]], batch: int, rank: int = 8
+class Site(NamedTuple):
+  """A parameter contraction, per example: ``rows`` positions (sequence or
+  output pixels; 1 for a plain dense layer) of a ``k -> o`` matmul;
+  ``carries`` if the cotangent goes on to the layer's input."""
+
+  rows: int
+  k: int
+  o: int
+  carries: bool = True
+
+
+def flop_floors(
+  sites: list[Site],
+  batch: int,
+  rank: int = 8,
+  fwd_other: float = 0.0,
+  back_other: float = 0.0,
+  kfac_inputs: list[tuple[int, int]] | None = None,
 ) -> dict[str, float]:
-  """Flops each estimator's math needs / the batch gradient's (see above)."""
+  """Flops each estimator's math needs / the batch gradient's (see above).
+
+  ``fwd_other``/``back_other``: per-example flops outside the sites (e.g.
+  attention scores), forward and backward. ``kfac_inputs``: the distinct
+  layer inputs ``(rows, k)`` (q, k and v read one input: one factor).
+  """
   b = batch
-  p = sum(i * o for i, o in dims)
-  back = sum(i * o for i, o in dims[1:])  # cotangent carried to layer inputs
-  grad = 2 * b * p + 2 * b * p + 2 * b * back
+  p = sum(s.rows * s.k * s.o for s in sites)  # one weight gradient's worth
+  back = sum(s.rows * s.k * s.o for s in sites if s.carries)
+  grad = b * (4 * p + 2 * back + fwd_other + back_other)
   diag = 2 * b * p
-  kfac = sum(2 * b * (i * i + o * o) for i, o in dims)
-  gram = sum(2 * b * b * (i + o) for i, o in dims)
+  shared = any(s.rows > 1 for s in sites)
+  cotangent = b * (2 * back + back_other)  # one more backward pass
+  inputs = kfac_inputs or [(s.rows, s.k) for s in sites]
+  kfac = (
+    2
+    * b
+    * (sum(r * k * k for r, k in inputs) + sum(s.rows * s.o**2 for s in sites))
+  )
   flops = {
     "diag empirical / auto": grad + diag,
-    "diag mc-1 / auto": grad + 2 * b * back + diag,
-    "diag exact / auto": grad + NUM_CLASSES * 2 * b * back + diag,
+    "diag mc-1 / auto": grad + cotangent + diag,
+    # Without weight sharing one (a^2)^T (sum_c delta_c^2) serves all
+    # classes; with it, each class needs its own per-example products.
+    "diag exact / auto": grad
+    + NUM_CLASSES * cotangent
+    + (NUM_CLASSES if shared else 1) * diag,
     "kron (K-FAC) / auto": grad + kfac,
-    "top-8 low rank / auto": grad + gram + 2 * rank * b * p,
     "taps one pass (grad + diag emp.)": grad + diag,
   }
+  if not shared:  # the ghost Gram of a dense layer: 2 B^2 (k + o)
+    gram = sum(2 * b * b * (s.k + s.o) for s in sites)
+    flops["top-8 low rank / auto"] = grad + gram + 2 * rank * b * p
   return {k: v / grad for k, v in flops.items()}
+
+
+def model_sites(
+  model_name: str, params: Any, in_shape: tuple[int, ...]
+) -> tuple[list[Site], dict[str, Any]]:
+  """The benchmark models' contractions, for :func:`flop_floors`."""
+  leaves = jax.tree_util.tree_leaves_with_path(params)
+  kernels = [
+    (jax.tree_util.keystr(k), v.shape)
+    for k, v in leaves
+    if "kernel" in jax.tree_util.keystr(k)
+  ]
+  if model_name == "mlp":
+    return [
+      Site(1, s[0], s[1], carries=i > 0) for i, (_, s) in enumerate(kernels)
+    ], {}
+  if model_name == "cnn":
+    side = in_shape[0]
+    sites, rows = [], side * side
+    for i, (_, s) in enumerate(kernels):
+      if len(s) == 4:  # SAME padding; the second conv has stride 2
+        rows = rows if i == 0 else rows // 4
+        sites.append(Site(rows, s[0] * s[1] * s[2], s[3], carries=i > 0))
+      else:
+        sites.append(Site(1, s[0], s[1]))
+    return sites, {}
+  # Transformers: every block matmul runs at each of the T positions, the
+  # head (after mean pooling) once; attention scores (QK^T, AV) cost 4 T^2 d
+  # forward and twice that backward, per block; the embedding has only its
+  # output factor (its input factor is a diagonal of token counts). Blocks
+  # stacked by nn.scan over nn.remat run their forward twice.
+  t = in_shape[0]
+  d = int(params["params"]["Embed_0"]["embedding"].shape[1])
+  sites, inputs, blocks, block_flops = [], [], 0, 0
+  for name, s in kernels:
+    if "'blocks'" not in name and "_Block_" not in name:  # the head
+      sites.append(Site(1, s[0], s[-1]))
+      inputs.append((1, s[0]))
+      continue
+    n = s[0] if "'blocks'" in name else 1
+    s = s[1:] if "'blocks'" in name else s
+    k = int(np.prod(s[:-1])) if "'out'" in name else int(s[0])
+    o = int(s[-1]) if "'out'" in name else int(np.prod(s[1:]))
+    sites += [Site(t, k, o)] * n
+    block_flops += 2 * n * t * k * o
+    if "'key'" not in name and "'value'" not in name:
+      inputs += [(t, k)] * n  # q, k and v read one input
+    blocks += n if "'query'" in name else 0
+  sites.append(Site(t, 1, d, carries=False))
+  attention = 4.0 * t * t * d * blocks
+  remat = block_flops + attention if model_name == "transformer_scan" else 0
+  return sites, {
+    "fwd_other": attention + remat,
+    "back_other": 2 * attention,
+    "kfac_inputs": inputs,
+  }
 
 
 def estimators(apply_fn, chunk: int) -> dict[str, tuple[Callable, bool]]:
@@ -294,10 +388,8 @@ def run_one(
   )
   total = sum(int(np.prod(l.shape)) for l in jax.tree.leaves(params))
 
-  floors = {}
-  if model_name == "mlp":
-    dims = [l.shape for l in jax.tree.leaves(params) if l.ndim == 2]
-    floors = mlp_flop_floors([(int(i), int(o)) for i, o in dims], batch)
+  sites, extra = model_sites(model_name, params, in_shape)
+  floors = flop_floors(sites, batch, **extra)
   rows: dict[str, dict[str, Any]] = {}
   jitted = {}
   for name, (fn, slow) in fns.items():
@@ -391,7 +483,7 @@ def to_markdown(
       "wall time / the jitted batch gradient in the same process "
       "(median of within-round ratios); the batch-gradient row "
       "gives its absolute median time"
-      + ("; in parentheses, the flop floor." if model == "mlp" else ".")
+      + "; in parentheses, the flop floor (see the script's docstring)."
       + "\n"
     )
     out.append(common.markdown_table(header, table))
