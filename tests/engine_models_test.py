@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from absl.testing import absltest
 
-from benchmarks import fisher_engine as fe
+from benchmarks import engine_models as fe
 
 
 class FlopFloorsTest(absltest.TestCase):
