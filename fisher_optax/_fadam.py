@@ -131,10 +131,15 @@ def _checked_hyper(
   validation.check_positive("eps", eps, allow_zero=True)
   validation.check_positive("eps2", eps2, allow_zero=True)
   validation.check_positive("clip", clip)
-  validation.check_positive("p", p)
+  if p is not None:
+    validation.check_positive("p", p)
   validation.check_positive("weight_decay", weight_decay, allow_zero=True)
   validation.check_choice("eps_mode", eps_mode, _EPS_MODES)
-  sqrt_p = isinstance(p, (int, float)) and p == 0.5
+  # None (the default) is a static 1/2, also under inject_hyperparams, which
+  # traces numbers: a traced p needs a general power, about 1.4x the cost
+  # of a whole train step on XLA:CPU.
+  sqrt_p = p is None or (isinstance(p, (int, float)) and p == 0.5)
+  p = 0.5 if p is None else p
   return _Hyper(b1, eps, eps2, clip, p, weight_decay, eps_mode, sqrt_p)
 
 
@@ -144,7 +149,7 @@ def scale_by_fadam(
   eps: float = 1e-8,
   eps2: float = 1e-2,
   clip: float = 1.0,
-  p: float = 0.5,
+  p: float | None = None,
   weight_decay: float = 0.1,
   weight_decay_mask: MaskOrFn = None,
   mu_dtype: jax.typing.DTypeLike | None = None,
@@ -187,7 +192,10 @@ def scale_by_fadam(
       with ``eps_mode="v3"``).
     clip: RMS bound :math:`c` of each leaf's natural gradient and decay
       direction; ``float("inf")`` disables both clips.
-    p: power of the Fisher in the preconditioner (``0.5``: Adam).
+    p: power of the Fisher in the preconditioner. ``None`` (default) is
+      ``1/2``, Adam's square root, kept static under
+      :func:`optax.inject_hyperparams`; a number there is injected and
+      traced, so the denominator takes a general power (slower).
     weight_decay: :math:`\lambda`, the Fisher-preconditioned weight decay.
     weight_decay_mask: a tree of static bools with the params' structure (or
       a prefix of it, or a callable ``params -> tree``); leaves marked
@@ -271,7 +279,7 @@ def fadam(
   eps: float = 1e-8,
   eps2: float = 1e-2,
   clip: float = 1.0,
-  p: float = 0.5,
+  p: float | None = None,
   weight_decay: float = 0.1,
   weight_decay_mask: MaskOrFn = None,
   mu_dtype: jax.typing.DTypeLike | None = None,
@@ -310,7 +318,8 @@ def fadam(
     eps: upper bound of the adaptive epsilon.
     eps2: factor of the gradient's RMS in the adaptive epsilon.
     clip: RMS bound of each leaf's natural gradient and decay direction.
-    p: power of the Fisher in the preconditioner.
+    p: power of the Fisher in the preconditioner; ``None``: ``1/2``, static
+      under :func:`optax.inject_hyperparams` (see :func:`scale_by_fadam`).
     weight_decay: strength of the Fisher-preconditioned weight decay.
     weight_decay_mask: bool tree or callable; ``False`` leaves are not
       decayed.
