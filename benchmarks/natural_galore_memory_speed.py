@@ -184,6 +184,45 @@ def step_floors(shapes, rank: int, s: int, batch: int = 8) -> dict[str, float]:
   }
 
 
+def _params_and_grads(shapes: dict) -> tuple[dict, dict]:
+  """Random params of ``shapes`` and gradients proportional to them."""
+  key = jax.random.key(0)
+  params = {
+    k: jax.random.normal(jax.random.fold_in(key, i), v.shape)
+    for i, (k, v) in enumerate(shapes.items())
+  }
+  return params, jax.tree.map(lambda p: 0.01 * p, params)
+
+
+def _pair(rank: int, s: int, **kw) -> dict[str, optax.GradientTransformation]:
+  """GaLore and Natural GaLore at one rank (``kw``: shared options)."""
+  return {
+    "galore": optax.contrib.galore(1e-3, rank=rank, **kw),
+    "natural_galore": fisher_optax.natural_galore(
+      1e-3, rank=rank, history_size=s, **kw
+    ),
+  }
+
+
+def _steady_step(tx, params, grads, extras=None):
+  """A callable running ``tx``'s update between refreshes, state donated.
+
+  The state is donated, as in a real training loop, so the window's
+  one-row write is in place. No refresh happens before count 200.
+  """
+  extras = extras or {}
+  step = lambda g, st, p: tx.update(g, st, p, **extras)
+  _, state = jax.jit(step)(grads, tx.init(params), params)  # count = 1
+  upd = jax.jit(step, donate_argnums=1)
+  holder = [state]
+
+  def run():
+    updates, holder[0] = upd(grads, holder[0], params)
+    return updates, holder[0]
+
+  return run
+
+
 def speed_table(
   small: bool, rank: int, s: int, rounds: int
 ) -> tuple[dict, str]:
@@ -191,18 +230,10 @@ def speed_table(
     shapes, rank, rounds = layer_stack(64, 172, 1, 128), 8, 3
   else:
     shapes = layer_stack(256, 688, 1, 512)
-  key = jax.random.key(0)
-  params = {
-    k: jax.random.normal(jax.random.fold_in(key, i), v.shape)
-    for i, (k, v) in enumerate(shapes.items())
-  }
-  grads = jax.tree.map(lambda p: 0.01 * p, params)
+  params, grads = _params_and_grads(shapes)
   kw = {"update_proj_gap": 200}
   txs = {
-    "galore": optax.contrib.galore(1e-3, rank=rank, **kw),
-    "natural_galore": fisher_optax.natural_galore(
-      1e-3, rank=rank, history_size=s, **kw
-    ),
+    **_pair(rank, s, **kw),
     "natural_galore_bf16_window": fisher_optax.natural_galore(
       1e-3, rank=rank, history_size=s, window_dtype=jnp.bfloat16, **kw
     ),
@@ -225,20 +256,13 @@ def speed_table(
     fns = {}
     for name, tx in txs.items():
       extras = {"per_example_grads": pe} if "per_example" in name else {}
-      step = lambda g, st, p, tx=tx, extras=extras: tx.update(
-        g, st, p, **extras
-      )
-      _, state = jax.jit(step)(grads, tx.init(params), params)  # count = 1
       if phase == "steady":
-        # The state is donated, as in a real training loop, so the window's
-        # one-row write is in place. No refresh happens before count 200.
-        upd = jax.jit(step, donate_argnums=1)
-        holder = [state]
-
-        def run(upd=upd, holder=holder):
-          updates, holder[0] = upd(grads, holder[0], params)
-          return updates, holder[0]
+        run = _steady_step(tx, params, grads, extras)
       else:
+        step = lambda g, st, p, tx=tx, extras=extras: tx.update(
+          g, st, p, **extras
+        )
+        _, state = jax.jit(step)(grads, tx.init(params), params)  # count 1
         # Put count back to 0 every call so that every call refreshes.
         upd = jax.jit(step)
         state = optax.tree.set(state, count=jnp.zeros([], jnp.int32))
@@ -292,31 +316,9 @@ def scale_table(
   out, rows = {}, []
   for d, ffn in sizes:
     shapes = layer_stack(d, ffn, 1, 512)
-    key = jax.random.key(0)
-    params = {
-      k: jax.random.normal(jax.random.fold_in(key, i), v.shape)
-      for i, (k, v) in enumerate(shapes.items())
-    }
-    grads = jax.tree.map(lambda p: 0.01 * p, params)
-    kw = {"update_proj_gap": 200}
-    txs = {
-      "galore": optax.contrib.galore(1e-3, rank=rank, **kw),
-      "natural_galore": fisher_optax.natural_galore(
-        1e-3, rank=rank, history_size=s, **kw
-      ),
-    }
-    fns = {}
-    for name, tx in txs.items():
-      step = lambda g, st, p, tx=tx: tx.update(g, st, p)
-      _, state = jax.jit(step)(grads, tx.init(params), params)
-      upd = jax.jit(step, donate_argnums=1)
-      holder = [state]
-
-      def run(upd=upd, holder=holder):
-        updates, holder[0] = upd(grads, holder[0], params)
-        return updates, holder[0]
-
-      fns[name] = run
+    params, grads = _params_and_grads(shapes)
+    txs = _pair(rank, s, update_proj_gap=200)
+    fns = {name: _steady_step(tx, params, grads) for name, tx in txs.items()}
     res = common.time_ratios(fns, "galore", rounds=rounds, inner=3, warmup=2)
     n = sum(math.prod(v.shape) for v in shapes.values())
     out[str(d)] = res
