@@ -444,7 +444,7 @@ def _fresh(xs: Any, after: Any) -> Any:
   page-faulted anew at every step, and one that lives across the policy's
   all-leaf decision is as large as all leaves together. So each sweep over
   a leaf derives its terms from its own fresh inputs and recomputes them,
-  which costs arithmetic only. ``after`` (a scalar the sweep follows) makes
+  which costs arithmetic only. ``after`` (a value the sweep follows) makes
   two barriers over the same arrays distinct.
   """
   return jax.lax.optimization_barrier((xs, after))[0]
