@@ -44,6 +44,7 @@ Run from the repository root::
 from __future__ import annotations
 
 import glob
+import json
 import math
 import os
 import pathlib
@@ -74,6 +75,12 @@ _SEEDS = flags.DEFINE_integer("seeds", None, "Paired seeds (override).")
 _STEPS = flags.DEFINE_integer("steps", None, "Training steps (override).")
 _TUNE_STEPS = flags.DEFINE_integer("tune_steps", None, "Sweep steps.")
 _EVAL_EVERY = flags.DEFINE_integer("eval_every", None, "Evaluation period.")
+_RETIME = flags.DEFINE_bool(
+  "retime",
+  False,
+  "Only the timing phase again: the stored run's lrs, curves and test "
+  "losses (same config) with new step times, tables rewritten.",
+)
 _PAIRS = flags.DEFINE_list(
   "pairs", ["fadam", "fismo", "natural_galore", "mfac"], "Pairs to run."
 )
@@ -387,10 +394,20 @@ def main(argv: Any) -> None:
   trainers: dict[str, Trainer] = {}
   sweep: dict[str, dict[float, float]] = {}
   best: dict[str, float] = {}
+  stem = "lm_wallclock" + ("" if label != "small" else "_small")
+  stored = (
+    json.loads((out / f"{stem}.json").read_text()) if _RETIME.value else None
+  )
+  if stored is not None and stored["config"]["n_params"] != n_params:
+    raise ValueError("--retime needs the stored run's config.")
   xs, ys = data(0, cfg["tune_steps"])
   for name in order:
     adam_lr = best.get("adamw", 3e-3)
     trainers[name] = Trainer(make_tx(name, params0, adam_lr, cfg), loss, val)
+    if stored is not None:
+      sweep[name] = {float(k): v for k, v in stored["sweep"][name].items()}
+      best[name] = stored["best_lr"][name]
+      continue
     if SAME_RUNS.get(name) in sweep:
       sweep[name] = dict(sweep[SAME_RUNS[name]])
       best[name] = best[SAME_RUNS[name]]
@@ -453,7 +470,10 @@ def main(argv: Any) -> None:
   seeds = list(range(1, cfg["seeds"] + 1))
   curves: dict[str, list[list[float]]] = {n: [] for n in names}
   test_loss: dict[str, list[float]] = {n: [] for n in names}
-  for seed in seeds:
+  if stored is not None:
+    curves = {n: stored["val_curves"][n] for n in names}
+    test_loss = {n: stored["test_loss"][n] for n in names}
+  for seed in seeds if stored is None else []:
     xs, ys = data(seed, cfg["steps"])
     for name in names:
       if SAME_RUNS.get(name) in names:
@@ -558,7 +578,13 @@ def main(argv: Any) -> None:
     "step but is not what is timed). Loss at equal time "
     "interpolates each seed's validation curve at the shorter of the "
     "pair's two total training times. Shared 2-core CPU: absolute ms are "
-    "indicative, ratios more reliable.",
+    "indicative, ratios more reliable."
+    + (
+      " Step times re-measured with `--retime` (the training runs, lrs "
+      "and losses are the stored run's)."
+      if stored is not None
+      else ""
+    ),
   ]
   md = "\n\n".join(
     [
