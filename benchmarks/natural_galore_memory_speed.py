@@ -204,15 +204,21 @@ def _pair(rank: int, s: int, **kw) -> dict[str, optax.GradientTransformation]:
   }
 
 
-def _steady_step(tx, params, grads, extras=None):
-  """A callable running ``tx``'s update between refreshes, state donated.
+def _step_runner(tx, params, grads, extras=None, refresh: bool = False):
+  """A callable running one ``tx.update`` after a first step (count 1).
 
-  The state is donated, as in a real training loop, so the window's
-  one-row write is in place. No refresh happens before count 200.
+  Steady (default): between refreshes, the state donated as in a real
+  training loop, so the window's one-row write is in place; no refresh
+  happens before count 200. ``refresh``: the count put back to 0 at every
+  call, so that every call refreshes.
   """
   extras = extras or {}
   step = lambda g, st, p: tx.update(g, st, p, **extras)
-  _, state = jax.jit(step)(grads, tx.init(params), params)  # count = 1
+  _, state = jax.jit(step)(grads, tx.init(params), params)
+  if refresh:
+    upd = jax.jit(step)
+    state = optax.tree.set(state, count=jnp.zeros([], jnp.int32))
+    return lambda: upd(grads, state, params)
   upd = jax.jit(step, donate_argnums=1)
   holder = [state]
 
@@ -256,17 +262,7 @@ def speed_table(
     fns = {}
     for name, tx in txs.items():
       extras = {"per_example_grads": pe} if "per_example" in name else {}
-      if phase == "steady":
-        run = _steady_step(tx, params, grads, extras)
-      else:
-        step = lambda g, st, p, tx=tx, extras=extras: tx.update(
-          g, st, p, **extras
-        )
-        _, state = jax.jit(step)(grads, tx.init(params), params)  # count 1
-        # Put count back to 0 every call so that every call refreshes.
-        upd = jax.jit(step)
-        state = optax.tree.set(state, count=jnp.zeros([], jnp.int32))
-        run = lambda upd=upd, st=state: upd(grads, st, params)
+      run = _step_runner(tx, params, grads, extras, phase == "refresh")
       fns[name] = run
     results[phase] = common.time_ratios(
       fns,
@@ -318,7 +314,7 @@ def scale_table(
     shapes = layer_stack(d, ffn, 1, 512)
     params, grads = _params_and_grads(shapes)
     txs = _pair(rank, s, update_proj_gap=200)
-    fns = {name: _steady_step(tx, params, grads) for name, tx in txs.items()}
+    fns = {name: _step_runner(tx, params, grads) for name, tx in txs.items()}
     res = common.time_ratios(fns, "galore", rounds=rounds, inner=3, warmup=2)
     n = sum(math.prod(v.shape) for v in shapes.values())
     out[str(d)] = res
