@@ -400,7 +400,8 @@ def main(argv: Any) -> None:
   )
   if stored is not None and stored["config"]["n_params"] != n_params:
     raise ValueError("--retime needs the stored run's config.")
-  xs, ys = data(0, cfg["tune_steps"])
+  if stored is None:
+    xs, ys = data(0, cfg["tune_steps"])
   for name in order:
     adam_lr = best.get("adamw", 3e-3)
     trainers[name] = Trainer(make_tx(name, params0, adam_lr, cfg), loss, val)

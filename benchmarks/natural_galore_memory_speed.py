@@ -262,8 +262,7 @@ def speed_table(
     fns = {}
     for name, tx in txs.items():
       extras = {"per_example_grads": pe} if "per_example" in name else {}
-      run = _step_runner(tx, params, grads, extras, phase == "refresh")
-      fns[name] = run
+      fns[name] = _step_runner(tx, params, grads, extras, phase == "refresh")
     results[phase] = common.time_ratios(
       fns,
       "galore",
