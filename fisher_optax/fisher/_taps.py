@@ -165,7 +165,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 import dataclasses
-import functools
 import math
 from typing import Any
 import warnings
@@ -1288,6 +1287,129 @@ def _chunk_map(
   return out.reshape((-1,) + out.shape[2:])[:n]
 
 
+def _site_view(site: _Site, act: Any, delta: Array, b: int):
+  """The statistics' view of a site: ``(site, act, delta, valid)``.
+
+  ``act`` (B, T, K) or ids (B, T); ``delta`` (S, B, T, O). An elementwise
+  parameter takes the bias role: delta (S, B, R, P), its example gradient
+  the sum over the R broadcast positions, P in leaf order.
+  """
+  delta = numerics.widen(delta)
+  if site.kind == "conv":  # a (B, ...) and delta (S, B, ...) as laid out
+    return site, numerics.widen(act), delta, None
+  if site.kind == "dense":
+    delta = jnp.transpose(delta, (0, *(1 + i for i in site.out_perm)))
+    o = math.prod(delta.shape[delta.ndim - site.num_free :])
+    delta = delta.reshape(delta.shape[0], b, -1, o)
+    act = jnp.transpose(numerics.widen(act), site.x_perm)
+    k = math.prod(act.shape[act.ndim - len(site.leaf_perm) + site.num_free :])
+    return site, act.reshape(b, -1, k), delta, None
+  if site.kind in ("scale", "shift"):
+    if site.kind == "scale":  # d(x * p)/dp = x, broadcast like the output
+      delta = delta * jnp.broadcast_to(numerics.widen(act), delta.shape[1:])
+    axes = range(1, delta.ndim - 1)
+    summed = [1 + i for i in axes if site.compact[i] == 1]
+    kept = [1 + i for i in axes if site.compact[i] != 1]
+    delta = jnp.transpose(delta, (0, 1, *summed, *kept))
+    p = math.prod(site.compact)
+    return site, None, delta.reshape(delta.shape[0], b, -1, p), None
+  delta = delta.reshape(delta.shape[0], b, -1, delta.shape[-1])
+  ids = act.reshape(b, -1).astype(jnp.int32)
+  rows = site.num_rows
+  if site.mode == lax.GatherScatterMode.CLIP:
+    ids = jnp.clip(ids, 0, rows - 1)
+    valid = jnp.ones(ids.shape, bool)
+  else:  # out-of-range rows are filled on the way in, dropped on the way out
+    valid = (ids >= 0) & (ids < rows)
+    ids = jnp.where(valid, ids, 0)
+  delta = delta * valid[None, :, :, None]
+  return site, ids, delta, valid
+
+
+def _kernel_to_shape(site: _Site, val: Array, shape: tuple) -> Array:
+  """A ``(..., K, O)`` kernel statistic as ``(..., *shape)``, ``shape`` the
+  leaf's (or one layer's, for a stacked leaf)."""
+  lead = val.shape[:-2]
+  val = val.reshape(lead + tuple(shape[i] for i in site.leaf_perm))
+  inverse = [len(lead) + int(i) for i in np.argsort(site.leaf_perm)]
+  return jnp.transpose(val, (*range(len(lead)), *inverse))
+
+
+def _diag_stat(site_view, role: str, shape: tuple, chunk_size) -> Array:
+  """``sum_{s,n} g_{s,n}^2`` of one use, ``shape``d, from its view."""
+  site, act, delta, _ = site_view
+  if role == "bias":
+    return jnp.sum(jnp.sum(delta, axis=2) ** 2, axis=(0, 1)).reshape(shape)
+  if site.kind == "embed":
+    ids = act
+    same = ids[:, :, None] == ids[:, None, :]  # (B, T, T)
+    summed = jnp.einsum("ntu,snud->sntd", same.astype(delta.dtype), delta)
+    mult = jnp.sum(same, axis=-1).astype(delta.dtype)  # (B, T)
+    per_pos = jnp.sum(summed**2, axis=0) / mult[..., None]
+    return (
+      jnp.zeros(shape, delta.dtype)
+      .at[ids.reshape(-1)]
+      .add(per_pos.reshape(-1, shape[-1]))
+    )
+  if act.shape[1] == 1:  # sum over samples first: one (d_in, B) matmul
+    d2 = jnp.sum(delta[:, :, 0] ** 2, axis=0)
+    return _kernel_to_shape(site, act[:, 0].T ** 2 @ d2, shape)
+  # Weight sharing: no shortcut, per-example products.
+  if _loop_over_examples():  # memory O(d_in * d_out), below any chunk
+    total = _sum_sq_example_grads(act, delta)
+    return _kernel_to_shape(site, total, shape)
+  # Chunks of batched products; one pass per sample keeps the (possibly
+  # sharded) batch axis unmerged.
+  d_in, d_out = act.shape[-1], delta.shape[-1]
+  chunk = chunk_size or max(1, _DEFAULT_CHUNK_ELEMENTS // (d_in * d_out))
+
+  def part(a, d):
+    g = jnp.einsum("cti,ctj->cij", a, d)
+    return jnp.sum(g**2, axis=0)[None]
+
+  total = sum(
+    jnp.sum(_chunk_map(part, [act, delta[s]], chunk), axis=0)
+    for s in range(delta.shape[0])
+  )
+  return _kernel_to_shape(site, jnp.asarray(total), shape)
+
+
+def _kron_stat(site_view, role: str, batch: int, reduce: bool = False):
+  """K-FAC sums ``(A_sum, Gamma_sum)`` of one use from its view (``None``
+  if its factors do not fit the leaf's matrix view)."""
+  site, act, delta, valid = site_view
+  if not _kron_ok(site, role):
+    return None
+  t = delta.shape[2]
+  if reduce:  # sum over positions first
+    summed = jnp.sum(delta, axis=2)
+    gamma = jnp.einsum("snd,sne->de", summed, summed)
+  else:  # positions as examples
+    gamma = jnp.einsum("sntd,snte->de", delta, delta)
+  if role == "bias":
+    return (jnp.full((1, 1), batch, delta.dtype), gamma)
+  if site.kind == "embed":
+    if reduce:  # abar_n: row counts of example n over T
+      b = batch
+      rows = jnp.arange(b)[:, None]
+      counts = (
+        jnp.zeros((b, site.num_rows), delta.dtype)
+        .at[rows, act]
+        .add(valid.astype(delta.dtype))
+      ) / t
+      return (counts.T @ counts, gamma)
+    counts = (
+      jnp.zeros((site.num_rows,), delta.dtype)
+      .at[act.reshape(-1)]
+      .add(valid.reshape(-1).astype(delta.dtype))
+    )
+    return (jnp.diag(counts) / t, gamma)
+  if reduce:
+    mean = jnp.mean(act, axis=1)
+    return (mean.T @ mean, gamma)
+  return (jnp.einsum("ntd,nte->de", act, act) / t, gamma)
+
+
 class LayerGrads:
   """Per-example layer cotangents ``delta`` of a :class:`LayerTape`.
 
@@ -1314,51 +1436,13 @@ class LayerGrads:
     )
     return LayerGrads(self._tape, deltas, num)
 
-  # Per-site views: a (B, T, K) or ids (B, T); delta (S, B, T, O). An
-  # elementwise parameter takes the bias role: delta (S, B, R, P), its
-  # example gradient the sum over the R broadcast positions, P in leaf order.
   def _site(self, s: int):
-    site = self._tape._plan.sites[s]
-    b = self._tape.batch
-    delta = numerics.widen(self._deltas[s])
-    act = self._tape._acts[s]
-    if site.kind == "conv":  # a (B, ...) and delta (S, B, ...) as laid out
-      return site, numerics.widen(act), delta, None
-    if site.kind == "dense":
-      delta = jnp.transpose(delta, (0, *(1 + i for i in site.out_perm)))
-      o = math.prod(delta.shape[delta.ndim - site.num_free :])
-      delta = delta.reshape(delta.shape[0], b, -1, o)
-      act = jnp.transpose(numerics.widen(act), site.x_perm)
-      k = math.prod(act.shape[act.ndim - len(site.leaf_perm) + site.num_free :])
-      return site, act.reshape(b, -1, k), delta, None
-    if site.kind in ("scale", "shift"):
-      if site.kind == "scale":  # d(x * p)/dp = x, broadcast like the output
-        delta = delta * jnp.broadcast_to(numerics.widen(act), delta.shape[1:])
-      axes = range(1, delta.ndim - 1)
-      summed = [1 + i for i in axes if site.compact[i] == 1]
-      kept = [1 + i for i in axes if site.compact[i] != 1]
-      delta = jnp.transpose(delta, (0, 1, *summed, *kept))
-      p = math.prod(site.compact)
-      return site, None, delta.reshape(delta.shape[0], b, -1, p), None
-    delta = delta.reshape(delta.shape[0], b, -1, delta.shape[-1])
-    ids = act.reshape(b, -1).astype(jnp.int32)
-    rows = site.num_rows
-    if site.mode == lax.GatherScatterMode.CLIP:
-      ids = jnp.clip(ids, 0, rows - 1)
-      valid = jnp.ones(ids.shape, bool)
-    else:  # out-of-range rows are filled on the way in, dropped on the way out
-      valid = (ids >= 0) & (ids < rows)
-      ids = jnp.where(valid, ids, 0)
-    delta = delta * valid[None, :, :, None]
-    return site, ids, delta, valid
-
-  def _kernel_to_leaf(self, site: _Site, val: Array, leaf: int) -> Array:
-    """A ``(..., K, O)`` kernel statistic as ``(..., *leaf)``."""
-    shape = self._tape._leaves[leaf].shape
-    lead = val.shape[:-2]
-    val = val.reshape(lead + tuple(shape[i] for i in site.leaf_perm))
-    inverse = [len(lead) + int(i) for i in np.argsort(site.leaf_perm)]
-    return jnp.transpose(val, (*range(len(lead)), *inverse))
+    return _site_view(
+      self._tape._plan.sites[s],
+      self._tape._acts[s],
+      self._deltas[s],
+      self._tape.batch,
+    )
 
   def _leaf_items(self):
     """Yields (leaf index, site index, role) for covered leaves with one use
@@ -1371,6 +1455,15 @@ class LayerGrads:
   def _unflatten(self, values: dict) -> PyTree:
     vals = [values.get(i) for i in range(len(self._tape._leaves))]
     return jax.tree_util.tree_unflatten(self._tape._treedef, vals)
+
+  def _one_stat(self, structure, view, role, leaf, chunk_size, reduce):
+    if structure == "diag":
+      return _diag_stat(view, role, self._leaf_shape(leaf), chunk_size)
+    return _kron_stat(view, role, self._tape.batch, reduce)
+
+  def _leaf_shape(self, leaf: int, sliced: int = 0) -> tuple[int, ...]:
+    """A leaf's shape without its ``sliced`` leading (layer) axes."""
+    return tuple(np.shape(self._tape._leaves[leaf]))[sliced:]
 
   def statistics(
     self,
@@ -1423,9 +1516,8 @@ class LayerGrads:
         cache[s] = self._view(s)
       return cache[s]
 
-    special = self._special(
-      structure, chunk_size, reduce=weight_sharing == "reduce"
-    )
+    reduce = weight_sharing == "reduce"
+    special = self._special(structure, chunk_size, reduce=reduce)
     if structure == "gram":
       n = self.num_samples * self._tape.batch
       total = jnp.zeros((n, n), jnp.float32)
@@ -1434,86 +1526,12 @@ class LayerGrads:
       for val in special.values():
         total = total + val
       return total
-    kron = functools.partial(self._kron, reduce=weight_sharing == "reduce")
-    fn = {"diag": self._diag, "kron": kron}[structure]
     out = {
-      leaf: fn(site(s), role, leaf, chunk_size)
+      leaf: self._one_stat(structure, site(s), role, leaf, chunk_size, reduce)
       for leaf, s, role in self._leaf_items()
     }
     out.update(special)
     return self._unflatten(out)
-
-  def _diag(self, site_view, role, leaf, chunk_size):
-    site, act, delta, _ = site_view
-    shape = self._tape._leaves[leaf].shape
-    if role == "bias":
-      return jnp.sum(jnp.sum(delta, axis=2) ** 2, axis=(0, 1)).reshape(shape)
-    if site.kind == "embed":
-      ids = act
-      same = ids[:, :, None] == ids[:, None, :]  # (B, T, T)
-      summed = jnp.einsum("ntu,snud->sntd", same.astype(delta.dtype), delta)
-      mult = jnp.sum(same, axis=-1).astype(delta.dtype)  # (B, T)
-      per_pos = jnp.sum(summed**2, axis=0) / mult[..., None]
-      return (
-        jnp.zeros(shape, delta.dtype)
-        .at[ids.reshape(-1)]
-        .add(per_pos.reshape(-1, shape[-1]))
-      )
-    if act.shape[1] == 1:  # sum over samples first: one (d_in, B) matmul
-      d2 = jnp.sum(delta[:, :, 0] ** 2, axis=0)
-      return self._kernel_to_leaf(site, act[:, 0].T ** 2 @ d2, leaf)
-    # Weight sharing: no shortcut, per-example products.
-    if _loop_over_examples():  # memory O(d_in * d_out), below any chunk
-      total = _sum_sq_example_grads(act, delta)
-      return self._kernel_to_leaf(site, total, leaf)
-    # Chunks of batched products; one pass per sample keeps the (possibly
-    # sharded) batch axis unmerged.
-    d_in, d_out = act.shape[-1], delta.shape[-1]
-    chunk = chunk_size or max(1, _DEFAULT_CHUNK_ELEMENTS // (d_in * d_out))
-
-    def part(a, d):
-      g = jnp.einsum("cti,ctj->cij", a, d)
-      return jnp.sum(g**2, axis=0)[None]
-
-    total = sum(
-      jnp.sum(_chunk_map(part, [act, delta[s]], chunk), axis=0)
-      for s in range(delta.shape[0])
-    )
-    return self._kernel_to_leaf(site, jnp.asarray(total), leaf)
-
-  def _kron(self, site_view, role, leaf, chunk_size, reduce: bool = False):
-    del chunk_size
-    site, act, delta, valid = site_view
-    if not _kron_ok(site, role):
-      return None
-    t = delta.shape[2]
-    if reduce:  # sum over positions first
-      summed = jnp.sum(delta, axis=2)
-      gamma = jnp.einsum("snd,sne->de", summed, summed)
-    else:  # positions as examples
-      gamma = jnp.einsum("sntd,snte->de", delta, delta)
-    if role == "bias":
-      return (jnp.full((1, 1), self._tape.batch, delta.dtype), gamma)
-    if site.kind == "embed":
-      if reduce:  # abar_n: row counts of example n over T
-        b = self._tape.batch
-        rows = jnp.arange(b)[:, None]
-        counts = (
-          jnp.zeros((b, site.num_rows), delta.dtype)
-          .at[rows, act]
-          .add(valid.astype(delta.dtype))
-        ) / t
-        return (counts.T @ counts, gamma)
-      counts = (
-        jnp.zeros((site.num_rows,), delta.dtype)
-        .at[act.reshape(-1)]
-        .add(valid.reshape(-1).astype(delta.dtype))
-      )
-      return (jnp.diag(counts) / t, gamma)
-    if reduce:
-      mean = jnp.mean(act, axis=1)
-      return (mean.T @ mean, gamma)
-    return (jnp.einsum("ntd,nte->de", act, act) / t, gamma)
 
   def _gram(self, site_view, role, chunk_size):
     site, act, delta, _ = site_view
@@ -1577,7 +1595,7 @@ class LayerGrads:
         )
       else:
         val = _combine_dense(w, act, delta)
-        val = self._kernel_to_leaf(site, val, leaf)
+        val = _kernel_to_shape(site, val, shape)
       out[leaf] = val.reshape((k,) + shape)
     out.update(self._special_combine(weights))
     return self._unflatten(out)
@@ -1640,14 +1658,6 @@ class LayerGrads:
     act, delta, valid = jax.vmap(one)(act, delta)
     return site, fold(act, 0), fold(delta, 1), fold(valid, 0)
 
-  def _layer_proxy(self, leaf: int, sliced: int) -> LayerGrads:
-    """This object with leaf's leading ``sliced`` axes dropped (one layer)."""
-    leaves = list(self._tape._leaves)
-    shape = tuple(np.shape(leaves[leaf]))[sliced:]
-    leaves[leaf] = jax.ShapeDtypeStruct(shape, jnp.float32)
-    tape = dataclasses.replace(self._tape, _leaves=leaves)
-    return LayerGrads(tape, self._deltas, self.num_samples)
-
   def _special_views(self, leaf: int) -> list:
     return [
       (self._loop_view(s, modes), role, modes.count("xs"))
@@ -1671,7 +1681,7 @@ class LayerGrads:
     delta = jnp.moveaxis(delta, 1 + out_spec[1], -1)
     b = self._tape.batch
     delta = delta.reshape(delta.shape[0], b, -1, delta.shape[-1])
-    return self._kron((site, act, delta, None), "kernel", leaf, None, reduce)
+    return _kron_stat((site, act, delta, None), "kernel", b, reduce)
 
   def _stacked_kron(self, leaf: int, reduce: bool):
     """K-FAC factors of each layer of a leaf stacked along a scan with one
@@ -1682,9 +1692,9 @@ class LayerGrads:
     ((site, *arrays), role, sliced) = self._special_views(leaf)[0]
     if site.kind == "conv" or not _kron_ok(site, role):
       return None
-    proxy = self._layer_proxy(leaf, sliced)
+    b = self._tape.batch
     a_sum, gamma = lax.map(
-      lambda a: proxy._kron((site, *a), role, leaf, None, reduce),
+      lambda a: _kron_stat((site, *a), role, b, reduce),
       tuple(arrays),
     )
     lead = tuple(np.shape(self._tape._leaves[leaf]))[:sliced]
@@ -1715,16 +1725,16 @@ class LayerGrads:
         out[leaf] = self._shared(views, leaf, structure, chunk_size)
         continue
       ((site, *arrays), role, sliced) = views[0]
-      proxy = self._layer_proxy(leaf, sliced)
+      per = self._leaf_shape(leaf, sliced)
       if structure == "diag":
         val = lax.map(
-          lambda a: proxy._diag((site, *a), role, leaf, chunk_size),
+          lambda a: _diag_stat((site, *a), role, per, chunk_size),
           tuple(arrays),
         )
         out[leaf] = val.reshape(np.shape(self._tape._leaves[leaf]))
       else:
         val = lax.map(
-          lambda a: proxy._gram((site, *a), role, chunk_size), tuple(arrays)
+          lambda a: self._gram((site, *a), role, chunk_size), tuple(arrays)
         )
         out[leaf] = jnp.sum(val, axis=0)
     return out
@@ -1734,7 +1744,6 @@ class LayerGrads:
     (site, act, delta, _), b = view, self._tape.batch
     shape = tuple(np.shape(self._tape._leaves[leaf]))
     per, c = shape[sliced:], rows.shape[0]
-    proxy = self._layer_proxy(leaf, sliced)
     sample, n = rows // b, rows % b
 
     def one(a, d):  # one iteration's slice of the leaf
@@ -1747,7 +1756,7 @@ class LayerGrads:
       if site.kind == "conv":
         return _conv_kernel_grads(site.eqn, a[n], d)
       g = jnp.einsum("cti,ctj->cij", a[n], d)
-      return proxy._kernel_to_leaf(site, g, leaf)
+      return _kernel_to_shape(site, g, per)
 
     g = jax.vmap(one)(act, delta)  # (X, c, *per)
     return jnp.moveaxis(g, 0, 1).reshape((c,) + shape)
