@@ -278,25 +278,57 @@ class ScanAndTiedZooTest(parameterized.TestCase):
         grads = tape.backward(cot)
         # The empirical kind's single backward pass (gradient and deltas).
         grad, first = tape.gradient(cot[0])
+        # The stacked leaves' statistic formed inside the backward pass.
+        fused = fisher_taps.record(
+          apply_fn, params, ids, statistic="diag", chunk_size=2
+        )
+        fused_grad, fused_first = fused.gradient(cot[0])
+        kron = {}
+        for mode in ("expand", "reduce"):
+          kw = dict(weight_sharing=mode)
+          kron[mode] = (
+            grads.statistics("kron", **kw),
+            fisher_taps.record(apply_fn, params, ids, statistic="kron", **kw)
+            .backward(cot)
+            .statistics("kron", **kw),
+          )
         return g, (
           grads.statistics("diag", chunk_size=2),
           grads.statistics("gram", chunk_size=2),
           grads.combine(weights),
           grad,
           first.statistics("diag"),
+          fused.backward(cot).statistics("diag", chunk_size=2),
+          fused_grad,
+          fused_first.statistics("diag"),
+          kron,
         )
 
-      g, (diag, gram, combine, grad, first) = run(params, ids, cot, weights)
+      g, out = run(params, ids, cot, weights)
+      diag, gram, combine, grad, first, *fused_out, kron = out
+      fused_diag, fused_grad, fused_first = fused_out
       rtol = 1e-10 if x64 else 1e-5
       flat = jax.tree_util.tree_flatten_with_path(g)[0]
       rows = jnp.concatenate([a.reshape(num_s * B, -1) for _, a in flat], 1)
       _assert_tree_close([gram], [rows @ rows.T], rtol)
-      for (path, gi), d, c, g0, d0 in zip(
+      for mode, (want, got) in kron.items():
+        with self.subTest(f"kron {mode}, fused"):
+          is_pair = lambda v: v is None or isinstance(v, tuple)
+          nones = lambda t: jax.tree.leaves(
+            jax.tree.map(lambda v: v is None, t, is_leaf=is_pair)
+          )
+          self.assertEqual(nones(got), nones(want))
+          self.assertTrue(any(v is not None for v in jax.tree.leaves(got)))
+          _assert_tree_close(got, want, rtol)
+      for (path, gi), d, c, g0, d0, fd, fg, fd0 in zip(
         flat,
         jax.tree.leaves(diag),
         jax.tree.leaves(combine),
         jax.tree.leaves(grad),
         jax.tree.leaves(first),
+        jax.tree.leaves(fused_diag),
+        jax.tree.leaves(fused_grad),
+        jax.tree.leaves(fused_first),
       ):
         key = jax.tree_util.keystr(path)
         if "['key']['bias']" in key:
@@ -308,6 +340,9 @@ class ScanAndTiedZooTest(parameterized.TestCase):
           _assert_tree_close([c], [jnp.tensordot(weights, gi, 1)], rtol)
           _assert_tree_close([g0], [jnp.sum(gi[:B], 0)], rtol)
           _assert_tree_close([d0], [jnp.sum(gi[:B] ** 2, 0)], rtol)
+          _assert_tree_close([fd], [jnp.sum(gi**2, 0)], rtol)
+          _assert_tree_close([fg], [jnp.sum(gi[:B], 0)], rtol)
+          _assert_tree_close([fd0], [jnp.sum(gi[:B] ** 2, 0)], rtol)
 
 
 # -- convolutions: a small CNN and a ViT-style block ---------------------------

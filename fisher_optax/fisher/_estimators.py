@@ -160,13 +160,17 @@ def _forward(
   opts: _Options,
   *,
   layers: bool = False,
+  statistic: str | None = None,
+  weight_sharing: str = "expand",
 ) -> _Pass:
   """Validates the arguments and runs the shared forward/backward pass.
 
   With ``layers``, the forward pass is recorded with taps on the dense and
   embedding layers (:func:`_taps.record`): the mean gradient and the layer
   ``delta`` then share one backward pass (``empirical``), or the ``delta``
-  of all ``S`` cotangents come from one more vmapped backward.
+  of all ``S`` cotangents come from one more vmapped backward. A
+  ``statistic`` (``"diag"``, ``"kron"``) is formed inside that backward
+  pass for the leaves stacked along scans (:func:`_taps.record`).
   """
   likelihood, inputs, targets, size = _check_arguments(params, batch, opts)
   kind, key, axis_name = opts.kind, opts.key, opts.axis_name
@@ -181,7 +185,15 @@ def _forward(
 
   layers = layers and kind != "batch_squared"
   if layers:
-    tape = _taps.record(apply_fn, params, inputs, axis_name=axis_name)
+    tape = _taps.record(
+      apply_fn,
+      params,
+      inputs,
+      axis_name=axis_name,
+      statistic=statistic,
+      chunk_size=opts.chunk_size,
+      weight_sharing=weight_sharing,
+    )
     out = tape.outputs
     pull = lambda r: tape.gradient(r)
   else:
@@ -404,7 +416,9 @@ def diagonal(
   opts = _Options(
     likelihood, kind, num_samples, key, method, chunk_size, axis_name
   )
-  ps = _forward(apply_fn, params, batch, opts, layers=_use_taps(method))
+  ps = _forward(
+    apply_fn, params, batch, opts, layers=_use_taps(method), statistic="diag"
+  )
   if kind == "batch_squared":
     diag = jax.tree.map(jnp.square, ps.mean_grad)
     return _statistics.DiagonalFisher(diag, ps.mean_grad, ps.count, kind)
@@ -917,7 +931,15 @@ def kronecker(
   use_taps = estimator != "shampoo" and _use_taps(
     "taps" if estimator == "kfac" else method
   )
-  ps = _forward(apply_fn, params, batch, opts, layers=use_taps)
+  ps = _forward(
+    apply_fn,
+    params,
+    batch,
+    opts,
+    layers=use_taps,
+    statistic="kron",
+    weight_sharing=weight_sharing,
+  )
   if kind == "batch_squared":
     left, right = _batch_squared_kron(ps.mean_grad, num_iters)
     estimator_name = "shampoo"

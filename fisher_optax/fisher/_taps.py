@@ -165,6 +165,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 import dataclasses
+import functools
 import math
 from typing import Any
 import warnings
@@ -779,7 +780,28 @@ def _bind(eqn, invals):
   return out if eqn.primitive.multiple_results else [out]
 
 
-def _eval(jaxpr, consts, args, path, plan: _Plan, taps, acts: dict) -> list:
+# Remat primitives: their bodies are re-run under ``jax.checkpoint`` with
+# the same policy, so a tapped body is still recomputed in the backward pass.
+_REMATS = ("checkpoint", "remat", "remat2")
+
+
+def _eval(
+  jaxpr,
+  consts,
+  args,
+  path,
+  plan: _Plan,
+  taps,
+  acts: dict,
+  fused: dict | None = None,
+) -> list:
+  """Evaluates ``jaxpr`` with a tap added to every site's output.
+
+  A site in ``fused`` (site -> ``_fused_tap`` function) returns its output
+  through that function, whose cotangent for the tap is the statistic;
+  the others record their activation in ``acts``.
+  """
+  fused = fused or {}
   env: dict = {}
 
   def read(v):
@@ -793,14 +815,18 @@ def _eval(jaxpr, consts, args, path, plan: _Plan, taps, acts: dict) -> list:
     here = path + (i,)
     invals = [read(v) for v in eqn.invars]
     if here in plan.inline:
-      inner, inner_consts = _call_body(eqn)
-      outs = _eval(inner, inner_consts, invals, here, plan, taps, acts)
+      outs = _eval_call(eqn, invals, here, plan, taps, acts, fused)
     elif here in plan.loops:
-      outs = _eval_loop(eqn, invals, here, plan, taps, acts)
+      outs = _eval_loop(eqn, invals, here, plan, taps, acts, fused)
     else:
       outs = _bind(eqn, invals)
       site = plan.site_at.get(here)
-      if site is not None:
+      if site is not None and site in fused:
+        act = invals[plan.sites[site].act_index]
+        if plan.sites[site].kind == "shift":  # delta alone: keep no residual
+          act = None
+        outs = [fused[site](outs[0], lax.stop_gradient(act), taps[site])]
+      elif site is not None:
         acts[site] = invals[plan.sites[site].act_index]
         outs = [outs[0] + taps[site]]
     for v, x in zip(eqn.outvars, outs):
@@ -809,16 +835,41 @@ def _eval(jaxpr, consts, args, path, plan: _Plan, taps, acts: dict) -> list:
   return [read(v) for v in jaxpr.outvars]
 
 
-def _eval_loop(eqn, invals, here, plan: _Plan, taps, acts: dict) -> list:
+def _eval_call(eqn, invals, here, plan: _Plan, taps, acts: dict, fused):
+  """Inlines a call holding sites; a remat body stays under ``checkpoint``
+  (its recorded activations are its extra outputs)."""
+  inner, inner_consts = _call_body(eqn)
+  if eqn.primitive.name not in _REMATS:
+    return _eval(inner, inner_consts, invals, here, plan, taps, acts, fused)
+
+  def body(args, taps):
+    inner_acts: dict = {}
+    outs = _eval(inner, inner_consts, args, here, plan, taps, inner_acts, fused)
+    return outs, inner_acts
+
+  remat = jax.checkpoint(
+    body,
+    prevent_cse=eqn.params.get("prevent_cse", True),
+    policy=eqn.params.get("policy"),
+  )
+  outs, inner_acts = remat(list(invals), taps)
+  acts.update(inner_acts)
+  return outs
+
+
+def _eval_loop(
+  eqn, invals, here, plan: _Plan, taps, acts: dict, fused: dict
+) -> list:
   """Re-runs a ``scan`` whose body holds sites: their taps enter as extra
-  ``xs`` and their activations leave as extra ``ys`` (a leading iteration
-  axis, aligned with ``xs`` also when ``reverse``)."""
+  ``xs`` and the activations of the unfused ones leave as extra ``ys`` (a
+  leading iteration axis, aligned with ``xs`` also when ``reverse``)."""
   params = eqn.params
   num_consts, num_carry = params["num_consts"], params["num_carry"]
   body = params["jaxpr"]
   consts = invals[:num_consts]
   init = invals[num_consts : num_consts + num_carry]
   inner = plan.loops[here]
+  recorded = [s for s in inner if s not in fused]
 
   def step(carry, x):
     xs, inner_taps = x
@@ -831,8 +882,9 @@ def _eval_loop(eqn, invals, here, plan: _Plan, taps, acts: dict) -> list:
       plan,
       dict(zip(inner, inner_taps)),
       inner_acts,
+      fused,
     )
-    ys = (outs[num_carry:], tuple(inner_acts[s] for s in inner))
+    ys = (outs[num_carry:], tuple(inner_acts[s] for s in recorded))
     return outs[:num_carry], ys
 
   carry, (ys, inner_acts) = lax.scan(
@@ -843,7 +895,7 @@ def _eval_loop(eqn, invals, here, plan: _Plan, taps, acts: dict) -> list:
     reverse=params["reverse"],
     unroll=params["unroll"],
   )
-  acts.update(zip(inner, inner_acts))
+  acts.update(zip(recorded, inner_acts))
   return [*carry, *ys]
 
 
@@ -897,6 +949,7 @@ class LayerTape:
   _pullback: Callable[..., Any]
   _acts: tuple[Any, ...]
   batch: int
+  _fusion: _Fusion | None = None
 
   @property
   def covered(self) -> PyTree:
@@ -975,7 +1028,8 @@ class LayerTape:
     cot, _ = self._prepare(cotangent, 0)
     leaf_cts, deltas = self._pullback(cot)
     grad = jax.tree_util.tree_unflatten(self._treedef, list(leaf_cts))
-    return grad, LayerGrads(self, tuple(d[None] for d in deltas), 1)
+    deltas = jax.tree.map(lambda d: d[None], tuple(deltas))
+    return grad, LayerGrads(self, deltas, 1)
 
 
 def _varying_axes(aval) -> tuple[str, ...]:
@@ -992,6 +1046,9 @@ def record(
   inputs: PyTree,
   *,
   axis_name: str | None = None,
+  statistic: str | None = None,
+  chunk_size: int | None = None,
+  weight_sharing: str = "expand",
 ) -> LayerTape:
   """Runs ``apply_fn(params, inputs)`` with zero taps on its dense layers.
 
@@ -1003,23 +1060,45 @@ def record(
     axis_name: inside ``shard_map``, the batch axis name. Optional: taps are
       made device-varying like their layer outputs automatically, so autodiff
       never sums tap cotangents (examples) across devices.
+    statistic: ``"diag"`` or ``"kron"`` to form that statistic of the leaves
+      stacked along a scan (one use each, a dense, scale or shift layer)
+      inside the backward pass, one iteration at a time: the pass then
+      keeps neither their activations nor their cotangents ``(L, B, T,
+      ...)``, and a ``remat`` body is still recomputed, so memory stays
+      near the batch gradient's. :meth:`LayerGrads.statistics` then serves
+      only that structure (and ``weight_sharing``) for them. ``None``
+      (default) records every layer's ``(a, delta)``.
+    chunk_size: with ``statistic="diag"``, as in
+      :meth:`LayerGrads.statistics`.
+    weight_sharing: with ``statistic="kron"``, as in
+      :meth:`LayerGrads.statistics`.
 
   Returns:
     A :class:`LayerTape`; call ``.backward(cotangents)`` on it.
   """
+  if statistic not in (None, "diag", "kron"):
+    raise ValueError(
+      f"statistic must be None, 'diag' or 'kron', got {statistic!r}."
+    )
+  if weight_sharing not in WEIGHT_SHARING:
+    raise ValueError(
+      f"weight_sharing must be one of {WEIGHT_SHARING}, got {weight_sharing!r}."
+    )
   leaves, treedef, in_leaves, closed, out_def, batch = _trace(
     apply_fn, params, inputs
   )
   num = len(leaves)
   plan = _make_plan(closed, num, batch)
   covered = [r is not None for r in plan.roles]
-  out_shapes = {}
+  out_shapes, act_avals = {}, {}
 
   def _collect(jaxpr, path, lead=()):
     for i, eqn in enumerate(jaxpr.eqns):
       here = path + (i,)
       if here in plan.site_at:
-        out_shapes[plan.site_at[here]] = (lead, eqn.outvars[0].aval)
+        s = plan.site_at[here]
+        out_shapes[s] = (lead, eqn.outvars[0].aval)
+        act_avals[s] = eqn.invars[plan.sites[s].act_index].aval
       if here in plan.inline:
         _collect(_call_body(eqn)[0], here, lead)
       elif here in plan.loops:  # a tap per iteration
@@ -1027,35 +1106,160 @@ def record(
         _collect(eqn.params["jaxpr"].jaxpr, here, lead + length)
 
   _collect(closed.jaxpr, ())
+  fused_leaves = _fusable(plan) if statistic is not None else {}
+  fused, stat_avals = {}, {}
+  for s, users in _by_site(fused_leaves).items():
+    site, act = plan.sites[s], act_avals[s]
+    lead = out_shapes[s][0]
+    shapes = {
+      leaf: tuple(np.shape(leaves[leaf]))[len(lead) :] for leaf in users
+    }
+    assert statistic is not None
+    stat_fn = functools.partial(
+      _fused_stat,
+      site,
+      [(leaf, role, shapes[leaf]) for leaf, role in users.items()],
+      batch,
+      statistic,
+      chunk_size,
+      weight_sharing == "reduce",
+    )
+    out = out_shapes[s][1]
+    a = (
+      None
+      if site.kind == "shift"
+      else jax.ShapeDtypeStruct(act.shape, act.dtype)
+    )
+    delta = jax.ShapeDtypeStruct(out.shape, out.dtype)
+    stat_avals[s] = jax.eval_shape(stat_fn, a, delta)
+    fused[s] = _fused_tap(stat_fn)
   taps = []
   for s in range(len(plan.sites)):
     lead, aval = out_shapes[s]
-    t = jnp.zeros(lead + aval.shape, aval.dtype)
+    if s in fused:
+      t = jax.tree.map(
+        lambda x, lead=lead: jnp.zeros(lead + x.shape, x.dtype), stat_avals[s]
+      )
+    else:
+      t = jnp.zeros(lead + aval.shape, aval.dtype)
     # Under shard_map a tap must vary like its layer output: an invariant tap
     # would have its cotangent summed over devices, mixing examples.
     vma = _varying_axes(aval)
     if axis_name is not None and axis_name not in vma:
       vma = vma + (axis_name,)
     if vma:
-      t = lax.pcast(t, vma, to="varying")
+      t = jax.tree.map(lambda x, vma=vma: lax.pcast(x, vma, to="varying"), t)
     taps.append(t)
 
   def tapped(leaves, taps):
     acts: dict = {}
     outs = _eval(
-      closed.jaxpr, closed.consts, [*leaves, *in_leaves], (), plan, taps, acts
+      closed.jaxpr,
+      closed.consts,
+      [*leaves, *in_leaves],
+      (),
+      plan,
+      taps,
+      acts,
+      fused,
     )
     return (
       jax.tree_util.tree_unflatten(out_def, outs),
-      tuple(acts[s] for s in range(len(plan.sites))),
+      tuple(acts.get(s) for s in range(len(plan.sites))),
     )
 
   outputs, pullback, acts = jax.vjp(
     tapped, tuple(leaves), tuple(taps), has_aux=True
   )
+  fusion = None
+  if statistic is not None and fused_leaves:
+    fusion = _Fusion(statistic, weight_sharing, fused_leaves)
   return LayerTape(
-    plan, treedef, leaves, covered, outputs, pullback, acts, batch
+    plan, treedef, leaves, covered, outputs, pullback, acts, batch, fusion
   )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Fusion:
+  """Leaves whose statistic a tape forms inside the backward pass."""
+
+  statistic: str
+  weight_sharing: str
+  leaves: dict[int, tuple[int, str]]  # leaf -> (site, role)
+
+
+def _fusable(plan: _Plan) -> dict[int, tuple[int, str]]:
+  """Leaf -> (site, role) for the leaves whose statistic can be formed in
+  the backward pass: stacked along every scan around their one use, a
+  dense, scale or shift layer, at a site no other covered leaf needs."""
+  out: dict[int, tuple[int, str]] = {}
+  for leaf, uses in plan.special.items():
+    if len(uses) != 1:
+      continue
+    s, role, modes = uses[0]
+    if modes and all(m == "xs" for m in modes):
+      if plan.sites[s].kind in ("dense", "scale", "shift"):
+        out[leaf] = (s, role)
+  needed = set()  # sites that other covered leaves read (a, delta) from
+  for leaf, r in enumerate(plan.roles):
+    if r is None or leaf in out:
+      continue
+    uses = plan.special.get(leaf, [(r[0], r[1], ())])
+    needed.update(u[0] for u in uses)
+  return {leaf: v for leaf, v in out.items() if v[0] not in needed}
+
+
+def _by_site(fused: dict[int, tuple[int, str]]) -> dict[int, dict[int, str]]:
+  """site -> {leaf: role} of the fused leaves."""
+  out: dict[int, dict[int, str]] = {}
+  for leaf, (s, role) in sorted(fused.items()):
+    out.setdefault(s, {})[leaf] = role
+  return out
+
+
+def _fused_stat(
+  site: _Site,
+  users: list[tuple[int, str, tuple[int, ...]]],
+  batch: int,
+  statistic: str,
+  chunk_size: int | None,
+  reduce: bool,
+  act: Array | None,
+  delta: Array,
+) -> dict[int, Any]:
+  """One iteration's statistic of each leaf at a site: ``{leaf: diag}`` or
+  ``{leaf: (A_sum, Gamma_sum)}`` (leaves without K-FAC factors left out)."""
+  view = _site_view(site, act, delta[None], batch)
+  out: dict[int, Any] = {}
+  for leaf, role, shape in users:
+    if statistic == "diag":
+      out[leaf] = _diag_stat(view, role, shape, chunk_size)
+    else:
+      kron = _kron_stat(view, role, batch, reduce)
+      if kron is not None:
+        out[leaf] = kron
+  return out
+
+
+def _fused_tap(stat_fn: Callable[[Any, Array], Any]) -> Callable:
+  """``tap(z, a, t) = z`` whose backward also returns ``stat_fn(a, dz)`` as
+  the cotangent of ``t``: a statistic formed where ``dz`` is made, inside
+  a scan's backward iteration (and after a remat body's recomputation)."""
+
+  @jax.custom_vjp
+  def tap(z, a, t):
+    del a, t
+    return z
+
+  def fwd(z, a, t):
+    del t
+    return z, a
+
+  def bwd(a, dz):
+    return dz, None, stat_fn(a, dz)
+
+  tap.defvjp(fwd, bwd)
+  return tap
 
 
 # --------------------------------------------------------------------------
@@ -1428,12 +1632,8 @@ class LayerGrads:
 
   def take(self, samples: slice) -> LayerGrads:
     """Restricts to a slice of the ``S`` sample axis."""
-    deltas = tuple(d[samples] for d in self._deltas)
-    num = (
-      deltas[0].shape[0]
-      if deltas
-      else len(range(*samples.indices(self.num_samples)))
-    )
+    deltas = jax.tree.map(lambda d: d[samples], self._deltas)
+    num = len(range(*samples.indices(self.num_samples)))
     return LayerGrads(self._tape, deltas, num)
 
   def _site(self, s: int):
@@ -1455,6 +1655,22 @@ class LayerGrads:
   def _unflatten(self, values: dict) -> PyTree:
     vals = [values.get(i) for i in range(len(self._tape._leaves))]
     return jax.tree_util.tree_unflatten(self._tape._treedef, vals)
+
+  def _fused(self) -> dict:
+    """The statistics formed in the backward pass, summed over samples (a
+    K-FAC ``A_sum`` does not depend on the sample: its first)."""
+    fusion, out = self._tape._fusion, {}
+    if fusion is None:
+      return out
+    for leaf, (s, _) in fusion.leaves.items():
+      val = self._deltas[s].get(leaf)
+      if val is None:  # no K-FAC factors for this leaf
+        out[leaf] = None
+      elif fusion.statistic == "diag":
+        out[leaf] = jnp.sum(val, axis=0)
+      else:
+        out[leaf] = (val[0][0], jnp.sum(val[1], axis=0))
+    return out
 
   def _one_stat(self, structure, view, role, leaf, chunk_size, reduce):
     if structure == "diag":
@@ -1509,6 +1725,18 @@ class LayerGrads:
         f"weight_sharing must be one of {WEIGHT_SHARING}, got "
         f"{weight_sharing!r}."
       )
+    fusion = self._tape._fusion
+    if fusion is not None and (
+      structure != fusion.statistic
+      or (structure == "kron" and weight_sharing != fusion.weight_sharing)
+    ):
+      raise ValueError(
+        "this tape forms the statistic of its scanned layers in the backward "
+        f"pass: record(statistic={fusion.statistic!r}, weight_sharing="
+        f"{fusion.weight_sharing!r}); it cannot give {structure!r} with "
+        f"weight_sharing={weight_sharing!r}. Record with statistic=None "
+        "(every layer's activations and cotangents) for other statistics."
+      )
     cache: dict = {}
 
     def site(s):
@@ -1531,6 +1759,7 @@ class LayerGrads:
       for leaf, s, role in self._leaf_items()
     }
     out.update(special)
+    out.update(self._fused())
     return self._unflatten(out)
 
   def _gram(self, site_view, role, chunk_size):
@@ -1567,6 +1796,12 @@ class LayerGrads:
       A params-shaped tree, each covered leaf with a leading ``k`` axis,
       ``None`` elsewhere.
     """
+    if self._tape._fusion is not None:
+      raise ValueError(
+        "combine needs every layer's activations and cotangents; this tape "
+        "forms its scanned layers' statistic in the backward pass (record "
+        "with statistic=None)."
+      )
     num_s, b = self.num_samples, self._tape.batch
     weights = jnp.asarray(weights)
     if weights.ndim != 2 or weights.shape[1] != num_s * b:
@@ -1713,7 +1948,10 @@ class LayerGrads:
     time. A stacked leaf has K-FAC factors per layer; a shared one none.
     """
     out: dict = {}
+    fusion = self._tape._fusion
     for leaf in self._tape._plan.special:
+      if fusion is not None and leaf in fusion.leaves:
+        continue
       if structure == "kron":
         reduce = kwargs.get("reduce", False)
         out[leaf] = self._conv_kron(leaf, reduce)
