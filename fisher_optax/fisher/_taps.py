@@ -76,7 +76,19 @@ activations returned as extra ``ys`` (``reverse``, ``length``, ``unroll``
 kept), so every statistic of the leaf comes out per slice with its leading
 ``L`` axis (the Gram matrix sums the slices). A leaf entering as a const is
 shared by the iterations (a recurrent cell): its iterations are positions
-of a weight-shared layer below. Nested scans combine both.
+of a weight-shared layer below. Nested scans combine both. A ``remat`` body
+holding layers is re-run under ``jax.checkpoint`` with its policy.
+
+Recording every iteration's ``(a, delta)`` costs ``(L, B, T, K)`` memory
+per stacked layer, several times the batch gradient's (which keeps one
+carry per iteration under ``remat``). When the caller needs one statistic,
+``record(statistic="diag" | "kron")`` forms it inside the backward pass
+instead: a stacked layer's output passes through an identity whose
+``custom_vjp`` also returns, as the cotangent of a zero "statistic tap",
+that iteration's diagonal or K-FAC sums from the (recomputed) ``a`` and the
+``delta`` just formed. Nothing of size ``B`` leaves the iteration, so the
+pass needs about the batch gradient's memory. (Outside scans this brought
+nothing on XLA:CPU: the layers' ``(a, delta)`` are recorded as before.)
 
 **Shared leaves.** A leaf with several uses (a head tied to the embedding
 table, a kernel applied twice, a stacked kernel used twice per iteration)
