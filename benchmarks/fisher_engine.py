@@ -302,6 +302,14 @@ def _stored_rows() -> list[dict[str, Any]]:
   return json.loads(path.read_text())["rows"] if path.exists() else []
 
 
+def _stored_preamble() -> str:
+  """The stored table's hand-written notes (all before its first model
+  table), kept by a ``--merge`` run."""
+  path = pathlib.Path(_OUT.value or common.RESULTS_DIR) / f"{NAME}.md"
+  text = path.read_text() if path.exists() else ""
+  return text.split("### ", 1)[0] if "### " in text else ""
+
+
 def main(argv):
   del argv
   small = _SMALL.value
@@ -309,16 +317,17 @@ def main(argv):
   rounds = 2 if small else _ROUNDS.value
   slow_rounds = 1 if small else _SLOW_ROUNDS.value
   chunk = 4 if small else _CHUNK.value
-  rows = []
+  rows, preamble = [], ""
   if _MERGE.value and not small:
     rows = [r for r in _stored_rows() if r["model"] not in _MODELS.value]
+    preamble = _stored_preamble()
   for model_name in _MODELS.value:
     for b in batches:
       print(f"[{NAME}] {model_name} B={b}", flush=True)
       rows.extend(run_one(model_name, b, small, chunk, rounds, slow_rounds))
       # Written after every configuration, so a long run leaves its results.
       done = [bb for bb in batches if any(r["batch"] == bb for r in rows)]
-      md = to_markdown(rows, done, chunk)
+      md = preamble + to_markdown(rows, done, chunk)
       data = {
         "settings": {
           "small": small,

@@ -309,19 +309,29 @@ def layer_statistics(
   structure: str,
   chunk_size: int | None = None,
   axis_name: str | None = None,
+  fused: bool = False,
 ) -> tuple[Any, PyTree]:
   """``(stats, covered)`` of ``_taps.record(...).backward(cotangents)``.
 
   ``structure`` is one of ``LayerGrads.statistics``' (``"diag"``,
   ``"kron"``, ``"gram"``) or ``"norms"`` (:func:`layer_norms`);
-  ``cotangents`` is ``(S, B, *out_shape)``.
+  ``cotangents`` is ``(S, B, *out_shape)``. With ``fused``, the tape forms
+  the statistic of stacked layers inside the backward pass
+  (``record(statistic=structure)``).
   """
   if structure not in LAYER_STRUCTURES:
     raise ValueError(
       f"structure must be one of {LAYER_STRUCTURES}, got {structure!r}."
     )
   _check_chunk(chunk_size)
-  tape = _taps.record(apply_fn, params, inputs, axis_name=axis_name)
+  tape = _taps.record(
+    apply_fn,
+    params,
+    inputs,
+    axis_name=axis_name,
+    statistic=structure if fused else None,
+    chunk_size=chunk_size,
+  )
   grads = tape.backward(cotangents)
   if structure == "norms":
     return layer_norms(grads), tape.covered

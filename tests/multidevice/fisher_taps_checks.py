@@ -60,7 +60,8 @@ class TapsShardedTest(absltest.TestCase):
 
   def test_shard_map_scan_and_shared_leaves(self):
     """Stacked, scan-shared and tied leaves: their chunked sums are carried
-    in loops, whose carries must vary per device too."""
+    in loops, whose carries must vary per device too; so must the taps of
+    the statistics formed in the backward pass (``fused``)."""
     apply_fn, params, _, out_dim = fisher_taps_test._model(
       "plain_scan", jnp.float32
     )
@@ -69,9 +70,14 @@ class TapsShardedTest(absltest.TestCase):
     cot = jax.random.normal(k[1], (2, 16, out_dim))
 
     def stats(p, x, c):
-      return fisher_testing.layer_statistics(
-        apply_fn, p, x, c, structure="diag", chunk_size=1
-      )[0]
+      return {
+        (s, fused): fisher_testing.layer_statistics(
+          apply_fn, p, x, c, structure=s, chunk_size=1, fused=fused
+        )[0]
+        for s in ("diag", "kron")
+        for fused in (False, True)
+        if s == "diag" or fused
+      }
 
     ref = jax.jit(stats)(params, ids, cot)
     mesh = jax.make_mesh((8,), ("d",), axis_types=(AxisType.Explicit,))
