@@ -86,6 +86,12 @@ _MODELS = flags.DEFINE_list(
 _MERGE = flags.DEFINE_bool(
   "merge", False, "Keep the stored rows of the models not run this time."
 )
+_ONLY = flags.DEFINE_list(
+  "only",
+  [],
+  "Estimators to measure (default all). With --merge, the stored rows of "
+  "the other estimators, batch gradient included, are kept.",
+)
 _OUT = flags.DEFINE_string("out_dir", None, "Results dir (default results/).")
 
 NAME = "fisher_engine"
@@ -177,7 +183,11 @@ def run_one(
 
   base = jax.value_and_grad(loss)
   fns = {"batch gradient": (lambda p, x, y, k: base(p, x, y), False)}
-  fns.update(estimators(apply_fn, chunk))
+  fns.update(
+    (k, v)
+    for k, v in estimators(apply_fn, chunk).items()
+    if not _ONLY.value or k in _ONLY.value
+  )
   # Per-example exact costs C backprops per example: too slow past B = 128.
   skip = set()
   if batch > 128 and not small:
@@ -230,7 +240,7 @@ def run_one(
       if k == "batch gradient" and group is slow:
         continue
       rows[k].update(v)
-  for k in skip:
+  for k in skip & set(rows):
     rows[k].update({"median_s": None, "ratio": None})
   return list(rows.values())
 
@@ -259,20 +269,25 @@ def to_markdown(
       + [f"temp MB @{b}" for b in batches_m]
     )
     table = []
-    names = list(dict.fromkeys(r["estimator"] for r in sub))
+    order = ["batch gradient", *estimators(None, 1)]
+    names = sorted({r["estimator"] for r in sub}, key=order.index)
     for name in names:
       by_b = {r["batch"]: r for r in sub if r["estimator"] == name}
       cells = []
       for b in batches_m:
-        r = by_b[b]
-        if name == "batch gradient":
+        r = by_b.get(b)
+        if r is None:  # not measured yet in this run
+          cells.append("…")
+        elif name == "batch gradient":
           cells.append(f"{1e3 * base[b]:.2f} ms")
         else:
           cell = _fmt_ratio(r["ratio"])
           if r.get("floor") is not None:
             cell += f" ({r['floor']:.2f})"
           cells.append(cell)
-      mems = [f"{by_b[b]['temp_mb']:.1f}" for b in batches_m]
+      mems = [
+        f"{by_b[b]['temp_mb']:.1f}" if b in by_b else "…" for b in batches_m
+      ]
       table.append([name] + cells + mems)
     title = {
       "mlp": "MLP (NNX, relu): " + sub[0]["sizes"],
@@ -319,12 +334,22 @@ def main(argv):
   chunk = 4 if small else _CHUNK.value
   rows, preamble = [], ""
   if _MERGE.value and not small:
-    rows = [r for r in _stored_rows() if r["model"] not in _MODELS.value]
+    only = set(_ONLY.value)
+    rows = [
+      r
+      for r in _stored_rows()
+      if r["model"] not in _MODELS.value
+      or (only and r["estimator"] not in only)
+    ]
     preamble = _stored_preamble()
   for model_name in _MODELS.value:
     for b in batches:
       print(f"[{NAME}] {model_name} B={b}", flush=True)
-      rows.extend(run_one(model_name, b, small, chunk, rounds, slow_rounds))
+      new = run_one(model_name, b, small, chunk, rounds, slow_rounds)
+      if _ONLY.value and _MERGE.value and not small:
+        # The stored rows' ratios refer to the stored gradient row.
+        new = [r for r in new if r["estimator"] != "batch gradient"]
+      rows.extend(new)
       # Written after every configuration, so a long run leaves its results.
       done = [bb for bb in batches if any(r["batch"] == bb for r in rows)]
       md = preamble + to_markdown(rows, done, chunk)

@@ -344,6 +344,53 @@ class ScanAndTiedZooTest(parameterized.TestCase):
           _assert_tree_close([fg], [jnp.sum(gi[:B], 0)], rtol)
           _assert_tree_close([fd0], [jnp.sum(gi[:B] ** 2, 0)], rtol)
 
+  @parameterized.parameters(("linen_scan", 0), ("nnx", 2))
+  def test_kronecker_norms_and_positions_take_shampoo_factors(
+    self, name, num_iters
+  ):
+    """Leaves without K-FAC factors (norm scales and biases, stacked or not,
+    learned positions) get the per-example path's Shampoo-style factors,
+    formed from their per-example gradients on the layer path."""
+    with jax.enable_x64(True):
+      apply_fn, params, ids = _model(name, jnp.float64)
+      targets = jnp.roll(ids, -1, axis=1)
+      kw: dict[str, Any] = dict(
+        likelihood=fisher.Categorical(), kind="empirical", num_iters=num_iters
+      )
+
+      @jax.jit
+      def run(params, ids, targets):
+        return (
+          fisher.kronecker(apply_fn, params, (ids, targets), **kw),
+          fisher.kronecker(
+            apply_fn,
+            params,
+            (ids, targets),
+            method="per_example",
+            estimator="shampoo",
+            **kw,
+          ),
+        )
+
+      stat, ref = run(params, ids, targets)
+      self.assertEqual(stat.estimator, "mixed")
+      cov = fisher.coverage(apply_fn, params, ids)
+      flat = jax.tree_util.tree_flatten_with_path(cov)[0]
+      checked = 0
+      for (path, c), l, r, l0, r0 in zip(
+        flat,
+        jax.tree.leaves(stat.left),
+        jax.tree.leaves(stat.right),
+        jax.tree.leaves(ref.left),
+        jax.tree.leaves(ref.right),
+      ):
+        if c.kronecker:
+          continue
+        checked += 1
+        with self.subTest(jax.tree_util.keystr(path)):
+          _assert_tree_close([l, r], [l0, r0], 1e-10)
+      self.assertGreaterEqual(checked, 3)
+
 
 # -- convolutions: a small CNN and a ViT-style block ---------------------------
 

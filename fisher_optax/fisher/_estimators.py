@@ -736,8 +736,14 @@ def _as_matrix(g: jax.Array) -> jax.Array:
   return g.reshape(g.shape[0], *_statistics.matrix_shape(g.shape[1:]))
 
 
-def _kron_pass(ps: _Pass, leaf_fn: Callable[..., Any], extra: PyTree) -> PyTree:
-  """``sum_{s,n} leaf_fn(G_{s,n} as a matrix, extra_leaf)`` per leaf."""
+def _kron_pass(
+  ps: _Pass,
+  leaf_fn: Callable[..., Any],
+  extra: PyTree,
+  grads: PyTree | None = None,
+) -> PyTree:
+  """``sum_{s,n} leaf_fn(G_{s,n} as a matrix, extra_leaf)`` per leaf, the
+  ``G`` by the per-example path or given as ``grads`` (``(N, *leaf)``)."""
 
   def chunk_sum(g):
     def leaf(gl, e):
@@ -748,6 +754,10 @@ def _kron_pass(ps: _Pass, leaf_fn: Callable[..., Any], extra: PyTree) -> PyTree:
 
     return jax.tree.map(leaf, g, extra)
 
+  if grads is not None:
+    return _psum(
+      chunk_sum(jax.tree.map(lambda g: g[:, None], grads)), ps.axis_name
+    )
   return _psum(_reduce_pseudo_grads(ps, chunk_sum), ps.axis_name)
 
 
@@ -760,11 +770,11 @@ def _safe_div(num: jax.Array, den: jax.Array) -> jax.Array:
   return jnp.where(den > 0, num / jnp.where(den > 0, den, 1.0), 0.0)
 
 
-def _shampoo_step(ps: _Pass) -> tuple[PyTree, PyTree]:
+def _shampoo_step(ps: _Pass, grads: PyTree | None) -> tuple[PyTree, PyTree]:
   """One Shampoo step: ``E[G G^T]`` and ``E[G^T G] / tr(E[G G^T])``."""
   count = ps.count
   dummy = jax.tree.map(lambda p: jnp.zeros(()), ps.params)
-  sums = _kron_pass(ps, lambda m, _: (_hp(m, m.T), _hp(m.T, m)), dummy)
+  sums = _kron_pass(ps, lambda m, _: (_hp(m, m.T), _hp(m.T, m)), dummy, grads)
   # Mapped over params: a leaf's sums are a pair (params may hold tuples).
   left = jax.tree.map(lambda _, s: s[0] / count, ps.params, sums)
   right = jax.tree.map(
@@ -775,15 +785,19 @@ def _shampoo_step(ps: _Pass) -> tuple[PyTree, PyTree]:
   return left, right
 
 
-def _shampoo_factors(ps: _Pass, num_iters: int) -> tuple[PyTree, PyTree]:
-  """Nearest-Kronecker factors from per-example (pseudo-)gradients.
+def _shampoo_factors(
+  ps: _Pass, num_iters: int, grads: PyTree | None = None
+) -> tuple[PyTree, PyTree]:
+  """Nearest-Kronecker factors from per-example (pseudo-)gradients: by the
+  per-example path of ``ps``, or ``grads`` (``(N, *leaf)`` per leaf of
+  ``ps.params``).
 
   ``num_iters = 0``: one Shampoo step (:func:`_shampoo_step`). Otherwise
   alternate ``L <- E[G R G^T] / |R|^2``, ``R <- E[G^T L G] / |L|^2`` from
   ``R = I``.
   """
   if num_iters == 0:
-    return _shampoo_step(ps)
+    return _shampoo_step(ps, grads)
   count = ps.count
 
   def normalised(s, f):
@@ -791,9 +805,9 @@ def _shampoo_factors(ps: _Pass, num_iters: int) -> tuple[PyTree, PyTree]:
 
   def one_round(_, lr):
     _, right = lr
-    s = _kron_pass(ps, lambda m, r: _hp(_hp(m, r), m.T), right)
+    s = _kron_pass(ps, lambda m, r: _hp(_hp(m, r), m.T), right, grads)
     left = jax.tree.map(normalised, s, right)
-    s = _kron_pass(ps, lambda m, l: _hp(_hp(m.T, l), m), left)
+    s = _kron_pass(ps, lambda m, l: _hp(_hp(m.T, l), m), left, grads)
     return left, jax.tree.map(normalised, s, left)
 
   def eye_and_zeros(p):
@@ -813,23 +827,47 @@ def _kfac_factors(
 ) -> tuple[PyTree, PyTree, bool]:
   """K-FAC factors of covered leaves, Shampoo-style ones elsewhere.
 
-  Returns ``(left, right, mixed)``; ``mixed`` when some leaf is not covered.
+  The Shampoo-style factors of elementwise leaves (norms, positions) come
+  from their per-example gradients on the layer path
+  (:meth:`_taps.LayerGrads.example_grads`), the others' from the
+  per-example path. Returns ``(left, right, mixed)``; ``mixed`` when some
+  leaf has no K-FAC factors.
   """
-  stats = _psum(
-    ps.layers.statistics(
-      "kron", chunk_size=ps.chunk_size, weight_sharing=weight_sharing
-    ),
-    ps.axis_name,
+  leaves, treedef = jax.tree.flatten(ps.params)
+  stats = treedef.flatten_up_to(
+    _psum(
+      ps.layers.statistics(
+        "kron", chunk_size=ps.chunk_size, weight_sharing=weight_sharing
+      ),
+      ps.axis_name,
+    )
   )
-  sub = _uncovered(ps)
-  sub_l, sub_r = _shampoo_factors(sub, num_iters) if sub else (None, None)
-  left = _merge(
-    stats, ps.covered, sub_l, lambda s: numerics.widen(s[0]) / ps.count
-  )
-  right = _merge(
-    stats, ps.covered, sub_r, lambda s: numerics.widen(s[1]) / ps.count
-  )
-  return left, right, sub is not None
+  kfac = treedef.flatten_up_to(ps.covered)
+  grads = treedef.flatten_up_to(ps.layers.example_grads())
+  cheap = [not k and g is not None for k, g in zip(kfac, grads)]
+  left = [
+    numerics.widen(s[0]) / ps.count if k else None for k, s in zip(kfac, stats)
+  ]
+  right = [
+    numerics.widen(s[1]) / ps.count if k else None for k, s in zip(kfac, stats)
+  ]
+
+  def fill(idx: list[int], factors: tuple[PyTree, PyTree]) -> None:
+    for j, i in enumerate(idx):
+      left[i], right[i] = factors[0][j], factors[1][j]
+
+  idx = [i for i, c in enumerate(cheap) if c]
+  if idx:
+    sub = ps._replace(params=[leaves[i] for i in idx])
+    fill(idx, _shampoo_factors(sub, num_iters, [grads[i] for i in idx]))
+  # The per-example path runs for the rest only (leaf order).
+  done = [k or c for k, c in zip(kfac, cheap)]
+  sub = _uncovered(ps._replace(covered=jax.tree.unflatten(treedef, done)))
+  if sub is not None:
+    rest = [i for i, d in enumerate(done) if not d]
+    fill(rest, _shampoo_factors(sub, num_iters))
+  unflat = lambda xs: jax.tree.unflatten(treedef, xs)
+  return unflat(left), unflat(right), not all(kfac)
 
 
 @_auto_axes_under_explicit_mesh
@@ -881,7 +919,10 @@ def kronecker(
     (from ``R = I``), converging to the Frobenius-nearest Kronecker product
     (two passes over the per-example gradients per round).
   - ``estimator="auto"``: ``kfac`` for leaves the layer path covers,
-    ``shampoo`` for the others (``estimator`` field ``"mixed"``).
+    ``shampoo`` for the others (``estimator`` field ``"mixed"``). The
+    per-example gradients of elementwise leaves without K-FAC factors (norm
+    scales and biases, learned positions) come from the layer path, without
+    a per-example backward pass.
 
   ``apply_fn``, ``params``, ``batch``, ``likelihood``, ``kind``,
   ``num_samples``, ``key``, ``method``, ``chunk_size`` and ``axis_name`` are

@@ -106,7 +106,10 @@ biases of any shape (``(1, O)``), also when shared by a scan's iterations,
 and per layer for a leaf stacked along a scan (factors ``(L, K, K)``,
 ``(L, O, O)``). Elementwise parameters have none, nor have leaves shared by
 several uses; :func:`fisher_optax.fisher.kronecker` gives them Shampoo factors
-from per-example gradients. A convolution kernel in the ``(spatial..., I,
+from per-example gradients, an elementwise leaf's formed here
+(:meth:`LayerGrads.example_grads`: ``x * delta`` or ``delta`` summed over
+the broadcast positions; inside the backward pass under
+``record(statistic="kron")``). A convolution kernel in the ``(spatial..., I,
 O)`` layout (Flax's ``HWIO``) with one feature group has factors in its
 matrix view ``(prod(spatial) * I, O)``: ``a`` its input patches, the
 output positions weight-shared (Grosse & Martens, 2016); grouped convs and
@@ -222,6 +225,9 @@ _PARAM_KINDS = ("param", "view", "perm")
 # gradients LayerGrads._use_grads forms: the kinds allowed inside a scan or
 # for a leaf with several uses.
 _LOOP_KINDS = ("dense", "embed", "scale", "shift")
+
+# Site kinds of elementwise parameters (norm scales and shifts, positions).
+_ELEMENTWISE = ("scale", "shift")
 
 # Budget (elements) for a materialised chunk of per-example layer gradients
 # when the caller gives no chunk size (weight-shared diagonal, shared leaves).
@@ -1240,12 +1246,16 @@ def _fused_stat(
   delta: Array,
 ) -> dict[int, Any]:
   """One iteration's statistic of each leaf at a site: ``{leaf: diag}`` or
-  ``{leaf: (A_sum, Gamma_sum)}`` (leaves without K-FAC factors left out)."""
+  ``{leaf: (A_sum, Gamma_sum)}``; for ``"kron"``, an elementwise leaf's
+  per-example gradients ``(B, *shape)`` instead (they are small, and give
+  its Shampoo-style factors), other leaves without K-FAC factors left out."""
   view = _site_view(site, act, delta[None], batch)
   out: dict[int, Any] = {}
   for leaf, role, shape in users:
     if statistic == "diag":
       out[leaf] = _diag_stat(view, role, shape, chunk_size)
+    elif site.kind in _ELEMENTWISE:
+      out[leaf] = jnp.sum(view[2][0], axis=1).reshape((batch,) + shape)
     else:
       kron = _kron_stat(view, role, batch, reduce)
       if kron is not None:
@@ -1674,8 +1684,11 @@ class LayerGrads:
     fusion, out = self._tape._fusion, {}
     if fusion is None:
       return out
+    sites = self._tape._plan.sites
     for leaf, (s, _) in fusion.leaves.items():
       val = self._deltas[s].get(leaf)
+      if fusion.statistic == "kron" and sites[s].kind in _ELEMENTWISE:
+        val = None  # per-example gradients (example_grads), not factors
       if val is None:  # no K-FAC factors for this leaf
         out[leaf] = None
       elif fusion.statistic == "diag":
@@ -1683,6 +1696,45 @@ class LayerGrads:
       else:
         out[leaf] = (val[0][0], jnp.sum(val[1], axis=0))
     return out
+
+  def example_grads(self) -> PyTree:
+    """Per-example gradients of the elementwise leaves, cheap to form.
+
+    A covered leaf whose every use is an elementwise scale or shift (norm
+    scales and biases, learned positions; stacked or shared too) has small
+    per-example gradients, ``x * delta`` or ``delta`` summed over the
+    broadcast positions: returned as ``(S * B, *leaf)``, rows ``s * B + n``.
+    They give such a leaf the Shampoo-style factors K-FAC lacks without a
+    per-example backward pass. A tape recorded with ``statistic="diag"``
+    does not keep them for its fused leaves.
+
+    Returns:
+      A params-shaped tree, ``None`` at the other leaves.
+    """
+    plan, fusion = self._tape._plan, self._tape._fusion
+    num_s, b = self.num_samples, self._tape.batch
+    out: dict[int, Any] = {}
+    for leaf, r in enumerate(plan.roles):
+      if r is None or not _elementwise(plan, leaf):
+        continue
+      uses = plan.special.get(leaf, [(r[0], r[1], ())])
+      shape = self._leaf_shape(leaf)
+      if fusion is not None and leaf in fusion.leaves:
+        if fusion.statistic != "kron":
+          continue
+        g = self._deltas[r[0]][leaf]  # (S, *L, B, *per)
+        g = jnp.moveaxis(g, 1 + len(uses[0][2]), 1)  # (S, B, *L, *per)
+      elif leaf in plan.special:
+        rows = jnp.arange(num_s * b)
+        g = sum(
+          self._use_grads(v, role, leaf, x, rows)
+          for v, role, x in self._special_views(leaf)
+        )
+      else:
+        delta = self._site(r[0])[2]  # (S, B, R, P)
+        g = jnp.sum(delta, axis=2)
+      out[leaf] = jnp.asarray(g).reshape((num_s * b,) + shape)
+    return self._unflatten(out)
 
   def _one_stat(self, structure, view, role, leaf, chunk_size, reduce):
     if structure == "diag":
@@ -2162,7 +2214,8 @@ class LeafCoverage:
       of sort: no layer rule matches"``, ``"used 2 times ..."``).
     kronecker: whether :func:`fisher_optax.fisher.kronecker` also takes its
       K-FAC factors from layer statistics; otherwise that leaf gets
-      Shampoo-style factors from per-example gradients.
+      Shampoo-style factors from per-example gradients (an elementwise
+      leaf's, such as a norm scale, formed on the layer path).
   """
 
   path: str
@@ -2171,6 +2224,15 @@ class LeafCoverage:
 
   def __bool__(self) -> bool:
     return self.path == "layer"
+
+
+def _elementwise(plan: _Plan, leaf: int) -> bool:
+  """Whether a covered leaf's every use is an elementwise scale or shift."""
+  r = plan.roles[leaf]
+  if r is None:
+    return False
+  uses = plan.special.get(leaf, [(r[0], r[1], ())])
+  return all(plan.sites[u[0]].kind in _ELEMENTWISE for u in uses)
 
 
 def _leaf_coverage(plan: _Plan, leaves: Sequence[Any]) -> list[LeafCoverage]:
@@ -2267,7 +2329,8 @@ def warn_fallback(
   Args:
     tape: the recorded forward pass.
     structure: ``"kron"`` counts leaves without K-FAC factors as falling
-      back; anything else counts leaves off the layer path.
+      back, except elementwise ones (their per-example gradients come from
+      the layer path); anything else counts leaves off the layer path.
     threshold: the share of parameters (by count) that triggers it.
     stacklevel: passed to :func:`warnings.warn`.
   """
@@ -2276,7 +2339,12 @@ def warn_fallback(
   kron = structure == "kron"
   sizes = [math.prod(np.shape(x)) for x in leaves]
   total = sum(sizes)
-  off = [i for i, c in enumerate(cov) if not (c.kronecker if kron else c)]
+  plan = tape._plan
+  off = [
+    i
+    for i, c in enumerate(cov)
+    if not (c.kronecker or _elementwise(plan, i) if kron else c)
+  ]
   share = sum(sizes[i] for i in off) / max(total, 1)
   if share <= threshold:
     return
