@@ -37,7 +37,7 @@ Decisions where the paper leaves room, each documented where it is used:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 import functools
 from typing import Any, NamedTuple
 
@@ -372,19 +372,19 @@ def _refresh_window(
   return window, linalg.tree_stacked_gram(window.astype(dtype))
 
 
-def _refresh_leaf(
+def _refresh_leaves(
   cfg: _Config,
-  proj: _Projection,
-  g2: jax.Array,
-  p_old: jax.Array,
-  window: jax.Array,
-  gram: jax.Array,
+  projs: Sequence[_Projection | None],
+  leaves: Sequence[jax.Array],
+  state: NaturalGaLoreState,
   refresh: jax.Array,
-  key: jax.Array,
   healthy: jax.Array | None = None,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """``(projector, window, gram)``, refreshed when ``refresh`` is True.
+) -> tuple[list[tuple[Any, Any, Any]], dict[int, jax.Array]]:
+  """``(projector, window, gram)`` per leaf, refreshed when ``refresh``, and
+  the projected leaves' gradients as matrices (by leaf index).
 
+  One ``cond`` for all the leaves (they share the schedule): a cond per leaf
+  is a thunk of its own on XLA:CPU at every step, refresh or not.
   ``refresh`` is the schedule alone: it depends only on the step count (and
   ``update_proj_gap``), so under :func:`jax.vmap` over hyperparameters or
   data it stays unbatched and the cond stays a cond. The gradient-dependent
@@ -394,23 +394,39 @@ def _refresh_leaf(
   by lane under ``vmap`` (:func:`fisher_optax.fisher.numerics.lane_by_lane`):
   batched LAPACK calls can deadlock XLA:CPU.
   """
-  new_projector = numerics.lane_by_lane(
-    lambda g2, p_old, key: _new_projector(
-      proj, g2, p_old, cfg.svd_method, cfg.svd_power_iterations, key
+  olds = list(
+    zip(
+      jax.tree.leaves(state.projector),
+      jax.tree.leaves(state.window),
+      jax.tree.leaves(state.window_gram),
     )
   )
-  keep = lambda: (p_old, window, gram)
+  on = [(i, proj) for i, proj in enumerate(projs) if proj is not None]
+  g2s = {i: proj.view.to_matrix(leaves[i]) for i, proj in on}
+  base_key = jax.random.fold_in(jax.random.key(0), state.count)
 
-  def do_refresh():
-    p_new = new_projector(g2, p_old, key)
+  def one(i, proj):
+    p_old, window, gram = olds[i]
+    p_new = numerics.lane_by_lane(
+      lambda g2, p_old, key: _new_projector(
+        proj, g2, p_old, cfg.svd_method, cfg.svd_power_iterations, key
+      )
+    )(g2s[i], p_old, jax.random.fold_in(base_key, i))
     return (p_new, *_refresh_window(cfg, proj, p_old, p_new, window, gram))
+
+  keep = lambda: [olds[i] for i, _ in on]
+  do_refresh = lambda: [one(i, proj) for i, proj in on]
 
   def scheduled():
     if healthy is None:
       return do_refresh()
     return jax.lax.cond(healthy, do_refresh, keep)
 
-  return jax.lax.cond(refresh, scheduled, keep)
+  new = list(olds)
+  if on:
+    for (i, _), value in zip(on, jax.lax.cond(refresh, scheduled, keep)):
+      new[i] = tuple(value)
+  return new, g2s
 
 
 def _per_example_solve(
@@ -503,28 +519,17 @@ def _step(
   leaves, treedef = jax.tree.flatten(updates)
   count = state.count
   refresh = (count % update_proj_gap) == 0
-  base_key = jax.random.fold_in(jax.random.key(0), count)
-  old = zip(
-    jax.tree.leaves(state.projector),
-    jax.tree.leaves(state.window),
-    jax.tree.leaves(state.window_gram),
-  )
-  low, new = [], []  # new: (projector, window, gram) per leaf
-  for i, (g, proj, (p, window, gram), pe) in enumerate(
-    zip(leaves, projs, old, per_example)
-  ):
+  # (projector, window, gram) per leaf
+  new, g2s = _refresh_leaves(cfg, projs, leaves, state, refresh)
+  low = []
+  for i, (g, proj, pe) in enumerate(zip(leaves, projs, per_example)):
     if proj is None:
       low.append(g)
-      new.append((p, window, gram))
       continue
-    g2 = proj.view.to_matrix(g)
-    key = jax.random.fold_in(base_key, i)
-    p, window, gram = _refresh_leaf(
-      cfg, proj, g2, p, window, gram, refresh, key
+    p = new[i][0]
+    low.append(
+      _per_example_solve(cfg, proj, proj.project(p, g2s[i]), p, pe, damping)
     )
-    lg = _per_example_solve(cfg, proj, proj.project(p, g2), p, pe, damping)
-    low.append(lg)
-    new.append((p, window, gram))
 
   unflat = lambda xs: jax.tree.unflatten(treedef, list(xs))
   columns = list(zip(*new)) or [(), (), ()]
@@ -593,24 +598,15 @@ def _windowed_update(
   refresh = (count % update_proj_gap) == 0
   slot = count % cfg.history_size
   slots = jnp.asarray(slot, jnp.int32)[None]
-  base_key = jax.random.fold_in(jax.random.key(0), count)
-  old = zip(
-    jax.tree.leaves(state.projector),
-    jax.tree.leaves(state.window),
-    jax.tree.leaves(state.window_gram),
-  )
+  new, g2s = _refresh_leaves(cfg, projs, leaves, state, refresh, healthy)
   # Per leaf: (projector, window, its Gram, the Gram with this step's row,
   # the row as stored, the low-rank gradient).
   parts = []
-  for i, (g, proj, (p, window, gram)) in enumerate(zip(leaves, projs, old)):
+  for i, (g, proj, (p, window, gram)) in enumerate(zip(leaves, projs, new)):
     if proj is None:
       parts.append((p, window, gram, gram, None, g))
       continue
-    g2 = proj.view.to_matrix(g)
-    key = jax.random.fold_in(base_key, i)
-    p, window, gram = _refresh_leaf(
-      cfg, proj, g2, p, window, gram, refresh, key, healthy
-    )
+    g2 = g2s[i]
     lg = proj.project(p, g2)
     row = lg.astype(window.dtype)[None]
     pushed, _ = linalg.stacked_pending_gram(window, gram, row, slot)
