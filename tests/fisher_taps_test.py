@@ -1128,6 +1128,18 @@ class _ScannedStack(nn.Module):
     return nn.Dense(8)(jnp.mean(x, axis=1))
 
 
+def _traced_tape(apply_fn, params, inputs, **kw) -> _taps.LayerTape:
+  """A tape recorded under ``eval_shape``: its plan, without running it."""
+  tapes = []
+
+  def record(params, inputs):
+    tapes.append(_taps.record(apply_fn, params, inputs, **kw))
+    return 0.0
+
+  jax.eval_shape(record, params, inputs)
+  return tapes[0]
+
+
 class FusedStatisticsTest(parameterized.TestCase):
   """``record(statistic=...)``: the scanned layers' statistic in the backward."""
 
@@ -1212,7 +1224,7 @@ class FusedStatisticsTest(parameterized.TestCase):
       for structure in ("diag", "kron"):
         want = stats(params, x, cot, structure, False)
         got = stats(params, x, cot, structure, True)
-        tape = _taps.record(apply_fn, params, x, statistic=structure)
+        tape = _traced_tape(apply_fn, params, x, statistic=structure)
         # k (used twice), cell (scan-shared) and table (tied) are recorded,
         # and so is b: it is the bias of k's first product, whose (a, delta)
         # k needs anyway.
@@ -1222,22 +1234,26 @@ class FusedStatisticsTest(parameterized.TestCase):
         chex.assert_trees_all_close(got, want, rtol=1e-10, atol=1e-12)
 
   def test_other_statistics_raise(self):
-    tape = _taps.record(self.apply_fn, self.params, self.x, statistic="kron")
-    layers = tape.backward(self.r[None])
-    for structure, kw in (
-      ("gram", {}),
-      ("diag", {}),
-      ("kron", dict(weight_sharing="reduce")),
-    ):
-      with self.assertRaisesRegex(ValueError, "statistic='kron'"):
-        layers.statistics(structure, **kw)
-    with self.assertRaisesRegex(ValueError, "combine needs"):
-      layers.combine(jnp.ones((1, 64)))
-    with self.assertRaisesRegex(ValueError, "statistic must be"):
-      _taps.record(self.apply_fn, self.params, self.x, statistic="gram")
+    def check(params, x, r):  # traced only: the errors come at trace time
+      tape = _taps.record(self.apply_fn, params, x, statistic="kron")
+      layers = tape.backward(r[None])
+      for structure, kw in (
+        ("gram", {}),
+        ("diag", {}),
+        ("kron", dict(weight_sharing="reduce")),
+      ):
+        with self.assertRaisesRegex(ValueError, "statistic='kron'"):
+          layers.statistics(structure, **kw)
+      with self.assertRaisesRegex(ValueError, "combine needs"):
+        layers.combine(jnp.ones((1, 64)))
+      with self.assertRaisesRegex(ValueError, "statistic must be"):
+        _taps.record(self.apply_fn, params, x, statistic="gram")
+      return 0.0
+
+    jax.eval_shape(check, self.params, self.x, self.r)
 
   def test_without_stacked_leaves_records_as_usual(self):
-    tape = _taps.record(
+    tape = _traced_tape(
       fisher_testing.mlp_apply,
       fisher_testing.mlp_params(jax.random.key(0)),
       jnp.ones((B, 4)),
