@@ -1762,8 +1762,10 @@ class LayerGrads:
     diagonal of row counts) and ``Gamma_sum = sum_{s,n,t} delta delta^T``,
     for a bias ``A_sum = [[B]]``; ``"gram"`` one ``(S * B, S * B)`` array
     :math:`\\sum_{\\text{covered}} \\langle g_i, g_j \\rangle`. A leaf
-    stacked along a scan or with several uses has no ``"kron"`` factors
-    (``None``). ``weight_sharing="reduce"`` sums over the positions
+    stacked along a scan has ``"kron"`` factors per layer (``(L, K, K)``,
+    ``(L, O, O)``); one with several uses, or an elementwise one, has none
+    (``None``; see :meth:`example_grads`). On a tape recorded with a
+    ``statistic``, only that structure is served. ``weight_sharing="reduce"`` sums over the positions
     first (Eschenhagen et al, 2023): ``A_sum = sum_n abar_n abar_n^T`` with
     ``abar_n = mean_t a_t`` and ``Gamma_sum = sum_{s,n} (sum_t delta)
     (sum_t delta)^T``; both conventions agree when ``T = 1``.
