@@ -192,6 +192,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fisher_optax.fisher import numerics
+from fisher_optax.fisher import validation
 
 Array = jax.Array
 PyTree = Any
@@ -297,6 +298,13 @@ class _Plan:
   special: dict[int, list[tuple[int, str, tuple[str, ...]]]] = (
     dataclasses.field(default_factory=dict)
   )
+
+  def uses(self, leaf: int) -> list[tuple[int, str, tuple[str, ...]]]:
+    """A covered leaf's uses as (site, role, modes); [] if not covered."""
+    r = self.roles[leaf]
+    if r is None:
+      return []
+    return self.special.get(leaf, [(r[0], r[1], ())])
 
 
 def _sub_jaxpr(eqn) -> tuple[Any, Sequence[Any]] | None:
@@ -1094,14 +1102,9 @@ def record(
   Returns:
     A :class:`LayerTape`; call ``.backward(cotangents)`` on it.
   """
-  if statistic not in (None, "diag", "kron"):
-    raise ValueError(
-      f"statistic must be None, 'diag' or 'kron', got {statistic!r}."
-    )
-  if weight_sharing not in WEIGHT_SHARING:
-    raise ValueError(
-      f"weight_sharing must be one of {WEIGHT_SHARING}, got {weight_sharing!r}."
-    )
+  if statistic is not None:
+    validation.check_choice("statistic", statistic, ("diag", "kron"))
+  validation.check_choice("weight_sharing", weight_sharing, WEIGHT_SHARING)
   leaves, treedef, in_leaves, closed, out_def, batch = _trace(
     apply_fn, params, inputs
   )
@@ -1219,11 +1222,9 @@ def _fusable(plan: _Plan) -> dict[int, tuple[int, str]]:
       if plan.sites[s].kind in ("dense", "scale", "shift"):
         out[leaf] = (s, role)
   needed = set()  # sites that other covered leaves read (a, delta) from
-  for leaf, r in enumerate(plan.roles):
-    if r is None or leaf in out:
-      continue
-    uses = plan.special.get(leaf, [(r[0], r[1], ())])
-    needed.update(u[0] for u in uses)
+  for leaf in range(len(plan.roles)):
+    if leaf not in out:
+      needed.update(u[0] for u in plan.uses(leaf))
   return {leaf: v for leaf, v in out.items() if v[0] not in needed}
 
 
@@ -1717,13 +1718,13 @@ class LayerGrads:
     for leaf, r in enumerate(plan.roles):
       if r is None or not _elementwise(plan, leaf):
         continue
-      uses = plan.special.get(leaf, [(r[0], r[1], ())])
       shape = self._leaf_shape(leaf)
       if fusion is not None and leaf in fusion.leaves:
         if fusion.statistic != "kron":
           continue
         g = self._deltas[r[0]][leaf]  # (S, *L, B, *per)
-        g = jnp.moveaxis(g, 1 + len(uses[0][2]), 1)  # (S, B, *L, *per)
+        sliced = len(plan.uses(leaf)[0][2])
+        g = jnp.moveaxis(g, 1 + sliced, 1)  # (S, B, *L, *per)
       elif leaf in plan.special:
         rows = jnp.arange(num_s * b)
         g = sum(
@@ -1782,15 +1783,8 @@ class LayerGrads:
       A params-shaped tree with ``None`` at uncovered leaves, or the Gram
       matrix. Float32 or wider.
     """
-    if structure not in STRUCTURES:
-      raise ValueError(
-        f"structure must be one of {STRUCTURES}, got {structure!r}."
-      )
-    if weight_sharing not in WEIGHT_SHARING:
-      raise ValueError(
-        f"weight_sharing must be one of {WEIGHT_SHARING}, got "
-        f"{weight_sharing!r}."
-      )
+    validation.check_choice("structure", structure, STRUCTURES)
+    validation.check_choice("weight_sharing", weight_sharing, WEIGHT_SHARING)
     fusion = self._tape._fusion
     if fusion is not None and (
       structure != fusion.statistic
@@ -2230,11 +2224,8 @@ class LeafCoverage:
 
 def _elementwise(plan: _Plan, leaf: int) -> bool:
   """Whether a covered leaf's every use is an elementwise scale or shift."""
-  r = plan.roles[leaf]
-  if r is None:
-    return False
-  uses = plan.special.get(leaf, [(r[0], r[1], ())])
-  return all(plan.sites[u[0]].kind in _ELEMENTWISE for u in uses)
+  uses = plan.uses(leaf)
+  return bool(uses) and all(plan.sites[u[0]].kind in _ELEMENTWISE for u in uses)
 
 
 def _leaf_coverage(plan: _Plan, leaves: Sequence[Any]) -> list[LeafCoverage]:
