@@ -1175,6 +1175,69 @@ class FusedStatisticsTest(parameterized.TestCase):
     self.assertLess(fused, 1.3 * base)
     self.assertLess(fused, 0.5 * unfused)
 
+  def test_several_samples_one_backward_pass_at_a_time(self):
+    """The diagonal of S cotangents pulls them back one sample per pass by
+    default (a scan): memory near one gradient's, not S of them."""
+    num = 10
+    cot = jnp.stack([self.r * (s + 1) for s in range(num)])
+
+    def grad_fn(p, x, r):
+      out, vjp = jax.vjp(lambda q: self.apply_fn(q, x), p)
+      return vjp(r)[0]
+
+    def diag_fn(p, x, r, chunk_size):
+      del r
+      tape = _taps.record(self.apply_fn, p, x, statistic="diag")
+      return tape.backward(cot).statistics("diag", chunk_size=chunk_size)
+
+    base = self._temp(grad_fn)
+    one = self._temp(functools.partial(diag_fn, chunk_size=None))
+    every = self._temp(functools.partial(diag_fn, chunk_size=num * 64))
+    self.assertLess(one, 1.3 * base)
+    self.assertLess(one, 0.5 * every)
+
+  @parameterized.parameters("scanned", "mlp")
+  def test_samples_per_pass_leave_the_diagonal_unchanged(self, model):
+    """One, three (the last pass padded) or all ten samples per backward
+    pass; fused scanned layers, and dense layers without weight sharing
+    (their delta^2 is summed over samples before one matmul)."""
+    b, num = 6, 10
+    if model == "scanned":
+      apply_fn, params, x = self.apply_fn, self.params, self.x[:b, :8]
+      cot = jax.random.normal(jax.random.key(3), (num, b, 8))
+      statistics = ("diag", None)
+    else:
+      apply_fn = fisher_testing.mlp_apply
+      params = fisher_testing.mlp_params(jax.random.key(3))
+      x = jax.random.normal(jax.random.key(4), (b, fisher_testing.IN_DIM))
+      cot = jax.random.normal(
+        jax.random.key(5), (num, b, fisher_testing.OUT_DIM)
+      )
+      statistics = (None,)
+
+    @jax.jit
+    def run(params, x, cot):
+      out = {}
+      for statistic in statistics:
+        tape = _taps.record(apply_fn, params, x, statistic=statistic)
+        for per_pass in (1, 3, num):
+          out[f"{statistic} {per_pass}"] = tape.backward(cot).statistics(
+            "diag", chunk_size=per_pass * b
+          )
+        # held cotangents (``take``) are summed as one pass
+        out[f"{statistic} held"] = (
+          tape.backward(cot).take(slice(None)).statistics("diag")
+        )
+      return out
+
+    out = run(params, x, cot)
+    want = out["None held"]
+    for key, got in out.items():
+      with self.subTest(key):
+        for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+          scale = float(jnp.max(jnp.abs(w)))
+          np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5 * scale)
+
   def test_equal_to_the_unfused_statistics(self):
     x, r = self.x[:8, :8], self.r[:8]
     cot = jnp.stack([r, -2.0 * r, r**2])

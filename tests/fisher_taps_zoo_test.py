@@ -189,9 +189,16 @@ def _estimates(apply_fn, params, ids, kinds):
 
 
 def _assert_tree_close(got, want, rtol):
-  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-    a, b = np.asarray(a), np.asarray(b)
-    np.testing.assert_allclose(a, b, rtol=rtol, atol=rtol * np.abs(b).max())
+  """Leafwise to ``rtol`` of each leaf's scale; a leaf that is zero in exact
+  arithmetic (attention's key bias: softmax ignores it) is rounding noise,
+  held to a few ulps of the whole statistic's scale."""
+  leaves = [np.asarray(b) for b in jax.tree.leaves(want)]
+  top = max(float(np.abs(b).max()) for b in leaves)
+  for a, b in zip(jax.tree.leaves(got), leaves):
+    a = np.asarray(a)
+    noise = 100 * np.finfo(b.dtype).eps * top
+    atol = max(rtol * float(np.abs(b).max()), noise)
+    np.testing.assert_allclose(a, b, rtol=rtol, atol=atol)
 
 
 class TransformerZooTest(parameterized.TestCase):
@@ -226,6 +233,12 @@ class TransformerZooTest(parameterized.TestCase):
         warnings.simplefilter("error", fisher.FisherFallbackWarning)
         out = run(params, ids, kinds)
       rtol = 1e-10 if x64 else 1e-5
+      if x64 and name == "nnx":
+        # nnx.MultiHeadAttention takes its softmax in float32 whatever the
+        # dtype: two orders of the same float64 sums round differently
+        # there (the layer path pulls the exact kind's samples back one at
+        # a time, the per-example path all at once).
+        rtol = 1e-6
       for key in [k for m, k in out if m == "auto"]:
         with self.subTest(key):
           _assert_tree_close(out["auto", key], out["per_example", key], rtol)

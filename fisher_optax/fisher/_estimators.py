@@ -390,6 +390,10 @@ def diagonal(
       elsewhere), ``"taps"`` (layer statistics only; error otherwise) or
       ``"per_example"``.
     chunk_size: examples per chunk on the per-example path (static int).
+      On the layer path, with several samples per example (``exact``,
+      ``mc`` with ``num_samples > 1``), the backward passes of the samples
+      take ``max(1, chunk_size // B)`` at a time; by default one, so the
+      memory stays near one batch gradient's whatever ``B`` and ``S``.
     axis_name: a ``shard_map``/``pmap`` axis the batch is split over; sums
       are all-reduced before normalising.
 

@@ -237,6 +237,7 @@ _DEFAULT_CHUNK_ELEMENTS = 1 << 24
 # with the batch (input blocks, example chunks); XLA may hold several
 # layers' at once.
 _BLOCK_ELEMENTS = 1 << 22
+
 # Conv input patches per chunk: a chunk's patches and gradients stay in
 # cache (on XLA:CPU, 10x the rows in one chunk ran 25x slower).
 _PATCH_CHUNK_ELEMENTS = 1 << 20
@@ -1032,10 +1033,15 @@ class LayerTape:
       A :class:`LayerGrads` holding the per-example ``delta`` of every layer.
     """
     cts, num = self._prepare(cotangents, 1)
-    # Only the tap cotangents are kept: under jit XLA drops the unused
-    # weight-gradient products.
-    deltas = jax.vmap(lambda c: self._pullback(c)[1])(cts)
-    return LayerGrads(self, tuple(deltas), num)
+    # Pulled back when first needed: the diagonal sums go through the
+    # samples a few at a time instead (LayerGrads.statistics).
+    return LayerGrads(self, None, num, cotangents=cts)
+
+  def _pull(self, cts: PyTree) -> tuple:
+    """The taps' ``delta`` of ``S`` cotangents, one vmapped backward. Only
+    the tap cotangents are kept: under jit XLA drops the unused
+    weight-gradient products."""
+    return tuple(jax.vmap(lambda c: self._pullback(c)[1])(cts))
 
   def gradient(self, cotangent: PyTree) -> tuple[PyTree, LayerGrads]:
     """One backward pass for ``sum_n J_n^T r_n`` and the layer ``delta``.
@@ -1514,6 +1520,13 @@ def _chunk_map(
   return out.reshape((-1,) + out.shape[2:])[:n]
 
 
+def _dense_act(site: _Site, act: Array, b: int) -> Array:
+  """A dense site's input as ``(B, T, K)``."""
+  act = jnp.transpose(numerics.widen(act), site.x_perm)
+  k = math.prod(act.shape[act.ndim - len(site.leaf_perm) + site.num_free :])
+  return act.reshape(b, -1, k)
+
+
 def _site_view(site: _Site, act: Any, delta: Array, b: int):
   """The statistics' view of a site: ``(site, act, delta, valid)``.
 
@@ -1528,9 +1541,7 @@ def _site_view(site: _Site, act: Any, delta: Array, b: int):
     delta = jnp.transpose(delta, (0, *(1 + i for i in site.out_perm)))
     o = math.prod(delta.shape[delta.ndim - site.num_free :])
     delta = delta.reshape(delta.shape[0], b, -1, o)
-    act = jnp.transpose(numerics.widen(act), site.x_perm)
-    k = math.prod(act.shape[act.ndim - len(site.leaf_perm) + site.num_free :])
-    return site, act.reshape(b, -1, k), delta, None
+    return site, _dense_act(site, act, b), delta, None
   if site.kind in ("scale", "shift"):
     if site.kind == "scale":  # d(x * p)/dp = x, broadcast like the output
       delta = delta * jnp.broadcast_to(numerics.widen(act), delta.shape[1:])
@@ -1643,10 +1654,24 @@ class LayerGrads:
   ``num_samples`` is ``S``; rows are ordered ``i = s * B + n``.
   """
 
-  def __init__(self, tape: LayerTape, deltas: tuple, num_samples: int):
+  def __init__(
+    self,
+    tape: LayerTape,
+    deltas: tuple | None,
+    num_samples: int,
+    *,
+    cotangents: PyTree = None,
+  ):
     self._tape = tape
-    self._deltas = deltas
+    self._held = deltas
+    self._cotangents = cotangents  # (S, ...) not yet pulled back
     self.num_samples = num_samples
+
+  @property
+  def _deltas(self) -> tuple:
+    if self._held is None:
+      self._held = self._tape._pull(self._cotangents)
+    return self._held
 
   @property
   def tape(self) -> LayerTape:
@@ -1775,7 +1800,10 @@ class LayerGrads:
       structure: ``"diag"``, ``"kron"`` or ``"gram"``.
       chunk_size: examples per chunk where per-example layer gradients must
         be formed (weight-shared diagonal, shared leaves; rows ``s * B + n``
-        for those); ``None`` picks a chunk of about ``2**24`` elements.
+        for those); ``None`` picks a chunk of about ``2**24`` elements. For
+        ``"diag"`` of ``S > 1`` cotangents from :meth:`LayerTape.backward`,
+        also the rows per backward pass: ``max(1, chunk_size // B)`` samples
+        at a time (one without it), so memory does not grow with ``S``.
       weight_sharing: ``"expand"`` (positions as extra examples) or
         ``"reduce"`` (positions summed first), for ``"kron"`` only.
 
@@ -1804,6 +1832,8 @@ class LayerGrads:
         cache[s] = self._view(s)
       return cache[s]
 
+    if structure == "diag":
+      return self._unflatten(self._diag_finish(self._diag_sums(chunk_size)))
     reduce = weight_sharing == "reduce"
     special = self._special(structure, chunk_size, reduce=reduce)
     if structure == "gram":
@@ -1821,6 +1851,81 @@ class LayerGrads:
     out.update(special)
     out.update(self._fused())
     return self._unflatten(out)
+
+  # -- the diagonal, a few samples at a time ----------------------------------
+
+  def _summed_rows(self, s: int, role: str) -> bool:
+    """Whether a use's diagonal sums ``delta^2`` over the samples first: a
+    dense kernel without weight sharing (one ``(d_in, B)`` matmul then
+    serves every sample)."""
+    site = self._tape._plan.sites[s]
+    if site.kind != "dense" or role == "bias":
+      return False
+    if s in self._tape._plan.site_loops:
+      return False
+    act = self._tape._acts[s]
+    return _dense_act(site, act, self._tape.batch).shape[1] == 1
+
+  def _diag_parts(self, chunk_size) -> dict:
+    """Per covered leaf, a sum over this object's samples that
+    :meth:`_diag_finish` turns into its diagonal: the diagonal sums
+    themselves, or ``sum_s delta^2`` ``(B, O)`` where :meth:`_summed_rows`."""
+    out = {}
+    for leaf, s, role in self._leaf_items():
+      if self._summed_rows(s, role):
+        delta = self._site(s)[2]  # (S, B, 1, O)
+        out[leaf] = jnp.sum(delta[:, :, 0] ** 2, axis=0)
+      else:
+        shape = self._leaf_shape(leaf)
+        out[leaf] = _diag_stat(self._view(s), role, shape, chunk_size)
+    out.update(self._special("diag", chunk_size))
+    out.update(self._fused())
+    return out
+
+  def _diag_finish(self, parts: dict) -> dict:
+    out = dict(parts)
+    for leaf, s, role in self._leaf_items():
+      if self._summed_rows(s, role):
+        site = self._tape._plan.sites[s]
+        act = _dense_act(site, self._tape._acts[s], self._tape.batch)
+        val = act[:, 0].T ** 2 @ parts[leaf]
+        out[leaf] = _kernel_to_shape(site, val, self._leaf_shape(leaf))
+    return out
+
+  def _diag_sums(self, chunk_size) -> dict:
+    """:meth:`_diag_parts` over all samples. Cotangents not yet pulled back
+    go through the backward pass ``max(1, chunk_size // B)`` samples at a
+    time (one without ``chunk_size``; a scan): the pass then holds the
+    ``delta`` of one sample, not ``S``, and its memory stays near the batch
+    gradient's at any ``B``."""
+    num, b = self.num_samples, self._tape.batch
+    per_pass = max(1, (chunk_size or 0) // b)
+    if self._held is not None or num <= per_pass:
+      return self._diag_parts(chunk_size)
+    tape, passes = self._tape, -(-num // per_pass)
+    pad = passes * per_pass - num
+
+    def group(c):  # zero cotangents add zero to every sum of squares
+      if pad:
+        c = jnp.concatenate([c, jnp.zeros((pad,) + c.shape[1:], c.dtype)])
+      return c.reshape((passes, per_pass) + c.shape[1:])
+
+    xs = jax.tree.map(group, self._cotangents)
+
+    def parts(c):
+      grads = LayerGrads(tape, tape._pull(c), per_pass)
+      return grads._diag_parts(chunk_size)
+
+    def body(acc, c):
+      return jax.tree.map(jnp.add, acc, parts(c)), None
+
+    def zeros(a):  # under shard_map, varying like the parts added to it
+      z, vma = jnp.zeros(a.shape, a.dtype), _varying_axes(a)
+      return lax.pcast(z, vma, to="varying") if vma else z
+
+    first = jax.tree.map(lambda x: x[0], xs)
+    init = jax.tree.map(zeros, jax.eval_shape(parts, first))
+    return lax.scan(body, init, xs)[0]
 
   def _gram(self, site_view, role, chunk_size):
     site, act, delta, _ = site_view
