@@ -168,9 +168,10 @@ def _forward(
   With ``layers``, the forward pass is recorded with taps on the dense and
   embedding layers (:func:`_taps.record`): the mean gradient and the layer
   ``delta`` then share one backward pass (``empirical``), or the ``delta``
-  of all ``S`` cotangents come from one more vmapped backward. A
-  ``statistic`` (``"diag"``, ``"kron"``) is formed inside that backward
-  pass for the leaves stacked along scans (:func:`_taps.record`).
+  of the ``S`` cotangents come from more backward passes, run when a
+  statistic needs them (``LayerTape.backward``). A ``statistic``
+  (``"diag"``, ``"kron"``) is formed inside those passes for the leaves
+  stacked along scans (:func:`_taps.record`).
   """
   likelihood, inputs, targets, size = _check_arguments(params, batch, opts)
   kind, key, axis_name = opts.kind, opts.key, opts.axis_name

@@ -18,7 +18,8 @@ per-example norms and the per-example Gram matrix are all cheap functions of
 output and differentiate the model's outputs with respect to the taps. Row
 ``n`` of a tap only touches example ``n``'s outputs, so the tap cotangents are
 the per-example ``delta`` for all examples at once, at the cost of one backward
-pass (vmapped over the ``S`` cotangents).
+pass per cotangent (vmapped over the ``S`` cotangents, or one at a time for the
+diagonal, whose memory then does not grow with ``S``).
 
 **How layers are found.** No model edits and no Flax hooks: the apply function
 is traced to a jaxpr and generic patterns are matched on it, whatever module
@@ -1024,13 +1025,17 @@ class LayerTape:
     return jax.tree_util.tree_unflatten(ct_def, ct_leaves), num
 
   def backward(self, cotangents: PyTree) -> LayerGrads:
-    """Pulls ``S`` output cotangents back to the taps (one vmapped backward).
+    """Pulls ``S`` output cotangents back to the taps.
+
+    The backward pass runs when a statistic first needs it: one vmapped pass
+    for all ``S``, or for ``statistics("diag")`` a few samples per pass (see
+    its ``chunk_size``).
 
     Args:
       cotangents: like ``outputs`` with an extra leading axis ``S``.
 
     Returns:
-      A :class:`LayerGrads` holding the per-example ``delta`` of every layer.
+      A :class:`LayerGrads` of the per-example ``delta`` of every layer.
     """
     cts, num = self._prepare(cotangents, 1)
     # Pulled back when first needed: the diagonal sums go through the
