@@ -148,24 +148,25 @@ class _NnxScanLM(nnx.Module):
     return self.embed.attend(self.norm(x))
 
 
+def _perturbed(params, dtype):
+  """Non-trivial norm scales and biases (their initial values are 1 and 0);
+  one jit, not one eager compile per leaf shape."""
+  noise = lambda p: (
+    p + 0.3 * jax.random.normal(jax.random.key(3), p.shape, dtype)
+  )
+  return jax.jit(lambda t: jax.tree.map(noise, t))(params)
+
+
 def _model(name: str, dtype):
   ids = jax.random.randint(jax.random.key(1), (B, T), 0, VOCAB)
   ids = ids.at[0, :2].set(1)  # a repeated token within an example
   if name in ("linen", "linen_scan"):
     model = (_LinenLM if name == "linen" else _LinenScanLM)(dtype)
-    params = jax.jit(model.init)(jax.random.key(0), ids)
-    # Non-trivial norm scales and biases (their initial values are 1 and 0).
-    params = jax.tree.map(
-      lambda p: p + 0.3 * jax.random.normal(jax.random.key(3), p.shape, dtype),
-      params,
-    )
+    params = _perturbed(jax.jit(model.init)(jax.random.key(0), ids), dtype)
     return model.apply, params, ids
   cls = _NnxLM if name == "nnx" else _NnxScanLM
   graphdef, state = nnx.split(cls(nnx.Rngs(0), dtype))
-  state = jax.tree.map(
-    lambda p: p + 0.3 * jax.random.normal(jax.random.key(3), p.shape, dtype),
-    state,
-  )
+  state = _perturbed(state, dtype)
   return (lambda st, x: nnx.merge(graphdef, st)(x)), state, ids
 
 
@@ -321,8 +322,10 @@ class ScanAndTiedZooTest(parameterized.TestCase):
       diag, gram, combine, grad, first, *fused_out, kron = out
       fused_diag, fused_grad, fused_first = fused_out
       rtol = 1e-10 if x64 else 1e-5
+      # References in NumPy: eager jnp would compile each op per leaf shape.
+      g, weights = jax.tree.map(np.asarray, (g, weights))
       flat = jax.tree_util.tree_flatten_with_path(g)[0]
-      rows = jnp.concatenate([a.reshape(num_s * B, -1) for _, a in flat], 1)
+      rows = np.concatenate([a.reshape(num_s * B, -1) for _, a in flat], 1)
       _assert_tree_close([gram], [rows @ rows.T], rtol)
       for mode, (want, got) in kron.items():
         with self.subTest(f"kron {mode}, fused"):
@@ -349,13 +352,13 @@ class ScanAndTiedZooTest(parameterized.TestCase):
           # return roundoff.
           continue
         with self.subTest(key):
-          _assert_tree_close([d], [jnp.sum(gi**2, 0)], rtol)
-          _assert_tree_close([c], [jnp.tensordot(weights, gi, 1)], rtol)
-          _assert_tree_close([g0], [jnp.sum(gi[:B], 0)], rtol)
-          _assert_tree_close([d0], [jnp.sum(gi[:B] ** 2, 0)], rtol)
-          _assert_tree_close([fd], [jnp.sum(gi**2, 0)], rtol)
-          _assert_tree_close([fg], [jnp.sum(gi[:B], 0)], rtol)
-          _assert_tree_close([fd0], [jnp.sum(gi[:B] ** 2, 0)], rtol)
+          _assert_tree_close([d], [np.sum(gi**2, 0)], rtol)
+          _assert_tree_close([c], [np.tensordot(weights, gi, 1)], rtol)
+          _assert_tree_close([g0], [np.sum(gi[:B], 0)], rtol)
+          _assert_tree_close([d0], [np.sum(gi[:B] ** 2, 0)], rtol)
+          _assert_tree_close([fd], [np.sum(gi**2, 0)], rtol)
+          _assert_tree_close([fg], [np.sum(gi[:B], 0)], rtol)
+          _assert_tree_close([fd0], [np.sum(gi[:B] ** 2, 0)], rtol)
 
   @parameterized.parameters(("linen_scan", 0), ("nnx", 2))
   def test_kronecker_norms_and_positions_take_shampoo_factors(
@@ -492,16 +495,13 @@ def _conv_model(
   name: str, dtype
 ) -> tuple[Callable[[Any, Any], Any], Any, jax.Array]:
   x = jax.random.normal(jax.random.key(1), (B, IMG, IMG, CH), dtype)
-  noise = lambda p: (
-    p + 0.3 * jax.random.normal(jax.random.key(3), p.shape, dtype)
-  )
   if name.startswith("linen"):
     model = (_LinenCNN if name == "linen_cnn" else _LinenViT)(dtype)
-    params = jax.tree.map(noise, jax.jit(model.init)(jax.random.key(0), x))
+    params = _perturbed(jax.jit(model.init)(jax.random.key(0), x), dtype)
     return model.apply, params, x
   cls = _NnxCNN if name == "nnx_cnn" else _NnxViT
   graphdef, state = nnx.split(cls(nnx.Rngs(0), dtype))
-  state = jax.tree.map(noise, state)
+  state = _perturbed(state, dtype)
   return (lambda st, inp: nnx.merge(graphdef, st)(inp)), state, x
 
 
@@ -534,8 +534,10 @@ def _check_layer_statistics(test, apply_fn, params, inputs, cot, rtol):
     )
 
   g, (diag, gram, combine, grad, first) = run(params, inputs, cot, weights)
+  # References in NumPy: eager jnp would compile each op per leaf shape.
+  g, weights = jax.tree.map(np.asarray, (g, weights))
   flat = jax.tree_util.tree_flatten_with_path(g)[0]
-  rows = jnp.concatenate([a.reshape(num_s * B, -1) for _, a in flat], 1)
+  rows = np.concatenate([a.reshape(num_s * B, -1) for _, a in flat], 1)
   _assert_tree_close([gram], [rows @ rows.T], rtol)
   for (path, gi), d, c, g0, d0 in zip(
     flat,
@@ -548,10 +550,10 @@ def _check_layer_statistics(test, apply_fn, params, inputs, cot, rtol):
     if "['key']['bias']" in key:
       continue  # softmax ignores a key bias: both paths return roundoff
     with test.subTest(key):
-      _assert_tree_close([d], [jnp.sum(gi**2, 0)], rtol)
-      _assert_tree_close([c], [jnp.tensordot(weights, gi, 1)], rtol)
-      _assert_tree_close([g0], [jnp.sum(gi[:B], 0)], rtol)
-      _assert_tree_close([d0], [jnp.sum(gi[:B] ** 2, 0)], rtol)
+      _assert_tree_close([d], [np.sum(gi**2, 0)], rtol)
+      _assert_tree_close([c], [np.tensordot(weights, gi, 1)], rtol)
+      _assert_tree_close([g0], [np.sum(gi[:B], 0)], rtol)
+      _assert_tree_close([d0], [np.sum(gi[:B] ** 2, 0)], rtol)
 
 
 class ConvZooTest(parameterized.TestCase):
@@ -580,9 +582,17 @@ class ConvZooTest(parameterized.TestCase):
       self.assertEqual([c.kronecker for c in convs], want)
       rtol = 1e-10 if x64 else 1e-5
       cot = jax.random.normal(jax.random.key(4), (2, B, CLASSES), dtype)
-      grads = fisher_taps.record(apply_fn, params, x).backward(cot)
       for mode in ("expand", "reduce"):
-        kron = grads.statistics("kron", weight_sharing=mode)
+        kron = jax.eval_shape(  # shapes only (the values: below)
+          lambda p, x, c, mode=mode: (
+            fisher_taps.record(apply_fn, p, x)
+            .backward(c)
+            .statistics("kron", weight_sharing=mode)
+          ),
+          params,
+          x,
+          cot,
+        )
         leaves = jax.tree.leaves(params)
         for (path, c), f, p in zip(
           flat,
