@@ -127,7 +127,7 @@ def _model(name: str, dtype=None):
   dtype = dtype or jnp.float64
   key = jax.random.key(0)
   kp, kx = jax.random.split(key)
-  x = jax.random.normal(kx, (B, 4), dtype)
+  x = fisher_testing.normal(kx, (B, 4), dtype)
   ids = jax.random.randint(kx, (B, T), 0, VOCAB)
   ids = ids.at[0, :2].set(1)  # repeated tokens within an example
   if name == "plain_mlp":
@@ -147,33 +147,38 @@ def _model(name: str, dtype=None):
   if name == "plain_seq":
     k = jax.random.split(kp, 4)
     params = {
-      "table": jax.random.normal(k[0], (VOCAB, 4), dtype),
-      "w1": jax.random.normal(k[1], (4, 6), dtype) / 2,
-      "b1": jax.random.normal(k[2], (6,), dtype) / 4,
-      "w2": jax.random.normal(k[3], (6, 3), dtype) / 3,
+      "table": fisher_testing.normal(k[0], (VOCAB, 4), dtype),
+      "w1": fisher_testing.normal(k[1], (4, 6), dtype) / 2,
+      "b1": fisher_testing.normal(k[2], (6,), dtype) / 4,
+      "w2": fisher_testing.normal(k[3], (6, 3), dtype) / 3,
     }
     return _plain_seq, params, ids.at[1, 3].set(-1), 3
   if name == "plain_general":
     k = jax.random.split(kp, 6)
     params = {
-      "w3": jax.random.normal(k[0], (2, 3, 4), dtype) / 2,
-      "wl": jax.random.normal(k[1], (5, 4), dtype) / 2,
-      "s": jax.random.normal(k[2], (5,), dtype),
-      "pos": jax.random.normal(k[3], (T, 5), dtype),
+      "w3": fisher_testing.normal(k[0], (2, 3, 4), dtype) / 2,
+      "wl": fisher_testing.normal(k[1], (5, 4), dtype) / 2,
+      "s": fisher_testing.normal(k[2], (5,), dtype),
+      "pos": fisher_testing.normal(k[3], (T, 5), dtype),
       "c": jnp.asarray(1.5, dtype),
-      "w2": jax.random.normal(k[4], (5, 3), dtype) / 3,
+      "w2": fisher_testing.normal(k[4], (5, 3), dtype) / 3,
     }
-    return _plain_general, params, jax.random.normal(kx, (B, T, 2, 3), dtype), 3
+    return (
+      _plain_general,
+      params,
+      fisher_testing.normal(kx, (B, T, 2, 3), dtype),
+      3,
+    )
   if name == "plain_scan":
     k = jax.random.split(kp, 7)
     params = {
-      "table": jax.random.normal(k[0], (VOCAB, 4), dtype),
-      "k": jax.random.normal(k[1], (2, 4, 4), dtype) / 2,
-      "b": jax.random.normal(k[2], (2, 4), dtype) / 3,
-      "s": jax.random.normal(k[3], (2, 4), dtype),
-      "sub": jax.random.normal(k[4], (2, 3, 4, 4), dtype) / 3,
-      "cell": jax.random.normal(k[5], (4, 4), dtype) / 2,
-      "shared": jax.random.normal(k[6], (4, 4), dtype) / 2,
+      "table": fisher_testing.normal(k[0], (VOCAB, 4), dtype),
+      "k": fisher_testing.normal(k[1], (2, 4, 4), dtype) / 2,
+      "b": fisher_testing.normal(k[2], (2, 4), dtype) / 3,
+      "s": fisher_testing.normal(k[3], (2, 4), dtype),
+      "sub": fisher_testing.normal(k[4], (2, 3, 4, 4), dtype) / 3,
+      "cell": fisher_testing.normal(k[5], (4, 4), dtype) / 2,
+      "shared": fisher_testing.normal(k[6], (4, 4), dtype) / 2,
     }
     return _plain_scan, params, ids, VOCAB
   raise ValueError(name)
@@ -196,7 +201,9 @@ _MODELS = (
 
 
 def _cotangents(out_dim: int, num_samples: int = S, dtype=jnp.float64):
-  return jax.random.normal(jax.random.key(7), (num_samples, B, out_dim), dtype)
+  return fisher_testing.normal(
+    jax.random.key(7), (num_samples, B, out_dim), dtype
+  )
 
 
 def _stats(apply_fn, params, inputs, cot, structure, chunk_size=None):
@@ -251,7 +258,9 @@ class LayerStatisticsTest(parameterized.TestCase):
       cov = _taps.coverage(apply_fn, params, inputs)
       self.assertTrue(all(jax.tree.leaves(cov)), cov)
       cot = _cotangents(out_dim)
-      weights = jax.random.normal(jax.random.key(3), (2, S * B), jnp.float64)
+      weights = fisher_testing.normal(
+        jax.random.key(3), (2, S * B), jnp.float64
+      )
       # 5 does not divide S * B = 6
       chunk = 5 if "seq" in name or "scan" in name else None
 
@@ -288,7 +297,9 @@ class LayerStatisticsTest(parameterized.TestCase):
     with jax.enable_x64(True):
       apply_fn, params, inputs, out_dim = _model(name)
       cot = _cotangents(out_dim)
-      weights = jax.random.normal(jax.random.key(3), (2, S * B), jnp.float64)
+      weights = fisher_testing.normal(
+        jax.random.key(3), (2, S * B), jnp.float64
+      )
       g = jax.tree.leaves(_pseudo_grads(apply_fn, params, inputs, cot))
       with mock.patch.object(_taps, "_BLOCK_ELEMENTS", 8):
         grads = _taps.record(apply_fn, params, inputs).backward(cot)
@@ -307,7 +318,7 @@ class LayerStatisticsTest(parameterized.TestCase):
       )
       params = jax.tree.map(lambda a: a.astype(jnp.float64), params)
       ids = jax.random.randint(jax.random.key(1), (B, 5), 0, 7)
-      cot = jax.random.normal(jax.random.key(2), (S, B, 5, 7))
+      cot = fisher_testing.normal(jax.random.key(2), (S, B, 5, 7))
 
       @jax.jit
       def run(params, ids, cot):
@@ -372,11 +383,11 @@ class LayerStatisticsTest(parameterized.TestCase):
       for t in (2, 9):
         k = jax.random.split(jax.random.key(4), 3)
         params = {
-          "w": jax.random.normal(k[0], (3, 4)),
-          "v": jax.random.normal(k[1], (4, 2)),
+          "w": fisher_testing.normal(k[0], (3, 4)),
+          "v": fisher_testing.normal(k[1], (4, 2)),
         }
         apply_fn = lambda p, x: jnp.tanh(x @ p["w"]).sum(1) @ p["v"]
-        x = jax.random.normal(k[2], (B, t, 3))
+        x = fisher_testing.normal(k[2], (B, t, 3))
         cot = _cotangents(2)
         g = _pseudo_grads(apply_fn, params, x, cot)
         gram, _ = _stats(apply_fn, params, x, cot, "gram")
@@ -391,7 +402,7 @@ class LayerStatisticsTest(parameterized.TestCase):
       params = fisher_testing.mlp_params(
         jax.random.key(0), (4, 5, 3), dtype=jnp.float64
       )
-      x = jax.random.normal(jax.random.key(1), (B, 4))
+      x = fisher_testing.normal(jax.random.key(1), (B, 4))
       cot = _cotangents(3)
       g = _pseudo_grads(fisher_testing.mlp_apply, params, x, cot)
       kron, _ = _stats(fisher_testing.mlp_apply, params, x, cot, "kron")
@@ -442,10 +453,10 @@ class LayerStatisticsTest(parameterized.TestCase):
     with jax.enable_x64(True):
       k = jax.random.split(jax.random.key(0), 4)
       params = {
-        "table": jax.random.normal(k[0], (VOCAB, 4)),
-        "w1": jax.random.normal(k[1], (4, 6)) / 2,
-        "b1": jax.random.normal(k[2], (6,)) / 4,
-        "w2": jax.random.normal(k[3], (6, 3)) / 3,
+        "table": fisher_testing.normal(k[0], (VOCAB, 4)),
+        "w1": fisher_testing.normal(k[1], (4, 6)) / 2,
+        "b1": fisher_testing.normal(k[2], (6,)) / 4,
+        "w2": fisher_testing.normal(k[3], (6, 3)) / 3,
       }
       ids = jax.random.randint(jax.random.key(1), (B, T), 0, VOCAB)
       ids = ids.at[0, :2].set(2)  # a repeated row within an example
@@ -514,11 +525,11 @@ class LayerStatisticsTest(parameterized.TestCase):
     with jax.enable_x64(True):
       k = jax.random.split(jax.random.key(0), 4)
       params = {
-        "q": jax.random.normal(k[0], (4, 2, 3)) / 2,
-        "qb": jax.random.normal(k[1], (2, 3)) / 4,
-        "o": jax.random.normal(k[2], (2, 3, 5)) / 2,
+        "q": fisher_testing.normal(k[0], (4, 2, 3)) / 2,
+        "qb": fisher_testing.normal(k[1], (2, 3)) / 4,
+        "o": fisher_testing.normal(k[2], (2, 3, 5)) / 2,
       }
-      x = jax.random.normal(k[3], (B, T, 4))
+      x = fisher_testing.normal(k[3], (B, T, 4))
       cov = _taps.coverage(apply_fn, params, x)
       self.assertTrue(all(c.kronecker for c in jax.tree.leaves(cov)), cov)
       cot = _cotangents(5)
@@ -595,14 +606,14 @@ class LayerStatisticsTest(parameterized.TestCase):
     with jax.enable_x64(True):
       k = jax.random.split(jax.random.key(0), 3)
       params = {
-        "w": jax.random.normal(k[0], (num_layers, 4, 2, 2)) / 2,
-        "b": jax.random.normal(k[1], (num_layers, 2, 2)) / 4,
+        "w": fisher_testing.normal(k[0], (num_layers, 4, 2, 2)) / 2,
+        "b": fisher_testing.normal(k[1], (num_layers, 2, 2)) / 4,
       }
       unstack = lambda tree: {
         f"{n}{i}": tree[n][i] for n in ("w", "b") for i in range(num_layers)
       }
       flat = unstack(params)
-      x = jax.random.normal(k[2], (B, T, 4))
+      x = fisher_testing.normal(k[2], (B, T, 4))
       cov = _taps.coverage(scanned, params, x)
       self.assertTrue(cov["w"].kronecker and cov["b"].kronecker, cov)
       cot = _cotangents(4)
@@ -660,11 +671,11 @@ class LayerStatisticsTest(parameterized.TestCase):
       return jnp.tanh(h).reshape(x.shape[0], -1) @ p["w"]
 
     with jax.enable_x64(True):
-      x = jax.random.normal(jax.random.key(0), (B, 4, 5, 2))
-      k = jax.random.normal(jax.random.key(1), (3, 3, 2, 4))
+      x = fisher_testing.normal(jax.random.key(0), (B, 4, 5, 2))
+      k = fisher_testing.normal(jax.random.key(1), (3, 3, 2, 4))
       params = {
         "k": k,
-        "w": jax.random.normal(jax.random.key(2), (2 * 3 * 4, 3)),
+        "w": fisher_testing.normal(jax.random.key(2), (2 * 3 * 4, 3)),
       }
       self.assertTrue(_taps.coverage(apply_fn, params, x)["k"].kronecker)
       cot = _cotangents(3)
@@ -783,7 +794,7 @@ class CoverageTest(parameterized.TestCase):
     # Covered leaves still match the oracle; uncovered ones are None.
     with jax.enable_x64(True):
       p64 = jax.tree.map(lambda a: a.astype(jnp.float64), params)
-      cot = jax.random.normal(jax.random.key(1), (S, 2, VOCAB))
+      cot = fisher_testing.normal(jax.random.key(1), (S, 2, VOCAB))
       g = _pseudo_grads(model.apply, p64, ids, cot)
       diag, covered = _stats(model.apply, p64, ids, cot, "diag")
       for d, c, gi in zip(
@@ -888,15 +899,15 @@ class CoverageTest(parameterized.TestCase):
       return jnp.tanh(h).reshape(x.shape[0], -1) @ p["w"]
 
     with jax.enable_x64(True):
-      x = jax.random.normal(jax.random.key(0), (B, 5, 5, 5), jnp.float64)
+      x = fisher_testing.normal(jax.random.key(0), (B, 5, 5, 5), jnp.float64)
       x = x[..., :2] if dn[0].endswith("C") else x[:, :2]  # 2 channels in
-      k = jax.random.normal(jax.random.key(1), shape, jnp.float64)
+      k = fisher_testing.normal(jax.random.key(1), shape, jnp.float64)
       h = jax.eval_shape(
         lambda: jax.lax.conv_general_dilated(
           x, k, strides, padding, lhs_d, rhs_d, dn, feature_group_count=groups
         )
       )
-      w = jax.random.normal(
+      w = fisher_testing.normal(
         jax.random.key(2), (math.prod(h.shape[1:]), 3), jnp.float64
       )
       params = {"k": k, "w": w}
@@ -935,17 +946,23 @@ class CoverageTest(parameterized.TestCase):
       return jnp.tanh(h).reshape(x.shape[0], -1) @ p["w"]
 
     with jax.enable_x64(True):
-      x = jax.random.normal(jax.random.key(0), (B, 5, 4, 2), jnp.float64)
+      x = fisher_testing.normal(jax.random.key(0), (B, 5, 4, 2), jnp.float64)
       params = {
-        "k": jax.random.normal(jax.random.key(1), (3, 2, 2, 3), jnp.float64),
-        "w": jax.random.normal(jax.random.key(2), (3 * 4 * 3, 2), jnp.float64),
+        "k": fisher_testing.normal(
+          jax.random.key(1), (3, 2, 2, 3), jnp.float64
+        ),
+        "w": fisher_testing.normal(
+          jax.random.key(2), (3 * 4 * 3, 2), jnp.float64
+        ),
       }
       cot = _cotangents(2)
       g = _pseudo_grads(apply_fn, params, x, cot)
       flat = jnp.concatenate(
         [a.reshape(a.shape[0], -1) for a in jax.tree.leaves(g)], 1
       )
-      weights = jax.random.normal(jax.random.key(3), (2, S * B), jnp.float64)
+      weights = fisher_testing.normal(
+        jax.random.key(3), (2, S * B), jnp.float64
+      )
       patches = 3 * 4 * 6 * 2  # positions x window x input channels
       # Chunks of 4 rows of S * B = 6: the last one padded.
       with mock.patch.object(_taps, "_PATCH_CHUNK_ELEMENTS", 4 * patches):
@@ -1146,10 +1163,10 @@ class FusedStatisticsTest(parameterized.TestCase):
   def setUp(self):
     super().setUp()
     model = _ScannedStack()
-    self.x = jax.random.normal(jax.random.key(0), (64, 32, 16))
+    self.x = fisher_testing.normal(jax.random.key(0), (64, 32, 16))
     self.params = model.init(jax.random.key(1), self.x)
     self.apply_fn = model.apply
-    self.r = jax.random.normal(jax.random.key(2), (64, 8))
+    self.r = fisher_testing.normal(jax.random.key(2), (64, 8))
 
   def _temp(self, fn) -> int:
     compiled = jax.jit(fn).lower(self.params, self.x, self.r).compile()
@@ -1204,13 +1221,13 @@ class FusedStatisticsTest(parameterized.TestCase):
     b, num = 6, 10
     if model == "scanned":
       apply_fn, params, x = self.apply_fn, self.params, self.x[:b, :8]
-      cot = jax.random.normal(jax.random.key(3), (num, b, 8))
+      cot = fisher_testing.normal(jax.random.key(3), (num, b, 8))
       statistics = ("diag", None)
     else:
       apply_fn = fisher_testing.mlp_apply
       params = fisher_testing.mlp_params(jax.random.key(3))
-      x = jax.random.normal(jax.random.key(4), (b, fisher_testing.IN_DIM))
-      cot = jax.random.normal(
+      x = fisher_testing.normal(jax.random.key(4), (b, fisher_testing.IN_DIM))
+      cot = fisher_testing.normal(
         jax.random.key(5), (num, b, fisher_testing.OUT_DIM)
       )
       statistics = (None,)
