@@ -238,7 +238,6 @@ _DEFAULT_CHUNK_ELEMENTS = 1 << 24
 # with the batch (input blocks, example chunks); XLA may hold several
 # layers' at once.
 _BLOCK_ELEMENTS = 1 << 22
-
 # Conv input patches per chunk: a chunk's patches and gradients stay in
 # cache (on XLA:CPU, 10x the rows in one chunk ran 25x slower).
 _PATCH_CHUNK_ELEMENTS = 1 << 20
