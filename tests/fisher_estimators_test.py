@@ -674,7 +674,7 @@ class OperationsTest(parameterized.TestCase):
       )
       size = ft.ravel(params).shape[0]
       v = ft.unravel_like(
-        params, jax.random.normal(jax.random.key(5), (size,), jnp.float64)
+        params, ft.normal(jax.random.key(5), (size,), jnp.float64)
       )
       flat_v = ft.ravel(v)
       ops = jax.jit(
@@ -726,12 +726,12 @@ class RankOneSumInterfaceTest(absltest.TestCase):
     with jax.enable_x64(True):
       k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
       grads = {
-        "b": jax.random.normal(k1, (5, 4), jnp.float64),
-        "w": jax.random.normal(k2, (5, 3, 2), jnp.float64),
+        "b": ft.normal(k1, (5, 4), jnp.float64),
+        "w": ft.normal(k2, (5, 3, 2), jnp.float64),
       }
       v = ft.unravel_like(
         jax.tree.map(lambda g: g[0], grads),
-        jax.random.normal(k3, (10,), jnp.float64),
+        ft.normal(k3, (10,), jnp.float64),
       )
 
       @jax.jit  # Both forms in one compile.
@@ -940,7 +940,7 @@ class LowRankMemoryTest(absltest.TestCase):
     sizes = [(256, 256), (256, 256), (256, 10)]
     keys = jax.random.split(jax.random.key(0), len(sizes))
     params = [
-      {"w": 0.05 * jax.random.normal(k, s), "b": jnp.zeros(s[1])}
+      {"w": 0.05 * ft.normal(k, s), "b": jnp.zeros(s[1])}
       for k, s in zip(keys, sizes)
     ]
 

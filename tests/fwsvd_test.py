@@ -16,10 +16,10 @@ N_IN, N_OUT = 7, 5
 
 def _problem(seed=0):
   k1, k2, k3, k4 = jax.random.split(jax.random.key(seed), 4)
-  w = jax.random.normal(k1, (N_IN, N_OUT), jnp.float64)
-  fd = jnp.exp(jax.random.normal(k2, (N_IN, N_OUT), jnp.float64))
-  ra = jax.random.normal(k3, (N_IN, 2 * N_IN), jnp.float64)
-  rb = jax.random.normal(k4, (N_OUT, 2 * N_OUT), jnp.float64)
+  w = fisher_testing.normal(k1, (N_IN, N_OUT), jnp.float64)
+  fd = jnp.exp(fisher_testing.normal(k2, (N_IN, N_OUT), jnp.float64))
+  ra = fisher_testing.normal(k3, (N_IN, 2 * N_IN), jnp.float64)
+  rb = fisher_testing.normal(k4, (N_OUT, 2 * N_OUT), jnp.float64)
   return w, fd, ra @ ra.T / N_IN, rb @ rb.T / N_OUT
 
 
@@ -87,7 +87,9 @@ class FWSVDTest(parameterized.TestCase):
   def test_accepts_engine_diagonal_fisher(self):
     with jax.enable_x64(True):
       w, _, _, _ = _problem(6)
-      g = jax.random.normal(jax.random.key(7), (9, N_IN, N_OUT), jnp.float64)
+      g = fisher_testing.normal(
+        jax.random.key(7), (9, N_IN, N_OUT), jnp.float64
+      )
       stat = fisher.diagonal_from_grads(g)
       for kw in ({}, {"weight_axis": "out"}, {"two_sided": True}):
         got = fisher_optax.fisher_weighted_svd(w, stat, 2, **kw)
@@ -171,7 +173,7 @@ class GeneralizedFWSVDTest(parameterized.TestCase):
       params = fisher_testing.mlp_params(
         jax.random.key(0), sizes=(4, 6, 3), dtype=jnp.float64
       )
-      x = jax.random.normal(jax.random.key(1), (32, 4), jnp.float64)
+      x = fisher_testing.normal(jax.random.key(1), (32, 4), jnp.float64)
       y = jnp.arange(32) % 3
       kron = jax.jit(
         lambda p, b: fisher.kronecker(

@@ -18,8 +18,8 @@ class StackedPushRowsTest(parameterized.TestCase):
   def _tree(self, key, m):
     k1, k2 = jax.random.split(key)
     return {
-      "w": jax.random.normal(k1, (m, 3, 2)),
-      "b": jax.random.normal(k2, (m, 4)),
+      "w": fisher_testing.normal(k1, (m, 3, 2)),
+      "b": fisher_testing.normal(k2, (m, 4)),
     }
 
   @parameterized.parameters((1, 0), (1, 4), (3, 3), (3, 4), (5, 0))
@@ -65,7 +65,7 @@ class TrilInverseTest(parameterized.TestCase):
 
   def test_matches_solve(self):
     with jax.enable_x64(True):
-      a = jax.random.normal(jax.random.key(0), (3, 6, 6), jnp.float64)
+      a = fisher_testing.normal(jax.random.key(0), (3, 6, 6), jnp.float64)
       chol = jnp.linalg.cholesky(a @ jnp.swapaxes(a, -1, -2) + jnp.eye(6))
       inv = linalg.tril_inverse(chol)
       for c, i in zip(chol, inv):
@@ -210,8 +210,8 @@ class PushIfFiniteTest(parameterized.TestCase):
     for t in range(6):  # wraps around the ring; step 4 pushes a NaN
       k1, k2 = jax.random.split(jax.random.fold_in(key, t))
       x = {
-        "w": jax.random.normal(k1, (1, 4, 2)),
-        "b": jax.random.normal(k2, (1, 3)),
+        "w": fisher_testing.normal(k1, (1, 4, 2)),
+        "b": fisher_testing.normal(k2, (1, 3)),
       }
       if t == 4:
         x["b"] = x["b"].at[0, 1].set(jnp.nan)
