@@ -1577,6 +1577,17 @@ def _kernel_to_shape(site: _Site, val: Array, shape: tuple) -> Array:
   return jnp.transpose(val, (*range(len(lead)), *inverse))
 
 
+def _summed_sq(delta: Array) -> Array:
+  """``sum_s delta^2`` ``(B, O)`` of a dense use without weight sharing."""
+  return jnp.sum(delta[:, :, 0] ** 2, axis=0)
+
+
+def _rows_diag(site: _Site, act: Array, summed_sq: Array, shape: tuple):
+  """Its diagonal from :func:`_summed_sq`: one ``(d_in, B)`` matmul serves
+  every sample."""
+  return _kernel_to_shape(site, act[:, 0].T ** 2 @ summed_sq, shape)
+
+
 def _diag_stat(site_view, role: str, shape: tuple, chunk_size) -> Array:
   """``sum_{s,n} g_{s,n}^2`` of one use, ``shape``d, from its view."""
   site, act, delta, _ = site_view
@@ -1593,9 +1604,8 @@ def _diag_stat(site_view, role: str, shape: tuple, chunk_size) -> Array:
       .at[ids.reshape(-1)]
       .add(per_pos.reshape(-1, shape[-1]))
     )
-  if act.shape[1] == 1:  # sum over samples first: one (d_in, B) matmul
-    d2 = jnp.sum(delta[:, :, 0] ** 2, axis=0)
-    return _kernel_to_shape(site, act[:, 0].T ** 2 @ d2, shape)
+  if act.shape[1] == 1:
+    return _rows_diag(site, act, _summed_sq(delta), shape)
   # Weight sharing: no shortcut, per-example products.
   if _loop_over_examples():  # memory O(d_in * d_out), below any chunk
     total = _sum_sq_example_grads(act, delta)
@@ -1877,8 +1887,7 @@ class LayerGrads:
     out = {}
     for leaf, s, role in self._leaf_items():
       if self._summed_rows(s, role):
-        delta = self._site(s)[2]  # (S, B, 1, O)
-        out[leaf] = jnp.sum(delta[:, :, 0] ** 2, axis=0)
+        out[leaf] = _summed_sq(self._site(s)[2])
       else:
         shape = self._leaf_shape(leaf)
         out[leaf] = _diag_stat(self._view(s), role, shape, chunk_size)
@@ -1892,8 +1901,7 @@ class LayerGrads:
       if self._summed_rows(s, role):
         site = self._tape._plan.sites[s]
         act = _dense_act(site, self._tape._acts[s], self._tape.batch)
-        val = act[:, 0].T ** 2 @ parts[leaf]
-        out[leaf] = _kernel_to_shape(site, val, self._leaf_shape(leaf))
+        out[leaf] = _rows_diag(site, act, parts[leaf], self._leaf_shape(leaf))
     return out
 
   def _diag_sums(self, chunk_size) -> dict:
@@ -1923,12 +1931,11 @@ class LayerGrads:
     def body(acc, c):
       return jax.tree.map(jnp.add, acc, parts(c)), None
 
-    def zeros(a):  # under shard_map, varying like the parts added to it
-      z, vma = jnp.zeros(a.shape, a.dtype), _varying_axes(a)
-      return lax.pcast(z, vma, to="varying") if vma else z
-
     first = jax.tree.map(lambda x: x[0], xs)
-    init = jax.tree.map(zeros, jax.eval_shape(parts, first))
+    init = jax.tree.map(
+      lambda a: _zeros_varying(a.shape, a.dtype, a),
+      jax.eval_shape(parts, first),
+    )
     return lax.scan(body, init, xs)[0]
 
   def _gram(self, site_view, role, chunk_size):
@@ -2266,15 +2273,15 @@ def _loop_sum(
 
 
 def _zeros_varying(shape, dtype, like: Any) -> Array:
-  """Zeros varying over the manual mesh axes of ``like``'s arrays (a loop
-  carry must vary like the sums added to it under ``shard_map``)."""
+  """Zeros varying over the manual mesh axes of ``like``'s arrays or shapes
+  (a loop carry must vary like the sums added to it under ``shard_map``)."""
   zeros = jnp.zeros(shape, dtype)
   vma = sorted(
     {
       a
       for x in jax.tree.leaves(like)
-      if isinstance(x, jax.Array)
-      for a in _varying_axes(jax.typeof(x))
+      if isinstance(x, (jax.Array, jax.ShapeDtypeStruct))
+      for a in _varying_axes(jax.typeof(x) if isinstance(x, jax.Array) else x)
     }
   )
   return lax.pcast(zeros, tuple(vma), to="varying") if vma else zeros
