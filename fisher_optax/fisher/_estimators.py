@@ -850,12 +850,9 @@ def _kfac_factors(
   kfac = treedef.flatten_up_to(ps.covered)
   grads = treedef.flatten_up_to(ps.layers.example_grads())
   cheap = [not k and g is not None for k, g in zip(kfac, grads)]
-  left = [
-    numerics.widen(s[0]) / ps.count if k else None for k, s in zip(kfac, stats)
-  ]
-  right = [
-    numerics.widen(s[1]) / ps.count if k else None for k, s in zip(kfac, stats)
-  ]
+  scaled = lambda s, k, j: numerics.widen(s[j]) / ps.count if k else None
+  left = [scaled(s, k, 0) for k, s in zip(kfac, stats)]
+  right = [scaled(s, k, 1) for k, s in zip(kfac, stats)]
 
   def fill(idx: list[int], factors: tuple[PyTree, PyTree]) -> None:
     for j, i in enumerate(idx):
