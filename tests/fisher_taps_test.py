@@ -345,9 +345,11 @@ class LayerStatisticsTest(parameterized.TestCase):
         jax.tree.leaves(g),
       ):
         if c:
-          # nnx.Embed gathers from a float32 copy of the table here, so its
-          # cotangents (and statistics) are float32.
-          tol = 1e-10 if d.dtype == jnp.float64 else 1e-6
+          # With Flax's default dtypes this model gathers its embedding from
+          # a float32 copy and takes its softmax in float32: its float64
+          # statistics carry float32 roundoff, and two compilations of the
+          # same sums may round differently there.
+          tol = 1e-6
           _assert_close(self, d, jnp.sum(gi**2, (0, 1)), rtol=tol)
           gi = jnp.swapaxes(gi, 0, 1).reshape(S * B, -1)
           _assert_close(self, n, jnp.sum(gi**2, 1), rtol=tol)
