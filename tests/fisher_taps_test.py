@@ -509,6 +509,22 @@ class LayerStatisticsTest(parameterized.TestCase):
           weight_sharing=mode,
         )
         _assert_close(self, stat.left["w1"], want[mode]["w1"][0] / B)
+        # The samples' backward passes one at a time: the same factors.
+        per_pass = fisher.kronecker(
+          apply_fn,
+          params,
+          (ids, jnp.arange(B) % 3),
+          likelihood=fisher.Categorical(),
+          kind="exact",
+          estimator="kfac",
+          weight_sharing=mode,
+          chunk_size=B,
+        )
+        for got, ref in zip(
+          jax.tree.leaves((per_pass.left, per_pass.right)),
+          jax.tree.leaves((stat.left, stat.right)),
+        ):
+          _assert_close(self, got, ref)
       with self.assertRaisesRegex(ValueError, "weight_sharing"):
         grads.statistics("kron", weight_sharing="sum")
 
@@ -1194,9 +1210,12 @@ class FusedStatisticsTest(parameterized.TestCase):
     self.assertLess(fused, 1.3 * base)
     self.assertLess(fused, 0.5 * unfused)
 
-  def test_several_samples_one_backward_pass_at_a_time(self):
-    """The diagonal of S cotangents pulls them back one sample per pass by
-    default (a scan): memory near one gradient's, not S of them."""
+  @parameterized.parameters("diag", "kron")
+  def test_several_samples_one_backward_pass_at_a_time(self, structure):
+    """The diagonal (by default), or the K-FAC sums with the norms'
+    per-example gradients (with ``chunk_size = B``), of S cotangents pull
+    them back one sample per pass (a scan): memory near one gradient's, not
+    S of them."""
     num = 10
     cot = jnp.stack([self.r * (s + 1) for s in range(num)])
 
@@ -1204,27 +1223,36 @@ class FusedStatisticsTest(parameterized.TestCase):
       out, vjp = jax.vjp(lambda q: self.apply_fn(q, x), p)
       return vjp(r)[0]
 
-    def diag_fn(p, x, r, chunk_size):
+    def stat_fn(p, x, r, chunk_size):
       del r
-      tape = _taps.record(self.apply_fn, p, x, statistic="diag")
-      return tape.backward(cot).statistics("diag", chunk_size=chunk_size)
+      tape = _taps.record(self.apply_fn, p, x, statistic=structure)
+      grads = tape.backward(cot)
+      if structure == "kron":
+        return grads.kron_and_example_grads(chunk_size=chunk_size)
+      return grads.statistics("diag", chunk_size=chunk_size)
 
+    # One sample per pass by default for the diagonal; K-FAC's A factors
+    # are formed in every pass, so it takes one only when asked.
+    one_per_pass = None if structure == "diag" else 64
     base = self._temp(grad_fn)
-    one = self._temp(functools.partial(diag_fn, chunk_size=None))
-    every = self._temp(functools.partial(diag_fn, chunk_size=num * 64))
+    one = self._temp(functools.partial(stat_fn, chunk_size=one_per_pass))
+    every = self._temp(functools.partial(stat_fn, chunk_size=num * 64))
     self.assertLess(one, 1.3 * base)
     self.assertLess(one, 0.5 * every)
 
-  @parameterized.parameters("scanned", "mlp")
-  def test_samples_per_pass_leave_the_diagonal_unchanged(self, model):
+  @parameterized.product(model=("scanned", "mlp"), structure=("diag", "kron"))
+  def test_samples_per_pass_leave_the_statistics_unchanged(
+    self, model, structure
+  ):
     """One, three (the last pass padded) or all ten samples per backward
-    pass; fused scanned layers, and dense layers without weight sharing
-    (their delta^2 is summed over samples before one matmul)."""
+    pass; fused and unfused scanned layers (K-FAC sums per layer, the
+    stacked norms' per-example gradients), and dense layers without weight
+    sharing (their delta^2 is summed over samples before one matmul)."""
     b, num = 6, 10
     if model == "scanned":
       apply_fn, params, x = self.apply_fn, self.params, self.x[:b, :8]
       cot = fisher_testing.normal(jax.random.key(3), (num, b, 8))
-      statistics = ("diag", None)
+      statistics = (structure, None)
     else:
       apply_fn = fisher_testing.mlp_apply
       params = fisher_testing.mlp_params(jax.random.key(3))
@@ -1234,25 +1262,41 @@ class FusedStatisticsTest(parameterized.TestCase):
       )
       statistics = (None,)
 
+    def stat(grads, chunk_size=None):
+      if structure == "kron":
+        return grads.kron_and_example_grads(chunk_size=chunk_size)
+      return grads.statistics("diag", chunk_size=chunk_size)
+
     @jax.jit
     def run(params, x, cot):
       out = {}
       for statistic in statistics:
         tape = _taps.record(apply_fn, params, x, statistic=statistic)
         for per_pass in (1, 3, num):
-          out[f"{statistic} {per_pass}"] = tape.backward(cot).statistics(
-            "diag", chunk_size=per_pass * b
+          out[f"{statistic} {per_pass}"] = stat(
+            tape.backward(cot), per_pass * b
           )
-        # held cotangents (``take``) are summed as one pass
-        out[f"{statistic} held"] = (
-          tape.backward(cot).take(slice(None)).statistics("diag")
+        # held cotangents (``take``) go through one pass
+        out[f"{statistic} held"] = stat(tape.backward(cot).take(slice(None)))
+      if structure == "kron":  # the public statistic, one sample per pass
+        grads = _taps.record(apply_fn, params, x).backward(cot)
+        out["statistics"] = (
+          grads.statistics("kron", chunk_size=b),
+          grads.example_grads(),
         )
       return out
 
     out = run(params, x, cot)
     want = out["None held"]
+    self.assertNotEmpty(jax.tree.leaves(want))
+    if structure == "kron" and model == "scanned":
+      self.assertNotEmpty(jax.tree.leaves(want[1]))  # the norms'
     for key, got in out.items():
       with self.subTest(key):
+        self.assertEqual(
+          jax.tree.structure(got, is_leaf=lambda v: v is None),
+          jax.tree.structure(want, is_leaf=lambda v: v is None),
+        )
         for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
           scale = float(jnp.max(jnp.abs(w)))
           np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5 * scale)

@@ -839,16 +839,13 @@ def _kfac_factors(
   leaf has no K-FAC factors.
   """
   leaves, treedef = jax.tree.flatten(ps.params)
-  stats = treedef.flatten_up_to(
-    _psum(
-      ps.layers.statistics(
-        "kron", chunk_size=ps.chunk_size, weight_sharing=weight_sharing
-      ),
-      ps.axis_name,
-    )
+  # One set of backward passes for both (a few samples per pass).
+  kron, example_grads = ps.layers.kron_and_example_grads(
+    chunk_size=ps.chunk_size, weight_sharing=weight_sharing
   )
+  stats = treedef.flatten_up_to(_psum(kron, ps.axis_name))
   kfac = treedef.flatten_up_to(ps.covered)
-  grads = treedef.flatten_up_to(ps.layers.example_grads())
+  grads = treedef.flatten_up_to(example_grads)
   cheap = [not k and g is not None for k, g in zip(kfac, grads)]
   scaled = lambda s, k, j: numerics.widen(s[j]) / ps.count if k else None
   left = [scaled(s, k, 0) for k, s in zip(kfac, stats)]
@@ -927,10 +924,16 @@ def kronecker(
     a per-example backward pass.
 
   ``apply_fn``, ``params``, ``batch``, ``likelihood``, ``kind``,
-  ``num_samples``, ``key``, ``method``, ``chunk_size`` and ``axis_name`` are
-  as in :func:`diagonal`.
+  ``num_samples``, ``key``, ``method`` and ``axis_name`` are as in
+  :func:`diagonal`.
 
   Args:
+    chunk_size: examples per chunk on the per-example path (static int).
+      On the layer path, with several samples per example (``exact``,
+      ``mc`` with ``num_samples > 1``), the samples' backward passes run
+      all at once by default (fastest), or ``max(1, chunk_size // B)`` at a
+      time when given: the memory then stays near one batch gradient's
+      whatever ``S``, and the ``A`` factors are formed in every pass.
     estimator: ``"auto" | "kfac" | "shampoo"``.
     num_iters: nearest-Kronecker rounds for ``shampoo`` (static int ``>= 0``).
     weight_sharing: ``"expand" | "reduce"``, the K-FAC convention for

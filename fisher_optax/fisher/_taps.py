@@ -1751,6 +1751,9 @@ class LayerGrads:
     Returns:
       A params-shaped tree, ``None`` at the other leaves.
     """
+    return self._unflatten(self._example_grads())
+
+  def _example_grads(self) -> dict:
     plan, fusion = self._tape._plan, self._tape._fusion
     num_s, b = self.num_samples, self._tape.batch
     out: dict[int, Any] = {}
@@ -1774,7 +1777,7 @@ class LayerGrads:
         delta = self._site(r[0])[2]  # (S, B, R, P)
         g = jnp.sum(delta, axis=2)
       out[leaf] = jnp.asarray(g).reshape((num_s * b,) + shape)
-    return self._unflatten(out)
+    return out
 
   def _one_stat(self, structure, view, role, leaf, chunk_size, reduce):
     if structure == "diag":
@@ -1817,7 +1820,9 @@ class LayerGrads:
         for those); ``None`` picks a chunk of about ``2**24`` elements. For
         ``"diag"`` of ``S > 1`` cotangents from :meth:`LayerTape.backward`,
         also the rows per backward pass: ``max(1, chunk_size // B)`` samples
-        at a time (one without it), so memory does not grow with ``S``.
+        at a time (one without it), so memory does not grow with ``S``; for
+        ``"kron"`` the same when given (one pass of all ``S`` without it;
+        see :meth:`kron_and_example_grads`).
       weight_sharing: ``"expand"`` (positions as extra examples) or
         ``"reduce"`` (positions summed first), for ``"kron"`` only.
 
@@ -1827,6 +1832,30 @@ class LayerGrads:
     """
     validation.check_choice("structure", structure, STRUCTURES)
     validation.check_choice("weight_sharing", weight_sharing, WEIGHT_SHARING)
+    self._check_fusion(structure, weight_sharing)
+    cache: dict = {}
+
+    def site(s):
+      if s not in cache:
+        cache[s] = self._view(s)
+      return cache[s]
+
+    if structure == "diag":
+      return self._unflatten(self._diag_finish(self._diag_sums(chunk_size)))
+    if structure == "kron":
+      return self.kron_and_example_grads(
+        chunk_size=chunk_size, weight_sharing=weight_sharing
+      )[0]
+    special = self._special(structure, chunk_size)
+    n = self.num_samples * self._tape.batch
+    total = jnp.zeros((n, n), jnp.float32)
+    for _, s, role in self._leaf_items():
+      total = total + self._gram(site(s), role, chunk_size)
+    for val in special.values():
+      total = total + val
+    return total
+
+  def _check_fusion(self, structure: str, weight_sharing: str) -> None:
     fusion = self._tape._fusion
     if fusion is not None and (
       structure != fusion.statistic
@@ -1839,32 +1868,6 @@ class LayerGrads:
         f"weight_sharing={weight_sharing!r}. Record with statistic=None "
         "(every layer's activations and cotangents) for other statistics."
       )
-    cache: dict = {}
-
-    def site(s):
-      if s not in cache:
-        cache[s] = self._view(s)
-      return cache[s]
-
-    if structure == "diag":
-      return self._unflatten(self._diag_finish(self._diag_sums(chunk_size)))
-    reduce = weight_sharing == "reduce"
-    special = self._special(structure, chunk_size, reduce=reduce)
-    if structure == "gram":
-      n = self.num_samples * self._tape.batch
-      total = jnp.zeros((n, n), jnp.float32)
-      for _, s, role in self._leaf_items():
-        total = total + self._gram(site(s), role, chunk_size)
-      for val in special.values():
-        total = total + val
-      return total
-    out = {
-      leaf: self._one_stat(structure, site(s), role, leaf, chunk_size, reduce)
-      for leaf, s, role in self._leaf_items()
-    }
-    out.update(special)
-    out.update(self._fused())
-    return self._unflatten(out)
 
   # -- the diagonal, a few samples at a time ----------------------------------
 
@@ -1905,38 +1908,100 @@ class LayerGrads:
     return out
 
   def _diag_sums(self, chunk_size) -> dict:
-    """:meth:`_diag_parts` over all samples. Cotangents not yet pulled back
-    go through the backward pass ``max(1, chunk_size // B)`` samples at a
-    time (one without ``chunk_size``; a scan): the pass then holds the
-    ``delta`` of one sample, not ``S``, and its memory stays near the batch
-    gradient's at any ``B``."""
-    num, b = self.num_samples, self._tape.batch
-    per_pass = max(1, (chunk_size or 0) // b)
-    if self._held is not None or num <= per_pass:
+    """:meth:`_diag_parts` over all samples, a few per backward pass
+    (:meth:`_over_samples`)."""
+    if self._per_pass(chunk_size) is None:
       return self._diag_parts(chunk_size)
-    tape, passes = self._tape, -(-num // per_pass)
+    parts = lambda g: (g._diag_parts(chunk_size), {}, {})
+    return self._over_samples(chunk_size, parts)[0]
+
+  def _kron_parts(self, chunk_size, reduce: bool) -> dict:
+    """Leaf -> K-FAC sums ``(A_sum, Gamma_sum)`` (``None`` without)."""
+    out = {
+      leaf: self._one_stat(
+        "kron", self._view(s), role, leaf, chunk_size, reduce
+      )
+      for leaf, s, role in self._leaf_items()
+    }
+    out.update(self._special("kron", chunk_size, reduce=reduce))
+    out.update(self._fused())
+    return out
+
+  def kron_and_example_grads(
+    self, *, chunk_size: int | None = None, weight_sharing: str = "expand"
+  ) -> tuple[PyTree, PyTree]:
+    """``(statistics("kron"), example_grads())`` from the same backward
+    passes.
+
+    Cotangents not yet pulled back go through one vmapped pass by default.
+    With ``chunk_size``, ``max(1, chunk_size // B)`` samples per pass (a
+    scan) instead: the ``delta`` of ``S`` samples are then never held at
+    once, at the price of forming the ``A`` factors in every pass (XLA may
+    hoist them out of the scan; it did not on a transformer: about 40% more
+    time for 10 samples, 38% less memory).
+    """
+    validation.check_choice("weight_sharing", weight_sharing, WEIGHT_SHARING)
+    self._check_fusion("kron", weight_sharing)
+    reduce = weight_sharing == "reduce"
+    if chunk_size is None or self._per_pass(chunk_size) is None:
+      kron = self._kron_parts(chunk_size, reduce)
+      return self._unflatten(kron), self.example_grads()
+
+    def parts(g):
+      kron = g._kron_parts(chunk_size, reduce)
+      pair = lambda v: isinstance(v, tuple)
+      # Gamma sums over the samples; A does not depend on them.
+      gammas = {k: v[1] for k, v in kron.items() if pair(v)}
+      inputs = {k: v[0] for k, v in kron.items() if pair(v)}
+      return gammas, inputs, g._example_grads()
+
+    gammas, inputs, rows = self._over_samples(chunk_size, parts)
+    kron = {k: (inputs[k], v) for k, v in gammas.items()}
+    return self._unflatten(kron), self._unflatten(rows)
+
+  def _per_pass(self, chunk_size) -> int | None:
+    """Samples per backward pass, or ``None`` for one pass of all (held
+    ``delta``, or no more samples than one pass takes)."""
+    per_pass = max(1, (chunk_size or 0) // self._tape.batch)
+    if self._held is not None or self.num_samples <= per_pass:
+      return None
+    return per_pass
+
+  def _over_samples(self, chunk_size, parts: Callable) -> tuple:
+    """``parts(grads) -> (sums, same, rows)`` over the samples, the
+    cotangents pulled back ``per_pass`` at a time in a scan: the pass holds
+    the ``delta`` of those samples, not ``S``, and its memory stays near the
+    batch gradient's at any ``B``. ``sums`` are added over the passes,
+    ``same`` (values no sample changes) taken from the last one, and
+    ``rows`` (``(per_pass * B, ...)``, rows ``s * B + n``) stacked to ``S *
+    B`` rows."""
+    per_pass = self._per_pass(chunk_size)
+    assert per_pass is not None
+    num, b, tape = self.num_samples, self._tape.batch, self._tape
+    passes = -(-num // per_pass)
     pad = passes * per_pass - num
 
-    def group(c):  # zero cotangents add zero to every sum of squares
+    def group(c):  # zero cotangents add zero to every sum over samples
       if pad:
         c = jnp.concatenate([c, jnp.zeros((pad,) + c.shape[1:], c.dtype)])
       return c.reshape((passes, per_pass) + c.shape[1:])
 
     xs = jax.tree.map(group, self._cotangents)
-
-    def parts(c):
-      grads = LayerGrads(tape, tape._pull(c), per_pass)
-      return grads._diag_parts(chunk_size)
+    one = lambda c: parts(LayerGrads(tape, tape._pull(c), per_pass))
 
     def body(acc, c):
-      return jax.tree.map(jnp.add, acc, parts(c)), None
+      sums, same, rows = one(c)
+      return (jax.tree.map(jnp.add, acc[0], sums), same), rows
 
-    first = jax.tree.map(lambda x: x[0], xs)
+    shapes = jax.eval_shape(one, jax.tree.map(lambda x: x[0], xs))
     init = jax.tree.map(
-      lambda a: _zeros_varying(a.shape, a.dtype, a),
-      jax.eval_shape(parts, first),
+      lambda a: _zeros_varying(a.shape, a.dtype, a), shapes[:2]
     )
-    return lax.scan(body, init, xs)[0]
+    (sums, same), rows = lax.scan(body, init, xs)
+    rows = jax.tree.map(
+      lambda r: r.reshape((-1,) + r.shape[2:])[: num * b], rows
+    )
+    return sums, same, rows
 
   def _gram(self, site_view, role, chunk_size):
     site, act, delta, _ = site_view
