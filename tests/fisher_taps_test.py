@@ -499,7 +499,8 @@ class LayerStatisticsTest(parameterized.TestCase):
         a_sum, gamma = one.statistics("kron", weight_sharing=mode)["w2"]
         g = jnp.einsum("i,sj->sij", h[0].sum(0), cot[:, 0]).reshape(S, -1)
         _assert_close(self, jnp.kron(a_sum, gamma), g.T @ g)
-        stat = fisher.kronecker(
+        kfac = functools.partial(
+          fisher.kronecker,
           apply_fn,
           params,
           (ids, jnp.arange(B) % 3),
@@ -508,18 +509,10 @@ class LayerStatisticsTest(parameterized.TestCase):
           estimator="kfac",
           weight_sharing=mode,
         )
+        stat = kfac()
         _assert_close(self, stat.left["w1"], want[mode]["w1"][0] / B)
         # The samples' backward passes one at a time: the same factors.
-        per_pass = fisher.kronecker(
-          apply_fn,
-          params,
-          (ids, jnp.arange(B) % 3),
-          likelihood=fisher.Categorical(),
-          kind="exact",
-          estimator="kfac",
-          weight_sharing=mode,
-          chunk_size=B,
-        )
+        per_pass = kfac(chunk_size=B)
         for got, ref in zip(
           jax.tree.leaves((per_pass.left, per_pass.right)),
           jax.tree.leaves((stat.left, stat.right)),
