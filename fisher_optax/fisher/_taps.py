@@ -1836,9 +1836,7 @@ class LayerGrads:
     if structure == "diag":
       return self._unflatten(self._diag_finish(self._diag_sums(chunk_size)))
     if structure == "kron":
-      return self.kron_and_example_grads(
-        chunk_size=chunk_size, weight_sharing=weight_sharing
-      )[0]
+      return self._kron(chunk_size, weight_sharing, with_grads=False)[0]
     views = self._views()
     n = self.num_samples * self._tape.batch
     total = jnp.zeros((n, n), jnp.float32)
@@ -1942,24 +1940,32 @@ class LayerGrads:
     once, at the price of forming the ``A`` factors in every pass (XLA may
     hoist them out of the scan, but did not on a transformer).
     """
+    return self._kron(chunk_size, weight_sharing, with_grads=True)
+
+  def _kron(
+    self, chunk_size, weight_sharing: str, with_grads: bool
+  ) -> tuple[PyTree, PyTree]:
+    """:meth:`kron_and_example_grads`; ``None`` grads without
+    ``with_grads``."""
     validation.check_choice("weight_sharing", weight_sharing, WEIGHT_SHARING)
     self._check_fusion("kron", weight_sharing)
     reduce = weight_sharing == "reduce"
+    grads = (lambda g: g._example_grads()) if with_grads else (lambda g: {})
     if chunk_size is None or self._per_pass(chunk_size) is None:
-      kron = self._kron_parts(chunk_size, reduce)
-      return self._unflatten(kron), self.example_grads()
+      kron, rows = self._kron_parts(chunk_size, reduce), grads(self)
+    else:
 
-    def parts(g):
-      kron = g._kron_parts(chunk_size, reduce)
-      pair = lambda v: isinstance(v, tuple)
-      # Gamma sums over the samples; A does not depend on them.
-      gammas = {k: v[1] for k, v in kron.items() if pair(v)}
-      inputs = {k: v[0] for k, v in kron.items() if pair(v)}
-      return gammas, inputs, g._example_grads()
+      def parts(g):
+        kron = g._kron_parts(chunk_size, reduce)
+        pair = lambda v: isinstance(v, tuple)
+        # Gamma sums over the samples; A does not depend on them.
+        gammas = {k: v[1] for k, v in kron.items() if pair(v)}
+        inputs = {k: v[0] for k, v in kron.items() if pair(v)}
+        return gammas, inputs, grads(g)
 
-    gammas, inputs, rows = self._over_samples(chunk_size, parts)
-    kron = {k: (inputs[k], v) for k, v in gammas.items()}
-    return self._unflatten(kron), self._unflatten(rows)
+      gammas, inputs, rows = self._over_samples(chunk_size, parts)
+      kron = {k: (inputs[k], v) for k, v in gammas.items()}
+    return self._unflatten(kron), self._unflatten(rows) if with_grads else None
 
   def _per_pass(self, chunk_size) -> int | None:
     """Samples per backward pass, or ``None`` for one pass of all (held
