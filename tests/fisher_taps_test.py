@@ -511,10 +511,10 @@ class LayerStatisticsTest(parameterized.TestCase):
         )
         stat = kfac()
         _assert_close(self, stat.left["w1"], want[mode]["w1"][0] / B)
-        # The samples' backward passes one at a time: the same factors.
-        per_pass = kfac(chunk_size=B)
+        # All samples' backward passes at once: the same factors.
+        one_pass = kfac(chunk_size=64 * B)  # more than S * B rows
         for got, ref in zip(
-          jax.tree.leaves((per_pass.left, per_pass.right)),
+          jax.tree.leaves((one_pass.left, one_pass.right)),
           jax.tree.leaves((stat.left, stat.right)),
         ):
           _assert_close(self, got, ref)
@@ -1205,10 +1205,9 @@ class FusedStatisticsTest(parameterized.TestCase):
 
   @parameterized.parameters("diag", "kron")
   def test_several_samples_one_backward_pass_at_a_time(self, structure):
-    """The diagonal (by default), or the K-FAC sums with the norms'
-    per-example gradients (with ``chunk_size = B``), of S cotangents pull
-    them back one sample per pass (a scan): memory near one gradient's, not
-    S of them."""
+    """The diagonal, or the K-FAC sums with the norms' per-example
+    gradients, of S cotangents pull them back one sample per pass by
+    default (a scan): memory near one gradient's, not S of them."""
     num = 10
     cot = jnp.stack([self.r * (s + 1) for s in range(num)])
 
@@ -1224,11 +1223,8 @@ class FusedStatisticsTest(parameterized.TestCase):
         return grads.kron_and_example_grads(chunk_size=chunk_size)
       return grads.statistics("diag", chunk_size=chunk_size)
 
-    # One sample per pass by default for the diagonal; K-FAC's A factors
-    # are formed in every pass, so it takes one only when asked.
-    one_per_pass = None if structure == "diag" else 64
     base = self._temp(grad_fn)
-    one = self._temp(functools.partial(stat_fn, chunk_size=one_per_pass))
+    one = self._temp(functools.partial(stat_fn, chunk_size=None))
     every = self._temp(functools.partial(stat_fn, chunk_size=num * 64))
     self.assertLess(one, 1.3 * base)
     self.assertLess(one, 0.5 * every)
@@ -1273,10 +1269,7 @@ class FusedStatisticsTest(parameterized.TestCase):
         out[f"{statistic} held"] = stat(tape.backward(cot).take(slice(None)))
       if structure == "kron":  # the public statistic, one sample per pass
         grads = _taps.record(apply_fn, params, x).backward(cot)
-        out["statistics"] = (
-          grads.statistics("kron", chunk_size=b),
-          grads.example_grads(),
-        )
+        out["statistics"] = (grads.statistics("kron"), grads.example_grads())
       return out
 
     out = run(params, x, cot)

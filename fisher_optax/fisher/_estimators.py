@@ -928,12 +928,12 @@ def kronecker(
   :func:`diagonal`.
 
   Args:
-    chunk_size: examples per chunk on the per-example path (static int).
-      On the layer path, with several samples per example (``exact``,
-      ``mc`` with ``num_samples > 1``), the samples' backward passes run
-      all at once by default (fastest), or ``max(1, chunk_size // B)`` at a
-      time when given: the memory then stays near one batch gradient's
-      whatever ``S``, and the ``A`` factors are formed in every pass.
+    chunk_size: as in :func:`diagonal`: on the layer path the samples'
+      backward passes take ``max(1, chunk_size // B)`` at a time, one by
+      default, so the memory does not grow with ``S``; ``chunk_size = S *
+      B`` runs them as one pass (faster on some models, see the
+      benchmarks). The ``A`` factors are formed once, except those of
+      layers stacked by a scan, which every pass forms again.
     estimator: ``"auto" | "kfac" | "shampoo"``.
     num_iters: nearest-Kronecker rounds for ``shampoo`` (static int ``>= 0``).
     weight_sharing: ``"expand" | "reduce"``, the K-FAC convention for

@@ -1820,9 +1820,8 @@ class LayerGrads:
         for those); ``None`` picks a chunk of about ``2**24`` elements. For
         ``"diag"`` of ``S > 1`` cotangents from :meth:`LayerTape.backward`,
         also the rows per backward pass: ``max(1, chunk_size // B)`` samples
-        at a time (one without it), so memory does not grow with ``S``; for
-        ``"kron"`` the same when given (one pass of all ``S`` without it;
-        see :meth:`kron_and_example_grads`).
+        at a time (one without it), so memory does not grow with ``S``; the
+        same for ``"kron"`` (:meth:`kron_and_example_grads`).
       weight_sharing: ``"expand"`` (positions as extra examples) or
         ``"reduce"`` (positions summed first), for ``"kron"`` only.
 
@@ -1934,11 +1933,12 @@ class LayerGrads:
     """``(statistics("kron"), example_grads())`` from the same backward
     passes.
 
-    Cotangents not yet pulled back go through one vmapped pass by default.
-    With ``chunk_size``, ``max(1, chunk_size // B)`` samples per pass (a
-    scan) instead: the ``delta`` of ``S`` samples are then never held at
-    once, at the price of forming the ``A`` factors in every pass (XLA may
-    hoist them out of the scan, but did not on a transformer).
+    Cotangents not yet pulled back go through the backward pass ``max(1,
+    chunk_size // B)`` samples at a time (one without ``chunk_size``; a
+    scan), as for the diagonal: the ``delta`` of ``S`` samples are never
+    held at once. The ``A`` factors come from the activations once, except
+    those formed inside the backward pass (a tape recorded with
+    ``statistic="kron"``), which each pass forms again.
     """
     return self._kron(chunk_size, weight_sharing, with_grads=True)
 
@@ -1951,21 +1951,38 @@ class LayerGrads:
     self._check_fusion("kron", weight_sharing)
     reduce = weight_sharing == "reduce"
     grads = (lambda g: g._example_grads()) if with_grads else (lambda g: {})
-    if chunk_size is None or self._per_pass(chunk_size) is None:
+    if self._per_pass(chunk_size) is None:
       kron, rows = self._kron_parts(chunk_size, reduce), grads(self)
     else:
+      fusion = self._tape._fusion
+      fused = set(fusion.leaves) if fusion is not None else set()
+      pair = lambda v: isinstance(v, tuple)
 
       def parts(g):
         kron = g._kron_parts(chunk_size, reduce)
-        pair = lambda v: isinstance(v, tuple)
-        # Gamma sums over the samples; A does not depend on them.
+        # Gamma sums over the samples. A does not depend on them: only the
+        # fused leaves' (formed in each backward pass) leaves the scan.
         gammas = {k: v[1] for k, v in kron.items() if pair(v)}
-        inputs = {k: v[0] for k, v in kron.items() if pair(v)}
+        inputs = {k: v[0] for k, v in kron.items() if pair(v) and k in fused}
         return gammas, inputs, grads(g)
 
       gammas, inputs, rows = self._over_samples(chunk_size, parts)
+      # The others' A once, from the activations (their Gamma of zero
+      # cotangents is never used, so XLA drops it).
+      once = self._zero_deltas()._kron_parts(chunk_size, reduce)
+      inputs.update(
+        {k: v[0] for k, v in once.items() if pair(v) and k not in fused}
+      )
       kron = {k: (inputs[k], v) for k, v in gammas.items()}
     return self._unflatten(kron), self._unflatten(rows) if with_grads else None
+
+  def _zero_deltas(self) -> LayerGrads:
+    """One sample of zero cotangents, never pulled back: statistics that
+    read only the activations (K-FAC's ``A``) without a backward pass."""
+    one = jax.tree.map(lambda c: c[:1], self._cotangents)
+    shapes = jax.eval_shape(self._tape._pull, one)
+    zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)
+    return LayerGrads(self._tape, zeros, 1)
 
   def _per_pass(self, chunk_size) -> int | None:
     """Samples per backward pass, or ``None`` for one pass of all (held
