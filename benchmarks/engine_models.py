@@ -136,11 +136,9 @@ def flop_floors(
   shared = any(s.rows > 1 for s in sites)
   cotangent = b * (2 * back + back_other)  # one more backward pass
   inputs = kfac_inputs or [(s.rows, s.k) for s in sites]
-  kfac = (
-    2
-    * b
-    * (sum(r * k * k for r, k in inputs) + sum(s.rows * s.o**2 for s in sites))
-  )
+  kfac_in = 2 * b * sum(r * k * k for r, k in inputs)
+  kfac_out = 2 * b * sum(s.rows * s.o**2 for s in sites)
+  kfac = kfac_in + kfac_out
   flops = {
     "diag empirical / auto": grad + diag,
     "diag mc-1 / auto": grad + cotangent + diag,
@@ -150,6 +148,11 @@ def flop_floors(
     + NUM_CLASSES * cotangent
     + (NUM_CLASSES if shared else 1) * diag,
     "kron (K-FAC) / auto": grad + kfac,
+    # One output factor per class, the input factors once.
+    "kron exact (K-FAC) / auto": grad
+    + NUM_CLASSES * cotangent
+    + kfac_in
+    + NUM_CLASSES * kfac_out,
     "taps one pass (grad + diag emp.)": grad + diag,
   }
   if not shared:  # the ghost Gram of a dense layer: 2 B^2 (k + o)

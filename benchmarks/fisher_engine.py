@@ -15,8 +15,9 @@ timed against ``jax.value_and_grad`` of the mean loss in the same process
 * ``fisher.diagonal`` for kinds empirical / mc (1 sample) / exact, by
   ``method="auto"`` (layer statistics) and ``method="per_example"``
   (``vmap`` of one-example VJPs, chunked);
-* ``fisher.kronecker`` (K-FAC factors from layer statistics; Shampoo-style
-  factors from per-example gradients);
+* ``fisher.kronecker`` (K-FAC factors from layer statistics, of the
+  empirical and the exact Fisher; Shampoo-style factors from per-example
+  gradients);
 * ``fisher.low_rank(rank=8)`` (Gram matrix from layer statistics or from the
   stacked per-example gradients);
 * ``taps one pass``: the diagonal empirical Fisher and the gradient from one
@@ -34,7 +35,8 @@ again; a diagonal adds ``2 B P`` (``(a^2)^T delta^2``, or the per-example
 products of a weight-shared layer); each further cotangent (MC sample,
 class of the exact Fisher) another backward pass, and with weight sharing
 its own per-example products; K-FAC ``2 B rows (k^2 + o^2)`` per layer,
-one input factor for q, k and v; top-k low rank (dense layers only) the
+one input factor for q, k and v (the exact kind: one output factor per
+class, after its backward pass); top-k low rank (dense layers only) the
 ghost Gram ``2 B^2 (k + o)`` per layer and ``2 k B P`` to form its ``k``
 directions. A ratio under its floor means the estimator's matmuls run
 closer to the machine's peak than the gradient's own.
@@ -113,14 +115,15 @@ def estimators(apply_fn, chunk: int) -> dict[str, tuple[Callable, bool]]:
       chunk_size=chunk if method == "per_example" else None,
     )
 
-  def kron(method):
+  def kron(method, kind="empirical"):
     est = "auto" if method == "auto" else "shampoo"
     return lambda p, x, y, k: fisher.kronecker(
       apply_fn,
       p,
       (x, y),
       likelihood=cat,
-      kind="empirical",
+      kind=kind,
+      key=k,
       estimator=est,
       method=method,
       chunk_size=chunk if method == "per_example" else None,
@@ -151,6 +154,7 @@ def estimators(apply_fn, chunk: int) -> dict[str, tuple[Callable, bool]]:
     "diag mc-1 / auto": (diag("mc", "auto"), False),
     "diag exact / auto": (diag("exact", "auto"), False),
     "kron (K-FAC) / auto": (kron("auto"), False),
+    "kron exact (K-FAC) / auto": (kron("auto", "exact"), True),
     "top-8 low rank / auto": (low_rank("auto"), False),
     "taps one pass (grad + diag emp.)": (one_pass, False),
     "diag empirical / per_example": (diag("empirical", "per_example"), True),

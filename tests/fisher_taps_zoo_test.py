@@ -670,6 +670,33 @@ class FallbackWarningTest(absltest.TestCase):
     self.assertEqual(cov["k"].path, "per_example")
     self.assertEqual(cov["w"].path, "layer")
 
+  def test_fallback_memory_is_chunked_by_default(self):
+    """Without chunk_size, the per-example gradients of the leaves sent to
+    the per-example path come a chunk at a time (here 2048 x 128 x 128
+    elements, twice the budget), not all B at once."""
+
+    def apply_fn(p, x):  # leaf names of its own: the warning is per leaf set
+      return (x @ jnp.sin(p["big"])) @ p["head"]
+
+    params = {"big": jnp.ones((128, 128)), "head": jnp.ones((128, 2))}
+    b = 2048
+    x, y = jnp.ones((b, 128)), jnp.zeros((b,), jnp.int32)
+
+    def temp(chunk_size):
+      fn = functools.partial(
+        fisher.diagonal,
+        apply_fn,
+        likelihood=fisher.Categorical(),
+        kind="empirical",
+        chunk_size=chunk_size,
+      )
+      with warnings.catch_warnings():
+        warnings.simplefilter("ignore", fisher.FisherFallbackWarning)
+        compiled = jax.jit(fn).lower(params, (x, y)).compile()
+      return compiled.memory_analysis().temp_size_in_bytes
+
+    self.assertLess(temp(None), 0.6 * temp(b))
+
 
 if __name__ == "__main__":
   absltest.main()

@@ -305,9 +305,18 @@ def _uncovered(ps: _Pass) -> _Pass | None:
     return jax.tree.unflatten(treedef, full)
 
   apply_fn = ps.apply_fn
+  params = [leaves[i] for i in idx]
+  chunk = ps.chunk_size
+  if chunk is None:
+    # A fallback keeps its per-example (pseudo-)gradients, S per example,
+    # near the layer path's chunk budget rather than holding B of them.
+    num_s = jax.tree.leaves(ps.cotangents)[0].shape[0]
+    per_example = num_s * sum(jnp.size(p) for p in params)
+    chunk = max(1, _taps.DEFAULT_CHUNK_ELEMENTS // max(1, per_example))
   return ps._replace(
     apply_fn=lambda q, x: apply_fn(rebuild(q), x),
-    params=[leaves[i] for i in idx],
+    params=params,
+    chunk_size=chunk,
   )
 
 
@@ -390,11 +399,14 @@ def diagonal(
     method: ``"auto"`` (layer statistics where they apply, per-example
       elsewhere), ``"taps"`` (layer statistics only; error otherwise) or
       ``"per_example"``.
-    chunk_size: examples per chunk on the per-example path (static int).
-      On the layer path, with several samples per example (``exact``,
-      ``mc`` with ``num_samples > 1``), the backward passes of the samples
-      take ``max(1, chunk_size // B)`` at a time; by default one, so the
-      memory stays near one batch gradient's whatever ``B`` and ``S``.
+    chunk_size: examples per chunk on the per-example path (static int;
+      ``None``: all at once with ``method="per_example"``, and for the
+      leaves ``"auto"`` sends there, chunks of about ``2**24`` gradient
+      elements). On the layer path, with several samples per example
+      (``exact``, ``mc`` with ``num_samples > 1``), the backward passes of
+      the samples take ``max(1, chunk_size // B)`` at a time; by default
+      one, so the memory stays near one batch gradient's whatever ``B`` and
+      ``S``.
     axis_name: a ``shard_map``/``pmap`` axis the batch is split over; sums
       are all-reduced before normalising.
 
@@ -743,18 +755,19 @@ def _as_matrix(g: jax.Array) -> jax.Array:
 
 def _kron_pass(
   ps: _Pass,
-  leaf_fn: Callable[..., Any],
+  contract: Callable[..., Any],
   extra: PyTree,
   grads: PyTree | None = None,
 ) -> PyTree:
-  """``sum_{s,n} leaf_fn(G_{s,n} as a matrix, extra_leaf)`` per leaf, the
-  ``G`` by the per-example path or given as ``grads`` (``(N, *leaf)``)."""
+  """``contract(G, extra_leaf)`` summed over the chunks, per leaf: ``G``
+  ``(c, m, n)`` a chunk's per-example (pseudo-)gradients as matrices, by the
+  per-example path or given as ``grads`` (``(N, *leaf)``); ``contract``
+  sums over its first axis."""
 
   def chunk_sum(g):
     def leaf(gl, e):
-      mats = _as_matrix(numerics.widen(gl).reshape(-1, *gl.shape[2:]))
-      return jax.tree.map(
-        lambda t: jnp.sum(t, axis=0), jax.vmap(lambda m: leaf_fn(m, e))(mats)
+      return contract(
+        _as_matrix(numerics.widen(gl).reshape(-1, *gl.shape[2:])), e
       )
 
     return jax.tree.map(leaf, g, extra)
@@ -764,6 +777,29 @@ def _kron_pass(
       chunk_sum(jax.tree.map(lambda g: g[:, None], grads)), ps.axis_name
     )
   return _psum(_reduce_pseudo_grads(ps, chunk_sum), ps.axis_name)
+
+
+# Sums over per-example matrices ``G`` ``(c, m, n)`` as contractions, not a
+# vmap of products: no ``(c, m, m)`` or ``(c, n, n)`` intermediates.
+
+
+def _sum_ggt_gtg(g: jax.Array, _) -> tuple[jax.Array, jax.Array]:
+  """``(sum_c G G^T, sum_c G^T G)``."""
+  return _hp_einsum("cij,ckj->ik", g, g), _hp_einsum("cji,cjk->ik", g, g)
+
+
+def _sum_grgt(g: jax.Array, r: jax.Array) -> jax.Array:
+  """``sum_c G R G^T``."""
+  return _hp_einsum("cik,clk->il", _hp_einsum("cij,jk->cik", g, r), g)
+
+
+def _sum_gtlg(g: jax.Array, l: jax.Array) -> jax.Array:
+  """``sum_c G^T L G``."""
+  return _hp_einsum("cik,ckl->il", _hp_einsum("cji,jk->cik", g, l), g)
+
+
+def _hp_einsum(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
+  return jnp.einsum(spec, a, b, precision=jax.lax.Precision.HIGHEST)
 
 
 def _hp(a, b):
@@ -779,7 +815,7 @@ def _shampoo_step(ps: _Pass, grads: PyTree | None) -> tuple[PyTree, PyTree]:
   """One Shampoo step: ``E[G G^T]`` and ``E[G^T G] / tr(E[G G^T])``."""
   count = ps.count
   dummy = jax.tree.map(lambda p: jnp.zeros(()), ps.params)
-  sums = _kron_pass(ps, lambda m, _: (_hp(m, m.T), _hp(m.T, m)), dummy, grads)
+  sums = _kron_pass(ps, _sum_ggt_gtg, dummy, grads)
   # Mapped over params: a leaf's sums are a pair (params may hold tuples).
   left = jax.tree.map(lambda _, s: s[0] / count, ps.params, sums)
   right = jax.tree.map(
@@ -810,9 +846,9 @@ def _shampoo_factors(
 
   def one_round(_, lr):
     _, right = lr
-    s = _kron_pass(ps, lambda m, r: _hp(_hp(m, r), m.T), right, grads)
+    s = _kron_pass(ps, _sum_grgt, right, grads)
     left = jax.tree.map(normalised, s, right)
-    s = _kron_pass(ps, lambda m, l: _hp(_hp(m.T, l), m), left, grads)
+    s = _kron_pass(ps, _sum_gtlg, left, grads)
     return left, jax.tree.map(normalised, s, left)
 
   def eye_and_zeros(p):

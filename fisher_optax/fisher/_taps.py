@@ -233,7 +233,7 @@ _ELEMENTWISE = ("scale", "shift")
 
 # Budget (elements) for a materialised chunk of per-example layer gradients
 # when the caller gives no chunk size (weight-shared diagonal, shared leaves).
-_DEFAULT_CHUNK_ELEMENTS = 1 << 24
+DEFAULT_CHUNK_ELEMENTS = 1 << 24
 # Per-layer intermediates of the Gram matrix and of weighted sums that grow
 # with the batch (input blocks, example chunks); XLA may hold several
 # layers' at once.
@@ -1613,7 +1613,7 @@ def _diag_stat(site_view, role: str, shape: tuple, chunk_size) -> Array:
   # Chunks of batched products; one pass per sample keeps the (possibly
   # sharded) batch axis unmerged.
   d_in, d_out = act.shape[-1], delta.shape[-1]
-  chunk = chunk_size or max(1, _DEFAULT_CHUNK_ELEMENTS // (d_in * d_out))
+  chunk = chunk_size or max(1, DEFAULT_CHUNK_ELEMENTS // (d_in * d_out))
 
   def part(a, d):
     g = jnp.einsum("cti,ctj->cij", a, d)
@@ -2278,7 +2278,7 @@ class LayerGrads:
     chunk = chunk_size or max(
       1,
       min(
-        _DEFAULT_CHUNK_ELEMENTS // math.prod(shape),
+        DEFAULT_CHUNK_ELEMENTS // math.prod(shape),
         _PATCH_CHUNK_ELEMENTS // max(patches, 1),
       ),
     )
@@ -2314,7 +2314,7 @@ class LayerGrads:
     rows = lambda j: grads(j)[1].reshape(chunk, -1)
     if count == 1:
       return rows(0) @ rows(0).T
-    fits = count * chunk * math.prod(shape) <= _DEFAULT_CHUNK_ELEMENTS
+    fits = count * chunk * math.prod(shape) <= DEFAULT_CHUNK_ELEMENTS
     if chunk_size is None and fits:
       # Every example's gradient fits the default budget (the chunks bound
       # a conv's patches): form each chunk once, one product.
