@@ -1168,6 +1168,19 @@ def _traced_tape(apply_fn, params, inputs, **kw) -> _taps.LayerTape:
   return tapes[0]
 
 
+def _assert_same_statistic(test, got, want) -> None:
+  """The same tree (``None`` where a leaf has no statistic), leaves equal to
+  float32 roundoff of each leaf's scale."""
+  is_none = lambda v: v is None
+  test.assertEqual(
+    jax.tree.structure(got, is_leaf=is_none),
+    jax.tree.structure(want, is_leaf=is_none),
+  )
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    scale = float(jnp.max(jnp.abs(w)))
+    np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5 * scale)
+
+
 class FusedStatisticsTest(parameterized.TestCase):
   """``record(statistic=...)``: the scanned layers' statistic in the backward."""
 
@@ -1279,13 +1292,7 @@ class FusedStatisticsTest(parameterized.TestCase):
       self.assertNotEmpty(jax.tree.leaves(want[1]))  # the norms'
     for key, got in out.items():
       with self.subTest(key):
-        self.assertEqual(
-          jax.tree.structure(got, is_leaf=lambda v: v is None),
-          jax.tree.structure(want, is_leaf=lambda v: v is None),
-        )
-        for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-          scale = float(jnp.max(jnp.abs(w)))
-          np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5 * scale)
+        _assert_same_statistic(self, got, want)
 
   def test_equal_to_the_unfused_statistics(self):
     x, r = self.x[:8, :8], self.r[:8]
@@ -1310,14 +1317,7 @@ class FusedStatisticsTest(parameterized.TestCase):
     for structure, mode in cases:
       with self.subTest(f"{structure} {mode}"):
         want = out[structure, mode, ""]
-        got = out[structure, mode, structure]
-        self.assertEqual(
-          jax.tree.structure(got, is_leaf=lambda v: v is None),
-          jax.tree.structure(want, is_leaf=lambda v: v is None),
-        )
-        for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-          scale = float(jnp.max(jnp.abs(w)))
-          np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5 * scale)
+        _assert_same_statistic(self, out[structure, mode, structure], want)
 
   def test_reversed_nested_and_rematerialised_scans(self):
     """A reversed scan over a remat body with a nested scan (a leaf sliced
