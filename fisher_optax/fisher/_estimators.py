@@ -802,10 +802,6 @@ def _hp_einsum(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
   return jnp.einsum(spec, a, b, precision=jax.lax.Precision.HIGHEST)
 
 
-def _hp(a, b):
-  return jnp.matmul(a, b, precision=jax.lax.Precision.HIGHEST)
-
-
 def _safe_div(num: jax.Array, den: jax.Array) -> jax.Array:
   """``num / den``, and 0 where ``den <= 0`` (no 0/0)."""
   return jnp.where(den > 0, num / jnp.where(den > 0, den, 1.0), 0.0)
@@ -1047,10 +1043,8 @@ def _batch_squared_kron(mean_grad: PyTree, num_iters: int):
 
   def leaf(m):
     mat = m.reshape(_statistics.matrix_shape(m.shape))
-    l = _hp(mat, mat.T)
-    tr = jnp.trace(l)
-    r = jnp.where(tr > 0, _hp(mat.T, mat) / jnp.where(tr > 0, tr, 1.0), 0.0)
-    return l, r
+    l, r = _sum_ggt_gtg(mat[None], None)  # one Shampoo step, one matrix
+    return l, _safe_div(r, jnp.trace(l))
 
   pairs = jax.tree.map(leaf, mean_grad)
   return (

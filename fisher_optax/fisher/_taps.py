@@ -18,8 +18,9 @@ per-example norms and the per-example Gram matrix are all cheap functions of
 output and differentiate the model's outputs with respect to the taps. Row
 ``n`` of a tap only touches example ``n``'s outputs, so the tap cotangents are
 the per-example ``delta`` for all examples at once, at the cost of one backward
-pass per cotangent (vmapped over the ``S`` cotangents, or one at a time for the
-diagonal, whose memory then does not grow with ``S``).
+pass per cotangent (one at a time for the diagonal and the K-FAC sums, whose
+memory then does not grow with ``S``; vmapped over the ``S`` cotangents for the
+other statistics).
 
 **How layers are found.** No model edits and no Flax hooks: the apply function
 is traced to a jaxpr and generic patterns are matched on it, whatever module
@@ -1026,9 +1027,10 @@ class LayerTape:
   def backward(self, cotangents: PyTree) -> LayerGrads:
     """Pulls ``S`` output cotangents back to the taps.
 
-    The backward pass runs when a statistic first needs it: one vmapped pass
-    for all ``S``, or for ``statistics("diag")`` a few samples per pass (see
-    its ``chunk_size``).
+    The backward pass runs when a statistic first needs it: a few samples
+    per pass for the diagonal and the K-FAC sums (see
+    :meth:`LayerGrads.statistics`' ``chunk_size``), one vmapped pass for all
+    ``S`` otherwise.
 
     Args:
       cotangents: like ``outputs`` with an extra leading axis ``S``.
@@ -1940,15 +1942,15 @@ class LayerGrads:
     those formed inside the backward pass (a tape recorded with
     ``statistic="kron"``), which each pass forms again.
     """
+    validation.check_choice("weight_sharing", weight_sharing, WEIGHT_SHARING)
+    self._check_fusion("kron", weight_sharing)
     return self._kron(chunk_size, weight_sharing, with_grads=True)
 
   def _kron(
     self, chunk_size, weight_sharing: str, with_grads: bool
   ) -> tuple[PyTree, PyTree]:
-    """:meth:`kron_and_example_grads`; ``None`` grads without
-    ``with_grads``."""
-    validation.check_choice("weight_sharing", weight_sharing, WEIGHT_SHARING)
-    self._check_fusion("kron", weight_sharing)
+    """:meth:`kron_and_example_grads` after its checks; ``None`` grads
+    without ``with_grads``."""
     reduce = weight_sharing == "reduce"
     grads = (lambda g: g._example_grads()) if with_grads else (lambda g: {})
     if self._per_pass(chunk_size) is None:
