@@ -306,6 +306,21 @@ class ScanAndTiedZooTest(parameterized.TestCase):
             .backward(cot)
             .statistics("kron", **kw),
           )
+        # Low rank's two fused passes, one sample: the Gram matrix, then the
+        # weighted sums with the weights carried into the backward pass.
+        w0 = weights[:, :B]
+        low_rank = (
+          fisher_taps.record(
+            apply_fn, params, ids, statistic="gram", chunk_size=2
+          )
+          .gradient(cot[0])[1]
+          .statistics("gram", chunk_size=2),
+          fisher_taps.record(
+            apply_fn, params, ids, statistic="combine", weights=w0
+          )
+          .backward(cot[:1])
+          .combine(w0),
+        )
         return g, (
           grads.statistics("diag", chunk_size=2),
           grads.statistics("gram", chunk_size=2),
@@ -316,10 +331,11 @@ class ScanAndTiedZooTest(parameterized.TestCase):
           fused_grad,
           fused_first.statistics("diag"),
           kron,
+          low_rank,
         )
 
       g, out = run(params, ids, cot, weights)
-      diag, gram, combine, grad, first, *fused_out, kron = out
+      diag, gram, combine, grad, first, *fused_out, kron, low_rank = out
       fused_diag, fused_grad, fused_first = fused_out
       rtol = 1e-10 if x64 else 1e-5
       # References in NumPy: eager jnp would compile each op per leaf shape.
@@ -327,6 +343,7 @@ class ScanAndTiedZooTest(parameterized.TestCase):
       flat = jax.tree_util.tree_flatten_with_path(g)[0]
       rows = np.concatenate([a.reshape(num_s * B, -1) for _, a in flat], 1)
       _assert_tree_close([gram], [rows @ rows.T], rtol)
+      _assert_tree_close([low_rank[0]], [rows[:B] @ rows[:B].T], rtol)
       for mode, (want, got) in kron.items():
         with self.subTest(f"kron {mode}, fused"):
           is_pair = lambda v: v is None or isinstance(v, tuple)
@@ -336,7 +353,7 @@ class ScanAndTiedZooTest(parameterized.TestCase):
           self.assertEqual(nones(got), nones(want))
           self.assertTrue(any(v is not None for v in jax.tree.leaves(got)))
           _assert_tree_close(got, want, rtol)
-      for (path, gi), d, c, g0, d0, fd, fg, fd0 in zip(
+      for (path, gi), d, c, g0, d0, fd, fg, fd0, fc in zip(
         flat,
         jax.tree.leaves(diag),
         jax.tree.leaves(combine),
@@ -345,6 +362,7 @@ class ScanAndTiedZooTest(parameterized.TestCase):
         jax.tree.leaves(fused_diag),
         jax.tree.leaves(fused_grad),
         jax.tree.leaves(fused_first),
+        jax.tree.leaves(low_rank[1]),
       ):
         key = jax.tree_util.keystr(path)
         if "['key']['bias']" in key:
@@ -359,6 +377,44 @@ class ScanAndTiedZooTest(parameterized.TestCase):
           _assert_tree_close([fd], [np.sum(gi**2, 0)], rtol)
           _assert_tree_close([fg], [np.sum(gi[:B], 0)], rtol)
           _assert_tree_close([fd0], [np.sum(gi[:B] ** 2, 0)], rtol)
+          _assert_tree_close(
+            [fc], [np.tensordot(weights[:, :B], gi[:B], 1)], rtol
+          )
+
+  @parameterized.parameters(("linen_scan", True), ("nnx_scan", False))
+  def test_low_rank_in_two_fused_passes(self, name, x64):
+    """``low_rank`` of one sample per example forms the stacked layers' Gram
+    matrix, then their weighted sums, inside two backward passes: equal
+    to the per-example path."""
+    with jax.enable_x64(x64):
+      dtype = jnp.float64 if x64 else jnp.float32
+      apply_fn, params, ids = _model(name, dtype)
+      targets = jnp.roll(ids, -1, axis=1)
+      v = jax.tree.map(jnp.ones_like, params)
+
+      @jax.jit
+      def run(params, ids, targets, key):
+        out = {}
+        for method in ("auto", "per_example"):
+          for kind in ("empirical", "mc"):
+            top = fisher.low_rank(
+              apply_fn,
+              params,
+              (ids, targets),
+              likelihood=fisher.Categorical(),
+              kind=kind,
+              key=key,
+              rank=4,
+              method=method,
+            )
+            out[method, kind] = (top.eigvals, top.matvec(v))
+        return out
+
+      out = run(params, ids, targets, jax.random.key(3))
+      rtol = 1e-10 if x64 else 1e-5
+      for kind in ("empirical", "mc"):
+        with self.subTest(kind):
+          _assert_tree_close(out["auto", kind], out["per_example", kind], rtol)
 
   @parameterized.parameters(("linen_scan", 0), ("nnx", 2))
   def test_kronecker_norms_and_positions_take_shampoo_factors(

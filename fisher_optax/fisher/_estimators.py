@@ -559,6 +559,13 @@ def low_rank(
   never formed. Eigenvalues below ``M * eps * max(eigvals)`` get eigenvalue
   0 and a zero direction (no division by zero). ``rank > M`` pads with zeros.
 
+  On the layer path, layers stacked by a scan (``nn.scan``, ``nnx.scan``,
+  ``lax.scan``) form ``K`` inside the backward pass when there is one
+  sample per example (``kind="empirical"``, or ``"mc"`` with one sample),
+  and ``V`` inside a second forward and backward pass: memory stays near
+  the batch gradient's (``remat`` is kept) for about one more gradient's
+  time. Other kinds record the stacked layers' activations.
+
   ``apply_fn``, ``params``, ``batch``, ``likelihood``, ``kind``,
   ``num_samples``, ``key``, ``method``, ``chunk_size`` and ``axis_name`` are
   as in :func:`diagonal`.
@@ -597,7 +604,17 @@ def low_rank(
     likelihood, kind, num_samples, key, method, chunk_size, axis_name
   )
   use_layers = _use_taps(method) and not per_leaf and axis_name is None
-  ps = _forward(apply_fn, params, batch, opts, layers=use_layers)
+  # One sample per example: the Gram matrix and the weighted sums of scanned
+  # layers then form inside two backward passes (_low_rank_taps).
+  one_sample = kind == "empirical" or (kind == "mc" and num_samples == 1)
+  ps = _forward(
+    apply_fn,
+    params,
+    batch,
+    opts,
+    layers=use_layers,
+    statistic="gram" if one_sample else None,
+  )
   if kind == "batch_squared":
     stacked = jax.tree.map(lambda m: m[None], ps.mean_grad)
     count = jnp.ones((), jnp.int32)
@@ -631,7 +648,14 @@ def low_rank(
 def _low_rank_taps(
   ps: _Pass, rank: int, kind: str
 ) -> _statistics.LowRankFisher:
-  """Global low rank with the Gram of covered leaves from layer statistics."""
+  """Global low rank with the Gram of covered leaves from layer statistics.
+
+  A tape that formed its scanned layers' Gram matrix inside the backward
+  pass (``statistic="gram"``) keeps none of their activations, so their
+  weighted sums come from a second forward and backward pass that forms
+  them the same way (``statistic="combine"``): one more gradient's time
+  for memory near the gradient's, as the other fused statistics.
+  """
   gram = numerics.widen(ps.layers.statistics("gram", chunk_size=ps.chunk_size))
   sub = _uncovered(ps)
   sub_stacked = None
@@ -639,7 +663,18 @@ def _low_rank_taps(
     sub_stacked = _stacked_pseudo_grads(sub)
     gram = gram + linalg.tree_stacked_gram(sub_stacked)
   vals, w = _top_k(gram, rank, ps.count)
-  tree = ps.layers.combine(w.T)
+  weights, layers = w.T, ps.layers
+  if layers.tape.fused:
+    tape = _taps.record(
+      ps.apply_fn,
+      ps.params,
+      ps.inputs,
+      statistic="combine",
+      chunk_size=ps.chunk_size,
+      weights=weights,
+    )
+    layers = tape.backward(ps.cotangents)
+  tree = layers.combine(weights)
   if sub_stacked is not None:
     tree = _merge(tree, ps.covered, _combine(sub_stacked, w))
   return _statistics.LowRankFisher(

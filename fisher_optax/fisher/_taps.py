@@ -84,13 +84,17 @@ holding layers is re-run under ``jax.checkpoint`` with its policy.
 Recording every iteration's ``(a, delta)`` costs ``(L, B, T, K)`` memory
 per stacked layer, several times the batch gradient's (which keeps one
 carry per iteration under ``remat``). When the caller needs one statistic,
-``record(statistic="diag" | "kron")`` forms it inside the backward pass
-instead: a stacked layer's output passes through an identity whose
-``custom_vjp`` also returns, as the cotangent of a zero "statistic tap",
-that iteration's diagonal or K-FAC sums from the (recomputed) ``a`` and the
-``delta`` just formed. Nothing of size ``B`` leaves the iteration, so the
-pass needs about the batch gradient's memory. (Outside scans this brought
-nothing on XLA:CPU: the layers' ``(a, delta)`` are recorded as before.)
+``record(statistic="diag" | "kron" | "gram")`` forms it inside the
+backward pass instead: a stacked layer's output passes through an identity
+whose ``custom_vjp`` also returns, as the cotangent of a zero "statistic
+tap", that iteration's diagonal, K-FAC sums or ``(B, B)`` Gram matrix from
+the (recomputed) ``a`` and the ``delta`` just formed. Nothing of size
+``B x T`` leaves the iteration, so the pass needs about the batch
+gradient's memory. A low-rank Fisher's weighted sums ``sum_n w_kn g_n``
+need weights known only after the Gram matrix: a second pass,
+``record(statistic="combine", weights=w)``, carries them into the backward
+pass on its taps. (Outside scans this brought nothing on XLA:CPU: the
+layers' ``(a, delta)`` are recorded as before.)
 
 **Shared leaves.** A leaf with several uses (a head tied to the embedding
 table, a kernel applied twice, a stacked kernel used twice per iteration)
@@ -200,6 +204,8 @@ Array = jax.Array
 PyTree = Any
 
 STRUCTURES = ("diag", "kron", "gram")
+# Statistics a tape can form inside the backward pass (record(statistic=)).
+FUSED_STATISTICS = ("diag", "kron", "gram", "combine")
 
 # K-FAC conventions for weight-shared layers (Eschenhagen et al, 2023).
 WEIGHT_SHARING = ("expand", "reduce")
@@ -983,6 +989,12 @@ class LayerTape:
   def covered(self) -> PyTree:
     return jax.tree_util.tree_unflatten(self._treedef, self._covered)
 
+  @property
+  def fused(self) -> bool:
+    """Whether some leaves' statistic forms inside the backward pass
+    (:func:`record`'s ``statistic``), their activations not kept."""
+    return self._fusion is not None
+
   def covered_for(self, structure: str) -> PyTree:
     """Like ``covered``, for the leaves ``statistics(structure)`` fills.
 
@@ -1039,6 +1051,14 @@ class LayerTape:
       A :class:`LayerGrads` of the per-example ``delta`` of every layer.
     """
     cts, num = self._prepare(cotangents, 1)
+    fusion = self._fusion
+    if fusion is not None and fusion.statistic in ("gram", "combine"):
+      if num != 1:
+        raise ValueError(
+          f"a tape recorded with statistic={fusion.statistic!r} pulls back "
+          f"one sample (S = 1); got S = {num}. Record with statistic=None "
+          "for several samples."
+        )
     # Pulled back when first needed: the diagonal sums go through the
     # samples a few at a time instead (LayerGrads.statistics).
     return LayerGrads(self, None, num, cotangents=cts)
@@ -1087,6 +1107,7 @@ def record(
   statistic: str | None = None,
   chunk_size: int | None = None,
   weight_sharing: str = "expand",
+  weights: Array | None = None,
 ) -> LayerTape:
   """Runs ``apply_fn(params, inputs)`` with zero taps on its dense layers.
 
@@ -1098,28 +1119,48 @@ def record(
     axis_name: inside ``shard_map``, the batch axis name. Optional: taps are
       made device-varying like their layer outputs automatically, so autodiff
       never sums tap cotangents (examples) across devices.
-    statistic: ``"diag"`` or ``"kron"`` to form that statistic of the leaves
-      stacked along a scan (one use each, a dense, scale or shift layer)
-      inside the backward pass, one iteration at a time: the pass then
-      keeps neither their activations nor their cotangents ``(L, B, T,
-      ...)``, and a ``remat`` body is still recomputed, so memory stays
-      near the batch gradient's. :meth:`LayerGrads.statistics` then serves
-      only that structure (and ``weight_sharing``) for them. ``None``
-      (default) records every layer's ``(a, delta)``.
-    chunk_size: with ``statistic="diag"``, as in
+    statistic: ``"diag"``, ``"kron"``, ``"gram"`` or ``"combine"`` to
+      form that statistic of the leaves stacked along a scan (one use each,
+      a dense, scale or shift layer) inside the backward pass, one
+      iteration at a time: the pass then keeps neither their activations
+      nor their cotangents ``(L, B, T, ...)``, and a ``remat`` body is still
+      recomputed, so memory stays near the batch gradient's.
+      :meth:`LayerGrads.statistics` (or, for ``"combine"``,
+      :meth:`LayerGrads.combine` with ``weights``) then serves only that
+      structure (and ``weight_sharing``) for them. ``"gram"`` and
+      ``"combine"`` need one sample (``S = 1``) per backward pass: a sum
+      over pairs of examples, or over weighted examples, cannot be split
+      by sample. ``None`` (default) records every layer's ``(a, delta)``.
+    chunk_size: with ``statistic="diag"`` or ``"gram"``, as in
       :meth:`LayerGrads.statistics`.
     weight_sharing: with ``statistic="kron"``, as in
       :meth:`LayerGrads.statistics`.
+    weights: with ``statistic="combine"``, the ``(k, B)`` weights of
+      :meth:`LayerGrads.combine`: a low-rank Fisher's directions from a
+      first pass's Gram matrix.
 
   Returns:
     A :class:`LayerTape`; call ``.backward(cotangents)`` on it.
   """
   if statistic is not None:
-    validation.check_choice("statistic", statistic, ("diag", "kron"))
+    validation.check_choice("statistic", statistic, FUSED_STATISTICS)
   validation.check_choice("weight_sharing", weight_sharing, WEIGHT_SHARING)
+  if (statistic == "combine") != (weights is not None):
+    raise ValueError(
+      "record takes weights= exactly with statistic='combine'; got "
+      f"statistic={statistic!r} and weights "
+      f"{'given' if weights is not None else 'None'}."
+    )
   leaves, treedef, in_leaves, closed, out_def, batch = _trace(
     apply_fn, params, inputs
   )
+  if weights is not None:
+    weights = jnp.asarray(weights)
+    if weights.ndim != 2 or weights.shape[1] != batch:
+      raise ValueError(
+        f"weights must have shape (k, B) = (k, {batch}); got "
+        f"{tuple(weights.shape)}."
+      )
   num = len(leaves)
   plan = _make_plan(closed, num, batch)
   covered = [r is not None for r in plan.roles]
@@ -1164,14 +1205,25 @@ def record(
       else jax.ShapeDtypeStruct(act.shape, act.dtype)
     )
     delta = jax.ShapeDtypeStruct(out.shape, out.dtype)
-    stat_avals[s] = jax.eval_shape(stat_fn, a, delta)
-    fused[s] = _fused_tap(stat_fn)
+    if weights is None:
+      stat_avals[s] = jax.eval_shape(stat_fn, a, delta)
+    else:  # the tap carries the weights in and their sums out
+      w = numerics.widen(weights)
+      tap = {leaf: (w, None) for leaf in users}
+      sums = jax.eval_shape(stat_fn, a, delta, tap)
+      stat_avals[s] = {leaf: (w, sums[leaf][1]) for leaf in users}
+    fused[s] = _fused_tap(stat_fn, reads_tap=weights is not None)
   taps = []
   for s in range(len(plan.sites)):
     lead, aval = out_shapes[s]
     if s in fused:
       t = jax.tree.map(
-        lambda x, lead=lead: jnp.zeros(lead + x.shape, x.dtype), stat_avals[s]
+        lambda x, lead=lead: (
+          jnp.broadcast_to(x, lead + x.shape)
+          if isinstance(x, jax.Array)
+          else jnp.zeros(lead + x.shape, x.dtype)
+        ),
+        stat_avals[s],
       )
     else:
       t = jnp.zeros(lead + aval.shape, aval.dtype)
@@ -1201,12 +1253,18 @@ def record(
       tuple(acts.get(s) for s in range(len(plan.sites))),
     )
 
+  if weights is not None:
+    # The forward pass does not read the weights, so XLA could run it next
+    # to the pass that makes them, holding both passes' residuals.
+    leaves, in_leaves, _ = lax.optimization_barrier(
+      (list(leaves), list(in_leaves), weights)
+    )
   outputs, pullback, acts = jax.vjp(
     tapped, tuple(leaves), tuple(taps), has_aux=True
   )
   fusion = None
   if statistic is not None and fused_leaves:
-    fusion = _Fusion(statistic, weight_sharing, fused_leaves)
+    fusion = _Fusion(statistic, weight_sharing, fused_leaves, weights)
   return LayerTape(
     plan, treedef, leaves, covered, outputs, pullback, acts, batch, fusion
   )
@@ -1219,6 +1277,7 @@ class _Fusion:
   statistic: str
   weight_sharing: str
   leaves: dict[int, tuple[int, str]]  # leaf -> (site, role)
+  weights: Any = None  # statistic="combine": the (k, B) weights
 
 
 def _fusable(plan: _Plan) -> dict[int, tuple[int, str]]:
@@ -1257,16 +1316,25 @@ def _fused_stat(
   reduce: bool,
   act: Array | None,
   delta: Array,
+  tap: Any = None,
 ) -> dict[int, Any]:
-  """One iteration's statistic of each leaf at a site: ``{leaf: diag}`` or
-  ``{leaf: (A_sum, Gamma_sum)}``; for ``"kron"``, an elementwise leaf's
-  per-example gradients ``(B, *shape)`` instead (they are small, and give
-  its Shampoo-style factors), other leaves without K-FAC factors left out."""
+  """One iteration's statistic of each leaf at a site: ``{leaf: diag}``,
+  ``{leaf: (A_sum, Gamma_sum)}``, ``{leaf: gram}`` (``(B, B)``) or, for
+  ``"combine"``, ``{leaf: (0, sum_n w[:, n] g_n)}`` with the weights ``w``
+  read from the tap (``{leaf: (w, _)}``). For ``"kron"``, an elementwise
+  leaf's per-example gradients ``(B, *shape)`` instead (they are small, and
+  give its Shampoo-style factors), other leaves without K-FAC factors left
+  out."""
   view = _site_view(site, act, delta[None], batch)
   out: dict[int, Any] = {}
   for leaf, role, shape in users:
     if statistic == "diag":
       out[leaf] = _diag_stat(view, role, shape, chunk_size)
+    elif statistic == "gram":
+      out[leaf] = _gram_stat(view, role, chunk_size)
+    elif statistic == "combine":
+      w = tap[leaf][0]
+      out[leaf] = (jnp.zeros_like(w), _combine_stat(view, role, w, shape))
     elif site.kind in _ELEMENTWISE:
       out[leaf] = jnp.sum(view[2][0], axis=1).reshape((batch,) + shape)
     else:
@@ -1276,10 +1344,12 @@ def _fused_stat(
   return out
 
 
-def _fused_tap(stat_fn: Callable[[Any, Array], Any]) -> Callable:
+def _fused_tap(stat_fn: Callable[..., Any], reads_tap: bool = False):
   """``tap(z, a, t) = z`` whose backward also returns ``stat_fn(a, dz)`` as
   the cotangent of ``t``: a statistic formed where ``dz`` is made, inside
-  a scan's backward iteration (and after a remat body's recomputation)."""
+  a scan's backward iteration (and after a remat body's recomputation).
+  With ``reads_tap``, ``stat_fn(a, dz, t)``: the tap carries inputs of the
+  statistic (``combine``'s weights) into the backward pass."""
 
   @jax.custom_vjp
   def tap(z, a, t):
@@ -1287,11 +1357,12 @@ def _fused_tap(stat_fn: Callable[[Any, Array], Any]) -> Callable:
     return z
 
   def fwd(z, a, t):
-    del t
-    return z, a
+    return z, (a, t if reads_tap else None)
 
-  def bwd(a, dz):
-    return dz, None, stat_fn(a, dz)
+  def bwd(res, dz):
+    a, t = res
+    stat = stat_fn(a, dz, t) if reads_tap else stat_fn(a, dz)
+    return dz, None, stat
 
   tap.defvjp(fwd, bwd)
   return tap
@@ -1418,6 +1489,30 @@ def _gram_by_input_blocks(
   return _loop_sum(gram, count, (n, n), dtype, [a, d])
 
 
+def _gram_stat(site_view, role: str, chunk_size) -> Array:
+  """``sum <g_i, g_j>`` ``(S * B, S * B)`` of one use, from its view."""
+  site, act, delta, _ = site_view
+  num_s, b, t, d_out = delta.shape
+  rows = delta.reshape(num_s * b, t, d_out)
+  if role == "bias":
+    g = jnp.sum(rows, axis=1)
+    return g @ g.T
+  if site.kind == "embed":
+    if (num_s * b * t) ** 2 > _BLOCK_ELEMENTS:
+      return _gram_by_input_blocks(act, delta, chunk_size, site.num_rows)
+    ka = (act[:, None, :, None] == act[None, :, None, :]).astype(
+      delta.dtype
+    )  # (B, B, T, T)
+  else:
+    d_in, n = act.shape[-1], num_s * b
+    ghost = n * n * t * t
+    if t > 1 and (d_in * d_out < n * t * t or ghost > _BLOCK_ELEMENTS):
+      return _gram_by_input_blocks(act, delta, chunk_size)
+    ka = jnp.einsum("ntd,mud->nmtu", act, act)
+  kd = jnp.einsum("itd,jud->ijtu", rows, rows).reshape(num_s, b, num_s, b, t, t)
+  return jnp.einsum("nmtu,snrmtu->snrm", ka, kd).reshape(num_s * b, num_s * b)
+
+
 def _combine_dense(w: Array, a: Array, d: Array) -> Array:
   """``sum_{s,n} w[k, s, n] a_n^T d_{s,n}``, ``(k, K, O)``, for ``a`` ``(B,
   T, K)`` and ``d`` ``(S, B, T, O)``.
@@ -1455,6 +1550,31 @@ def _combine_dense(w: Array, a: Array, d: Array) -> Array:
 
   dtype = jnp.promote_types(w.dtype, jnp.promote_types(a.dtype, d.dtype))
   return _loop_sum(one, count, (k, i, j), dtype, [w, a, d])
+
+
+def _combine_stat(site_view, role: str, weights: Array, shape: tuple) -> Array:
+  """``sum_i weights[:, i] g_i`` ``(k, *shape)`` of one use, from its view;
+  ``weights`` ``(k, S * B)``, columns ``i = s * B + n``."""
+  site, act, delta, _ = site_view
+  num_s, b = delta.shape[:2]
+  w = numerics.widen(weights).astype(
+    jnp.promote_types(weights.dtype, delta.dtype)
+  )
+  w = w.reshape(-1, num_s, b)
+  k = w.shape[0]
+  if role == "bias":
+    val = jnp.einsum("ksn,sntd->kd", w, delta)
+  elif site.kind == "embed":
+    assert act is not None  # the ids
+    wd = jnp.einsum("ksn,sntd->kntd", w, delta)
+    val = (
+      jnp.zeros((k,) + shape, wd.dtype)
+      .at[:, act.reshape(-1)]
+      .add(wd.reshape(k, -1, shape[-1]))
+    )
+  else:
+    val = _kernel_to_shape(site, _combine_dense(w, act, delta), shape)
+  return val.reshape((k,) + shape)
 
 
 def _loop_over_examples() -> bool:
@@ -1735,6 +1855,11 @@ class LayerGrads:
         out[leaf] = None
       elif fusion.statistic == "diag":
         out[leaf] = jnp.sum(val, axis=0)
+      elif fusion.statistic == "gram":  # (S = 1, *L, B, B): sum the layers
+        out[leaf] = jnp.sum(val, axis=tuple(range(val.ndim - 2)))
+      elif fusion.statistic == "combine":  # (S = 1, *L, k, *shape)
+        sliced = len(self._tape._plan.uses(leaf)[0][2])
+        out[leaf] = jnp.moveaxis(val[1][0], sliced, 0)
       else:
         out[leaf] = (val[0][0], jnp.sum(val[1], axis=0))
     return out
@@ -1842,8 +1967,10 @@ class LayerGrads:
     n = self.num_samples * self._tape.batch
     total = jnp.zeros((n, n), jnp.float32)
     for _, s, role in self._leaf_items():
-      total = total + self._gram(views(s), role, chunk_size)
+      total = total + _gram_stat(views(s), role, chunk_size)
     for val in self._special(structure, chunk_size).values():
+      total = total + val
+    for val in self._fused().values():
       total = total + val
     return total
 
@@ -2030,30 +2157,6 @@ class LayerGrads:
     )
     return sums, same, rows
 
-  def _gram(self, site_view, role, chunk_size):
-    site, act, delta, _ = site_view
-    num_s, b, t, d_out = delta.shape
-    rows = delta.reshape(num_s * b, t, d_out)
-    if role == "bias":
-      g = jnp.sum(rows, axis=1)
-      return g @ g.T
-    if site.kind == "embed":
-      if (num_s * b * t) ** 2 > _BLOCK_ELEMENTS:
-        return _gram_by_input_blocks(act, delta, chunk_size, site.num_rows)
-      ka = (act[:, None, :, None] == act[None, :, None, :]).astype(
-        delta.dtype
-      )  # (B, B, T, T)
-    else:
-      d_in, n = act.shape[-1], num_s * b
-      ghost = n * n * t * t
-      if t > 1 and (d_in * d_out < n * t * t or ghost > _BLOCK_ELEMENTS):
-        return _gram_by_input_blocks(act, delta, chunk_size)
-      ka = jnp.einsum("ntd,mud->nmtu", act, act)
-    kd = jnp.einsum("itd,jud->ijtu", rows, rows).reshape(
-      num_s, b, num_s, b, t, t
-    )
-    return jnp.einsum("nmtu,snrmtu->snrm", ka, kd).reshape(num_s * b, num_s * b)
-
   def combine(self, weights: Array) -> PyTree:
     """Weighted sums of pseudo-gradients, ``sum_i weights[:, i] g_i``.
 
@@ -2064,11 +2167,18 @@ class LayerGrads:
       A params-shaped tree, each covered leaf with a leading ``k`` axis,
       ``None`` elsewhere.
     """
-    if self._tape._fusion is not None:
+    fusion = self._tape._fusion
+    if fusion is not None and fusion.statistic != "combine":
       raise ValueError(
         "combine needs every layer's activations and cotangents; this tape "
         "forms its scanned layers' statistic in the backward pass (record "
-        "with statistic=None)."
+        "with statistic=None, or with statistic='combine' and the weights)."
+      )
+    if fusion is not None and weights is not fusion.weights:
+      raise ValueError(
+        "this tape formed its scanned layers' weighted sums in the backward "
+        "pass with the weights it was recorded with "
+        "(record(statistic='combine', weights=...)); pass the same array."
       )
     num_s, b = self.num_samples, self._tape.batch
     weights = jnp.asarray(weights)
@@ -2079,28 +2189,10 @@ class LayerGrads:
       )
     out = {}
     for leaf, s, role in self._leaf_items():
-      site, act, delta, _ = self._view(s)
-      w = numerics.widen(weights).astype(
-        jnp.promote_types(weights.dtype, delta.dtype)
-      )
-      w = w.reshape(-1, num_s, b)
-      shape = self._tape._leaves[leaf].shape
-      k = w.shape[0]
-      if role == "bias":
-        val = jnp.einsum("ksn,sntd->kd", w, delta)
-      elif site.kind == "embed":
-        assert act is not None  # the ids
-        wd = jnp.einsum("ksn,sntd->kntd", w, delta)
-        val = (
-          jnp.zeros((k,) + shape, wd.dtype)
-          .at[:, act.reshape(-1)]
-          .add(wd.reshape(k, -1, shape[-1]))
-        )
-      else:
-        val = _combine_dense(w, act, delta)
-        val = _kernel_to_shape(site, val, shape)
-      out[leaf] = val.reshape((k,) + shape)
+      shape = tuple(np.shape(self._tape._leaves[leaf]))
+      out[leaf] = _combine_stat(self._view(s), role, weights, shape)
     out.update(self._special_combine(weights))
+    out.update(self._fused())
     return self._unflatten(out)
 
   # -- sites inside scans, and leaves with several uses ----------------------
@@ -2240,7 +2332,7 @@ class LayerGrads:
         out[leaf] = val.reshape(np.shape(self._tape._leaves[leaf]))
       else:
         val = lax.map(
-          lambda a: self._gram((site, *a), role, chunk_size), tuple(arrays)
+          lambda a: _gram_stat((site, *a), role, chunk_size), tuple(arrays)
         )
         out[leaf] = jnp.sum(val, axis=0)
     return out
@@ -2333,8 +2425,10 @@ class LayerGrads:
 
   def _special_combine(self, weights: Array) -> dict:
     """``combine`` of the ``_special`` leaves from chunked gradients."""
-    out = {}
+    out, fusion = {}, self._tape._fusion
     for leaf in self._tape._plan.special:
+      if fusion is not None and leaf in fusion.leaves:
+        continue
       views = self._special_views(leaf)
       _, count, grads = self._chunks(views, leaf, None)
       dtype = jnp.result_type(*(v[0][2].dtype for v in views))
