@@ -2160,6 +2160,10 @@ class LayerGrads:
   def combine(self, weights: Array) -> PyTree:
     """Weighted sums of pseudo-gradients, ``sum_i weights[:, i] g_i``.
 
+    On a tape recorded with ``statistic="combine"``, the scanned layers'
+    sums were formed in the backward pass with the recorded weights:
+    ``weights`` must be that same array.
+
     Args:
       weights: ``(k, S * B)``, columns ordered ``i = s * B + n``.
 
