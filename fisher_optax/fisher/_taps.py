@@ -1207,24 +1207,20 @@ def record(
     delta = jax.ShapeDtypeStruct(out.shape, out.dtype)
     if weights is None:
       stat_avals[s] = jax.eval_shape(stat_fn, a, delta)
-    else:  # the tap carries the weights in and their sums out
-      w = numerics.widen(weights)
-      tap = {leaf: (w, None) for leaf in users}
-      sums = jax.eval_shape(stat_fn, a, delta, tap)
-      stat_avals[s] = {leaf: (w, sums[leaf][1]) for leaf in users}
+    else:  # {leaf: (weights, sums)}: the weights' cotangent is zero
+      tap = {leaf: (numerics.widen(weights), None) for leaf in users}
+      stat_avals[s] = jax.eval_shape(stat_fn, a, delta, tap)
     fused[s] = _fused_tap(stat_fn, reads_tap=weights is not None)
   taps = []
   for s in range(len(plan.sites)):
     lead, aval = out_shapes[s]
     if s in fused:
       t = jax.tree.map(
-        lambda x, lead=lead: (
-          jnp.broadcast_to(x, lead + x.shape)
-          if isinstance(x, jax.Array)
-          else jnp.zeros(lead + x.shape, x.dtype)
-        ),
-        stat_avals[s],
+        lambda x, lead=lead: jnp.zeros(lead + x.shape, x.dtype), stat_avals[s]
       )
+      if weights is not None:  # the weights ride in on the tap
+        w = jnp.broadcast_to(numerics.widen(weights), lead + weights.shape)
+        t = {leaf: (w, sums) for leaf, (_, sums) in t.items()}
     else:
       t = jnp.zeros(lead + aval.shape, aval.dtype)
     # Under shard_map a tap must vary like its layer output: an invariant tap
