@@ -702,6 +702,27 @@ class ConvZooTest(parameterized.TestCase):
         with self.subTest(key):
           _assert_tree_close(out["auto", key], out["per_example", key], 1e-10)
 
+  @parameterized.parameters("linen_cnn", "nnx_cnn")
+  def test_input_cotangent_convolutions_keep_the_fast_layout(self, name):
+    """XLA:CPU gives convolutions its fast kernel layout in the entry
+    computation only; the tape stores kernels so that the input-cotangent
+    convolutions inside the one-class-per-pass loop of the exact kind
+    already have it (no kernel ``(spatial..., o, i)``)."""
+    if jax.default_backend() != "cpu":
+      self.skipTest("a layout of XLA:CPU's")
+    apply_fn, params, x = _conv_model(name, jnp.float32)
+    y = jnp.arange(B) % CLASSES
+    diag = jax.jit(
+      lambda p: fisher.diagonal(
+        apply_fn, p, (x, y), likelihood=fisher.Categorical(), kind="exact"
+      )
+    )
+    hlo = diag.lower(params).compile().as_text()
+    convs = [line for line in hlo.splitlines() if " convolution(" in line]
+    self.assertNotEmpty(convs)
+    slow = [c for c in convs if re.search(r"dim_labels=\w+_\d+oi->", c)]
+    self.assertEqual(slow, [])
+
 
 class FallbackWarningTest(absltest.TestCase):
   def test_warns_once_naming_the_leaves(self):

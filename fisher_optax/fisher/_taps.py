@@ -814,6 +814,32 @@ def _bind(eqn, invals):
   return out if eqn.primitive.multiple_results else [out]
 
 
+def _bind_conv(eqn, invals):
+  """A convolution outside loops, its kernel stored with the feature axes
+  exchanged (on XLA:CPU; elsewhere as it is).
+
+  XLA:CPU rewrites convolutions into the layout of its fast kernels in the
+  entry computation only. The input-cotangent convolution autodiff makes
+  (kernel reversed, feature axes exchanged) runs inside the loops that
+  pull samples back one per pass, and there, in the layout JAX gives it,
+  it fell back to a generic emitter 3.5x slower: half of a CNN's exact
+  diagonal. With the kernel stored transposed (behind a barrier, so XLA
+  cannot fold the transpose into the convolution again) that convolution
+  has the fast layout; the forward one is rewritten as usual.
+  """
+  if jax.default_backend() != "cpu":
+    return _bind(eqn, invals)
+  x, k = invals
+  dn = eqn.params["dimension_numbers"]
+  out_dim, in_dim = dn.rhs_spec[:2]
+  perm = list(range(np.ndim(k)))
+  perm[out_dim], perm[in_dim] = in_dim, out_dim
+  k = lax.optimization_barrier(jnp.transpose(k, perm))
+  spec = (in_dim, out_dim) + tuple(dn.rhs_spec[2:])
+  params = dict(eqn.params, dimension_numbers=dn._replace(rhs_spec=spec))
+  return _bind(eqn.replace(params=params), [x, k])
+
+
 # Remat primitives: their bodies are re-run under ``jax.checkpoint`` with
 # the same policy, so a tapped body is still recomputed in the backward pass.
 _REMATS = ("checkpoint", "remat", "remat2")
@@ -828,12 +854,14 @@ def _eval(
   taps,
   acts: dict,
   fused: dict | None = None,
+  top: bool = True,
 ) -> list:
   """Evaluates ``jaxpr`` with a tap added to every site's output.
 
   A site in ``fused`` (site -> ``_fused_tap`` function) returns its output
   through that function, whose cotangent for the tap is the statistic;
-  the others record their activation in ``acts``.
+  the others record their activation in ``acts``. ``top``: outside loops
+  and ``remat`` bodies (see :func:`_bind_conv`).
   """
   fused = fused or {}
   env: dict = {}
@@ -849,11 +877,12 @@ def _eval(
     here = path + (i,)
     invals = [read(v) for v in eqn.invars]
     if here in plan.inline:
-      outs = _eval_call(eqn, invals, here, plan, taps, acts, fused)
+      outs = _eval_call(eqn, invals, here, plan, taps, acts, fused, top)
     elif here in plan.loops:
       outs = _eval_loop(eqn, invals, here, plan, taps, acts, fused)
     else:
-      outs = _bind(eqn, invals)
+      conv = top and eqn.primitive is lax.conv_general_dilated_p
+      outs = (_bind_conv if conv else _bind)(eqn, invals)
       site = plan.site_at.get(here)
       if site is not None and site in fused:
         act = invals[plan.sites[site].act_index]
@@ -869,16 +898,22 @@ def _eval(
   return [read(v) for v in jaxpr.outvars]
 
 
-def _eval_call(eqn, invals, here, plan: _Plan, taps, acts: dict, fused):
+def _eval_call(
+  eqn, invals, here, plan: _Plan, taps, acts: dict, fused, top: bool
+):
   """Inlines a call holding sites; a remat body stays under ``checkpoint``
   (its recorded activations are its extra outputs)."""
   inner, inner_consts = _call_body(eqn)
   if eqn.primitive.name not in _REMATS:
-    return _eval(inner, inner_consts, invals, here, plan, taps, acts, fused)
+    return _eval(
+      inner, inner_consts, invals, here, plan, taps, acts, fused, top
+    )
 
   def body(args, taps):
     inner_acts: dict = {}
-    outs = _eval(inner, inner_consts, args, here, plan, taps, inner_acts, fused)
+    outs = _eval(
+      inner, inner_consts, args, here, plan, taps, inner_acts, fused, False
+    )
     return outs, inner_acts
 
   remat = jax.checkpoint(
@@ -917,6 +952,7 @@ def _eval_loop(
       dict(zip(inner, inner_taps)),
       inner_acts,
       fused,
+      False,
     )
     ys = (outs[num_carry:], tuple(inner_acts[s] for s in recorded))
     return outs[:num_carry], ys
