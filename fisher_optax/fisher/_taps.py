@@ -1702,7 +1702,12 @@ def _site_view(site: _Site, act: Any, delta: Array, b: int):
     return site, _dense_act(site, act, b), delta, None
   if site.kind in ("scale", "shift"):
     if site.kind == "scale":  # d(x * p)/dp = x, broadcast like the output
-      delta = delta * jnp.broadcast_to(numerics.widen(act), delta.shape[1:])
+      x = jnp.broadcast_to(numerics.widen(act), delta.shape[1:])
+      # One sample without a broadcast over S: XLA:CPU turns a product with
+      # a broadcast operand, reduced over positions, into a fused reduction
+      # about 6x slower (a LayerNorm scale at B=32, T=32, d=128: 0.71 ms
+      # against 0.11 ms).
+      delta = (delta[0] * x)[None] if delta.shape[0] == 1 else delta * x
     axes = range(1, delta.ndim - 1)
     summed = [1 + i for i in axes if site.compact[i] == 1]
     kept = [1 + i for i in axes if site.compact[i] != 1]
