@@ -314,6 +314,11 @@ class _Plan:
       return []
     return self.special.get(leaf, [(r[0], r[1], ())])
 
+  def layer_axes(self, leaf: int) -> int:
+    """The leading layer axes of a leaf with one use: one per scan around
+    it (all slicing it for a leaf whose statistic is fused)."""
+    return len(self.uses(leaf)[0][2])
+
 
 def _sub_jaxpr(eqn) -> tuple[Any, Sequence[Any]] | None:
   """Returns (open jaxpr, consts) of a call-like equation, else None."""
@@ -827,7 +832,7 @@ def _bind_conv(eqn, invals):
   cannot fold the transpose into the convolution again) that convolution
   has the fast layout; the forward one is rewritten as usual.
   """
-  if jax.default_backend() != "cpu":
+  if not _xla_cpu():
     return _bind(eqn, invals)
   x, k = invals
   dn = eqn.params["dimension_numbers"]
@@ -1609,6 +1614,12 @@ def _combine_stat(site_view, role: str, weights: Array, shape: tuple) -> Array:
   return val.reshape((k,) + shape)
 
 
+def _xla_cpu() -> bool:
+  """Whether the computation compiles for XLA:CPU, whose slow paths some
+  statistics avoid (:func:`_loop_over_examples`, :func:`_bind_conv`)."""
+  return jax.default_backend() == "cpu"
+
+
 def _loop_over_examples() -> bool:
   """Whether per-example kernel products run as a loop of 2-D matmuls.
 
@@ -1618,7 +1629,7 @@ def _loop_over_examples() -> bool:
   more than one example's gradient; accelerators keep the batched
   product.
   """
-  return jax.default_backend() == "cpu"
+  return _xla_cpu()
 
 
 def _sum_sq_example_grads(a: Array, d: Array) -> Array:
@@ -1895,8 +1906,9 @@ class LayerGrads:
       elif fusion.statistic == "gram":  # (S = 1, *L, B, B): sum the layers
         out[leaf] = jnp.sum(val, axis=tuple(range(val.ndim - 2)))
       elif fusion.statistic == "combine":  # (S = 1, *L, k, *shape)
-        sliced = len(self._tape._plan.uses(leaf)[0][2])
-        out[leaf] = jnp.moveaxis(val[1][0], sliced, 0)
+        out[leaf] = jnp.moveaxis(
+          val[1][0], self._tape._plan.layer_axes(leaf), 0
+        )
       else:
         out[leaf] = (val[0][0], jnp.sum(val[1], axis=0))
     return out
@@ -1929,8 +1941,7 @@ class LayerGrads:
         if fusion.statistic != "kron":
           continue
         g = self._deltas[r[0]][leaf]  # (S, *L, B, *per)
-        sliced = len(plan.uses(leaf)[0][2])
-        g = jnp.moveaxis(g, 1 + sliced, 1)  # (S, B, *L, *per)
+        g = jnp.moveaxis(g, 1 + plan.layer_axes(leaf), 1)  # (S, B, *L, *per)
       elif leaf in plan.special:
         rows = jnp.arange(num_s * b)
         g = sum(
