@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import functools
+from unittest import mock
 
 from absl.testing import absltest
 from absl.testing import parameterized
@@ -13,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fisher_optax import fisher
+from fisher_optax.fisher import _taps
 from tests import fisher_testing as ft
 
 LIKELIHOODS = {
@@ -641,6 +643,39 @@ class KroneckerTest(parameterized.TestCase):
           estimator="kfac",
         )
 
+  def test_example_chunks_keep_every_factor(self):
+    # K-FAC leaves (dense), an elementwise gain (Shampoo factors from the
+    # layer path) and a squared scale (from the per-example path), the
+    # examples in chunks of 3 with a remainder vs one forward pass.
+    def apply_fn(params, x):
+      h = jnp.tanh(x @ params["dense_0"]["kernel"] + params["dense_0"]["bias"])
+      h = h * params["gain"] * params["scale"] ** 2
+      return h @ params["dense_1"]["kernel"] + params["dense_1"]["bias"]
+
+    with jax.enable_x64(True):
+      _, params, x, y = _setup("categorical")
+      params = dict(
+        params,
+        gain=jnp.linspace(0.8, 1.2, 5),
+        scale=jnp.linspace(0.5, 1.5, 5),
+      )
+      kw = dict(likelihood=fisher.Categorical(), kind="exact")
+      out = _est_many(
+        apply_fn,
+        params,
+        (x, y),
+        {
+          c: (fisher.kronecker, dict(kw, chunk_size=c))
+          for c in (3, N)  # chunk_size >= B: one pass of all examples
+        },
+      )
+      self.assertEqual(out[3].estimator, "mixed")
+      for field in ("left", "right", "mean_grad"):
+        chex.assert_trees_all_close(
+          getattr(out[3], field), getattr(out[N], field), rtol=1e-10
+        )
+      self.assertEqual(int(out[3].count), N)
+
 
 class OperationsTest(parameterized.TestCase):
   """matvec / quadratic_form / solve against the dense matrix they stand for."""
@@ -930,6 +965,81 @@ class PerExampleGradsTest(absltest.TestCase):
         chex.assert_trees_all_close(
           chunked[chunk], full, rtol=1e-12, atol=1e-15
         )
+
+
+class ExampleChunksTest(absltest.TestCase):
+  """Several samples per example: the examples in chunks, one forward each."""
+
+  @staticmethod
+  def _shared_mlp():
+    # Weight-shared over 4 positions, so the layer path records its layers.
+    sizes = (8, 256, 256, 256, 10)
+    params = ft.mlp_params(jax.random.key(0), sizes)
+
+    def apply_fn(p, x):
+      h = x.reshape(x.shape[0], 4, 8)
+      for i in range(len(sizes) - 1):
+        h = h @ p[f"dense_{i}"]["kernel"] + p[f"dense_{i}"]["bias"]
+        h = jnp.tanh(h) if i < len(sizes) - 2 else h
+      return h.mean(1)
+
+    x = ft.normal(jax.random.key(1), (256, 32))
+    return apply_fn, params, x, jnp.arange(256) % 10
+
+  def test_default_chunks_bound_the_memory_and_keep_the_values(self):
+    apply_fn, params, x, y = self._shared_mlp()
+    held, _ = _taps.held_elements(apply_fn, params, x, statistic="diag")
+
+    def compiled(chunk_size):
+      fn = jax.jit(
+        lambda p: fisher.diagonal(
+          apply_fn,
+          p,
+          (x, y),
+          likelihood=fisher.Categorical(),
+          kind="exact",
+          chunk_size=chunk_size,
+        )
+      )
+      return fn, fn.lower(params).compile().memory_analysis()
+
+    one_pass, one_mem = compiled(len(x))  # chunk_size >= B: no chunks
+    with mock.patch.object(_taps, "PASS_ELEMENTS", held // 4):
+      chunked, mem = compiled(None)  # four chunks of 64 by default
+      got = chunked(params)
+    if mem is None:
+      self.skipTest("no memory analysis on this backend")
+    want = one_pass(params)
+    chex.assert_trees_all_close(got.diag, want.diag, rtol=1e-5, atol=1e-9)
+    chex.assert_trees_all_close(
+      got.mean_grad, want.mean_grad, rtol=1e-5, atol=1e-8
+    )
+    self.assertEqual(int(got.count), len(x))
+    self.assertLess(mem.temp_size_in_bytes, 0.4 * one_mem.temp_size_in_bytes)
+
+  def test_mc_folds_the_key_with_each_chunk(self):
+    apply_fn, params, x, y = _setup("categorical")
+    kw = dict(likelihood=fisher.Categorical(), kind="mc", num_samples=2)
+    key = jax.random.key(5)
+    got = _est(
+      fisher.diagonal, apply_fn, params, (x, y), key=key, chunk_size=3, **kw
+    )
+    parts = [
+      _est(
+        fisher.diagonal,
+        apply_fn,
+        params,
+        (x[i : i + 3], y[i : i + 3]),
+        key=jax.random.fold_in(key, i),
+        **kw,
+      )
+      for i in range(0, N, 3)
+    ]
+    want = jax.tree.map(
+      lambda *d: sum(di * p.count for di, p in zip(d, parts)) / N,
+      *[p.diag for p in parts],
+    )
+    chex.assert_trees_all_close(got.diag, want, rtol=1e-5, atol=1e-9)
 
 
 class LowRankMemoryTest(absltest.TestCase):

@@ -162,6 +162,7 @@ def _forward(
   layers: bool = False,
   statistic: str | None = None,
   weight_sharing: str = "expand",
+  normalise: bool = True,
 ) -> _Pass:
   """Validates the arguments and runs the shared forward/backward pass.
 
@@ -172,6 +173,10 @@ def _forward(
   statistic needs them (``LayerTape.backward``). A ``statistic``
   (``"diag"``, ``"kron"``) is formed inside those passes for the leaves
   stacked along scans (:func:`_taps.record`).
+
+  ``normalise=False`` (a chunk of the examples): ``mean_grad`` holds this
+  device's gradient sums and ``count`` its examples, to be all-reduced and
+  divided by the caller.
   """
   likelihood, inputs, targets, size = _check_arguments(params, batch, opts)
   kind, key, axis_name = opts.kind, opts.key, opts.axis_name
@@ -205,7 +210,9 @@ def _forward(
   cot = _likelihoods.output_cotangents(
     likelihood, kind, out, targets, key=key, num_samples=opts.num_samples
   )
-  count = _psum(jnp.asarray(size, jnp.int32), axis_name)
+  count = jnp.asarray(size, jnp.int32)
+  if normalise:
+    count = _psum(count, axis_name)
   mean_grad, layer_grads = None, None
   if targets is not None:
     if kind in ("empirical", "batch_squared"):
@@ -215,9 +222,12 @@ def _forward(
         likelihood, "empirical", out, targets
       )[0]
     sums, layer_grads = pull(r_emp)
-    mean_grad = jax.tree.map(
-      lambda s: s / count, _psum(numerics.widen(sums), axis_name)
-    )
+    if normalise:
+      mean_grad = jax.tree.map(
+        lambda s: s / count, _psum(numerics.widen(sums), axis_name)
+      )
+    else:
+      mean_grad = numerics.widen(sums)
   if tape is not None and (kind != "empirical" or layer_grads is None):
     layer_grads = tape.backward(cot)
   return _Pass(
@@ -338,6 +348,86 @@ def _merge(
   )
 
 
+# -- examples in chunks (several samples per example) -------------------------
+
+
+def _examples_per_pass(
+  apply_fn: ApplyFn, params: PyTree, batch: Any, opts: _Options, statistic
+) -> int | None:
+  """Examples per forward pass on the layer path; ``None``: all of them.
+
+  With several samples per example (``exact``, ``mc`` with
+  ``num_samples > 1``) the layer path pulls the samples back one pass at a
+  time, and a loop of passes keeps every forward residual alive next to one
+  pass's cotangents: about twice a batch gradient's memory, growing with
+  ``B``. So the examples go in chunks, each with its own forward pass:
+  ``chunk_size`` of them when that is fewer than ``B``, and by default as
+  few chunks as keep the recorded layers' activations and cotangents
+  (:func:`_taps.held_elements`) within ``_taps.PASS_ELEMENTS``.
+  """
+  if not _use_taps(opts.method) or not (
+    opts.kind == "exact" or (opts.kind == "mc" and opts.num_samples > 1)
+  ):
+    return None
+  _, inputs, _, size = _check_arguments(params, batch, opts)
+  if opts.chunk_size is not None:
+    return opts.chunk_size if opts.chunk_size < size else None
+  held, _ = _taps.held_elements(apply_fn, params, inputs, statistic=statistic)
+  chunks = -(-held // _taps.PASS_ELEMENTS)
+  return -(-size // chunks) if chunks > 1 else None
+
+
+def _chunk_sums(
+  apply_fn: ApplyFn,
+  params: PyTree,
+  batch: Any,
+  opts: _Options,
+  per: int,
+  sums_fn: Callable[[_Pass], PyTree],
+  **forward_kwargs: Any,
+) -> tuple[PyTree, PyTree, Any]:
+  """``(sum of sums_fn, gradient sums, count)`` over chunks of ``per``
+  examples, each chunk its own forward pass (:func:`_forward` on the layer
+  path, not normalised), summed in a scan; all-reduced over ``axis_name``.
+  MC keys are folded with each chunk's first example index."""
+  _, inputs, targets, size = _check_arguments(params, batch, opts)
+
+  def one(chunk):
+    examples, first = chunk
+    key = opts.key
+    if key is not None:
+      key = jax.random.fold_in(key, first[0])
+    ps = _forward(
+      apply_fn,
+      params,
+      examples,
+      opts._replace(key=key),
+      layers=True,
+      normalise=False,
+      **forward_kwargs,
+    )
+    return sums_fn(ps), ps.mean_grad
+
+  xs = ((inputs, targets), jnp.arange(size))
+  q, rem = divmod(size, per)
+  main = jax.tree.map(lambda a: a[: q * per].reshape(q, per, *a.shape[1:]), xs)
+  shapes = jax.eval_shape(one, jax.tree.map(lambda a: a[0], main))
+  init = jax.tree.map(
+    lambda a: _taps._zeros_varying(a.shape, a.dtype, a), shapes
+  )
+
+  def body(carry, chunk):
+    return jax.tree.map(jnp.add, carry, one(chunk)), None
+
+  total = jax.lax.scan(body, init, main)[0]
+  if rem:
+    tail = one(jax.tree.map(lambda a: a[q * per :], xs))
+    total = jax.tree.map(jnp.add, total, tail)
+  sums, grad_sums = _psum(total, opts.axis_name)
+  count = _psum(jnp.asarray(size, jnp.int32), opts.axis_name)
+  return sums, grad_sums, count
+
+
 # -- structure: diagonal -------------------------------------------------------
 
 
@@ -403,10 +493,17 @@ def diagonal(
       ``None``: all at once with ``method="per_example"``, and for the
       leaves ``"auto"`` sends there, chunks of about ``2**24`` gradient
       elements). On the layer path, with several samples per example
-      (``exact``, ``mc`` with ``num_samples > 1``), the backward passes of
-      the samples take ``max(1, chunk_size // B)`` at a time; by default
-      one, so the memory stays near one batch gradient's whatever ``B`` and
-      ``S``.
+      (``exact``, ``mc`` with ``num_samples > 1``), the rows (sample,
+      example) one backward pass takes: ``max(1, chunk_size // B)``
+      samples of all examples at a time, or, when ``chunk_size < B``, one
+      sample of ``chunk_size`` examples, the examples then running in
+      chunks with a forward pass each. By default one sample per pass, and
+      the examples in chunks once the recorded layers' activations and
+      cotangents would pass ``2**25`` elements; so the memory does not
+      grow with ``S``, nor with ``B`` beyond that budget (a loop of passes
+      keeps the forward residuals of all its examples). ``chunk_size = S *
+      B`` runs all samples in one pass. With ``mc``, the samples of a chunk
+      are drawn with ``key`` folded with the chunk's first example index.
     axis_name: a ``shard_map``/``pmap`` axis the batch is split over; sums
       are all-reduced before normalising.
 
@@ -433,6 +530,19 @@ def diagonal(
   opts = _Options(
     likelihood, kind, num_samples, key, method, chunk_size, axis_name
   )
+  per = _examples_per_pass(apply_fn, params, batch, opts, "diag")
+  if per is not None:
+
+    def sums_fn(ps: _Pass) -> PyTree:
+      _check_covered(ps.covered, method)
+      _warn_fallback(ps, method)
+      return _diag_sums_taps(ps)
+
+    sums, grad_sums, count = _chunk_sums(
+      apply_fn, params, batch, opts, per, sums_fn, statistic="diag"
+    )
+    mean = lambda t: None if t is None else jax.tree.map(lambda x: x / count, t)
+    return _statistics.DiagonalFisher(mean(sums), mean(grad_sums), count, kind)
   ps = _forward(
     apply_fn, params, batch, opts, layers=_use_taps(method), statistic="diag"
   )
@@ -564,7 +674,9 @@ def low_rank(
   sample per example (``kind="empirical"``, or ``"mc"`` with one sample),
   and ``V`` inside a second forward and backward pass: memory stays near
   the batch gradient's (``remat`` is kept) for about one more gradient's
-  time. Other kinds record the stacked layers' activations.
+  time. Other kinds record the stacked layers' activations. The Gram
+  matrix pairs every two examples, so the examples never run in chunks
+  with a forward pass each (as :func:`diagonal`'s may).
 
   ``apply_fn``, ``params``, ``batch``, ``likelihood``, ``kind``,
   ``num_samples``, ``key``, ``method``, ``chunk_size`` and ``axis_name`` are
@@ -842,18 +954,28 @@ def _safe_div(num: jax.Array, den: jax.Array) -> jax.Array:
   return jnp.where(den > 0, num / jnp.where(den > 0, den, 1.0), 0.0)
 
 
+def _shampoo_sums(ps: _Pass, grads: PyTree | None) -> PyTree:
+  """Per leaf ``(sum G G^T, sum G^T G)``, all-reduced over ``ps.axis_name``
+  (none when it is ``None``)."""
+  dummy = jax.tree.map(lambda p: jnp.zeros(()), ps.params)
+  return _kron_pass(ps, _sum_ggt_gtg, dummy, grads)
+
+
+def _shampoo_finish(sums: tuple[Any, Any], count: Any) -> tuple[Any, Any]:
+  """One Shampoo step from a leaf's sums: ``E[G G^T]`` and ``E[G^T G] /
+  tr(E[G G^T])``."""
+  return sums[0] / count, _safe_div(sums[1] / count, jnp.trace(sums[0]) / count)
+
+
 def _shampoo_step(ps: _Pass, grads: PyTree | None) -> tuple[PyTree, PyTree]:
   """One Shampoo step: ``E[G G^T]`` and ``E[G^T G] / tr(E[G G^T])``."""
-  count = ps.count
-  dummy = jax.tree.map(lambda p: jnp.zeros(()), ps.params)
-  sums = _kron_pass(ps, _sum_ggt_gtg, dummy, grads)
+  sums = _shampoo_sums(ps, grads)
   # Mapped over params: a leaf's sums are a pair (params may hold tuples).
-  left = jax.tree.map(lambda _, s: s[0] / count, ps.params, sums)
-  right = jax.tree.map(
-    lambda _, s: _safe_div(s[1] / count, jnp.trace(s[0]) / count),
-    ps.params,
-    sums,
+  factors = jax.tree.map(
+    lambda _, s: _shampoo_finish(s, ps.count), ps.params, sums
   )
+  left = jax.tree.map(lambda _, f: f[0], ps.params, factors)
+  right = jax.tree.map(lambda _, f: f[1], ps.params, factors)
   return left, right
 
 
@@ -894,6 +1016,53 @@ def _shampoo_factors(
   return jax.lax.fori_loop(0, num_iters, one_round, (left, right))
 
 
+def _kfac_sums(ps: _Pass, weight_sharing: str) -> tuple[list, list[bool]]:
+  """This device's sums behind one-step factors (``num_iters = 0``), in
+  leaf order: K-FAC's ``(sum a a^T, sum delta delta^T)`` for the leaves
+  with K-FAC factors, Shampoo's ``(sum G G^T, sum G^T G)`` for the others
+  (per-example gradients of elementwise leaves from the layer path, the
+  rest's from the per-example path); and which leaves are K-FAC's. Sums
+  over examples, so chunks of examples add up (:func:`_chunk_sums`)."""
+  leaves, treedef = jax.tree.flatten(ps.params)
+  kron, example_grads = ps.layers.kron_and_example_grads(
+    chunk_size=ps.chunk_size, weight_sharing=weight_sharing
+  )
+  sums = [
+    (numerics.widen(s[0]), numerics.widen(s[1])) if k else None
+    for k, s in zip(
+      treedef.flatten_up_to(ps.covered), treedef.flatten_up_to(kron)
+    )
+  ]
+  kfac = [s is not None for s in sums]
+  grads = treedef.flatten_up_to(example_grads)
+  local = ps._replace(axis_name=None)
+  cheap = [
+    i for i, (k, g) in enumerate(zip(kfac, grads)) if not k and g is not None
+  ]
+  if cheap:
+    sub = local._replace(params=[leaves[i] for i in cheap])
+    part = _shampoo_sums(sub, [grads[i] for i in cheap])
+    for i, si in zip(cheap, part):
+      sums[i] = si
+  done = [s is not None for s in sums]
+  sub = _uncovered(local._replace(covered=jax.tree.unflatten(treedef, done)))
+  if sub is not None:
+    rest = [i for i, d in enumerate(done) if not d]
+    for i, si in zip(rest, _shampoo_sums(sub, None)):
+      sums[i] = si
+  return sums, kfac
+
+
+def _kfac_finish(sums: list, kfac: list[bool], count: Any) -> tuple[list, list]:
+  """Leaf-ordered ``(left, right)`` factors from :func:`_kfac_sums`'s
+  all-reduced sums."""
+  factors = [
+    (s[0] / count, s[1] / count) if k else _shampoo_finish(s, count)
+    for s, k in zip(sums, kfac)
+  ]
+  return [f[0] for f in factors], [f[1] for f in factors]
+
+
 def _kfac_factors(
   ps: _Pass, num_iters: int, weight_sharing: str = "expand"
 ) -> tuple[PyTree, PyTree, bool]:
@@ -906,6 +1075,11 @@ def _kfac_factors(
   leaf has no K-FAC factors.
   """
   leaves, treedef = jax.tree.flatten(ps.params)
+  unflat = lambda xs: jax.tree.unflatten(treedef, xs)
+  if num_iters == 0:
+    sums, kfac = _kfac_sums(ps, weight_sharing)
+    left, right = _kfac_finish(_psum(sums, ps.axis_name), kfac, ps.count)
+    return unflat(left), unflat(right), not all(kfac)
   # One set of backward passes for both (a few samples per pass).
   kron, example_grads = ps.layers.kron_and_example_grads(
     chunk_size=ps.chunk_size, weight_sharing=weight_sharing
@@ -932,7 +1106,6 @@ def _kfac_factors(
   if sub is not None:
     rest = [i for i, d in enumerate(done) if not d]
     fill(rest, _shampoo_factors(sub, num_iters))
-  unflat = lambda xs: jax.tree.unflatten(treedef, xs)
   return unflat(left), unflat(right), not all(kfac)
 
 
@@ -999,8 +1172,10 @@ def kronecker(
       backward passes take ``max(1, chunk_size // B)`` at a time, one by
       default, so the memory does not grow with ``S``; ``chunk_size = S *
       B`` runs them as one pass (faster on some models, see the
-      benchmarks). The ``A`` factors are formed once, except those of
-      layers stacked by a scan, which every pass forms again.
+      benchmarks). Examples run in chunks as for :func:`diagonal` (not
+      with ``num_iters > 0``, whose rounds need every example's gradient).
+      The ``A`` factors are formed once per chunk, except those of layers
+      stacked by a scan, which every pass forms again.
     estimator: ``"auto" | "kfac" | "shampoo"``.
     num_iters: nearest-Kronecker rounds for ``shampoo`` (static int ``>= 0``).
     weight_sharing: ``"expand" | "reduce"``, the K-FAC convention for
@@ -1044,6 +1219,43 @@ def kronecker(
   use_taps = estimator != "shampoo" and _use_taps(
     "taps" if estimator == "kfac" else method
   )
+  per = None
+  if use_taps and num_iters == 0:  # power iterations need all examples
+    per = _examples_per_pass(apply_fn, params, batch, opts, "kron")
+  if per is not None:
+    flags: list[list[bool]] = []
+
+    def sums_fn(ps: _Pass) -> list:
+      ps = ps._replace(covered=ps.layers.tape.covered_for("kron"))
+      _check_covered(ps.covered, "taps" if estimator == "kfac" else method)
+      _warn_fallback(ps, method, "kron")
+      sums, kfac = _kfac_sums(ps, weight_sharing)
+      flags.append(kfac)
+      return sums
+
+    sums, grad_sums, count = _chunk_sums(
+      apply_fn,
+      params,
+      batch,
+      opts,
+      per,
+      sums_fn,
+      statistic="kron",
+      weight_sharing=weight_sharing,
+    )
+    treedef = jax.tree.structure(params)
+    left, right = _kfac_finish(sums, flags[0], count)
+    mean_grad = None
+    if grad_sums is not None:
+      mean_grad = jax.tree.map(lambda g: g / count, grad_sums)
+    return _statistics.KroneckerFisher(
+      jax.tree.unflatten(treedef, left),
+      jax.tree.unflatten(treedef, right),
+      mean_grad,
+      count,
+      kind,
+      "mixed" if not all(flags[0]) else "kfac",
+    )
   ps = _forward(
     apply_fn,
     params,

@@ -54,8 +54,16 @@ ESTIMATORS = {
     fisher.diagonal, kind="exact", method="per_example", chunk_size=1
   ),
   "diag_exact_taps": functools.partial(fisher.diagonal, kind="exact"),
+  # One example per forward pass: a scan over each device's examples whose
+  # carry must vary over the mesh axis.
+  "diag_exact_taps_example_chunks": functools.partial(
+    fisher.diagonal, kind="exact", chunk_size=1
+  ),
   "low_rank": functools.partial(fisher.low_rank, kind="exact", rank=3),
   "kron_kfac": functools.partial(fisher.kronecker, kind="exact"),
+  "kron_kfac_example_chunks": functools.partial(
+    fisher.kronecker, kind="exact", chunk_size=1
+  ),
   "kron_shampoo": functools.partial(
     fisher.kronecker, kind="empirical", estimator="shampoo", num_iters=2
   ),
