@@ -408,21 +408,9 @@ def _chunk_sums(
     )
     return sums_fn(ps), ps.mean_grad
 
-  xs = ((inputs, targets), jnp.arange(size))
-  q, rem = divmod(size, per)
-  main = jax.tree.map(lambda a: a[: q * per].reshape(q, per, *a.shape[1:]), xs)
-  shapes = jax.eval_shape(one, jax.tree.map(lambda a: a[0], main))
-  init = jax.tree.map(
-    lambda a: _taps._zeros_varying(a.shape, a.dtype, a), shapes
+  total = _per_example.reduce_chunks(
+    one, ((inputs, targets), jnp.arange(size)), size, per
   )
-
-  def body(carry, chunk):
-    return jax.tree.map(jnp.add, carry, one(chunk)), None
-
-  total = jax.lax.scan(body, init, main)[0]
-  if rem:
-    tail = one(jax.tree.map(lambda a: a[q * per :], xs))
-    total = jax.tree.map(jnp.add, total, tail)
   sums, grad_sums = _psum(total, opts.axis_name)
   count = _psum(jnp.asarray(size, jnp.int32), opts.axis_name)
   return sums, grad_sums, count
