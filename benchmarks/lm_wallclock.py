@@ -17,7 +17,9 @@ Pairs, each at equal budgets (steps, lr grid size, seeds, data order):
   dimension numbers that view the 3-D attention kernels ``(d, heads,
   head_dim)`` as ``d x (heads*head_dim)`` and ``(heads, head_dim, d)`` as
   ``(heads*head_dim) x d``; embeddings, positions, head, norms and biases take
-  Adam at AdamW's chosen lr;
+  Adam at AdamW's chosen lr. FISMO tunes on Muon's grid (it keeps Muon's
+  step norm). ``--pairs ...,fismo_other_grafting`` adds FISMO with the
+  grafting its default does not use (the evidence for that default);
 * ``fisher_optax.natural_galore`` vs ``optax.contrib.galore``: the same hidden
   matrices projected at the same rank with the same dimension numbers;
 * ``fisher_optax.mfac`` vs ``optax.adam``: M-FAC on the hidden matrices (it
@@ -39,6 +41,8 @@ Run from the repository root::
   python -m benchmarks.lm_wallclock --small    # seconds (CI)
   python -m benchmarks.lm_wallclock --medium   # minutes
   python -m benchmarks.lm_wallclock            # full (5.7M params, < 1 h)
+  # Train some optimizers again, reusing the stored runs of the others:
+  python -m benchmarks.lm_wallclock --rerun fismo --pairs fadam,fismo
 """
 
 from __future__ import annotations
