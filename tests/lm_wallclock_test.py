@@ -46,6 +46,25 @@ class LmWallclockTest(absltest.TestCase):
     self.assertIn("Loss at equal steps", md)
     self.assertIn("Loss at equal time", md)
 
+    # --rerun trains FAdam again (same seeds and data: the same curves) and
+    # takes AdamW's runs from the stored results.
+    proc = subprocess.run(
+      cmd + ["--rerun=fadam"],
+      cwd=_ROOT,
+      capture_output=True,
+      text=True,
+      check=False,
+    )
+    self.assertEqual(proc.returncode, 0, proc.stderr[-3000:])
+    self.assertIn("sweep fadam", proc.stdout)
+    self.assertNotIn("sweep adamw", proc.stdout)
+    again = json.loads((out / f"{name}.json").read_text())
+    self.assertEqual(again["val_curves"]["adamw"], data["val_curves"]["adamw"])
+    self.assertEqual(again["best_lr"], data["best_lr"])
+    for a, b in zip(again["val_curves"]["fadam"], data["val_curves"]["fadam"]):
+      self.assertSequenceAlmostEqual(a, b, places=5)
+    self.assertIn("`--rerun`", (out / f"{name}.md").read_text())
+
 
 if __name__ == "__main__":
   absltest.main()
