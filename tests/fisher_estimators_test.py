@@ -1017,6 +1017,19 @@ class ExampleChunksTest(absltest.TestCase):
     self.assertEqual(int(got.count), len(x))
     self.assertLess(mem.temp_size_in_bytes, 0.4 * one_mem.temp_size_in_bytes)
 
+  def test_without_targets(self):
+    apply_fn, params, x, _ = _setup("categorical")
+    kw = dict(likelihood=fisher.Categorical(), kind="exact")
+    got = _est(fisher.diagonal, apply_fn, params, (x, None), chunk_size=3, **kw)
+    want = _est(fisher.diagonal, apply_fn, params, (x, None), **kw)
+    self.assertIsNone(got.mean_grad)
+    chex.assert_trees_all_close(got.diag, want.diag, rtol=1e-5, atol=1e-9)
+    kron = _est(
+      fisher.kronecker, apply_fn, params, (x, None), chunk_size=3, **kw
+    )
+    self.assertIsNone(kron.mean_grad)
+    self.assertEqual(int(kron.count), N)
+
   def test_mc_folds_the_key_with_each_chunk(self):
     apply_fn, params, x, y = _setup("categorical")
     kw = dict(likelihood=fisher.Categorical(), kind="mc", num_samples=2)

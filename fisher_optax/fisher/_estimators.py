@@ -386,10 +386,11 @@ def _chunk_sums(
   sums_fn: Callable[[_Pass], PyTree],
   **forward_kwargs: Any,
 ) -> tuple[PyTree, PyTree, Any]:
-  """``(sum of sums_fn, gradient sums, count)`` over chunks of ``per``
+  """``(sum of sums_fn, mean gradient, count)`` over chunks of ``per``
   examples, each chunk its own forward pass (:func:`_forward` on the layer
-  path, not normalised), summed in a scan; all-reduced over ``axis_name``.
-  MC keys are folded with each chunk's first example index."""
+  path, not normalised), summed in a scan; all-reduced over ``axis_name``
+  (the mean gradient is ``None`` without targets). MC keys are folded with
+  each chunk's first example index."""
   _, inputs, targets, size = _check_arguments(params, batch, opts)
 
   def one(chunk):
@@ -413,7 +414,8 @@ def _chunk_sums(
   )
   sums, grad_sums = _psum(total, opts.axis_name)
   count = _psum(jnp.asarray(size, jnp.int32), opts.axis_name)
-  return sums, grad_sums, count
+  mean_grad = jax.tree.map(lambda g: g / count, grad_sums)  # None stays
+  return sums, mean_grad, count
 
 
 # -- structure: diagonal -------------------------------------------------------
@@ -526,11 +528,11 @@ def diagonal(
       _warn_fallback(ps, method)
       return _diag_sums_taps(ps)
 
-    sums, grad_sums, count = _chunk_sums(
+    sums, mean_grad, count = _chunk_sums(
       apply_fn, params, batch, opts, per, sums_fn, statistic="diag"
     )
-    mean = lambda t: None if t is None else jax.tree.map(lambda x: x / count, t)
-    return _statistics.DiagonalFisher(mean(sums), mean(grad_sums), count, kind)
+    diag = jax.tree.map(lambda s: s / count, sums)
+    return _statistics.DiagonalFisher(diag, mean_grad, count, kind)
   ps = _forward(
     apply_fn, params, batch, opts, layers=_use_taps(method), statistic="diag"
   )
@@ -1221,7 +1223,7 @@ def kronecker(
       flags.append(kfac)
       return sums
 
-    sums, grad_sums, count = _chunk_sums(
+    sums, mean_grad, count = _chunk_sums(
       apply_fn,
       params,
       batch,
@@ -1233,9 +1235,6 @@ def kronecker(
     )
     treedef = jax.tree.structure(params)
     left, right = _kfac_finish(sums, flags[0], count)
-    mean_grad = None
-    if grad_sums is not None:
-      mean_grad = jax.tree.map(lambda g: g / count, grad_sums)
     return _statistics.KroneckerFisher(
       jax.tree.unflatten(treedef, left),
       jax.tree.unflatten(treedef, right),
