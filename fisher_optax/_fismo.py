@@ -650,6 +650,9 @@ def scale_by_fismo(
   and Polar is Muon's Newton-Schulz iteration. :math:`\Delta` maximises
   :math:`\langle G, \Delta\rangle` subject to
   :math:`\|P^{1/2} \Delta Q^{1/2}\|_2 \le 1`; :math:`P = Q = I` is Muon.
+  By default (``grafting="muon_norm"``) :math:`\Delta` is then rescaled to
+  the Frobenius norm of :math:`\mathrm{Polar}(M)`, Muon's step; pass
+  ``grafting="none"`` for Algorithm 1's step as written.
 
   **Decisions where the paper leaves a choice** (each one tested):
 
@@ -691,8 +694,9 @@ def scale_by_fismo(
   * roots: the inverse square roots are recomputed in float32 every
     ``precondition_interval`` steps (``lax.cond`` on the step count only) and
     cached in the state. Between refreshes the Gauss-Seidel sweep uses the
-    cached (stale) :math:`P^{-1/2}`; with ``precondition_interval=1`` and
-    ``root_method="eigh"`` the step is exactly Algorithm 1.
+    cached (stale) :math:`P^{-1/2}`; with ``precondition_interval=1``,
+    ``root_method="eigh"`` and ``grafting="none"`` the step is exactly
+    Algorithm 1.
     ``"newton"`` (default): matmul-only coupled Newton iteration
     warm-started from the (symmetrised) cached root, so a few iterations;
     it returns a whitening factor :math:`W` (:math:`W W^\top = P^{-1}`)
