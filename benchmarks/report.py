@@ -521,6 +521,8 @@ def section(r: Result, status: str | None) -> str:
     out.append("")
   out.append(r.markdown.strip() if r.markdown else "(no markdown table)")
   for png in sorted(RESULTS.glob(f"{r.stem}*.png")):
+    if png.stem.endswith("_small"):  # --small smoke runs: not tracked
+      continue
     out.append("")
     out.append(f"![{png.stem}](results/{png.name})")
   return "\n".join(out)
