@@ -704,8 +704,7 @@ def scale_by_fismo(
     from the identity, is exact); a root that fails to converge is discarded
     and the previous one kept. ``"eigh"``: exact symmetric roots with a
     relative eigenvalue floor; an eigendecomposition costs more than the
-    few matmuls of a warm-started Newton refresh, and its cost varies more
-    across backends and library versions (``benchmarks/fismo_speed.py``
+    few matmuls of a warm-started Newton refresh (``benchmarks/fismo_speed.py``
     times both: on 2 CPU cores, a refresh step of 1.71x Muon's with eigh,
     1.61x with Newton, for 1024-row leaves).
     ``"cholesky"``: :math:`W = L^{-\top}`; a triangular whitening, valid only
