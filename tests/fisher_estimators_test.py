@@ -676,6 +676,33 @@ class KroneckerTest(parameterized.TestCase):
         )
       self.assertEqual(int(out[3].count), N)
 
+      # Power iterations keep one forward pass: K-FAC leaves as at
+      # num_iters=0, the gain and the scale as the per-example path's.
+      rounds = dict(kw, num_iters=3)
+      more = _est_many(
+        apply_fn,
+        params,
+        (x, y),
+        {
+          "auto": (fisher.kronecker, dict(rounds, chunk_size=3)),
+          "ref": (
+            fisher.kronecker,
+            dict(rounds, method="per_example", estimator="shampoo"),
+          ),
+        },
+      )
+      for leaf in ("gain", "scale"):
+        for field in ("left", "right"):
+          np.testing.assert_allclose(
+            getattr(more["auto"], field)[leaf],
+            getattr(more["ref"], field)[leaf],
+            rtol=1e-8,
+            atol=1e-12,
+          )
+      chex.assert_trees_all_close(
+        more["auto"].left["dense_1"], out[N].left["dense_1"], rtol=1e-10
+      )
+
 
 class OperationsTest(parameterized.TestCase):
   """matvec / quadratic_form / solve against the dense matrix they stand for."""

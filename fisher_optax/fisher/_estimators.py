@@ -17,7 +17,7 @@ global example count.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 import functools
 from typing import Any, NamedTuple, TypeVar, cast
 
@@ -1006,41 +1006,51 @@ def _shampoo_factors(
   return jax.lax.fori_loop(0, num_iters, one_round, (left, right))
 
 
-def _kfac_sums(ps: _Pass, weight_sharing: str) -> tuple[list, list[bool]]:
-  """This device's sums behind one-step factors (``num_iters = 0``), in
-  leaf order: K-FAC's ``(sum a a^T, sum delta delta^T)`` for the leaves
-  with K-FAC factors, Shampoo's ``(sum G G^T, sum G^T G)`` for the others
-  (per-example gradients of elementwise leaves from the layer path, the
-  rest's from the per-example path); and which leaves are K-FAC's. Sums
-  over examples, so chunks of examples add up (:func:`_chunk_sums`)."""
+def _kfac_parts(
+  ps: _Pass,
+  weight_sharing: str,
+  shampoo: Callable[[_Pass, list | None], Sequence[Any]],
+) -> tuple[list, list[bool]]:
+  """Per leaf, in leaf order: this device's K-FAC sums ``(sum a a^T, sum
+  delta delta^T)`` for the leaves with K-FAC factors, and for the others
+  ``shampoo(sub, grads)``'s entry (one per leaf of ``sub.params``):
+  ``grads`` their per-example gradients from the layer path (elementwise
+  leaves), ``None`` for the rest, which take the per-example path. Also
+  which leaves are K-FAC's."""
   leaves, treedef = jax.tree.flatten(ps.params)
+  # One set of backward passes for both (a few samples per pass).
   kron, example_grads = ps.layers.kron_and_example_grads(
     chunk_size=ps.chunk_size, weight_sharing=weight_sharing
   )
-  sums = [
+  kfac = treedef.flatten_up_to(ps.covered)
+  parts = [
     (numerics.widen(s[0]), numerics.widen(s[1])) if k else None
-    for k, s in zip(
-      treedef.flatten_up_to(ps.covered), treedef.flatten_up_to(kron)
-    )
+    for k, s in zip(kfac, treedef.flatten_up_to(kron))
   ]
-  kfac = [s is not None for s in sums]
   grads = treedef.flatten_up_to(example_grads)
-  local = ps._replace(axis_name=None)
   cheap = [
     i for i, (k, g) in enumerate(zip(kfac, grads)) if not k and g is not None
   ]
   if cheap:
-    sub = local._replace(params=[leaves[i] for i in cheap])
-    part = _shampoo_sums(sub, [grads[i] for i in cheap])
-    for i, si in zip(cheap, part):
-      sums[i] = si
-  done = [s is not None for s in sums]
-  sub = _uncovered(local._replace(covered=jax.tree.unflatten(treedef, done)))
+    sub = ps._replace(params=[leaves[i] for i in cheap])
+    for i, v in zip(cheap, shampoo(sub, [grads[i] for i in cheap])):
+      parts[i] = v
+  done = [v is not None for v in parts]
+  sub = _uncovered(ps._replace(covered=jax.tree.unflatten(treedef, done)))
   if sub is not None:
     rest = [i for i, d in enumerate(done) if not d]
-    for i, si in zip(rest, _shampoo_sums(sub, None)):
-      sums[i] = si
-  return sums, kfac
+    for i, v in zip(rest, shampoo(sub, None)):
+      parts[i] = v
+  return parts, kfac
+
+
+def _kfac_sums(ps: _Pass, weight_sharing: str) -> tuple[list, list[bool]]:
+  """This device's sums behind one-step factors (``num_iters = 0``), in
+  leaf order: K-FAC's for the leaves with K-FAC factors, Shampoo's ``(sum
+  G G^T, sum G^T G)`` for the others (:func:`_kfac_parts`); and which
+  leaves are K-FAC's. Sums over examples, so chunks of examples add up
+  (:func:`_chunk_sums`)."""
+  return _kfac_parts(ps._replace(axis_name=None), weight_sharing, _shampoo_sums)
 
 
 def _kfac_finish(sums: list, kfac: list[bool], count: Any) -> tuple[list, list]:
@@ -1064,38 +1074,24 @@ def _kfac_factors(
   per-example path. Returns ``(left, right, mixed)``; ``mixed`` when some
   leaf has no K-FAC factors.
   """
-  leaves, treedef = jax.tree.flatten(ps.params)
+  treedef = jax.tree.structure(ps.params)
   unflat = lambda xs: jax.tree.unflatten(treedef, xs)
   if num_iters == 0:
     sums, kfac = _kfac_sums(ps, weight_sharing)
     left, right = _kfac_finish(_psum(sums, ps.axis_name), kfac, ps.count)
     return unflat(left), unflat(right), not all(kfac)
-  # One set of backward passes for both (a few samples per pass).
-  kron, example_grads = ps.layers.kron_and_example_grads(
-    chunk_size=ps.chunk_size, weight_sharing=weight_sharing
-  )
-  stats = treedef.flatten_up_to(_psum(kron, ps.axis_name))
-  kfac = treedef.flatten_up_to(ps.covered)
-  grads = treedef.flatten_up_to(example_grads)
-  cheap = [not k and g is not None for k, g in zip(kfac, grads)]
-  scaled = lambda s, k, j: numerics.widen(s[j]) / ps.count if k else None
-  left = [scaled(s, k, 0) for k, s in zip(kfac, stats)]
-  right = [scaled(s, k, 1) for k, s in zip(kfac, stats)]
 
-  def fill(idx: list[int], factors: tuple[PyTree, PyTree]) -> None:
-    for j, i in enumerate(idx):
-      left[i], right[i] = factors[0][j], factors[1][j]
+  def shampoo(sub: _Pass, grads: list | None) -> list:
+    left, right = _shampoo_factors(sub, num_iters, grads)
+    return list(zip(left, right))
 
-  idx = [i for i, c in enumerate(cheap) if c]
-  if idx:
-    sub = ps._replace(params=[leaves[i] for i in idx])
-    fill(idx, _shampoo_factors(sub, num_iters, [grads[i] for i in idx]))
-  # The per-example path runs for the rest only (leaf order).
-  done = [k or c for k, c in zip(kfac, cheap)]
-  sub = _uncovered(ps._replace(covered=jax.tree.unflatten(treedef, done)))
-  if sub is not None:
-    rest = [i for i, d in enumerate(done) if not d]
-    fill(rest, _shampoo_factors(sub, num_iters))
+  parts, kfac = _kfac_parts(ps, weight_sharing, shampoo)
+  kron = _psum([p if k else None for p, k in zip(parts, kfac)], ps.axis_name)
+  factors = [
+    (s[0] / ps.count, s[1] / ps.count) if k else p
+    for p, s, k in zip(parts, kron, kfac)
+  ]
+  left, right = [f[0] for f in factors], [f[1] for f in factors]
   return unflat(left), unflat(right), not all(kfac)
 
 
