@@ -1081,6 +1081,57 @@ class ExampleChunksTest(absltest.TestCase):
     )
     chex.assert_trees_all_close(got.diag, want, rtol=1e-5, atol=1e-9)
 
+  def test_one_mc_sample_with_targets_runs_in_chunks(self):
+    # The mean gradient's empirical pass is a second backward pass, so MC
+    # with one sample and targets chunks its examples like several samples;
+    # without targets it is one pass and never chunks.
+    apply_fn, params, x, y = self._shared_mlp()
+    held, _ = _taps.held_elements(apply_fn, params, x, statistic="diag")
+    key = jax.random.key(3)
+
+    def compiled(targets, chunk_size):
+      fn = jax.jit(
+        lambda p: fisher.diagonal(
+          apply_fn,
+          p,
+          (x, targets),
+          likelihood=fisher.Categorical(),
+          kind="mc",
+          key=key,
+          chunk_size=chunk_size,
+        )
+      )
+      return fn, fn.lower(params).compile().memory_analysis()
+
+    one_pass, one_mem = compiled(y, len(x))
+    no_targets, _ = compiled(None, len(x))
+    with mock.patch.object(_taps, "PASS_ELEMENTS", held // 4):
+      chunked, mem = compiled(y, None)  # four chunks of 64
+      got = chunked(params)
+      unlabelled = compiled(None, None)[0](params)
+    per = len(x) // 4
+    parts = [
+      fisher.diagonal(
+        apply_fn,
+        params,
+        (x[i : i + per], y[i : i + per]),
+        likelihood=fisher.Categorical(),
+        kind="mc",
+        key=jax.random.fold_in(key, i),
+      )
+      for i in range(0, len(x), per)
+    ]
+    want = jax.tree.map(lambda *d: sum(d) / len(d), *[p.diag for p in parts])
+    chex.assert_trees_all_close(got.diag, want, rtol=1e-5, atol=1e-9)
+    chex.assert_trees_all_close(
+      got.mean_grad, one_pass(params).mean_grad, rtol=1e-5, atol=1e-8
+    )
+    chex.assert_trees_all_close(
+      unlabelled.diag, no_targets(params).diag, rtol=1e-6, atol=1e-10
+    )
+    if mem is not None:
+      self.assertLess(mem.temp_size_in_bytes, 0.5 * one_mem.temp_size_in_bytes)
+
 
 class LowRankMemoryTest(absltest.TestCase):
   def test_directions_are_written_once(self):

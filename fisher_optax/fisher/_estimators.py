@@ -356,20 +356,22 @@ def _examples_per_pass(
 ) -> int | None:
   """Examples per forward pass on the layer path; ``None``: all of them.
 
-  With several samples per example (``exact``, ``mc`` with
-  ``num_samples > 1``) the layer path pulls the samples back one pass at a
-  time, and a loop of passes keeps every forward residual alive next to one
-  pass's cotangents: about twice a batch gradient's memory, growing with
-  ``B``. So the examples go in chunks, each with its own forward pass:
-  ``chunk_size`` of them when that is fewer than ``B``, and by default as
-  few chunks as keep the recorded layers' activations and cotangents
-  (:func:`_taps.held_elements`) within ``_taps.PASS_ELEMENTS``.
+  With more than one backward pass per forward pass (``exact``, ``mc`` with
+  ``num_samples > 1``, and ``mc`` with targets, whose mean gradient takes
+  an empirical pass of its own) every pass after the first needs all the
+  forward residuals, so they stay alive next to one pass's cotangents: up
+  to twice a batch gradient's memory (``mc`` with one sample and targets:
+  about 1.2x), growing with ``B``. So the examples go in chunks, each with
+  its own forward pass: ``chunk_size`` of them when that is fewer than
+  ``B``, and by default as few chunks as keep the recorded layers'
+  activations and cotangents (:func:`_taps.held_elements`) within
+  ``_taps.PASS_ELEMENTS``.
   """
-  if not _use_taps(opts.method) or not (
-    opts.kind == "exact" or (opts.kind == "mc" and opts.num_samples > 1)
-  ):
+  if not _use_taps(opts.method) or opts.kind not in ("exact", "mc"):
     return None
-  _, inputs, _, size = _check_arguments(params, batch, opts)
+  _, inputs, targets, size = _check_arguments(params, batch, opts)
+  if opts.kind == "mc" and opts.num_samples == 1 and targets is None:
+    return None  # one backward pass
   if opts.chunk_size is not None:
     return opts.chunk_size if opts.chunk_size < size else None
   held, _ = _taps.held_elements(apply_fn, params, inputs, statistic=statistic)
@@ -492,7 +494,9 @@ def diagonal(
       cotangents would pass ``2**25`` elements; so the memory does not
       grow with ``S``, nor with ``B`` beyond that budget (a loop of passes
       keeps the forward residuals of all its examples). ``chunk_size = S *
-      B`` runs all samples in one pass. With ``mc``, the samples of a chunk
+      B`` runs all samples in one pass. ``mc`` with one sample and targets
+      chunks its examples the same way, since its mean gradient takes a
+      second (empirical) backward pass. With ``mc``, the samples of a chunk
       are drawn with ``key`` folded with the chunk's first example index.
     axis_name: a ``shard_map``/``pmap`` axis the batch is split over; sums
       are all-reduced before normalising.
