@@ -715,6 +715,15 @@ class LayerStatisticsTest(parameterized.TestCase):
         want = (sq(patches.mean(1)), sq(delta.sum(2)))
       _assert_close(self, got[0], want[0])
       _assert_close(self, got[1], want[1])
+      # Patches of 2 examples at a time (the last chunk padded): same factors.
+      with mock.patch.object(_taps, "_BLOCK_ELEMENTS", 2 * 6 * 18):
+        chunked = (
+          _taps.record(apply_fn, params, x)
+          .backward(cot)
+          .statistics("kron", weight_sharing=mode)["k"]
+        )
+      _assert_close(self, chunked[0], want[0])
+      _assert_close(self, chunked[1], want[1])
       # One output position, one example: the exact block.
       params1 = dict(params, w=params["w"][:4])
       x1 = x[:1, :3, :3]

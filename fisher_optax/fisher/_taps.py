@@ -1842,11 +1842,7 @@ def _kron_stat(site_view, role: str, batch: int, reduce: bool = False):
   if not _kron_ok(site, role):
     return None
   t = delta.shape[2]
-  if reduce:  # sum over positions first
-    summed = jnp.sum(delta, axis=2)
-    gamma = jnp.einsum("snd,sne->de", summed, summed)
-  else:  # positions as examples
-    gamma = jnp.einsum("sntd,snte->de", delta, delta)
+  gamma = _kron_gamma(delta, reduce)
   if role == "bias":
     return (jnp.full((1, 1), batch, delta.dtype), gamma)
   if site.kind == "embed":
@@ -1865,10 +1861,23 @@ def _kron_stat(site_view, role: str, batch: int, reduce: bool = False):
       .add(valid.reshape(-1).astype(delta.dtype))
     )
     return (jnp.diag(counts) / t, gamma)
+  return (_kron_a(act, reduce), gamma)
+
+
+def _kron_gamma(delta: Array, reduce: bool) -> Array:
+  """``Gamma_sum`` of a view's ``delta`` ``(S, B, T, O)``."""
+  if reduce:  # sum over positions first
+    summed = jnp.sum(delta, axis=2)
+    return jnp.einsum("snd,sne->de", summed, summed)
+  return jnp.einsum("sntd,snte->de", delta, delta)  # positions as examples
+
+
+def _kron_a(act: Array, reduce: bool) -> Array:
+  """``A_sum`` of a dense view's ``act`` ``(B, T, K)``."""
   if reduce:
     mean = jnp.mean(act, axis=1)
-    return (mean.T @ mean, gamma)
-  return (jnp.einsum("ntd,nte->de", act, act) / t, gamma)
+    return mean.T @ mean
+  return jnp.einsum("ntd,nte->de", act, act) / act.shape[1]
 
 
 class LayerGrads:
@@ -2360,14 +2369,30 @@ class LayerGrads:
     site = self._tape._plan.sites[s]
     if site.kind != "conv" or not _conv_kron_ok(site.eqn):
       return None
-    act = _conv_patches(site.eqn, numerics.widen(self._tape._acts[s]))
-    act = act.reshape(act.shape[0], -1, math.prod(act.shape[-2:]))
+    dn = site.eqn.params["dimension_numbers"]
     delta = numerics.widen(self._deltas[s])
-    out_spec = site.eqn.params["dimension_numbers"].out_spec
-    delta = jnp.moveaxis(delta, 1 + out_spec[1], -1)
+    delta = jnp.moveaxis(delta, 1 + dn.out_spec[1], -1)
     b = self._tape.batch
     delta = delta.reshape(delta.shape[0], b, -1, delta.shape[-1])
-    return _kron_stat((site, act, delta, None), "kernel", b, reduce)
+    # The input patches of all B examples would grow with B without bound
+    # (B * positions * window * channels): A sums them a chunk at a time.
+    x = numerics.widen(self._tape._acts[s])
+    chunk = max(1, _BLOCK_ELEMENTS // _patch_elements(site.eqn))
+    count = -(-b // chunk)
+    k = math.prod(site.eqn.invars[1].aval.shape[i] for i in dn.rhs_spec[2:])
+    k *= x.shape[dn.lhs_spec[1]]
+    if count > 1:  # zero examples have zero patches: they add nothing
+      pad = [(0, 0)] * x.ndim
+      pad[dn.lhs_spec[0]] = (0, count * chunk - b)
+      x = jnp.pad(x, pad)
+
+    def a_sum(j):
+      xc = lax.dynamic_slice_in_dim(x, j * chunk, min(chunk, b), dn.lhs_spec[0])
+      act = _conv_patches(site.eqn, xc)
+      return _kron_a(act.reshape(act.shape[0], -1, k), reduce)
+
+    a = a_sum(0) if count == 1 else _loop_sum(a_sum, count, (k, k), x.dtype, x)
+    return (a, _kron_gamma(delta, reduce))
 
   def _stacked_kron(self, leaf: int, reduce: bool):
     """K-FAC factors of each layer of a leaf stacked along a scan with one
