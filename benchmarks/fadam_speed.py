@@ -22,6 +22,7 @@ Run from the repository root::
 from __future__ import annotations
 
 from collections.abc import Callable
+import functools
 from typing import Any
 
 from absl import app
@@ -104,6 +105,29 @@ FLOORS = {
   "fisher_optax.fadam": FLOOR,
   "fadam (weight_decay=0)": 9 / 7,
 }
+ANATOMY = (
+  "The reductions alone (the table above, the largest leaf, measured in "
+  "the same run). FAdam's RMS of g / d, with d formed from g and the old "
+  "Fisher, costs {ms_n:.1f}x a plain two-input sum, and RMS(theta / d) "
+  "{ms_w:.1f}x, while the same arithmetic as an elementwise loop that also "
+  "writes g / d costs {written:.1f}x. XLA:CPU gives reductions to YNNPACK, "
+  "which runs them on both cores (1.9x slower pinned to one, on a "
+  "10M-element leaf) but evaluates each elementwise operation of the fused "
+  "chain (new Fisher, square root, epsilon, divide, square: about 8) as "
+  "its own pass over a tile, so a reduction's time grows with its "
+  "operation count, where XLA's loop emitter keeps the chain in registers. "
+  "XLA's own reduce emitter (`--xla_cpu_experimental_ynn_fusion_type=`) is "
+  "3-10x slower still. Scaled to all {n:.1f}M parameters the three "
+  "reductions take about {total:.1f} ms of the {step:.1f} ms step, against "
+  "{adamw:.1f} ms for AdamW's whole step: {left}. Two "
+  "ways round them were measured and not kept: both RMS from one reduction "
+  "of a stacked (2, n) operand (5-7x slower) or a variadic reduce (XLA's "
+  "emitter, above); and a loop over cache-sized chunks that forms d once "
+  "per chunk with the loop emitter and reduces both RMS from it (7.7-8 ms "
+  "against 11.7 ms for the two on a 10M-element leaf), which would be a "
+  "second, CPU-only code path whose loop over a leaf's elements defeats "
+  "sharded parameters and GPU/TPU reductions."
+)
 GAP = (
   "Reading the gap (XLA:CPU, from the compiled HLO, its buffer assignment "
   "and getrusage). XLA:CPU does not fuse two outputs into one sweep, and "
@@ -120,13 +144,68 @@ GAP = (
   "and the donated step took 6.1x AdamW's time (5.2x without decay). "
   "The time above the bytes is arithmetic. A profiler trace of the donated "
   "step (jax.profiler, 20 steps) put 22 of 38 ms of kernel time in the "
-  "three RMS reductions, YNNPACK reduce fusions on one thread each that "
-  "take a square root and a divide per element; as compiled, a matrix leaf "
+  "three RMS reductions, YNNPACK reduce fusions that take a square root "
+  "and a divide per element (next table); as compiled, a matrix leaf "
   "costs 4 square roots and 4 divides per element against AdamW's 1 and 2, "
   "so on this CPU the step is bound by them rather than by memory passes. "
   "One variadic reduce for the two RMS sweeps that share the denominator "
   "cut the bytes to 1.65x but ran slower (3.6x: XLA's own reduce emitter)."
 )
+
+
+def reduction_anatomy(n: int, rounds: int, inner: int) -> dict[str, Any]:
+  """Times FAdam's RMS reductions on one ``n``-element leaf against plain
+  sums of the same inputs and against the same arithmetic written out
+  elementwise (in place), each jitted alone."""
+  rng = np.random.default_rng(2)
+  g, f, theta = (jnp.asarray(rng.random(n, np.float32) + 0.1) for _ in range(3))
+  b, eps = 0.999, 1e-8
+  d = lambda g, f: jnp.sqrt(b * f + (1 - b) * g * g) + eps
+  fns = {
+    "sum(g + f): two reads": lambda g, f, t: jnp.sum(g + f),
+    "sum(g): one read": lambda g, f, t: jnp.sum(g),
+    "ms(g / d), d from g and f (FAdam)": lambda g, f, t: jnp.mean(
+      jnp.square(g / d(g, f))
+    ),
+    "ms(theta / d) (FAdam)": lambda g, f, t: jnp.mean(jnp.square(t / d(g, f))),
+  }
+  runs = {k: functools.partial(jax.jit(v), g, f, theta) for k, v in fns.items()}
+  held = {"out": jnp.copy(f)}
+  written = jax.jit(lambda o, g: g / d(g, o), donate_argnums=0)
+
+  def elementwise():
+    held["out"] = written(held["out"], g)
+    return held["out"]
+
+  runs["g / d written in place (elementwise)"] = elementwise
+  return common.time_ratios(
+    runs, "sum(g + f): two reads", rounds=rounds, inner=inner
+  )
+
+
+def anatomy_text(
+  anatomy: dict[str, Any], timings: dict[str, Any], biggest: int, n: int
+) -> str:
+  """:data:`ANATOMY` with this run's numbers."""
+  ratio = lambda k: anatomy[k]["ratio"]
+  rms = [k for k in anatomy if k.startswith(("sum(g):", "ms("))]
+  total = sum(anatomy[k]["median_s"] for k in rms) * n / biggest * 1e3
+  adamw = timings["optax.adamw"]["median_s"] * 1e3
+  return ANATOMY.format(
+    ms_n=ratio("ms(g / d), d from g and f (FAdam)"),
+    ms_w=ratio("ms(theta / d) (FAdam)"),
+    written=ratio("g / d written in place (elementwise)"),
+    n=n / 1e6,
+    total=total,
+    step=timings["fisher_optax.fadam"]["median_s"] * 1e3,
+    adamw=adamw,
+    left=(
+      f"with reductions at this rate, 1.6x would leave FAdam's output "
+      f"sweeps {(FLOOR * adamw - total) / adamw:.0%} of AdamW's time"
+      if FLOOR * adamw > total
+      else "on their own they are past 1.6x AdamW's step"
+    ),
+  )
 
 
 def minor_faults_per_step(run: Callable[[], Any], steps: int = 5) -> float:
@@ -190,6 +269,8 @@ def main(argv):
     rounds=rounds,
     inner=inner,
   )
+  biggest = max(leaf.size for leaf in jax.tree.leaves(params))
+  anatomy = reduction_anatomy(biggest, rounds, inner)
   rows = []
   for name in optimizers:
     rows.append(
@@ -248,6 +329,20 @@ def main(argv):
     )
     + "\n\n"
     + GAP
+    + "\n\n"
+    + common.markdown_table(
+      [
+        f"one {biggest / 1e6:.1f}M-element leaf, jitted alone",
+        "time / two-read sum (median)",
+        "median (ms)",
+      ],
+      [
+        [name, f"{v['ratio']:.2f}", f"{v['median_s'] * 1e3:.3f}"]
+        for name, v in anatomy.items()
+      ],
+    )
+    + "\n\n"
+    + anatomy_text(anatomy, timings, biggest, n_params)
     + "\n"
   )
   common.write_results(
@@ -265,6 +360,7 @@ def main(argv):
       "xla_temp_bytes": temp_bytes,
       "xla_bytes_accessed": accessed,
       "minor_page_faults_per_step": faults,
+      "reduction_anatomy": anatomy,
     },
     md,
     out_dir=_OUT.value,
