@@ -669,6 +669,62 @@ class LayerStatisticsTest(parameterized.TestCase):
         stat.matvec({"w": v["w"][:2], "b": v["b"]})
 
   @parameterized.parameters("expand", "reduce")
+  def test_stacked_conv_kron_factors_per_layer(self, mode):
+    """Conv kernels stacked along a scan have one K-FAC pair per layer,
+    those of the same convs unrolled with a leaf each (both kinds); a conv
+    kernel shared by the iterations has no layer rule."""
+    dn = ("NHWC", "HWIO", "NHWC")
+    num_layers = 3
+
+    def conv(h, k):
+      return jnp.tanh(
+        jax.lax.conv_general_dilated(h, k, (1, 1), "SAME", None, None, dn)
+      )
+
+    def scanned(p, x):
+      h, _ = jax.lax.scan(lambda h, k: (conv(h, k), None), x, p["k"])
+      return h.reshape(x.shape[0], -1) @ p["w"]
+
+    def unrolled(p, x):
+      h = x
+      for i in range(num_layers):
+        h = conv(h, p[f"k{i}"])
+      return h.reshape(x.shape[0], -1) @ p["w"]
+
+    def shared(p, x):
+      h, _ = jax.lax.scan(
+        lambda h, _: (conv(h, p["k"][0]), None), x, None, length=2
+      )
+      return h.reshape(x.shape[0], -1) @ p["w"]
+
+    with jax.enable_x64(True):
+      x = fisher_testing.normal(jax.random.key(0), (B, 4, 4, 2))
+      k = 0.5 * fisher_testing.normal(
+        jax.random.key(1), (num_layers, 3, 3, 2, 2)
+      )
+      w = fisher_testing.normal(jax.random.key(2), (4 * 4 * 2, 3))
+      stacked = {"k": k, "w": w}
+      layers = {"w": w, **{f"k{i}": k[i] for i in range(num_layers)}}
+      self.assertTrue(_taps.coverage(scanned, stacked, x)["k"].kronecker)
+      self.assertFalse(_taps.coverage(shared, stacked, x)["k"])
+      for num_s in (1, 2):
+        cot = _cotangents(3, num_s)
+        got = (
+          _taps.record(scanned, stacked, x)
+          .backward(cot)
+          .statistics("kron", weight_sharing=mode)["k"]
+        )
+        want = (
+          _taps.record(unrolled, layers, x)
+          .backward(cot)
+          .statistics("kron", weight_sharing=mode)
+        )
+        for i in range(num_layers):
+          with self.subTest(f"S={num_s}, layer {i}"):
+            _assert_close(self, got[0][i], want[f"k{i}"][0])
+            _assert_close(self, got[1][i], want[f"k{i}"][1])
+
+  @parameterized.parameters("expand", "reduce")
   def test_conv_kron_factors(self, mode):
     """An HWIO conv kernel's factors are its input patches' and output
     cotangents' (brute force by slicing); with one output position the
@@ -779,8 +835,8 @@ class LayerStatisticsTest(parameterized.TestCase):
 
 class CoverageTest(parameterized.TestCase):
   def test_uncovered_leaves_are_reported(self):
-    """A conv kernel used twice falls back (None); norms, tied and reused
-    dense kernels are covered."""
+    """Norms, tied and reused dense and conv kernels are covered (a reused
+    kernel sums its uses per example, without K-FAC factors)."""
 
     class Mixed(nn.Module):
       @nn.compact
@@ -788,7 +844,7 @@ class CoverageTest(parameterized.TestCase):
         emb = nn.Embed(VOCAB, 4)
         h = emb(ids)  # (B, T, 4)
         conv = nn.Conv(4, (2,))
-        h = conv(conv(h))  # a conv kernel used twice: no rule
+        h = conv(conv(h))  # a conv kernel used twice
         h = nn.LayerNorm()(h)
         shared = nn.Dense(4)
         h = shared(jnp.tanh(shared(h)))  # a kernel used twice
@@ -800,11 +856,12 @@ class CoverageTest(parameterized.TestCase):
     params = model.init(jax.random.key(0), ids)
     cov = _taps.coverage(model.apply, params, ids)["params"]
     self.assertTrue(cov["Embed_0"]["embedding"])
-    self.assertFalse(cov["Conv_0"]["kernel"])
+    self.assertTrue(cov["Conv_0"]["kernel"])
+    self.assertFalse(cov["Conv_0"]["kernel"].kronecker)
     self.assertTrue(cov["LayerNorm_0"]["scale"])
     self.assertIn("shared by 2 uses", cov["Dense_0"]["kernel"].reason)
     self.assertIn("conv_general_dilated", cov["Conv_0"]["kernel"].reason)
-    self.assertIn("no rule for conv layers", cov["Conv_0"]["kernel"].reason)
+    self.assertIn("shared by 2 uses", cov["Conv_0"]["kernel"].reason)
     self.assertTrue(cov["Conv_0"]["bias"])
     self.assertTrue(cov["Dense_0"]["kernel"])
     self.assertTrue(cov["Dense_0"]["bias"])
@@ -999,8 +1056,8 @@ class CoverageTest(parameterized.TestCase):
         _assert_close(self, a, b, rtol=1e-9)
 
   def test_conv_rules(self):
-    """A conv kernel in a scan or with batch groups is not covered (its
-    bias is); a conv of a parameter by an activation is not either."""
+    """A conv kernel shared by a scan's iterations or with batch groups is
+    not covered (its bias is)."""
     x = jnp.ones((4, 6, 2))
     k = jnp.ones((2, 2, 2))
 
@@ -1016,7 +1073,10 @@ class CoverageTest(parameterized.TestCase):
 
     cov = _taps.coverage(in_scan, {"k": k, "b": jnp.ones(2)}, x)
     self.assertFalse(cov["k"])
-    self.assertIn("no rule for conv layers inside a scan", cov["k"].reason)
+    self.assertIn(
+      "no rule for conv layers shared by the iterations of a scan",
+      cov["k"].reason,
+    )
     self.assertTrue(cov["b"])
 
     def batch_groups(p, x):

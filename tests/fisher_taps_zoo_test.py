@@ -485,6 +485,38 @@ class _LinenCNN(nn.Module):
     return nn.Dense(CLASSES, **kw)(jnp.mean(x, axis=(1, 2)))
 
 
+class _ConvBlock(nn.Module):
+  """A conv, a GroupNorm and a depthwise conv: one layer of a scanned stack."""
+
+  dtype: jnp.dtype = jnp.float32
+
+  @nn.compact
+  def __call__(self, x, _):
+    kw: dict[str, Any] = dict(param_dtype=self.dtype, dtype=self.dtype)
+    x = nn.relu(nn.GroupNorm(num_groups=2, **kw)(nn.Conv(4, (3, 3), **kw)(x)))
+    return nn.Conv(4, (1, 1), feature_group_count=4, **kw)(x), None
+
+
+class _LinenScanCNN(nn.Module):
+  """A strided conv, then conv blocks stacked by ``nn.scan`` over
+  ``nn.remat`` (each layer its own kernels), pooling and a Dense head."""
+
+  dtype: jnp.dtype = jnp.float32
+
+  @nn.compact
+  def __call__(self, x):
+    kw: dict[str, Any] = dict(param_dtype=self.dtype, dtype=self.dtype)
+    x = nn.relu(nn.Conv(4, (3, 3), strides=2, **kw)(x))
+    stack = nn.scan(
+      nn.remat(_ConvBlock),
+      variable_axes={"params": 0},
+      split_rngs={"params": True},
+      length=2,
+    )
+    x, _ = stack(self.dtype)(x, None)
+    return nn.Dense(CLASSES, **kw)(jnp.mean(x, axis=(1, 2)))
+
+
 class _NnxCNN(nnx.Module):
   def __init__(self, rngs, dtype):
     kw: dict[str, Any] = dict(param_dtype=dtype, dtype=dtype, rngs=rngs)
@@ -552,7 +584,11 @@ def _conv_model(
 ) -> tuple[Callable[[Any, Any], Any], Any, jax.Array]:
   x = jax.random.normal(jax.random.key(1), (B, IMG, IMG, CH), dtype)
   if name.startswith("linen"):
-    model = (_LinenCNN if name == "linen_cnn" else _LinenViT)(dtype)
+    model = {
+      "linen_cnn": _LinenCNN,
+      "linen_scan_cnn": _LinenScanCNN,
+      "linen_vit": _LinenViT,
+    }[name](dtype)
     params = _perturbed(jax.jit(model.init)(jax.random.key(0), x), dtype)
     return model.apply, params, x
   cls = _NnxCNN if name == "nnx_cnn" else _NnxViT
@@ -621,6 +657,7 @@ class ConvZooTest(parameterized.TestCase):
     ("nnx_cnn", False),
     ("linen_vit", False),
     ("nnx_vit", True),
+    ("linen_scan_cnn", True),
   )
   def test_every_leaf_on_the_layer_path_and_exact(self, name, x64):
     with jax.enable_x64(x64):
@@ -634,7 +671,11 @@ class ConvZooTest(parameterized.TestCase):
       convs = [c for p, c in flat if "conv_general_dilated" in c.reason]
       # K-FAC factors for ungrouped convs (the first two, the patch
       # embedding), not grouped ones.
-      want = [True, True, False, False] if name.endswith("cnn") else [True]
+      want = {
+        "linen_scan_cnn": [True, True, False],  # stacked: factors per layer
+        "linen_vit": [True],
+        "nnx_vit": [True],
+      }.get(name, [True, True, False, False])
       self.assertEqual([c.kronecker for c in convs], want)
       rtol = 1e-10 if x64 else 1e-5
       cot = jax.random.normal(jax.random.key(4), (2, B, CLASSES), dtype)
@@ -661,15 +702,19 @@ class ConvZooTest(parameterized.TestCase):
           with self.subTest(f"{mode}{key}"):
             self.assertEqual(f is not None, c.kronecker)
             if f is not None:  # square factors of a row-major view
-              rows, cols = f[0].shape[0], f[1].shape[0]
-              self.assertEqual(f[0].shape, (rows, rows))
-              self.assertEqual(f[1].shape, (cols, cols))
+              if "Scan" in key:  # a stacked leaf: one pair per layer
+                self.assertEqual(f[0].shape[0], p.shape[0])
+                self.assertEqual(f[1].shape[0], p.shape[0])
+                p = p[0]
+              rows, cols = f[0].shape[-1], f[1].shape[-1]
+              self.assertEqual(f[0].shape[-2:], (rows, rows))
+              self.assertEqual(f[1].shape[-2:], (cols, cols))
               self.assertEqual(rows * cols, p.size)
               lead = [math.prod(p.shape[:k]) for k in range(p.ndim + 1)]
               self.assertIn(rows, lead)
       _check_layer_statistics(self, apply_fn, params, x, cot, rtol)
 
-  @parameterized.parameters("linen_cnn", "nnx_vit")
+  @parameterized.parameters("linen_cnn", "nnx_vit", "linen_scan_cnn")
   def test_estimators_equal_the_per_example_path(self, name):
     """``method="auto"`` (no fallback warning) against ``"per_example"``:
     diagonals of the empirical and exact Fisher and a top-4 low rank."""

@@ -66,8 +66,8 @@ produced them, so the same code serves Flax Linen (``model.apply``), Flax NNX
 
 Casts (``convert_element_type``) and ``jit``/``remat`` boundaries are looked
 through, and ``scan`` bodies are walked (below). A leaf used any other way
-(a leaf in a ``scan`` carry or a ``custom_jvp``, a convolution kernel inside
-a ``scan`` or with several uses) is not covered; the engine computes it by the per-example path, and
+(a leaf in a ``scan`` carry or a ``custom_jvp``, a convolution kernel shared
+by a ``scan``'s iterations rather than stacked along them) is not covered; the engine computes it by the per-example path, and
 :func:`coverage` says which path each leaf takes and why.
 
 **Scans.** A leaf entering a ``scan`` (``lax.scan``, Linen ``nn.scan``,
@@ -118,8 +118,8 @@ the broadcast positions; inside the backward pass under
 ``record(statistic="kron")``). A convolution kernel in the ``(spatial..., I,
 O)`` layout (Flax's ``HWIO``) with one feature group has factors in its
 matrix view ``(prod(spatial) * I, O)``: ``a`` its input patches, the
-output positions weight-shared (Grosse & Martens, 2016); grouped convs and
-other kernel layouts have none.
+output positions weight-shared (Grosse & Martens, 2016), per layer when
+stacked along a scan; grouped convs and other kernel layouts have none.
 
 **Weight sharing.** When the activation has middle axes (a dense layer applied
 to ``(B, T, d)``), the example gradient is ``sum_t a_t delta_t^T``. Norms and
@@ -758,10 +758,21 @@ def _make_plan(closed, num_leaves: int, batch: int) -> _Plan:
     reason = _reason(u, modes)
     if u and all(role != "other" for role, _, _ in u):
       kinds = sorted({plan.sites[site].kind for _, site, _ in u})
-      if (len(u) > 1 or any(modes)) and not set(kinds) <= set(_LOOP_KINDS):
-        reason = (
-          f"{reason}: no rule for {', '.join(kinds)} layers inside a scan "
-          "or with several uses"
+      # A conv's per-example gradients keep its own layout, so its uses
+      # cannot fold a scan's iterations into positions: only scans that
+      # slice the kernel (one stack of layers).
+      stacked_conv = kinds == ["conv"] and all(
+        m == "xs" for ms in modes for m in ms
+      )
+      if (
+        (len(u) > 1 or any(modes))
+        and not set(kinds) <= set(_LOOP_KINDS)
+        and not stacked_conv
+      ):
+        reason = f"{reason}: no rule for {', '.join(kinds)} layers " + (
+          "shared by the iterations of a scan"
+          if kinds == ["conv"]
+          else "inside a scan or with several uses"
         )
       else:
         plan.roles[leaf] = (u[0][1], u[0][0])
@@ -1880,6 +1891,39 @@ def _kron_a(act: Array, reduce: bool) -> Array:
   return jnp.einsum("ntd,nte->de", act, act) / act.shape[1]
 
 
+def _conv_kron_sums(
+  eqn, x: Array, delta: Array, b: int, reduce: bool
+) -> tuple[Array, Array]:
+  """K-FAC sums ``(A_sum, Gamma_sum)`` of a conv kernel from its input ``x``
+  and output cotangents ``delta`` ``(S, ...)``, each as laid out: ``A``
+  from the input patches, ``Gamma`` from ``delta`` over positions.
+
+  All B examples' patches at once would grow with B without bound (``B x
+  positions x window x channels``): ``A`` sums them a chunk of examples at
+  a time.
+  """
+  dn = eqn.params["dimension_numbers"]
+  delta = jnp.moveaxis(numerics.widen(delta), 1 + dn.out_spec[1], -1)
+  delta = delta.reshape(delta.shape[0], b, -1, delta.shape[-1])
+  x = numerics.widen(x)
+  chunk = max(1, _BLOCK_ELEMENTS // _patch_elements(eqn))
+  count = -(-b // chunk)
+  k = math.prod(eqn.invars[1].aval.shape[i] for i in dn.rhs_spec[2:])
+  k *= x.shape[dn.lhs_spec[1]]
+  if count > 1:  # zero examples have zero patches: they add nothing
+    pad = [(0, 0)] * x.ndim
+    pad[dn.lhs_spec[0]] = (0, count * chunk - b)
+    x = jnp.pad(x, pad)
+
+  def a_sum(j):
+    xc = lax.dynamic_slice_in_dim(x, j * chunk, min(chunk, b), dn.lhs_spec[0])
+    act = _conv_patches(eqn, xc)
+    return _kron_a(act.reshape(act.shape[0], -1, k), reduce)
+
+  a = a_sum(0) if count == 1 else _loop_sum(a_sum, count, (k, k), x.dtype, x)
+  return a, _kron_gamma(delta, reduce)
+
+
 class LayerGrads:
   """Per-example layer cotangents ``delta`` of a :class:`LayerTape`.
 
@@ -2361,7 +2405,7 @@ class LayerGrads:
 
   def _conv_kron(self, leaf: int, reduce: bool):
     """K-FAC factors of a conv kernel with one use outside scans (else
-    ``None``): ``a`` its input patches, ``delta`` its output cotangents."""
+    ``None``; a stacked one: :meth:`_stacked_kron`)."""
     uses = self._tape._plan.special[leaf]
     if len(uses) != 1 or uses[0][2]:
       return None
@@ -2369,30 +2413,9 @@ class LayerGrads:
     site = self._tape._plan.sites[s]
     if site.kind != "conv" or not _conv_kron_ok(site.eqn):
       return None
-    dn = site.eqn.params["dimension_numbers"]
-    delta = numerics.widen(self._deltas[s])
-    delta = jnp.moveaxis(delta, 1 + dn.out_spec[1], -1)
-    b = self._tape.batch
-    delta = delta.reshape(delta.shape[0], b, -1, delta.shape[-1])
-    # The input patches of all B examples would grow with B without bound
-    # (B * positions * window * channels): A sums them a chunk at a time.
-    x = numerics.widen(self._tape._acts[s])
-    chunk = max(1, _BLOCK_ELEMENTS // _patch_elements(site.eqn))
-    count = -(-b // chunk)
-    k = math.prod(site.eqn.invars[1].aval.shape[i] for i in dn.rhs_spec[2:])
-    k *= x.shape[dn.lhs_spec[1]]
-    if count > 1:  # zero examples have zero patches: they add nothing
-      pad = [(0, 0)] * x.ndim
-      pad[dn.lhs_spec[0]] = (0, count * chunk - b)
-      x = jnp.pad(x, pad)
-
-    def a_sum(j):
-      xc = lax.dynamic_slice_in_dim(x, j * chunk, min(chunk, b), dn.lhs_spec[0])
-      act = _conv_patches(site.eqn, xc)
-      return _kron_a(act.reshape(act.shape[0], -1, k), reduce)
-
-    a = a_sum(0) if count == 1 else _loop_sum(a_sum, count, (k, k), x.dtype, x)
-    return (a, _kron_gamma(delta, reduce))
+    return _conv_kron_sums(
+      site.eqn, self._tape._acts[s], self._deltas[s], self._tape.batch, reduce
+    )
 
   def _stacked_kron(self, leaf: int, reduce: bool):
     """K-FAC factors of each layer of a leaf stacked along a scan with one
@@ -2401,13 +2424,14 @@ class LayerGrads:
     if len(uses) != 1 or "xs" not in uses[0][2]:
       return None
     ((site, *arrays), role, sliced) = self._special_views(leaf)[0]
-    if site.kind == "conv" or not _kron_ok(site, role):
+    if not _kron_ok(site, role):
       return None
     b = self._tape.batch
-    a_sum, gamma = lax.map(
-      lambda a: _kron_stat((site, *a), role, b, reduce),
-      tuple(arrays),
-    )
+    if site.kind == "conv":
+      one = lambda a: _conv_kron_sums(site.eqn, a[0], a[1], b, reduce)
+    else:
+      one = lambda a: _kron_stat((site, *a), role, b, reduce)
+    a_sum, gamma = lax.map(one, tuple(arrays))
     lead = tuple(np.shape(self._tape._leaves[leaf]))[:sliced]
     return (
       a_sum.reshape(lead + a_sum.shape[1:]),
@@ -2480,9 +2504,9 @@ class LayerGrads:
     their per-example gradients summed over the uses (padding rows 0)."""
     shape = tuple(np.shape(self._tape._leaves[leaf]))
     num = self.num_samples * self._tape.batch
-    patches = sum(
-      _patch_elements(site.eqn)
-      for (site, *_), _, _ in views
+    patches = sum(  # a use's X stacked layers form their patches at once
+      _patch_elements(site.eqn) * act.shape[0]
+      for (site, act, *_), _, _ in views
       if site.kind == "conv"
     )
     chunk = chunk_size or max(
@@ -2654,14 +2678,15 @@ def _leaf_coverage(plan: _Plan, leaves: Sequence[Any]) -> list[LeafCoverage]:
     else:
       site = plan.sites[role[0]]
       uses = plan.special.get(leaf)
-      # K-FAC factors need one use: a conv outside scans, any other layer
-      # in a scan that slices the leaf (factors per layer).
+      # K-FAC factors need one use: a conv outside scans or stacked along
+      # them, any other layer in a scan that slices the leaf (factors per
+      # layer).
       if uses is None:
         one_use = True
       elif len(uses) != 1:
         one_use = False
-      elif site.kind == "conv":
-        one_use = not uses[0][2]
+      elif site.kind == "conv":  # outside scans, or stacked along them
+        one_use = all(m == "xs" for m in uses[0][2])
       else:
         one_use = "xs" in uses[0][2]
       kron = one_use and _kron_ok(site, role[1])
@@ -2682,8 +2707,9 @@ def coverage(
   embedding gathers, and elementwise scale and shift parameters (norm
   scales and biases, learned positions, conv biases), also inside ``scan``
   bodies (stacked layers, recurrent cells) and for a leaf with several such
-  uses (tied embeddings); a convolution kernel only outside scans and with
-  one use. Only traces ``apply_fn`` (no FLOPs),
+  uses (tied embeddings, a conv kernel applied twice); a convolution kernel
+  inside a scan only when the scan slices it (a stack of layers), not when
+  every iteration shares it. Only traces ``apply_fn`` (no FLOPs),
   so ``params`` and ``inputs`` may be ``jax.ShapeDtypeStruct`` trees.
 
   Args:
