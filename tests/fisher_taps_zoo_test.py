@@ -536,6 +536,42 @@ class _NnxCNN(nnx.Module):
     return self.head(jnp.mean(x, axis=(1, 2)))
 
 
+class _NnxConvBlock(nnx.Module):
+  def __init__(self, rngs, dtype):
+    kw: dict[str, Any] = dict(param_dtype=dtype, dtype=dtype, rngs=rngs)
+    self.conv = nnx.Conv(4, 4, (3, 3), **kw)
+    self.norm = nnx.GroupNorm(4, num_groups=2, **kw)
+    self.depthwise = nnx.Conv(4, 4, (1, 1), feature_group_count=4, **kw)
+
+  def __call__(self, x):
+    return self.depthwise(nnx.relu(self.norm(self.conv(x))))
+
+
+class _NnxScanCNN(nnx.Module):
+  """``nnx.vmap``-built conv blocks run by ``nnx.scan`` over ``nnx.remat``."""
+
+  def __init__(self, rngs, dtype):
+    kw: dict[str, Any] = dict(param_dtype=dtype, dtype=dtype, rngs=rngs)
+    self.stem = nnx.Conv(CH, 4, (3, 3), strides=2, **kw)
+
+    @nnx.split_rngs(splits=2)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def make(rngs):
+      return _NnxConvBlock(rngs, dtype)
+
+    self.blocks = make(rngs)
+    self.head = nnx.Linear(4, CLASSES, **kw)
+
+  def __call__(self, x):
+    @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+    @nnx.remat
+    def run(x, block):
+      return block(x)
+
+    x = run(nnx.relu(self.stem(x)), self.blocks)
+    return self.head(jnp.mean(x, axis=(1, 2)))
+
+
 class _LinenViT(nn.Module):
   """A patch embedding (a conv with stride = kernel size), learned
   positions, one pre-norm attention block and a pooled Dense head."""
@@ -591,7 +627,9 @@ def _conv_model(
     }[name](dtype)
     params = _perturbed(jax.jit(model.init)(jax.random.key(0), x), dtype)
     return model.apply, params, x
-  cls = _NnxCNN if name == "nnx_cnn" else _NnxViT
+  cls = {"nnx_cnn": _NnxCNN, "nnx_scan_cnn": _NnxScanCNN, "nnx_vit": _NnxViT}[
+    name
+  ]
   graphdef, state = nnx.split(cls(nnx.Rngs(0), dtype))
   state = _perturbed(state, dtype)
   return (lambda st, inp: nnx.merge(graphdef, st)(inp)), state, x
@@ -658,6 +696,7 @@ class ConvZooTest(parameterized.TestCase):
     ("linen_vit", False),
     ("nnx_vit", True),
     ("linen_scan_cnn", True),
+    ("nnx_scan_cnn", False),
   )
   def test_every_leaf_on_the_layer_path_and_exact(self, name, x64):
     with jax.enable_x64(x64):
@@ -673,6 +712,7 @@ class ConvZooTest(parameterized.TestCase):
       # embedding), not grouped ones.
       want = {
         "linen_scan_cnn": [True, True, False],  # stacked: factors per layer
+        "nnx_scan_cnn": [True, False, True],
         "linen_vit": [True],
         "nnx_vit": [True],
       }.get(name, [True, True, False, False])
@@ -702,7 +742,7 @@ class ConvZooTest(parameterized.TestCase):
           with self.subTest(f"{mode}{key}"):
             self.assertEqual(f is not None, c.kronecker)
             if f is not None:  # square factors of a row-major view
-              if "Scan" in key:  # a stacked leaf: one pair per layer
+              if "Scan" in key or "blocks" in key:  # one pair per layer
                 self.assertEqual(f[0].shape[0], p.shape[0])
                 self.assertEqual(f[1].shape[0], p.shape[0])
                 p = p[0]
