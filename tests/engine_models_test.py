@@ -42,6 +42,17 @@ class FlopFloorsTest(absltest.TestCase):
       floors["kron (K-FAC) / auto"], 1 + kfac / grad, places=6
     )
 
+  def test_scanned_cnn_sites(self):
+    # The plain CNN's sites, then two 3x3 16 -> 16 convs at 14 x 14 output
+    # positions, whose forward runs again under remat.
+    plain = fe.model_sites("cnn", *fe.make_model("cnn", small=False)[1:])
+    _, params, in_shape = fe.make_model("cnn_scan", small=False)
+    sites, extra = fe.model_sites("cnn_scan", params, in_shape)
+    block = fe.Site(14 * 14, 9 * 16, 16)
+    self.assertEqual(sites, plain[0] + [block, block])
+    self.assertEqual(extra["fwd_other"], 2 * 2 * 14 * 14 * 9 * 16 * 16)
+    self.assertEqual(plain[1], {"fwd_other": 0})
+
 
 if __name__ == "__main__":
   absltest.main()

@@ -671,8 +671,9 @@ class LayerStatisticsTest(parameterized.TestCase):
   @parameterized.parameters("expand", "reduce")
   def test_stacked_conv_kron_factors_per_layer(self, mode):
     """Conv kernels stacked along a scan have one K-FAC pair per layer,
-    those of the same convs unrolled with a leaf each (both kinds); a conv
-    kernel shared by the iterations has no layer rule."""
+    those of the same convs unrolled with a leaf each, recorded or formed in
+    the backward pass (its diagonal too); a conv kernel shared by the
+    iterations has no layer rule."""
     dn = ("NHWC", "HWIO", "NHWC")
     num_layers = 3
 
@@ -719,10 +720,26 @@ class LayerStatisticsTest(parameterized.TestCase):
           .backward(cot)
           .statistics("kron", weight_sharing=mode)
         )
+        # Formed inside the backward pass, one iteration at a time.
+        fused = (
+          _taps.record(
+            scanned, stacked, x, statistic="kron", weight_sharing=mode
+          )
+          .backward(cot)
+          .statistics("kron", weight_sharing=mode)["k"]
+        )
         for i in range(num_layers):
           with self.subTest(f"S={num_s}, layer {i}"):
             _assert_close(self, got[0][i], want[f"k{i}"][0])
             _assert_close(self, got[1][i], want[f"k{i}"][1])
+            _assert_close(self, fused[0][i], want[f"k{i}"][0])
+            _assert_close(self, fused[1][i], want[f"k{i}"][1])
+        diag = lambda statistic: (
+          _taps.record(scanned, stacked, x, statistic=statistic, chunk_size=2)
+          .backward(cot)
+          .statistics("diag", chunk_size=2)["k"]
+        )
+        _assert_close(self, diag("diag"), diag(None))
 
   @parameterized.parameters("expand", "reduce")
   def test_conv_kron_factors(self, mode):

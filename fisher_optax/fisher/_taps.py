@@ -1194,7 +1194,7 @@ def held_elements(
   leaves, _, _, closed, _, batch = _trace(apply_fn, params, inputs)
   plan = _make_plan(closed, len(leaves), batch)
   out_shapes, act_avals = _site_avals(plan, closed)
-  fused = _by_site(_fusable(plan)) if statistic is not None else {}
+  fused = _by_site(_fusable(plan, statistic)) if statistic is not None else {}
   total = 0
   for s, (lead, out) in out_shapes.items():
     if s in fused:
@@ -1271,7 +1271,7 @@ def record(
   plan = _make_plan(closed, num, batch)
   covered = [r is not None for r in plan.roles]
   out_shapes, act_avals = _site_avals(plan, closed)
-  fused_leaves = _fusable(plan) if statistic is not None else {}
+  fused_leaves = _fusable(plan, statistic) if statistic is not None else {}
   fused, stat_avals = {}, {}
   for s, users in _by_site(fused_leaves).items():
     site, act = plan.sites[s], act_avals[s]
@@ -1367,17 +1367,21 @@ class _Fusion:
   weights: Any = None  # statistic="combine": the (k, B) weights
 
 
-def _fusable(plan: _Plan) -> dict[int, tuple[int, str]]:
+def _fusable(plan: _Plan, statistic: str) -> dict[int, tuple[int, str]]:
   """Leaf -> (site, role) for the leaves whose statistic can be formed in
   the backward pass: stacked along every scan around their one use, a
-  dense, scale or shift layer, at a site no other covered leaf needs."""
+  dense, scale or shift layer (a conv for ``"diag"`` and ``"kron"``), at a
+  site no other covered leaf needs."""
+  kinds = ("dense", "scale", "shift")
+  if statistic in ("diag", "kron"):
+    kinds += ("conv",)
   out: dict[int, tuple[int, str]] = {}
   for leaf, uses in plan.special.items():
     if len(uses) != 1:
       continue
     s, role, modes = uses[0]
     if modes and all(m == "xs" for m in modes):
-      if plan.sites[s].kind in ("dense", "scale", "shift"):
+      if plan.sites[s].kind in kinds:
         out[leaf] = (s, role)
   needed = set()  # sites that other covered leaves read (a, delta) from
   for leaf in range(len(plan.roles)):
@@ -1415,7 +1419,13 @@ def _fused_stat(
   view = _site_view(site, act, delta[None], batch)
   out: dict[int, Any] = {}
   for leaf, role, shape in users:
-    if statistic == "diag":
+    if site.kind == "conv":  # diag or kron (_fusable)
+      assert act is not None
+      if statistic == "diag":
+        out[leaf] = _conv_diag(site.eqn, act, view[2], shape, chunk_size)
+      elif _conv_kron_ok(site.eqn):
+        out[leaf] = _conv_kron_sums(site.eqn, act, delta[None], batch, reduce)
+    elif statistic == "diag":
       out[leaf] = _diag_stat(view, role, shape, chunk_size)
     elif statistic == "gram":
       out[leaf] = _gram_stat(view, role, chunk_size)
@@ -1889,6 +1899,35 @@ def _kron_a(act: Array, reduce: bool) -> Array:
     mean = jnp.mean(act, axis=1)
     return mean.T @ mean
   return jnp.einsum("ntd,nte->de", act, act) / act.shape[1]
+
+
+def _conv_diag(
+  eqn, x: Array, delta: Array, shape: tuple, chunk_size: int | None
+) -> Array:
+  """``sum_{s,n} g_{s,n}^2`` of a conv kernel from its input ``x`` and
+  output cotangents ``delta`` ``(S, ...)``, the per-example gradients
+  formed for a chunk of examples at a time (``chunk_size``, or as many as
+  keep their input patches in cache)."""
+  num_s, b = delta.shape[:2]
+  chunk = chunk_size or _PATCH_CHUNK_ELEMENTS // _patch_elements(eqn)
+  chunk = max(1, min(chunk, b))
+  count = -(-b // chunk)
+  if count > 1:  # zero examples have zero gradients
+    pad = count * chunk - b
+    x = jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1))
+    delta = jnp.pad(delta, [(0, 0), (0, pad)] + [(0, 0)] * (delta.ndim - 2))
+
+  def square(j):
+    xc = lax.dynamic_slice_in_dim(x, j * chunk, chunk, 0)
+    dc = lax.dynamic_slice_in_dim(delta, j * chunk, chunk, 1)
+    squares = [
+      jnp.sum(_conv_kernel_grads(eqn, xc, dc[s]) ** 2, axis=0)
+      for s in range(num_s)
+    ]
+    return functools.reduce(jnp.add, squares)
+
+  dtype = jnp.promote_types(x.dtype, delta.dtype)
+  return _loop_sum(square, count, shape, dtype, [x, delta])
 
 
 def _conv_kron_sums(
