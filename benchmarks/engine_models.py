@@ -20,15 +20,36 @@ from examples.common import models
 NUM_CLASSES = 10
 
 
+class _ConvBlock(nn.Module):
+  """A 3x3 conv and relu (a scan body: ``(x, _) -> (x, None)``)."""
+
+  width: int
+
+  @nn.compact
+  def __call__(self, x, _):
+    return jax.nn.relu(nn.Conv(self.width, (3, 3))(x)), None
+
+
 class SmallCNN(nn.Module):
-  """28x28x1 -> conv 8 -> conv 16 (stride 2) -> dense 10."""
+  """28x28x1 -> conv 8 -> conv 16 (stride 2) -> dense 10. ``blocks > 0``
+  adds that many 16-channel 3x3 convs after the strided one, stacked by
+  ``nn.scan`` over ``nn.remat`` (kernels ``(blocks, 3, 3, 16, 16)``)."""
 
   width: int = 8
+  blocks: int = 0
 
   @nn.compact
   def __call__(self, x):
     x = jax.nn.relu(nn.Conv(self.width, (3, 3))(x))
     x = jax.nn.relu(nn.Conv(2 * self.width, (3, 3), strides=2)(x))
+    if self.blocks:
+      stack = nn.scan(
+        nn.remat(_ConvBlock),
+        variable_axes={"params": 0},
+        split_rngs={"params": True},
+        length=self.blocks,
+      )
+      x, _ = stack(2 * self.width, name="blocks")(x, None)
     return nn.Dense(NUM_CLASSES)(x.reshape(x.shape[0], -1))
 
 
@@ -98,7 +119,9 @@ def make_model(name: str, small: bool):
     )
     return apply_fn, params, (sizes[0],)
   side = 8 if small else 28
-  model = SmallCNN(width=4 if small else 8)
+  model = SmallCNN(
+    width=4 if small else 8, blocks=2 if name == "cnn_scan" else 0
+  )
   params = model.init(jax.random.key(0), jnp.zeros((1, side, side, 1)))
   return model.apply, params, (side, side, 1)
 
@@ -175,16 +198,19 @@ def model_sites(
     return [
       Site(1, s[0], s[1], carries=i > 0) for i, (_, s) in enumerate(kernels)
     ], {}
-  if model_name == "cnn":
+  if model_name in ("cnn", "cnn_scan"):
     side = in_shape[0]
-    sites, rows = [], side * side
+    sites, rows, remat = [], side * side, 0
     for i, (_, s) in enumerate(kernels):
-      if len(s) == 4:  # SAME padding; the second conv has stride 2
+      if len(s) == 5:  # the stacked blocks, after the strided conv
+        sites += [Site(rows, s[1] * s[2] * s[3], s[4])] * s[0]
+        remat += 2 * s[0] * rows * s[1] * s[2] * s[3] * s[4]  # under remat
+      elif len(s) == 4:  # SAME padding; the second conv has stride 2
         rows = rows if i == 0 else rows // 4
         sites.append(Site(rows, s[0] * s[1] * s[2], s[3], carries=i > 0))
       else:
         sites.append(Site(1, s[0], s[1]))
-    return sites, {}
+    return sites, {"fwd_other": remat}
   # Transformers: every block matmul runs at each of the T positions, the
   # head (after mean pooling) once; attention scores (QK^T, AV) cost 4 T^2 d
   # forward and twice that backward, per block; the embedding has only its

@@ -6,8 +6,9 @@ Models (float32, softmax cross-entropy, 10 classes): the MLP 784-512-512-10
 positional embeddings, ``MultiHeadDotProductAttention``, ``LayerNorm``, an
 MLP; 32 tokens per example, so every kernel is weight-shared over positions),
 the same transformer with its blocks stacked by ``nn.scan`` over
-``nn.remat`` (every block leaf ``(layers, ...)``) and a small Linen CNN (two
-convolutions and a dense head). For each batch
+``nn.remat`` (every block leaf ``(layers, ...)``), a small Linen CNN (two
+convolutions and a dense head) and the same CNN with two more convolutions
+stacked by ``nn.scan`` over ``nn.remat``. For each batch
 size, every estimator returns the mean gradient and its statistic, and is
 timed against ``jax.value_and_grad`` of the mean loss in the same process
 (interleaved rounds, median of within-round ratios). Rows:
@@ -82,7 +83,7 @@ _BATCHES = flags.DEFINE_list(
 )
 _MODELS = flags.DEFINE_list(
   "models",
-  ["mlp", "transformer", "transformer_scan", "cnn"],
+  ["mlp", "transformer", "transformer_scan", "cnn", "cnn_scan"],
   "Models to run.",
 )
 _MERGE = flags.DEFINE_bool(
@@ -257,7 +258,7 @@ def to_markdown(
   rows: list[dict[str, Any]], batches: list[int], chunk: int
 ) -> str:
   out = []
-  order = ["mlp", "transformer", "transformer_scan", "cnn"]
+  order = ["mlp", "transformer", "transformer_scan", "cnn", "cnn_scan"]
   for model in sorted({r["model"] for r in rows}, key=order.index):
     sub = [r for r in rows if r["model"] == model]
     batches_m = [b for b in batches if any(r["batch"] == b for r in sub)]
@@ -296,6 +297,8 @@ def to_markdown(
     title = {
       "mlp": "MLP (NNX, relu): " + sub[0]["sizes"],
       "cnn": "small CNN (Linen: 2 convs + dense head)",
+      "cnn_scan": "the same CNN with two 16-channel 3x3 convs after the "
+      "strided one, stacked by nn.scan over nn.remat",
       "transformer": "small transformer (Linen: 2 blocks of "
       "MultiHeadDotProductAttention + LayerNorm + MLP, d=128, T=32)",
       "transformer_scan": "the same transformer, blocks stacked by nn.scan "

@@ -671,9 +671,10 @@ class LayerStatisticsTest(parameterized.TestCase):
   @parameterized.parameters("expand", "reduce")
   def test_stacked_conv_kron_factors_per_layer(self, mode):
     """Conv kernels stacked along a scan have one K-FAC pair per layer,
-    those of the same convs unrolled with a leaf each, recorded or formed in
-    the backward pass (its diagonal too); a conv kernel shared by the
-    iterations has no layer rule."""
+    those of the same convs unrolled with a leaf each, also under
+    ``statistic="kron"``; its diagonal formed in the backward pass equals
+    the recorded one; a conv kernel shared by the iterations has no layer
+    rule."""
     dn = ("NHWC", "HWIO", "NHWC")
     num_layers = 3
 
@@ -720,7 +721,7 @@ class LayerStatisticsTest(parameterized.TestCase):
           .backward(cot)
           .statistics("kron", weight_sharing=mode)
         )
-        # Formed inside the backward pass, one iteration at a time.
+        # Under statistic="kron" (the conv's factors from the recorded layer).
         fused = (
           _taps.record(
             scanned, stacked, x, statistic="kron", weight_sharing=mode

@@ -90,7 +90,8 @@ whose ``custom_vjp`` also returns, as the cotangent of a zero "statistic
 tap", that iteration's diagonal, K-FAC sums or ``(B, B)`` Gram matrix from
 the (recomputed) ``a`` and the ``delta`` just formed. Nothing of size
 ``B x T`` leaves the iteration, so the pass needs about the batch
-gradient's memory. A low-rank Fisher's weighted sums ``sum_n w_kn g_n``
+gradient's memory (a stacked conv's diagonal likewise; its other
+statistics come from the recorded layer). A low-rank Fisher's weighted sums ``sum_n w_kn g_n``
 need weights known only after the Gram matrix: a second pass,
 ``record(statistic="combine", weights=w)``, carries them into the backward
 pass on its taps. (Outside scans this brought nothing on XLA:CPU: the
@@ -1227,7 +1228,8 @@ def record(
       never sums tap cotangents (examples) across devices.
     statistic: ``"diag"``, ``"kron"``, ``"gram"`` or ``"combine"`` to
       form that statistic of the leaves stacked along a scan (one use each,
-      a dense, scale or shift layer) inside the backward pass, one
+      a dense, scale or shift layer; a conv for ``"diag"``)
+      inside the backward pass, one
       iteration at a time: the pass then keeps neither their activations
       nor their cotangents ``(L, B, T, ...)``, and a ``remat`` body is still
       recomputed, so memory stays near the batch gradient's.
@@ -1370,10 +1372,12 @@ class _Fusion:
 def _fusable(plan: _Plan, statistic: str) -> dict[int, tuple[int, str]]:
   """Leaf -> (site, role) for the leaves whose statistic can be formed in
   the backward pass: stacked along every scan around their one use, a
-  dense, scale or shift layer (a conv for ``"diag"`` and ``"kron"``), at a
-  site no other covered leaf needs."""
+  dense, scale or shift layer (a conv for ``"diag"``), at a site no other
+  covered leaf needs. A conv's K-FAC ``A`` comes from its input patches,
+  which each backward pass of several samples would form again: its
+  factors come from the recorded layer, ``A`` once."""
   kinds = ("dense", "scale", "shift")
-  if statistic in ("diag", "kron"):
+  if statistic == "diag":
     kinds += ("conv",)
   out: dict[int, tuple[int, str]] = {}
   for leaf, uses in plan.special.items():
@@ -1419,12 +1423,9 @@ def _fused_stat(
   view = _site_view(site, act, delta[None], batch)
   out: dict[int, Any] = {}
   for leaf, role, shape in users:
-    if site.kind == "conv":  # diag or kron (_fusable)
+    if site.kind == "conv":  # diag only (_fusable)
       assert act is not None
-      if statistic == "diag":
-        out[leaf] = _conv_diag(site.eqn, act, view[2], shape, chunk_size)
-      elif _conv_kron_ok(site.eqn):
-        out[leaf] = _conv_kron_sums(site.eqn, act, delta[None], batch, reduce)
+      out[leaf] = _conv_diag(site.eqn, act, view[2], shape, chunk_size)
     elif statistic == "diag":
       out[leaf] = _diag_stat(view, role, shape, chunk_size)
     elif statistic == "gram":
