@@ -67,8 +67,9 @@ produced them, so the same code serves Flax Linen (``model.apply``), Flax NNX
 Casts (``convert_element_type``) and ``jit``/``remat`` boundaries are looked
 through, and ``scan`` bodies are walked (below). A leaf used any other way
 (a leaf in a ``scan`` carry or a ``custom_jvp``, a convolution kernel shared
-by a ``scan``'s iterations rather than stacked along them) is not covered; the engine computes it by the per-example path, and
-:func:`coverage` says which path each leaf takes and why.
+by a ``scan``'s iterations rather than stacked along them) is not covered;
+the engine computes it by the per-example path, and :func:`coverage` says
+which path each leaf takes and why.
 
 **Scans.** A leaf entering a ``scan`` (``lax.scan``, Linen ``nn.scan``,
 ``nnx.scan``; ``remat`` inside or around it) as an ``xs`` operand is a stack
@@ -90,9 +91,9 @@ whose ``custom_vjp`` also returns, as the cotangent of a zero "statistic
 tap", that iteration's diagonal, K-FAC sums or ``(B, B)`` Gram matrix from
 the (recomputed) ``a`` and the ``delta`` just formed. Nothing of size
 ``B x T`` leaves the iteration, so the pass needs about the batch
-gradient's memory (a stacked conv's diagonal likewise; its other
-statistics come from the recorded layer). A low-rank Fisher's weighted sums ``sum_n w_kn g_n``
-need weights known only after the Gram matrix: a second pass,
+gradient's memory (a stacked conv's diagonal likewise; its other statistics
+come from the recorded layer). A low-rank Fisher's weighted sums ``sum_n
+w_kn g_n`` need weights known only after the Gram matrix: a second pass,
 ``record(statistic="combine", weights=w)``, carries them into the backward
 pass on its taps. (Outside scans this brought nothing on XLA:CPU: the
 layers' ``(a, delta)`` are recorded as before.)
@@ -1228,11 +1229,11 @@ def record(
       never sums tap cotangents (examples) across devices.
     statistic: ``"diag"``, ``"kron"``, ``"gram"`` or ``"combine"`` to
       form that statistic of the leaves stacked along a scan (one use each,
-      a dense, scale or shift layer; a conv for ``"diag"``)
-      inside the backward pass, one
-      iteration at a time: the pass then keeps neither their activations
-      nor their cotangents ``(L, B, T, ...)``, and a ``remat`` body is still
-      recomputed, so memory stays near the batch gradient's.
+      a dense, scale or shift layer; a conv for ``"diag"``) inside the
+      backward pass, one iteration at a time: the pass then keeps neither
+      their activations nor their cotangents ``(L, B, T, ...)``, and a
+      ``remat`` body is still recomputed, so memory stays near the batch
+      gradient's.
       :meth:`LayerGrads.statistics` (or, for ``"combine"``,
       :meth:`LayerGrads.combine` with ``weights``) then serves only that
       structure (and ``weight_sharing``) for them. ``"gram"`` and
