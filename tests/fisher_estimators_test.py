@@ -1013,22 +1013,24 @@ class ExampleChunksTest(absltest.TestCase):
     x = ft.normal(jax.random.key(1), (256, 32))
     return apply_fn, params, x, jnp.arange(256) % 10
 
+  @staticmethod
+  def _compiled(apply_fn, params, batch, **kw):
+    """The jitted diagonal of ``params`` and its memory analysis."""
+    fn = jax.jit(
+      lambda p: fisher.diagonal(
+        apply_fn, p, batch, likelihood=fisher.Categorical(), **kw
+      )
+    )
+    return fn, fn.lower(params).compile().memory_analysis()
+
   def test_default_chunks_bound_the_memory_and_keep_the_values(self):
     apply_fn, params, x, y = self._shared_mlp()
     held, _ = _taps.held_elements(apply_fn, params, x, statistic="diag")
 
     def compiled(chunk_size):
-      fn = jax.jit(
-        lambda p: fisher.diagonal(
-          apply_fn,
-          p,
-          (x, y),
-          likelihood=fisher.Categorical(),
-          kind="exact",
-          chunk_size=chunk_size,
-        )
+      return self._compiled(
+        apply_fn, params, (x, y), kind="exact", chunk_size=chunk_size
       )
-      return fn, fn.lower(params).compile().memory_analysis()
 
     one_pass, one_mem = compiled(len(x))  # chunk_size >= B: no chunks
     with mock.patch.object(_taps, "PASS_ELEMENTS", held // 4):
@@ -1090,18 +1092,14 @@ class ExampleChunksTest(absltest.TestCase):
     key = jax.random.key(3)
 
     def compiled(targets, chunk_size):
-      fn = jax.jit(
-        lambda p: fisher.diagonal(
-          apply_fn,
-          p,
-          (x, targets),
-          likelihood=fisher.Categorical(),
-          kind="mc",
-          key=key,
-          chunk_size=chunk_size,
-        )
+      return self._compiled(
+        apply_fn,
+        params,
+        (x, targets),
+        kind="mc",
+        key=key,
+        chunk_size=chunk_size,
       )
-      return fn, fn.lower(params).compile().memory_analysis()
 
     one_pass, one_mem = compiled(y, len(x))
     no_targets, _ = compiled(None, len(x))

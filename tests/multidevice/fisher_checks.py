@@ -129,9 +129,10 @@ class FisherMultiDeviceTest(parameterized.TestCase):
     )(params, x, y)
     _compare(self, got, want, name)
 
-  def test_shard_map_mc_is_finite_and_per_device(self):
+  @staticmethod
+  def _shard_map_mc(**kw):
+    """The MC diagonal of the batch split over the devices."""
     params, x, y = _problem()
-    mesh = _auto_mesh()
 
     def local(params, x, y):
       return fisher.diagonal(
@@ -140,16 +141,22 @@ class FisherMultiDeviceTest(parameterized.TestCase):
         (x, y),
         likelihood=fisher.Categorical(),
         kind="mc",
-        num_samples=64,
         key=jax.random.key(0),
         axis_name="data",
+        **kw,
       )
 
-    got = jax.jit(
+    return jax.jit(
       jax.shard_map(
-        local, mesh=mesh, in_specs=(P(), P("data"), P("data")), out_specs=P()
+        local,
+        mesh=_auto_mesh(),
+        in_specs=(P(), P("data"), P("data")),
+        out_specs=P(),
       )
     )(params, x, y)
+
+  def test_shard_map_mc_is_finite_and_per_device(self):
+    got = self._shard_map_mc(num_samples=64)
     exact = _want("diag_exact_taps")  # The same exact diagonal, compiled once.
     chex.assert_tree_all_finite(got)
     err = jnp.linalg.norm(ft.ravel(got.diag) - ft.ravel(exact.diag))
@@ -158,26 +165,7 @@ class FisherMultiDeviceTest(parameterized.TestCase):
   def test_shard_map_one_mc_sample_in_example_chunks(self):
     # MC with targets takes a second (empirical) backward pass, so it runs
     # its examples in chunks: a scan whose carry varies over the mesh axis.
-    params, x, y = _problem()
-    mesh = _auto_mesh()
-
-    def local(params, x, y):
-      return fisher.diagonal(
-        ft.mlp_apply,
-        params,
-        (x, y),
-        likelihood=fisher.Categorical(),
-        kind="mc",
-        key=jax.random.key(0),
-        chunk_size=1,
-        axis_name="data",
-      )
-
-    got = jax.jit(
-      jax.shard_map(
-        local, mesh=mesh, in_specs=(P(), P("data"), P("data")), out_specs=P()
-      )
-    )(params, x, y)
+    got = self._shard_map_mc(chunk_size=1)
     exact = _want("diag_exact_taps")
     chex.assert_tree_all_finite(got.diag)
     self.assertEqual(int(got.count), int(exact.count))
