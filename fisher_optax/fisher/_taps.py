@@ -1635,20 +1635,47 @@ def _combine_dense(w: Array, a: Array, d: Array) -> Array:
     return jnp.einsum("nti,kntj->kij", a_c, wd)
 
   chunk = max(1, _BLOCK_ELEMENTS // (k * t * (i if num_s == 1 else j)))
-  if chunk >= b:
-    return part(w, a, d)
-  count = -(-b // chunk)
-  pad = count * chunk - b  # zero weights on the padding examples
-  w = jnp.pad(w, ((0, 0), (0, 0), (0, pad)))
-  a = jnp.pad(a, ((0, pad), (0, 0), (0, 0)))
-  d = jnp.pad(d, ((0, 0), (0, pad), (0, 0), (0, 0)))
-
-  def one(c):
-    sl = lambda x, axis: lax.dynamic_slice_in_dim(x, c * chunk, chunk, axis)
-    return part(sl(w, 2), sl(a, 0), sl(d, 1))
-
   dtype = jnp.promote_types(w.dtype, jnp.promote_types(a.dtype, d.dtype))
-  return _loop_sum(one, count, (k, i, j), dtype, [w, a, d])
+  return _sum_over_example_chunks(
+    part, [w, a, d], [2, 0, 1], b, chunk, (k, i, j), dtype
+  )
+
+
+def _sum_over_example_chunks(
+  fn: Callable[..., Array],
+  arrays: Sequence[Array],
+  axes: Sequence[int],
+  b: int,
+  chunk: int,
+  shape: tuple,
+  dtype: Any,
+) -> Array:
+  """``sum_j fn(*chunk j of arrays)``, each array's ``b`` examples along its
+  axis in ``axes``, ``chunk`` at a time, one chunk's terms live at a time
+  (a ``scan``); ``fn(*arrays)`` when one chunk holds them all. The last
+  chunk is padded with zero examples, so ``fn`` must give zero for them."""
+  chunk = max(1, min(chunk, b))
+  count = -(-b // chunk)
+  if count == 1:
+    return fn(*arrays)
+  pad = count * chunk - b
+
+  def padded(x, axis):
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, pad)
+    return jnp.pad(x, widths)
+
+  arrays = [padded(x, axis) for x, axis in zip(arrays, axes)]
+
+  def one(j):
+    return fn(
+      *(
+        lax.dynamic_slice_in_dim(x, j * chunk, chunk, axis)
+        for x, axis in zip(arrays, axes)
+      )
+    )
+
+  return _loop_sum(one, count, shape, dtype, arrays)
 
 
 def _combine_stat(site_view, role: str, weights: Array, shape: tuple) -> Array:
@@ -1912,16 +1939,8 @@ def _conv_diag(
   keep their input patches in cache)."""
   num_s, b = delta.shape[:2]
   chunk = chunk_size or _PATCH_CHUNK_ELEMENTS // _patch_elements(eqn)
-  chunk = max(1, min(chunk, b))
-  count = -(-b // chunk)
-  if count > 1:  # zero examples have zero gradients
-    pad = count * chunk - b
-    x = jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1))
-    delta = jnp.pad(delta, [(0, 0), (0, pad)] + [(0, 0)] * (delta.ndim - 2))
 
-  def square(j):
-    xc = lax.dynamic_slice_in_dim(x, j * chunk, chunk, 0)
-    dc = lax.dynamic_slice_in_dim(delta, j * chunk, chunk, 1)
+  def square(xc, dc):  # zero examples have zero gradients
     squares = [
       jnp.sum(_conv_kernel_grads(eqn, xc, dc[s]) ** 2, axis=0)
       for s in range(num_s)
@@ -1929,7 +1948,9 @@ def _conv_diag(
     return functools.reduce(jnp.add, squares)
 
   dtype = jnp.promote_types(x.dtype, delta.dtype)
-  return _loop_sum(square, count, shape, dtype, [x, delta])
+  return _sum_over_example_chunks(
+    square, [x, delta], [0, 1], b, chunk, shape, dtype
+  )
 
 
 def _conv_kron_sums(
@@ -1947,21 +1968,17 @@ def _conv_kron_sums(
   delta = jnp.moveaxis(numerics.widen(delta), 1 + dn.out_spec[1], -1)
   delta = delta.reshape(delta.shape[0], b, -1, delta.shape[-1])
   x = numerics.widen(x)
-  chunk = max(1, _BLOCK_ELEMENTS // _patch_elements(eqn))
-  count = -(-b // chunk)
   k = math.prod(eqn.invars[1].aval.shape[i] for i in dn.rhs_spec[2:])
   k *= x.shape[dn.lhs_spec[1]]
-  if count > 1:  # zero examples have zero patches: they add nothing
-    pad = [(0, 0)] * x.ndim
-    pad[dn.lhs_spec[0]] = (0, count * chunk - b)
-    x = jnp.pad(x, pad)
 
-  def a_sum(j):
-    xc = lax.dynamic_slice_in_dim(x, j * chunk, min(chunk, b), dn.lhs_spec[0])
+  def a_sum(xc):  # zero examples have zero patches
     act = _conv_patches(eqn, xc)
     return _kron_a(act.reshape(act.shape[0], -1, k), reduce)
 
-  a = a_sum(0) if count == 1 else _loop_sum(a_sum, count, (k, k), x.dtype, x)
+  chunk = _BLOCK_ELEMENTS // _patch_elements(eqn)
+  a = _sum_over_example_chunks(
+    a_sum, [x], [dn.lhs_spec[0]], b, chunk, (k, k), x.dtype
+  )
   return a, _kron_gamma(delta, reduce)
 
 
