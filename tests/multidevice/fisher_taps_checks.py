@@ -1,6 +1,8 @@
 # Copyright 2026 The fisher_optax Authors. Licensed under the Apache License 2.0.
 """Layer statistics on 8 CPU devices (run by fisher_taps_multidevice_test)."""
 
+from unittest import mock
+
 from absl.testing import absltest
 import chex
 import jax
@@ -9,6 +11,7 @@ from jax.sharding import AxisType
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from fisher_optax.fisher import _taps
 from tests import fisher_taps_test
 from tests import fisher_testing
 
@@ -91,6 +94,52 @@ class TapsShardedTest(absltest.TestCase):
       out = jax.jit(local)(
         params, jax.device_put(ids, P("d")), jax.device_put(cot, P(None, "d"))
       )
+    chex.assert_trees_all_close(out, ref, rtol=1e-5, atol=1e-6)
+
+  def test_shard_map_stacked_convs(self):
+    """Conv kernels stacked along a scan: their per-layer factors, and
+    their diagonal from chunked per-example gradients (recorded, and formed
+    in the backward pass), summed in loops whose carries vary per device."""
+    dn = ("NHWC", "HWIO", "NHWC")
+
+    def apply_fn(p, x):
+      conv = lambda h, k: jnp.tanh(
+        jax.lax.conv_general_dilated(h, k, (1, 1), "SAME", None, None, dn)
+      )
+      h, _ = jax.lax.scan(lambda h, k: (conv(h, k), None), x, p["k"])
+      return h.reshape(x.shape[0], -1) @ p["w"]
+
+    k = jax.random.split(jax.random.key(4), 4)
+    params = {
+      "k": 0.5 * jax.random.normal(k[0], (3, 3, 3, 2, 2)),
+      "w": jax.random.normal(k[1], (4 * 4 * 2, 2)),
+    }
+    x = jax.random.normal(k[2], (16, 4, 4, 2))
+    cot = jax.random.normal(k[3], (2, 16, 2))
+
+    def stats(p, x, c):
+      return {
+        (s, fused): fisher_testing.layer_statistics(
+          apply_fn, p, x, c, structure=s, chunk_size=1, fused=fused
+        )[0]
+        for s in ("diag", "kron")
+        for fused in (False, True)
+      }
+
+    mesh = jax.make_mesh((8,), ("d",), axis_types=(AxisType.Explicit,))
+    local = jax.shard_map(
+      lambda p, x, c: jax.lax.psum(stats(p, x, c), "d"),
+      mesh=mesh,
+      in_specs=(P(), P("d"), P(None, "d")),
+      out_specs=P(),
+    )
+    # Input patches of one example at a time: the factors' loop too.
+    with mock.patch.object(_taps, "_BLOCK_ELEMENTS", 64):
+      ref = jax.jit(stats)(params, x, cot)
+      with jax.set_mesh(mesh):
+        out = jax.jit(local)(
+          params, jax.device_put(x, P("d")), jax.device_put(cot, P(None, "d"))
+        )
     chex.assert_trees_all_close(out, ref, rtol=1e-5, atol=1e-6)
 
   def test_sharded_jit_matches_one_device(self):
