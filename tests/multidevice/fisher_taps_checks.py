@@ -40,6 +40,22 @@ def _stats(p, x, c):
   }
 
 
+def _sharded_sums(stats, params, x, cot):
+  """``stats`` of each device's examples (batch split over 8 devices by
+  ``shard_map``, params replicated), summed over the devices."""
+  mesh = jax.make_mesh((8,), ("d",), axis_types=(AxisType.Explicit,))
+  local = jax.shard_map(
+    lambda p, x, c: jax.lax.psum(stats(p, x, c), "d"),
+    mesh=mesh,
+    in_specs=(P(), P("d"), P(None, "d")),
+    out_specs=P(),
+  )
+  with jax.set_mesh(mesh):
+    return jax.jit(local)(
+      params, jax.device_put(x, P("d")), jax.device_put(cot, P(None, "d"))
+    )
+
+
 class TapsShardedTest(absltest.TestCase):
   def test_device_count(self):
     self.assertEqual(jax.device_count(), 8)
@@ -48,17 +64,7 @@ class TapsShardedTest(absltest.TestCase):
     """Replicated params: taps must vary per device or examples mix."""
     params, x, cot = _setup()
     ref = jax.jit(_stats)(params, x, cot)
-    mesh = jax.make_mesh((8,), ("d",), axis_types=(AxisType.Explicit,))
-    local = jax.shard_map(
-      lambda p, x, c: jax.lax.psum(_stats(p, x, c), "d"),
-      mesh=mesh,
-      in_specs=(P(), P("d"), P(None, "d")),
-      out_specs=P(),
-    )
-    with jax.set_mesh(mesh):
-      out = jax.jit(local)(
-        params, jax.device_put(x, P("d")), jax.device_put(cot, P(None, "d"))
-      )
+    out = _sharded_sums(_stats, params, x, cot)
     chex.assert_trees_all_close(out, ref, rtol=1e-5, atol=1e-6)
 
   def test_shard_map_scan_and_shared_leaves(self):
@@ -83,17 +89,7 @@ class TapsShardedTest(absltest.TestCase):
       }
 
     ref = jax.jit(stats)(params, ids, cot)
-    mesh = jax.make_mesh((8,), ("d",), axis_types=(AxisType.Explicit,))
-    local = jax.shard_map(
-      lambda p, x, c: jax.lax.psum(stats(p, x, c), "d"),
-      mesh=mesh,
-      in_specs=(P(), P("d"), P(None, "d")),
-      out_specs=P(),
-    )
-    with jax.set_mesh(mesh):
-      out = jax.jit(local)(
-        params, jax.device_put(ids, P("d")), jax.device_put(cot, P(None, "d"))
-      )
+    out = _sharded_sums(stats, params, ids, cot)
     chex.assert_trees_all_close(out, ref, rtol=1e-5, atol=1e-6)
 
   def test_shard_map_stacked_convs(self):
@@ -126,20 +122,10 @@ class TapsShardedTest(absltest.TestCase):
         for fused in (False, True)
       }
 
-    mesh = jax.make_mesh((8,), ("d",), axis_types=(AxisType.Explicit,))
-    local = jax.shard_map(
-      lambda p, x, c: jax.lax.psum(stats(p, x, c), "d"),
-      mesh=mesh,
-      in_specs=(P(), P("d"), P(None, "d")),
-      out_specs=P(),
-    )
     # Input patches of one example at a time: the factors' loop too.
     with mock.patch.object(_taps, "_BLOCK_ELEMENTS", 64):
       ref = jax.jit(stats)(params, x, cot)
-      with jax.set_mesh(mesh):
-        out = jax.jit(local)(
-          params, jax.device_put(x, P("d")), jax.device_put(cot, P(None, "d"))
-        )
+      out = _sharded_sums(stats, params, x, cot)
     chex.assert_trees_all_close(out, ref, rtol=1e-5, atol=1e-6)
 
   def test_sharded_jit_matches_one_device(self):
