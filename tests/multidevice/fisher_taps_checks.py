@@ -40,6 +40,23 @@ def _stats(p, x, c):
   }
 
 
+def _chunked_stats(apply_fn):
+  """``(p, x, c) -> {(structure, fused): statistic}`` for the diagonal and
+  K-FAC sums, recorded and formed in the backward pass, one example per
+  chunk (so the chunk loops run)."""
+
+  def stats(p, x, c):
+    return {
+      (s, fused): fisher_testing.layer_statistics(
+        apply_fn, p, x, c, structure=s, chunk_size=1, fused=fused
+      )[0]
+      for s in ("diag", "kron")
+      for fused in (False, True)
+    }
+
+  return stats
+
+
 def _sharded_sums(stats, params, x, cot):
   """``stats`` of each device's examples (batch split over 8 devices by
   ``shard_map``, params replicated), summed over the devices."""
@@ -78,16 +95,7 @@ class TapsShardedTest(absltest.TestCase):
     ids = jax.random.randint(k[0], (16, fisher_taps_test.T), 0, out_dim)
     cot = jax.random.normal(k[1], (2, 16, out_dim))
 
-    def stats(p, x, c):
-      return {
-        (s, fused): fisher_testing.layer_statistics(
-          apply_fn, p, x, c, structure=s, chunk_size=1, fused=fused
-        )[0]
-        for s in ("diag", "kron")
-        for fused in (False, True)
-        if s == "diag" or fused
-      }
-
+    stats = _chunked_stats(apply_fn)
     ref = jax.jit(stats)(params, ids, cot)
     out = _sharded_sums(stats, params, ids, cot)
     chex.assert_trees_all_close(out, ref, rtol=1e-5, atol=1e-6)
@@ -113,15 +121,7 @@ class TapsShardedTest(absltest.TestCase):
     x = jax.random.normal(k[2], (16, 4, 4, 2))
     cot = jax.random.normal(k[3], (2, 16, 2))
 
-    def stats(p, x, c):
-      return {
-        (s, fused): fisher_testing.layer_statistics(
-          apply_fn, p, x, c, structure=s, chunk_size=1, fused=fused
-        )[0]
-        for s in ("diag", "kron")
-        for fused in (False, True)
-      }
-
+    stats = _chunked_stats(apply_fn)
     # Input patches of one example at a time: the factors' loop too.
     with mock.patch.object(_taps, "_BLOCK_ELEMENTS", 64):
       ref = jax.jit(stats)(params, x, cot)
