@@ -20,6 +20,18 @@ from examples.common import models
 NUM_CLASSES = 10
 
 
+def _stacked(block: type[nn.Module], length: int) -> Any:
+  """``block`` (a scan body ``(x, _) -> (x, None)``) stacked ``length``
+  times by ``nn.scan`` over ``nn.remat``, each layer its own parameters
+  (leaves ``(length, ...)``), as large models are written."""
+  return nn.scan(
+    nn.remat(block),
+    variable_axes={"params": 0},
+    split_rngs={"params": True},
+    length=length,
+  )
+
+
 class _ConvBlock(nn.Module):
   """A 3x3 conv and relu (a scan body: ``(x, _) -> (x, None)``)."""
 
@@ -43,12 +55,7 @@ class SmallCNN(nn.Module):
     x = jax.nn.relu(nn.Conv(self.width, (3, 3))(x))
     x = jax.nn.relu(nn.Conv(2 * self.width, (3, 3), strides=2)(x))
     if self.blocks:
-      stack = nn.scan(
-        nn.remat(_ConvBlock),
-        variable_axes={"params": 0},
-        split_rngs={"params": True},
-        length=self.blocks,
-      )
+      stack = _stacked(_ConvBlock, self.blocks)
       x, _ = stack(2 * self.width, name="blocks")(x, None)
     return nn.Dense(NUM_CLASSES)(x.reshape(x.shape[0], -1))
 
@@ -88,12 +95,7 @@ class SmallTransformer(nn.Module):
     x = nn.Embed(self.vocab, self.d)(ids)
     x = x + self.param("pos", nn.initializers.normal(0.02), (t, self.d))
     if self.scan:
-      blocks = nn.scan(
-        nn.remat(_Block),
-        variable_axes={"params": 0},
-        split_rngs={"params": True},
-        length=self.layers,
-      )
+      blocks = _stacked(_Block, self.layers)
       x, _ = blocks(self.d, self.heads, name="blocks")(x, None)
     else:
       for _ in range(self.layers):

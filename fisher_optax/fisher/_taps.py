@@ -763,9 +763,7 @@ def _make_plan(closed, num_leaves: int, batch: int) -> _Plan:
       # A conv's per-example gradients keep its own layout, so its uses
       # cannot fold a scan's iterations into positions: only scans that
       # slice the kernel (one stack of layers).
-      stacked_conv = kinds == ["conv"] and all(
-        m == "xs" for ms in modes for m in ms
-      )
+      stacked_conv = kinds == ["conv"] and all(map(_stacked_only, modes))
       if (
         (len(u) > 1 or any(modes))
         and not set(kinds) <= set(_LOOP_KINDS)
@@ -788,6 +786,12 @@ def _make_plan(closed, num_leaves: int, batch: int) -> _Plan:
   # A bias whose product is not tapped for its kernel still needs the tap;
   # every site is tapped, uncovered ones simply go unused.
   return plan
+
+
+def _stacked_only(modes: Sequence[str]) -> bool:
+  """Whether every scan around a use slices its leaf (``"xs"``): a stack
+  of layers, not a leaf shared by iterations (true outside scans)."""
+  return all(m == "xs" for m in modes)
 
 
 def _reason(
@@ -1385,7 +1389,7 @@ def _fusable(plan: _Plan, statistic: str) -> dict[int, tuple[int, str]]:
     if len(uses) != 1:
       continue
     s, role, modes = uses[0]
-    if modes and all(m == "xs" for m in modes):
+    if modes and _stacked_only(modes):
       if plan.sites[s].kind in kinds:
         out[leaf] = (s, role)
   needed = set()  # sites that other covered leaves read (a, delta) from
@@ -2744,7 +2748,7 @@ def _leaf_coverage(plan: _Plan, leaves: Sequence[Any]) -> list[LeafCoverage]:
       elif len(uses) != 1:
         one_use = False
       elif site.kind == "conv":  # outside scans, or stacked along them
-        one_use = all(m == "xs" for m in uses[0][2])
+        one_use = _stacked_only(uses[0][2])
       else:
         one_use = "xs" in uses[0][2]
       kron = one_use and _kron_ok(site, role[1])
