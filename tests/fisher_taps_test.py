@@ -673,8 +673,8 @@ class LayerStatisticsTest(parameterized.TestCase):
     """Conv kernels stacked along a scan have one K-FAC pair per layer,
     those of the same convs unrolled with a leaf each, also under
     ``statistic="kron"``; its diagonal formed in the backward pass equals
-    the recorded one; a conv kernel shared by the iterations has no layer
-    rule."""
+    the recorded one; a conv kernel shared by the iterations has no K-FAC
+    factors."""
     dn = ("NHWC", "HWIO", "NHWC")
     num_layers = 3
 
@@ -694,9 +694,7 @@ class LayerStatisticsTest(parameterized.TestCase):
       return h.reshape(x.shape[0], -1) @ p["w"]
 
     def shared(p, x):
-      h, _ = jax.lax.scan(
-        lambda h, _: (conv(h, p["k"][0]), None), x, None, length=2
-      )
+      h, _ = jax.lax.scan(lambda h, _: (conv(h, p["k"]), None), x, None, 2)
       return h.reshape(x.shape[0], -1) @ p["w"]
 
     with jax.enable_x64(True):
@@ -708,7 +706,9 @@ class LayerStatisticsTest(parameterized.TestCase):
       stacked = {"k": k, "w": w}
       layers = {"w": w, **{f"k{i}": k[i] for i in range(num_layers)}}
       self.assertTrue(_taps.coverage(scanned, stacked, x)["k"].kronecker)
-      self.assertFalse(_taps.coverage(shared, stacked, x)["k"])
+      shared_k = _taps.coverage(shared, {"k": k[0], "w": w}, x)["k"]
+      self.assertTrue(shared_k)
+      self.assertFalse(shared_k.kronecker)
       for num_s in (1, 2):
         cot = _cotangents(3, num_s)
         got = (
@@ -741,6 +741,88 @@ class LayerStatisticsTest(parameterized.TestCase):
           .statistics("diag", chunk_size=2)["k"]
         )
         _assert_close(self, diag("diag"), diag(None))
+
+  def test_conv_shared_by_scan_iterations(self):
+    """A conv kernel shared by a scan's iterations (also inside a scan that
+    slices it) takes per-example gradients summed over the iterations: the
+    diagonal, Gram matrix and weighted sums equal per-example VJPs'; K-FAC
+    (Shampoo factors for these leaves, also for the shared shift) equals the
+    per-example path's Shampoo factors."""
+    dn = ("NHWC", "HWIO", "NHWC")
+
+    def conv(h, k):
+      return jnp.tanh(
+        jax.lax.conv_general_dilated(h, k, (1, 1), "SAME", None, None, dn)
+      )
+
+    def apply_fn(p, x):
+      def layer(h, k):  # k is sliced by the outer scan, shared by the inner
+        return jax.lax.scan(lambda h, _: (conv(h, k), None), h, None, 2)[
+          0
+        ], None
+
+      h = jax.lax.scan(layer, x, p["stack"])[0]
+      h = jax.lax.scan(
+        lambda h, _: (conv(h, p["k"]) + p["c"], None), h, None, length=3
+      )[0]
+      return h.reshape(x.shape[0], -1) @ p["w"]
+
+    with jax.enable_x64(True):
+      keys = jax.random.split(jax.random.key(0), 5)
+      x = fisher_testing.normal(keys[0], (B, 4, 4, 2))
+      params = {
+        "stack": 0.5 * fisher_testing.normal(keys[1], (2, 3, 3, 2, 2)),
+        "k": 0.5 * fisher_testing.normal(keys[2], (3, 3, 2, 2)),
+        "c": fisher_testing.normal(keys[3], (2,)),
+        "w": fisher_testing.normal(keys[4], (4 * 4 * 2, 3)),
+      }
+      cov = _taps.coverage(apply_fn, params, x)
+      for name in ("stack", "k", "c"):
+        self.assertTrue(cov[name], cov[name].reason)
+        self.assertFalse(cov[name].kronecker)
+      self.assertIn("shared by the iterations", cov["k"].reason)
+      cot = _cotangents(3, 2)
+      weights = fisher_testing.normal(jax.random.key(9), (2, 2 * B))
+
+      def one(x, r):  # g_{s,n} of one example, both samples
+        _, vjp = jax.vjp(lambda p: apply_fn(p, x[None])[0], params)
+        return jax.vmap(lambda rs: vjp(rs)[0])(r)
+
+      g = jax.vmap(one, in_axes=(0, 1))(x, cot)
+      g = jax.tree.map(
+        lambda a: jnp.swapaxes(a, 0, 1).reshape((-1,) + a.shape[2:]), g
+      )
+      grads = _taps.record(apply_fn, params, x).backward(cot)
+      diag = grads.statistics("diag", chunk_size=2)
+      combine = grads.combine(weights)
+      rows = jnp.concatenate(
+        [a.reshape(2 * B, -1) for a in jax.tree.leaves(g)], 1
+      )
+      _assert_close(self, grads.statistics("gram", chunk_size=2), rows @ rows.T)
+      for name in params:
+        with self.subTest(name):
+          _assert_close(self, diag[name], jnp.sum(g[name] ** 2, 0))
+          _assert_close(self, combine[name], jnp.tensordot(weights, g[name], 1))
+      y = jnp.arange(B) % 3
+      kron = {
+        method: fisher.kronecker(
+          apply_fn,
+          params,
+          (x, y),
+          likelihood=fisher.Categorical(),
+          kind="empirical",
+          method=method,
+        )
+        for method in ("auto", "per_example")
+      }
+      for name in ("stack", "k", "c"):  # w has K-FAC factors under "auto"
+        with self.subTest(f"kron {name}"):
+          chex.assert_trees_all_close(
+            (kron["auto"].left[name], kron["auto"].right[name]),
+            (kron["per_example"].left[name], kron["per_example"].right[name]),
+            rtol=1e-10,
+            atol=1e-12,
+          )
 
   @parameterized.parameters("expand", "reduce")
   def test_conv_kron_factors(self, mode):
@@ -1074,8 +1156,8 @@ class CoverageTest(parameterized.TestCase):
         _assert_close(self, a, b, rtol=1e-9)
 
   def test_conv_rules(self):
-    """A conv kernel shared by a scan's iterations or with batch groups is
-    not covered (its bias is)."""
+    """A conv kernel shared by a scan's iterations is covered, without
+    K-FAC factors; one with batch groups is not (its bias is)."""
     x = jnp.ones((4, 6, 2))
     k = jnp.ones((2, 2, 2))
 
@@ -1090,11 +1172,9 @@ class CoverageTest(parameterized.TestCase):
       return jax.lax.scan(step, x, None, length=2)[0]
 
     cov = _taps.coverage(in_scan, {"k": k, "b": jnp.ones(2)}, x)
-    self.assertFalse(cov["k"])
-    self.assertIn(
-      "no rule for conv layers shared by the iterations of a scan",
-      cov["k"].reason,
-    )
+    self.assertTrue(cov["k"])
+    self.assertFalse(cov["k"].kronecker)
+    self.assertIn("shared by the iterations of a scan", cov["k"].reason)
     self.assertTrue(cov["b"])
 
     def batch_groups(p, x):

@@ -517,6 +517,27 @@ class _LinenScanCNN(nn.Module):
     return nn.Dense(CLASSES, **kw)(jnp.mean(x, axis=(1, 2)))
 
 
+class _LinenSharedCNN(nn.Module):
+  """A strided conv, then one conv block applied three times by ``nn.scan``
+  (``variable_broadcast``: every iteration shares its kernels, like a
+  recurrent cell), pooling and a Dense head."""
+
+  dtype: jnp.dtype = jnp.float32
+
+  @nn.compact
+  def __call__(self, x):
+    kw: dict[str, Any] = dict(param_dtype=self.dtype, dtype=self.dtype)
+    x = nn.relu(nn.Conv(4, (3, 3), strides=2, **kw)(x))
+    stack = nn.scan(
+      _ConvBlock,
+      variable_broadcast="params",
+      split_rngs={"params": False},
+      length=3,
+    )
+    x, _ = stack(self.dtype)(x, None)
+    return nn.Dense(CLASSES, **kw)(jnp.mean(x, axis=(1, 2)))
+
+
 class _NnxCNN(nnx.Module):
   def __init__(self, rngs, dtype):
     kw: dict[str, Any] = dict(param_dtype=dtype, dtype=dtype, rngs=rngs)
@@ -572,6 +593,27 @@ class _NnxScanCNN(nnx.Module):
     return self.head(jnp.mean(x, axis=(1, 2)))
 
 
+class _NnxSharedCNN(nnx.Module):
+  """One conv block applied three times by ``nnx.scan`` (the block a
+  broadcast argument: every iteration shares its kernels), under
+  ``nnx.remat``."""
+
+  def __init__(self, rngs, dtype):
+    kw: dict[str, Any] = dict(param_dtype=dtype, dtype=dtype, rngs=rngs)
+    self.stem = nnx.Conv(CH, 4, (3, 3), strides=2, **kw)
+    self.block = _NnxConvBlock(rngs, dtype)
+    self.head = nnx.Linear(4, CLASSES, **kw)
+
+  def __call__(self, x):
+    @nnx.scan(in_axes=(nnx.Carry, None), out_axes=nnx.Carry, length=3)
+    @nnx.remat
+    def run(x, block):
+      return block(x)
+
+    x = run(nnx.relu(self.stem(x)), self.block)
+    return self.head(jnp.mean(x, axis=(1, 2)))
+
+
 class _LinenViT(nn.Module):
   """A patch embedding (a conv with stride = kernel size), learned
   positions, one pre-norm attention block and a pooled Dense head."""
@@ -623,13 +665,17 @@ def _conv_model(
     model = {
       "linen_cnn": _LinenCNN,
       "linen_scan_cnn": _LinenScanCNN,
+      "linen_shared_cnn": _LinenSharedCNN,
       "linen_vit": _LinenViT,
     }[name](dtype)
     params = _perturbed(jax.jit(model.init)(jax.random.key(0), x), dtype)
     return model.apply, params, x
-  cls = {"nnx_cnn": _NnxCNN, "nnx_scan_cnn": _NnxScanCNN, "nnx_vit": _NnxViT}[
-    name
-  ]
+  cls = {
+    "nnx_cnn": _NnxCNN,
+    "nnx_scan_cnn": _NnxScanCNN,
+    "nnx_shared_cnn": _NnxSharedCNN,
+    "nnx_vit": _NnxViT,
+  }[name]
   graphdef, state = nnx.split(cls(nnx.Rngs(0), dtype))
   state = _perturbed(state, dtype)
   return (lambda st, inp: nnx.merge(graphdef, st)(inp)), state, x
@@ -697,6 +743,8 @@ class ConvZooTest(parameterized.TestCase):
     ("nnx_vit", True),
     ("linen_scan_cnn", True),
     ("nnx_scan_cnn", False),
+    ("linen_shared_cnn", False),
+    ("nnx_shared_cnn", True),
   )
   def test_every_leaf_on_the_layer_path_and_exact(self, name, x64):
     with jax.enable_x64(x64):
@@ -713,6 +761,10 @@ class ConvZooTest(parameterized.TestCase):
       want = {
         "linen_scan_cnn": [True, True, False],  # stacked: factors per layer
         "nnx_scan_cnn": [True, False, True],
+        # Kernels shared by a scan's iterations: per-example gradients
+        # summed over the iterations, no K-FAC factors.
+        "linen_shared_cnn": [True, False, False],
+        "nnx_shared_cnn": [False, False, True],
         "linen_vit": [True],
         "nnx_vit": [True],
       }.get(name, [True, True, False, False])
@@ -754,7 +806,9 @@ class ConvZooTest(parameterized.TestCase):
               self.assertIn(rows, lead)
       _check_layer_statistics(self, apply_fn, params, x, cot, rtol)
 
-  @parameterized.parameters("linen_cnn", "nnx_vit", "linen_scan_cnn")
+  @parameterized.parameters(
+    "linen_cnn", "nnx_vit", "linen_scan_cnn", "nnx_shared_cnn"
+  )
   def test_estimators_equal_the_per_example_path(self, name):
     """``method="auto"`` (no fallback warning) against ``"per_example"``:
     diagonals of the empirical and exact Fisher and a top-4 low rank."""

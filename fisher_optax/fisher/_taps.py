@@ -66,10 +66,9 @@ produced them, so the same code serves Flax Linen (``model.apply``), Flax NNX
 
 Casts (``convert_element_type``) and ``jit``/``remat`` boundaries are looked
 through, and ``scan`` bodies are walked (below). A leaf used any other way
-(a leaf in a ``scan`` carry or a ``custom_jvp``, a convolution kernel shared
-by a ``scan``'s iterations rather than stacked along them) is not covered;
-the engine computes it by the per-example path, and :func:`coverage` says
-which path each leaf takes and why.
+(a leaf in a ``scan`` carry or a ``custom_jvp``) is not covered; the engine
+computes it by the per-example path, and :func:`coverage` says which path
+each leaf takes and why.
 
 **Scans.** A leaf entering a ``scan`` (``lax.scan``, Linen ``nn.scan``,
 ``nnx.scan``; ``remat`` inside or around it) as an ``xs`` operand is a stack
@@ -79,8 +78,10 @@ activations returned as extra ``ys`` (``reverse``, ``length``, ``unroll``
 kept), so every statistic of the leaf comes out per slice with its leading
 ``L`` axis (the Gram matrix sums the slices). A leaf entering as a const is
 shared by the iterations (a recurrent cell): its iterations are positions
-of a weight-shared layer below. Nested scans combine both. A ``remat`` body
-holding layers is re-run under ``jax.checkpoint`` with its policy.
+of a weight-shared layer below (a conv kernel's per-example gradient sums
+its iterations' patch contractions; no K-FAC factors). Nested scans combine
+both. A ``remat`` body holding layers is re-run under ``jax.checkpoint``
+with its policy.
 
 Recording every iteration's ``(a, delta)`` costs ``(L, B, T, K)`` memory
 per stacked layer, several times the batch gradient's (which keeps one
@@ -231,11 +232,6 @@ _PASS_THROUGH = ("convert_element_type", "pvary", "pcast", "copy", "copy_p")
 # Kinds of walked values that are (views of) a parameter leaf; "perm" is a
 # transposed leaf, usable as a dot_general kernel only.
 _PARAM_KINDS = ("param", "view", "perm")
-
-# Site kinds whose iterations fold into positions and whose per-example
-# gradients LayerGrads._use_grads forms: the kinds allowed inside a scan or
-# for a leaf with several uses.
-_LOOP_KINDS = ("dense", "embed", "scale", "shift")
 
 # Site kinds of elementwise parameters (norm scales and shifts, positions).
 _ELEMENTWISE = ("scale", "shift")
@@ -759,29 +755,14 @@ def _make_plan(closed, num_leaves: int, batch: int) -> _Plan:
     modes = [walk.modes.get((leaf, k), ()) for k in range(len(u))]
     reason = _reason(u, modes)
     if u and all(role != "other" for role, _, _ in u):
-      kinds = sorted({plan.sites[site].kind for _, site, _ in u})
-      # A conv's per-example gradients keep its own layout, so its uses
-      # cannot fold a scan's iterations into positions: only scans that
-      # slice the kernel (one stack of layers).
-      stacked_conv = kinds == ["conv"] and all(map(_stacked_only, modes))
-      if (
-        (len(u) > 1 or any(modes))
-        and not set(kinds) <= set(_LOOP_KINDS)
-        and not stacked_conv
-      ):
-        reason = f"{reason}: no rule for {', '.join(kinds)} layers " + (
-          "shared by the iterations of a scan"
-          if kinds == ["conv"]
-          else "inside a scan or with several uses"
-        )
-      else:
-        plan.roles[leaf] = (u[0][1], u[0][0])
-        # A conv kernel's statistics always come from chunked per-example
-        # gradients (no cheap (a, delta) form for them).
-        if len(u) > 1 or "xs" in modes[0] or kinds == ["conv"]:
-          plan.special[leaf] = [
-            (site, role, m) for (role, site, _), m in zip(u, modes)
-          ]
+      conv = any(plan.sites[site].kind == "conv" for _, site, _ in u)
+      plan.roles[leaf] = (u[0][1], u[0][0])
+      # A conv kernel's statistics always come from chunked per-example
+      # gradients (LayerGrads._use_grads; no cheap (a, delta) form for them).
+      if len(u) > 1 or "xs" in modes[0] or conv:
+        plan.special[leaf] = [
+          (site, role, m) for (role, site, _), m in zip(u, modes)
+        ]
     plan.reasons.append(reason)
   # A bias whose product is not tapped for its kernel still needs the tap;
   # every site is tapped, uncovered ones simply go unused.
@@ -1740,12 +1721,14 @@ def _sum_sq_example_grads(a: Array, d: Array) -> Array:
   return _loop_sum(one, a.shape[0], shape, dtype, [a, d])
 
 
-def _conv_kernel_grads(eqn, x: Array, delta: Array) -> Array:
+def _conv_kernel_grads(eqn, x: Array, delta: Array, shared: int = 1) -> Array:
   """Per-example kernel gradients ``(c, *kernel)`` of a convolution.
 
-  ``x`` are ``c`` examples of its input and ``delta`` their output
-  cotangents, both in the equation's layouts: one contraction of the input
-  patches with ``delta`` over the output positions, per feature group.
+  ``x`` are ``c * shared`` inputs and ``delta`` their output cotangents,
+  both in the equation's layouts, example-major: ``shared`` applications of
+  the kernel per example (a scan's iterations that share it), whose
+  gradients add up. One contraction of the input patches with ``delta``
+  over the output positions of every application, per feature group.
   """
   p = eqn.params
   dn = p["dimension_numbers"]
@@ -1754,7 +1737,7 @@ def _conv_kernel_grads(eqn, x: Array, delta: Array) -> Array:
   groups = p["feature_group_count"]
   dtype = jnp.promote_types(x.dtype, delta.dtype)
   patches = _conv_patches(eqn, x.astype(dtype))
-  c, s, i_all = patches.shape[0], patches.shape[-2], patches.shape[-1]
+  c, s, i_all = patches.shape[0] // shared, patches.shape[-2], patches.shape[-1]
   patches = patches.reshape(c, -1, s, groups, i_all // groups)
   out = dn.out_spec
   delta = jnp.transpose(delta.astype(dtype), (out[0], *out[2:], out[1]))
@@ -2103,7 +2086,7 @@ class LayerGrads:
           for v, role, x in self._special_views(leaf)
         )
       else:
-        delta = self._site(r[0])[2]  # (S, B, R, P)
+        delta = self._view(r[0])[2]  # (S, B, R, P), iterations in R
         g = jnp.sum(delta, axis=2)
       out[leaf] = jnp.asarray(g).reshape((num_s * b,) + shape)
     return out
@@ -2419,7 +2402,9 @@ class LayerGrads:
     Returns ``(site, act, delta, valid)`` like ``_site`` with a leading axis
     ``X`` over the iterations of the scans that slice the leaf (``"xs"``,
     ``X = 1`` if none); the iterations of the scans that share it
-    (``"const"``) become positions, like a weight shared over positions.
+    (``"const"``) become positions, like a weight shared over positions. A
+    conv keeps its own layout: its shared iterations join ``X`` (after the
+    sliced ones), and :meth:`_use_grads` adds them up per example.
     """
     lengths = self._tape._plan.site_loops.get(s, ())
     if not lengths:
@@ -2447,6 +2432,9 @@ class LayerGrads:
         return None
       x = x.reshape(tuple(lengths) + x.shape[1:])
       mid = list(range(n, n + pre + 1))
+      if site.kind == "conv":  # -> (X * L_c, *pre, B, ...)
+        x = jnp.transpose(x, sliced + shared + list(range(n, x.ndim)))
+        return x.reshape((-1,) + x.shape[n:])
       x = jnp.transpose(
         x, sliced + mid + shared + list(range(n + pre + 1, x.ndim))
       )
@@ -2488,6 +2476,8 @@ class LayerGrads:
     ((site, *arrays), role, sliced) = self._special_views(leaf)[0]
     if not _kron_ok(site, role):
       return None
+    if site.kind == "conv" and not _stacked_only(uses[0][2]):
+      return None  # a conv's shared iterations are not positions (_loop_view)
     b = self._tape.batch
     if site.kind == "conv":
       one = lambda a: _conv_kron_sums(site.eqn, a[0], a[1], b, reduce)
@@ -2545,20 +2535,29 @@ class LayerGrads:
     shape = tuple(np.shape(self._tape._leaves[leaf]))
     per, c = shape[sliced:], rows.shape[0]
     sample, n = rows // b, rows % b
+    layers = math.prod(shape[:sliced])
 
-    def one(a, d):  # one iteration's slice of the leaf
-      d = d[sample, n]  # (c, T, O)
+    def one(a, d):  # one layer's slice of the leaf; (L_c, ...) iterations
+      d = d[:, sample, n]  # (L_c, c, T, O)
+      if site.kind == "conv":  # L_c >= 1 applications per example
+        merge = lambda x: jnp.moveaxis(x, 0, 1).reshape((-1,) + x.shape[2:])
+        return _conv_kernel_grads(
+          site.eqn, merge(a[:, n]), merge(d), shared=d.shape[0]
+        )
+      d = d[0]  # L_c = 1: the other kinds fold shared iterations into T
       if role == "bias":
         return jnp.sum(d, axis=1).reshape((c,) + per)
+      a = a[0]
       if site.kind == "embed":
         g = jnp.zeros((c,) + per, d.dtype)
         return g.at[jnp.arange(c)[:, None], a[n]].add(d)
-      if site.kind == "conv":
-        return _conv_kernel_grads(site.eqn, a[n], d)
       g = jnp.einsum("cti,ctj->cij", a[n], d)
       return _kernel_to_shape(site, g, per)
 
-    g = jax.vmap(one)(act, delta)  # (X, c, *per)
+    split = lambda x: (
+      None if x is None else x.reshape((layers, -1) + x.shape[1:])
+    )
+    g = jax.vmap(one)(split(act), split(delta))  # (X, c, *per)
     return jnp.moveaxis(g, 0, 1).reshape((c,) + shape)
 
   def _chunks(self, views, leaf: int, chunk_size):
@@ -2566,7 +2565,7 @@ class LayerGrads:
     their per-example gradients summed over the uses (padding rows 0)."""
     shape = tuple(np.shape(self._tape._leaves[leaf]))
     num = self.num_samples * self._tape.batch
-    patches = sum(  # a use's X stacked layers form their patches at once
+    patches = sum(  # a use forms its patches of all X iterations at once
       _patch_elements(site.eqn) * act.shape[0]
       for (site, act, *_), _, _ in views
       if site.kind == "conv"
@@ -2769,10 +2768,11 @@ def coverage(
   embedding gathers, and elementwise scale and shift parameters (norm
   scales and biases, learned positions, conv biases), also inside ``scan``
   bodies (stacked layers, recurrent cells) and for a leaf with several such
-  uses (tied embeddings, a conv kernel applied twice); a convolution kernel
-  inside a scan only when the scan slices it (a stack of layers), not when
-  every iteration shares it. Only traces ``apply_fn`` (no FLOPs),
-  so ``params`` and ``inputs`` may be ``jax.ShapeDtypeStruct`` trees.
+  uses (tied embeddings, a conv kernel applied twice). K-FAC factors
+  (``kronecker``) need one use, or a stack of layers along a scan: a
+  kernel shared by a scan's iterations has none. Only traces ``apply_fn``
+  (no FLOPs), so ``params`` and ``inputs`` may be ``jax.ShapeDtypeStruct``
+  trees.
 
   Args:
     apply_fn: ``apply_fn(params, inputs) -> outputs``, as in
