@@ -1556,6 +1556,26 @@ class FusedStatisticsTest(parameterized.TestCase):
         self.assertEqual(fused, {"s", "sub"})
         chex.assert_trees_all_close(got, want, rtol=1e-10, atol=1e-12)
 
+  def test_fused_kron_forms_a_in_the_forward_pass(self):
+    """Under ``statistic="kron"`` a stacked kernel's ``A_sum`` is formed
+    once, in the forward pass (recorded per layer), and a backward pass
+    returns its ``Gamma_sum`` alone: a loop of backward passes (several
+    samples, the exact kind) does not form ``A`` again."""
+    apply_fn, params, x, out_dim = _model("plain_scan", jnp.float32)
+    leaf = sorted(params).index("sub")  # (2, 3, 4, 4): nested scans
+
+    def shapes(params, x, cot):
+      tape = _taps.record(apply_fn, params, x, statistic="kron")
+      assert tape._fusion is not None
+      site = tape._fusion.leaves[leaf][0]
+      grads = tape.backward(cot)
+      return tape._acts[site][leaf], grads._deltas[site][leaf]
+
+    cot = _cotangents(out_dim, 3, jnp.float32)
+    a_sum, per_pass = jax.eval_shape(shapes, params, x, cot)
+    self.assertEqual(a_sum.shape, (2, 3, 4, 4))
+    self.assertEqual(per_pass.shape, (3, 2, 3, 4, 4))  # (S, *L, O, O)
+
   def test_other_statistics_raise(self):
     def check(params, x, r):  # traced only: the errors come at trace time
       tape = _taps.record(self.apply_fn, params, x, statistic="kron")

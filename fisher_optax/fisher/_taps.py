@@ -191,7 +191,7 @@ from collections.abc import Callable, Sequence
 import dataclasses
 import functools
 import math
-from typing import Any
+from typing import Any, NamedTuple
 import warnings
 
 import jax
@@ -866,10 +866,11 @@ def _eval(
 ) -> list:
   """Evaluates ``jaxpr`` with a tap added to every site's output.
 
-  A site in ``fused`` (site -> ``_fused_tap`` function) returns its output
-  through that function, whose cotangent for the tap is the statistic;
-  the others record their activation in ``acts``. ``top``: outside loops
-  and ``remat`` bodies (see :func:`_bind_conv`).
+  A site in ``fused`` (site -> :class:`_FusedSite`) returns its output
+  through its tap function, whose cotangent for the tap is the statistic,
+  and records its ``forward`` statistic (if any) in ``acts``; the others
+  record their activation there. ``top``: outside loops and ``remat``
+  bodies (see :func:`_bind_conv`).
   """
   fused = fused or {}
   env: dict = {}
@@ -893,10 +894,11 @@ def _eval(
       outs = (_bind_conv if conv else _bind)(eqn, invals)
       site = plan.site_at.get(here)
       if site is not None and site in fused:
-        act = invals[plan.sites[site].act_index]
-        if plan.sites[site].kind == "shift":  # delta alone: keep no residual
-          act = None
-        outs = [fused[site](outs[0], lax.stop_gradient(act), taps[site])]
+        f = fused[site]
+        act = lax.stop_gradient(invals[plan.sites[site].act_index])
+        if f.forward is not None:
+          acts[site] = f.forward(act, lax.stop_gradient(outs[0]))
+        outs = [f.tap(outs[0], act if f.needs_act else None, taps[site])]
       elif site is not None:
         acts[site] = invals[plan.sites[site].act_index]
         outs = [outs[0] + taps[site]]
@@ -938,15 +940,16 @@ def _eval_loop(
   eqn, invals, here, plan: _Plan, taps, acts: dict, fused: dict
 ) -> list:
   """Re-runs a ``scan`` whose body holds sites: their taps enter as extra
-  ``xs`` and the activations of the unfused ones leave as extra ``ys`` (a
-  leading iteration axis, aligned with ``xs`` also when ``reverse``)."""
+  ``xs`` and the activations of the unfused ones (the forward statistics
+  of fused ones) leave as extra ``ys`` (a leading iteration axis, aligned
+  with ``xs`` also when ``reverse``)."""
   params = eqn.params
   num_consts, num_carry = params["num_consts"], params["num_carry"]
   body = params["jaxpr"]
   consts = invals[:num_consts]
   init = invals[num_consts : num_consts + num_carry]
   inner = plan.loops[here]
-  recorded = [s for s in inner if s not in fused]
+  recorded = [s for s in inner if s not in fused or fused[s].forward]
 
   def step(carry, x):
     xs, inner_taps = x
@@ -1278,18 +1281,27 @@ def record(
       weight_sharing == "reduce",
     )
     out = out_shapes[s][1]
-    a = (
-      None
-      if site.kind == "shift"
-      else jax.ShapeDtypeStruct(act.shape, act.dtype)
-    )
+    # K-FAC's A comes from the forward pass; a shift's statistic from delta.
+    forward = None
+    if statistic == "kron" and site.kind not in _ELEMENTWISE:
+      forward = functools.partial(
+        _fused_inputs,
+        site,
+        [(leaf, role, shapes[leaf]) for leaf, role in users.items()],
+        batch,
+        weight_sharing == "reduce",
+      )
+    needs_act = site.kind != "shift" and forward is None
+    a = jax.ShapeDtypeStruct(act.shape, act.dtype) if needs_act else None
     delta = jax.ShapeDtypeStruct(out.shape, out.dtype)
     if weights is None:
       stat_avals[s] = jax.eval_shape(stat_fn, a, delta)
     else:  # {leaf: (weights, sums)}: the weights' cotangent is zero
       tap = {leaf: (numerics.widen(weights), None) for leaf in users}
       stat_avals[s] = jax.eval_shape(stat_fn, a, delta, tap)
-    fused[s] = _fused_tap(stat_fn, reads_tap=weights is not None)
+    fused[s] = _FusedSite(
+      _fused_tap(stat_fn, reads_tap=weights is not None), needs_act, forward
+    )
   taps = []
   for s in range(len(plan.sites)):
     lead, aval = out_shapes[s]
@@ -1421,11 +1433,40 @@ def _fused_stat(
       out[leaf] = (jnp.zeros_like(w), _combine_stat(view, role, w, shape))
     elif site.kind in _ELEMENTWISE:
       out[leaf] = jnp.sum(view[2][0], axis=1).reshape((batch,) + shape)
-    else:
-      kron = _kron_stat(view, role, batch, reduce)
-      if kron is not None:
-        out[leaf] = kron
+    elif _kron_ok(site, role):  # A_sum: in the forward pass (_fused_inputs)
+      out[leaf] = _kron_gamma(view[2], reduce)
   return out
+
+
+def _fused_inputs(
+  site: _Site,
+  users: list[tuple[int, str, tuple[int, ...]]],
+  batch: int,
+  reduce: bool,
+  act: Array,
+  out: Array,
+) -> dict[int, Array]:
+  """K-FAC's ``A_sum`` of each leaf at a site whose ``Gamma_sum`` forms in
+  the backward pass, formed in the forward pass from its activations
+  (``out``, the layer's output, gives only the view's shape): formed once,
+  where each backward pass of several samples would form it again."""
+  view = _site_view(site, act, out[None], batch)
+  return {
+    leaf: _kron_input(view, role, batch, reduce)
+    for leaf, role, _ in users
+    if _kron_ok(site, role)
+  }
+
+
+class _FusedSite(NamedTuple):
+  """How :func:`_eval` runs a site whose statistic forms in the backward
+  pass: its output through ``tap`` (:func:`_fused_tap`), the activation
+  kept for the backward pass when ``needs_act``, and ``forward(act, out)``
+  (if any) recorded in the forward pass in place of the activation."""
+
+  tap: Callable[..., Any]
+  needs_act: bool
+  forward: Callable[[Array, Array], Any] | None = None
 
 
 def _fused_tap(stat_fn: Callable[..., Any], reads_tap: bool = False):
@@ -1786,7 +1827,8 @@ def _site_view(site: _Site, act: Any, delta: Array, b: int):
     delta = jnp.transpose(delta, (0, *(1 + i for i in site.out_perm)))
     o = math.prod(delta.shape[delta.ndim - site.num_free :])
     delta = delta.reshape(delta.shape[0], b, -1, o)
-    return site, _dense_act(site, act, b), delta, None
+    act = None if act is None else _dense_act(site, act, b)
+    return site, act, delta, None
   if site.kind in ("scale", "shift"):
     if site.kind == "scale":  # d(x * p)/dp = x, broadcast like the output
       x = jnp.broadcast_to(numerics.widen(act), delta.shape[1:])
@@ -1875,13 +1917,19 @@ def _diag_stat(site_view, role: str, shape: tuple, chunk_size) -> Array:
 def _kron_stat(site_view, role: str, batch: int, reduce: bool = False):
   """K-FAC sums ``(A_sum, Gamma_sum)`` of one use from its view (``None``
   if its factors do not fit the leaf's matrix view)."""
-  site, act, delta, valid = site_view
-  if not _kron_ok(site, role):
+  if not _kron_ok(site_view[0], role):
     return None
+  a_sum = _kron_input(site_view, role, batch, reduce)
+  return (a_sum, _kron_gamma(site_view[2], reduce))
+
+
+def _kron_input(site_view, role: str, batch: int, reduce: bool) -> Array:
+  """K-FAC's ``A_sum`` of one use from its view: the activations alone (the
+  view's ``delta`` gives only its shape and dtype)."""
+  site, act, delta, valid = site_view
   t = delta.shape[2]
-  gamma = _kron_gamma(delta, reduce)
   if role == "bias":
-    return (jnp.full((1, 1), batch, delta.dtype), gamma)
+    return jnp.full((1, 1), batch, delta.dtype)
   if site.kind == "embed":
     if reduce:  # abar_n: row counts of example n over T
       b = batch
@@ -1891,14 +1939,14 @@ def _kron_stat(site_view, role: str, batch: int, reduce: bool = False):
         .at[rows, act]
         .add(valid.astype(delta.dtype))
       ) / t
-      return (counts.T @ counts, gamma)
+      return counts.T @ counts
     counts = (
       jnp.zeros((site.num_rows,), delta.dtype)
       .at[act.reshape(-1)]
       .add(valid.reshape(-1).astype(delta.dtype))
     )
-    return (jnp.diag(counts) / t, gamma)
-  return (_kron_a(act, reduce), gamma)
+    return jnp.diag(counts) / t
+  return _kron_a(act, reduce)
 
 
 def _kron_gamma(delta: Array, reduce: bool) -> Array:
@@ -2026,8 +2074,8 @@ class LayerGrads:
     return jax.tree_util.tree_unflatten(self._tape._treedef, vals)
 
   def _fused(self) -> dict:
-    """The statistics formed in the backward pass, summed over samples (a
-    K-FAC ``A_sum`` does not depend on the sample: its first)."""
+    """The statistics formed in the backward pass, summed over samples
+    (with K-FAC's ``A_sum``, formed in the forward pass)."""
     fusion, out = self._tape._fusion, {}
     if fusion is None:
       return out
@@ -2046,8 +2094,8 @@ class LayerGrads:
         out[leaf] = jnp.moveaxis(
           val[1][0], self._tape._plan.layer_axes(leaf), 0
         )
-      else:
-        out[leaf] = (val[0][0], jnp.sum(val[1], axis=0))
+      else:  # Gamma per sample; A_sum from the forward pass
+        out[leaf] = (self._tape._acts[s][leaf], jnp.sum(val, axis=0))
     return out
 
   def example_grads(self) -> PyTree:
@@ -2250,9 +2298,9 @@ class LayerGrads:
     Cotangents not yet pulled back go through the backward pass ``max(1,
     chunk_size // B)`` samples at a time (one without ``chunk_size``; a
     scan), as for the diagonal: the ``delta`` of ``S`` samples are never
-    held at once. The ``A`` factors come from the activations once, except
-    those formed inside the backward pass (a tape recorded with
-    ``statistic="kron"``), which each pass forms again.
+    held at once. The ``A`` factors come from the activations once (on a
+    tape recorded with ``statistic="kron"``, those of its fused layers in
+    the forward pass).
     """
     validation.check_choice("weight_sharing", weight_sharing, WEIGHT_SHARING)
     self._check_fusion("kron", weight_sharing)
@@ -2268,26 +2316,18 @@ class LayerGrads:
     if self._per_pass(chunk_size) is None:
       kron, rows = self._kron_parts(chunk_size, reduce), grads(self)
     else:
-      fusion = self._tape._fusion
-      fused = set(fusion.leaves) if fusion is not None else set()
       pair = lambda v: isinstance(v, tuple)
 
-      def parts(g):
+      def parts(g):  # Gamma sums over the samples
         kron = g._kron_parts(chunk_size, reduce)
-        # Gamma sums over the samples. A does not depend on them: only the
-        # fused leaves' (formed in each backward pass) leaves the scan.
-        gammas = {k: v[1] for k, v in kron.items() if pair(v)}
-        inputs = {k: v[0] for k, v in kron.items() if pair(v) and k in fused}
-        return gammas, inputs, grads(g)
+        return {k: v[1] for k, v in kron.items() if pair(v)}, {}, grads(g)
 
-      gammas, inputs, rows = self._over_samples(chunk_size, parts)
-      # The others' A once, from the activations (their Gamma of zero
-      # cotangents is never used, so XLA drops it).
+      gammas, _, rows = self._over_samples(chunk_size, parts)
+      # A does not depend on the samples: once, from the activations (or
+      # the fused layers' forward pass). The Gamma of these zero cotangents
+      # is never used, so XLA drops it.
       once = self._zero_deltas()._kron_parts(chunk_size, reduce)
-      inputs.update(
-        {k: v[0] for k, v in once.items() if pair(v) and k not in fused}
-      )
-      kron = {k: (inputs[k], v) for k, v in gammas.items()}
+      kron = {k: (once[k][0], v) for k, v in gammas.items()}
     return self._unflatten(kron), self._unflatten(rows) if with_grads else None
 
   def _zero_deltas(self) -> LayerGrads:
