@@ -671,10 +671,10 @@ class LayerStatisticsTest(parameterized.TestCase):
   @parameterized.parameters("expand", "reduce")
   def test_stacked_conv_kron_factors_per_layer(self, mode):
     """Conv kernels stacked along a scan have one K-FAC pair per layer,
-    those of the same convs unrolled with a leaf each, also under
-    ``statistic="kron"``; its diagonal formed in the backward pass equals
-    the recorded one; a conv kernel shared by the iterations has no K-FAC
-    factors."""
+    those of the same convs unrolled with a leaf each, also formed around
+    the backward pass (``statistic="kron"``); their diagonal formed in the
+    backward pass equals the recorded one; a conv kernel shared by the
+    iterations has no K-FAC factors."""
     dn = ("NHWC", "HWIO", "NHWC")
     num_layers = 3
 
@@ -721,7 +721,11 @@ class LayerStatisticsTest(parameterized.TestCase):
           .backward(cot)
           .statistics("kron", weight_sharing=mode)
         )
-        # Under statistic="kron" (the conv's factors from the recorded layer).
+        # Under statistic="kron": A in the forward pass, Gamma in the
+        # backward pass.
+        fusion = _traced_tape(scanned, stacked, x, statistic="kron")._fusion
+        assert fusion is not None
+        self.assertIn(sorted(stacked).index("k"), fusion.leaves)
         fused = (
           _taps.record(
             scanned, stacked, x, statistic="kron", weight_sharing=mode

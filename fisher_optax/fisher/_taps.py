@@ -89,10 +89,12 @@ carry per iteration under ``remat``). When the caller needs one statistic,
 ``record(statistic="diag" | "kron" | "gram")`` forms it inside the
 backward pass instead: a stacked layer's output passes through an identity
 whose ``custom_vjp`` also returns, as the cotangent of a zero "statistic
-tap", that iteration's diagonal, K-FAC sums or ``(B, B)`` Gram matrix from
-the (recomputed) ``a`` and the ``delta`` just formed. Nothing of size
-``B x T`` leaves the iteration, so the pass needs about the batch
-gradient's memory (a stacked conv's diagonal likewise; its other statistics
+tap", that iteration's diagonal, K-FAC ``Gamma`` sums or ``(B, B)`` Gram
+matrix from the (recomputed) ``a`` and the ``delta`` just formed; K-FAC's
+``A`` sums, which need no ``delta``, form in the forward pass, once however
+many backward passes follow. Nothing of size ``B x T`` leaves the
+iteration, so the pass needs about the batch gradient's memory (a stacked
+conv's diagonal and K-FAC sums likewise; its Gram matrix and weighted sums
 come from the recorded layer). A low-rank Fisher's weighted sums ``sum_n
 w_kn g_n`` need weights known only after the Gram matrix: a second pass,
 ``record(statistic="combine", weights=w)``, carries them into the backward
@@ -1370,21 +1372,23 @@ class _Fusion:
 def _fusable(plan: _Plan, statistic: str) -> dict[int, tuple[int, str]]:
   """Leaf -> (site, role) for the leaves whose statistic can be formed in
   the backward pass: stacked along every scan around their one use, a
-  dense, scale or shift layer (a conv for ``"diag"``), at a site no other
-  covered leaf needs. A conv's K-FAC ``A`` comes from its input patches,
-  which each backward pass of several samples would form again: its
-  factors come from the recorded layer, ``A`` once."""
+  dense, scale or shift layer (a conv for ``"diag"``, and for ``"kron"``
+  one with K-FAC factors), at a site no other covered leaf needs. (K-FAC's
+  ``A`` forms in the forward pass, :func:`_fused_inputs`.)"""
   kinds = ("dense", "scale", "shift")
-  if statistic == "diag":
+  if statistic in ("diag", "kron"):
     kinds += ("conv",)
   out: dict[int, tuple[int, str]] = {}
   for leaf, uses in plan.special.items():
     if len(uses) != 1:
       continue
     s, role, modes = uses[0]
-    if modes and _stacked_only(modes):
-      if plan.sites[s].kind in kinds:
-        out[leaf] = (s, role)
+    site = plan.sites[s]
+    if statistic == "kron" and site.kind == "conv":
+      if not _conv_kron_ok(site.eqn):
+        continue
+    if modes and _stacked_only(modes) and site.kind in kinds:
+      out[leaf] = (s, role)
   needed = set()  # sites that other covered leaves read (a, delta) from
   for leaf in range(len(plan.roles)):
     if leaf not in out:
@@ -1421,7 +1425,9 @@ def _fused_stat(
   view = _site_view(site, act, delta[None], batch)
   out: dict[int, Any] = {}
   for leaf, role, shape in users:
-    if site.kind == "conv":  # diag only (_fusable)
+    if site.kind == "conv" and statistic == "kron":  # A: _fused_inputs
+      out[leaf] = _conv_kron_gamma(site.eqn, delta[None], batch, reduce)
+    elif site.kind == "conv":  # diag (_fusable)
       assert act is not None
       out[leaf] = _conv_diag(site.eqn, act, view[2], shape, chunk_size)
     elif statistic == "diag":
@@ -1450,6 +1456,9 @@ def _fused_inputs(
   the backward pass, formed in the forward pass from its activations
   (``out``, the layer's output, gives only the view's shape): formed once,
   where each backward pass of several samples would form it again."""
+  if site.kind == "conv":  # one use, a kernel with K-FAC factors (_fusable)
+    (leaf, _, _), *_ = users
+    return {leaf: _conv_kron_input(site.eqn, act, batch, reduce)}
   view = _site_view(site, act, out[None], batch)
   return {
     leaf: _kron_input(view, role, batch, reduce)
@@ -1999,9 +2008,14 @@ def _conv_kron_sums(
   positions x window x channels``): ``A`` sums them a chunk of examples at
   a time.
   """
+  return _conv_kron_input(eqn, x, b, reduce), _conv_kron_gamma(
+    eqn, delta, b, reduce
+  )
+
+
+def _conv_kron_input(eqn, x: Array, b: int, reduce: bool) -> Array:
+  """A conv kernel's K-FAC ``A_sum`` from its input patches."""
   dn = eqn.params["dimension_numbers"]
-  delta = jnp.moveaxis(numerics.widen(delta), 1 + dn.out_spec[1], -1)
-  delta = delta.reshape(delta.shape[0], b, -1, delta.shape[-1])
   x = numerics.widen(x)
   k = math.prod(eqn.invars[1].aval.shape[i] for i in dn.rhs_spec[2:])
   k *= x.shape[dn.lhs_spec[1]]
@@ -2011,10 +2025,18 @@ def _conv_kron_sums(
     return _kron_a(act.reshape(act.shape[0], -1, k), reduce)
 
   chunk = _BLOCK_ELEMENTS // _patch_elements(eqn)
-  a = _sum_over_example_chunks(
+  return _sum_over_example_chunks(
     a_sum, [x], [dn.lhs_spec[0]], b, chunk, (k, k), x.dtype
   )
-  return a, _kron_gamma(delta, reduce)
+
+
+def _conv_kron_gamma(eqn, delta: Array, b: int, reduce: bool) -> Array:
+  """A conv kernel's K-FAC ``Gamma_sum`` from its output cotangents ``(S,
+  ...)`` over the output positions."""
+  dn = eqn.params["dimension_numbers"]
+  delta = jnp.moveaxis(numerics.widen(delta), 1 + dn.out_spec[1], -1)
+  delta = delta.reshape(delta.shape[0], b, -1, delta.shape[-1])
+  return _kron_gamma(delta, reduce)
 
 
 class LayerGrads:
