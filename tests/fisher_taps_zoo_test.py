@@ -498,42 +498,32 @@ class _ConvBlock(nn.Module):
 
 
 class _LinenScanCNN(nn.Module):
-  """A strided conv, then conv blocks stacked by ``nn.scan`` over
-  ``nn.remat`` (each layer its own kernels), pooling and a Dense head."""
+  """A strided conv, then conv blocks run by ``nn.scan``, pooling and a Dense
+  head: stacked over ``nn.remat`` (each layer its own kernels), or with
+  ``shared`` one block applied three times (``variable_broadcast``: every
+  iteration shares its kernels, like a recurrent cell)."""
 
   dtype: jnp.dtype = jnp.float32
+  shared: bool = False
 
   @nn.compact
   def __call__(self, x):
     kw: dict[str, Any] = dict(param_dtype=self.dtype, dtype=self.dtype)
     x = nn.relu(nn.Conv(4, (3, 3), strides=2, **kw)(x))
-    stack = nn.scan(
-      nn.remat(_ConvBlock),
-      variable_axes={"params": 0},
-      split_rngs={"params": True},
-      length=2,
-    )
-    x, _ = stack(self.dtype)(x, None)
-    return nn.Dense(CLASSES, **kw)(jnp.mean(x, axis=(1, 2)))
-
-
-class _LinenSharedCNN(nn.Module):
-  """A strided conv, then one conv block applied three times by ``nn.scan``
-  (``variable_broadcast``: every iteration shares its kernels, like a
-  recurrent cell), pooling and a Dense head."""
-
-  dtype: jnp.dtype = jnp.float32
-
-  @nn.compact
-  def __call__(self, x):
-    kw: dict[str, Any] = dict(param_dtype=self.dtype, dtype=self.dtype)
-    x = nn.relu(nn.Conv(4, (3, 3), strides=2, **kw)(x))
-    stack = nn.scan(
-      _ConvBlock,
-      variable_broadcast="params",
-      split_rngs={"params": False},
-      length=3,
-    )
+    if self.shared:
+      stack = nn.scan(
+        _ConvBlock,
+        variable_broadcast="params",
+        split_rngs={"params": False},
+        length=3,
+      )
+    else:
+      stack = nn.scan(
+        nn.remat(_ConvBlock),
+        variable_axes={"params": 0},
+        split_rngs={"params": True},
+        length=2,
+      )
     x, _ = stack(self.dtype)(x, None)
     return nn.Dense(CLASSES, **kw)(jnp.mean(x, axis=(1, 2)))
 
@@ -665,7 +655,7 @@ def _conv_model(
     model = {
       "linen_cnn": _LinenCNN,
       "linen_scan_cnn": _LinenScanCNN,
-      "linen_shared_cnn": _LinenSharedCNN,
+      "linen_shared_cnn": functools.partial(_LinenScanCNN, shared=True),
       "linen_vit": _LinenViT,
     }[name](dtype)
     params = _perturbed(jax.jit(model.init)(jax.random.key(0), x), dtype)
