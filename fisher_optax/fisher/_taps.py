@@ -1416,12 +1416,12 @@ def _fused_stat(
   tap: Any = None,
 ) -> dict[int, Any]:
   """One iteration's statistic of each leaf at a site: ``{leaf: diag}``,
-  ``{leaf: (A_sum, Gamma_sum)}``, ``{leaf: gram}`` (``(B, B)``) or, for
-  ``"combine"``, ``{leaf: (0, sum_n w[:, n] g_n)}`` with the weights ``w``
-  read from the tap (``{leaf: (w, _)}``). For ``"kron"``, an elementwise
-  leaf's per-example gradients ``(B, *shape)`` instead (they are small, and
-  give its Shampoo-style factors), other leaves without K-FAC factors left
-  out."""
+  ``{leaf: Gamma_sum}`` (K-FAC's ``A_sum``: :func:`_fused_inputs`),
+  ``{leaf: gram}`` (``(B, B)``) or, for ``"combine"``, ``{leaf: (0, sum_n
+  w[:, n] g_n)}`` with the weights ``w`` read from the tap (``{leaf: (w,
+  _)}``). For ``"kron"``, an elementwise leaf's per-example gradients
+  ``(B, *shape)`` instead (they are small, and give its Shampoo-style
+  factors), other leaves without K-FAC factors left out."""
   view = _site_view(site, act, delta[None], batch)
   out: dict[int, Any] = {}
   for leaf, role, shape in users:
