@@ -416,18 +416,23 @@ class ScanAndTiedZooTest(parameterized.TestCase):
         with self.subTest(kind):
           _assert_tree_close(out["auto", kind], out["per_example", kind], rtol)
 
-  @parameterized.parameters(("linen_scan", 0), ("nnx", 2))
+  @parameterized.parameters(
+    ("linen_scan", 0, "empirical"),
+    ("nnx", 2, "empirical"),
+    ("linen_scan", 0, "exact"),
+  )
   def test_kronecker_norms_and_positions_take_shampoo_factors(
-    self, name, num_iters
+    self, name, num_iters, kind
   ):
     """Leaves without K-FAC factors (norm scales and biases, stacked or not,
     learned positions) get the per-example path's Shampoo-style factors,
-    formed from their per-example gradients on the layer path."""
+    formed from their per-example gradients on the layer path (with one
+    class per backward pass, summed a pass at a time)."""
     with jax.enable_x64(True):
       apply_fn, params, ids = _model(name, jnp.float64)
       targets = jnp.roll(ids, -1, axis=1)
       kw: dict[str, Any] = dict(
-        likelihood=fisher.Categorical(), kind="empirical", num_iters=num_iters
+        likelihood=fisher.Categorical(), kind=kind, num_iters=num_iters
       )
 
       @jax.jit

@@ -1014,17 +1014,22 @@ def _kfac_parts(
   ps: _Pass,
   weight_sharing: str,
   shampoo: Callable[[_Pass, list | None], Sequence[Any]],
+  reduce_rows: Callable[[dict], dict] | None = None,
 ) -> tuple[list, list[bool]]:
   """Per leaf, in leaf order: this device's K-FAC sums ``(sum a a^T, sum
   delta delta^T)`` for the leaves with K-FAC factors, and for the others
   ``shampoo(sub, grads)``'s entry (one per leaf of ``sub.params``):
   ``grads`` their per-example gradients from the layer path (elementwise
   leaves), ``None`` for the rest, which take the per-example path. Also
-  which leaves are K-FAC's."""
+  which leaves are K-FAC's. With ``reduce_rows`` the layer path's entries
+  are ``reduce_rows`` of those gradients instead, formed a backward pass at
+  a time (:meth:`_taps.LayerGrads.kron_and_example_grads`)."""
   leaves, treedef = jax.tree.flatten(ps.params)
   # One set of backward passes for both (a few samples per pass).
   kron, example_grads = ps.layers.kron_and_example_grads(
-    chunk_size=ps.chunk_size, weight_sharing=weight_sharing
+    chunk_size=ps.chunk_size,
+    weight_sharing=weight_sharing,
+    reduce_rows=reduce_rows,
   )
   kfac = treedef.flatten_up_to(ps.covered)
   parts = [
@@ -1035,7 +1040,10 @@ def _kfac_parts(
   cheap = [
     i for i, (k, g) in enumerate(zip(kfac, grads)) if not k and g is not None
   ]
-  if cheap:
+  if cheap and reduce_rows is not None:
+    for i in cheap:
+      parts[i] = grads[i]
+  elif cheap:
     sub = ps._replace(params=[leaves[i] for i in cheap])
     for i, v in zip(cheap, shampoo(sub, [grads[i] for i in cheap])):
       parts[i] = v
@@ -1054,7 +1062,18 @@ def _kfac_sums(ps: _Pass, weight_sharing: str) -> tuple[list, list[bool]]:
   G G^T, sum G^T G)`` for the others (:func:`_kfac_parts`); and which
   leaves are K-FAC's. Sums over examples, so chunks of examples add up
   (:func:`_chunk_sums`)."""
-  return _kfac_parts(ps._replace(axis_name=None), weight_sharing, _shampoo_sums)
+  return _kfac_parts(
+    ps._replace(axis_name=None), weight_sharing, _shampoo_sums, _row_sums
+  )
+
+
+def _row_sums(rows: dict) -> dict:
+  """Shampoo's ``(sum G G^T, sum G^T G)`` of each leaf's per-example
+  gradients ``(N, *leaf)``: what :func:`_shampoo_sums` forms from them."""
+  return {
+    k: _sum_ggt_gtg(_as_matrix(numerics.widen(g)), None)
+    for k, g in rows.items()
+  }
 
 
 def _kfac_finish(sums: list, kfac: list[bool], count: Any) -> tuple[list, list]:

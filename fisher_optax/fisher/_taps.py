@@ -2312,7 +2312,11 @@ class LayerGrads:
     return out
 
   def kron_and_example_grads(
-    self, *, chunk_size: int | None = None, weight_sharing: str = "expand"
+    self,
+    *,
+    chunk_size: int | None = None,
+    weight_sharing: str = "expand",
+    reduce_rows: Callable[[dict], dict] | None = None,
   ) -> tuple[PyTree, PyTree]:
     """``(statistics("kron"), example_grads())`` from the same backward
     passes.
@@ -2323,28 +2327,44 @@ class LayerGrads:
     held at once. The ``A`` factors come from the activations once (on a
     tape recorded with ``statistic="kron"``, those of its fused layers in
     the forward pass).
+
+    ``reduce_rows`` (``{leaf: rows} -> {leaf: sums}``, sums that add over
+    rows, such as Shampoo's ``sum G G^T``) replaces the example gradients
+    by their sums, formed a backward pass at a time: the ``S * B`` rows are
+    never held at once.
     """
     validation.check_choice("weight_sharing", weight_sharing, WEIGHT_SHARING)
     self._check_fusion("kron", weight_sharing)
-    return self._kron(chunk_size, weight_sharing, with_grads=True)
+    return self._kron(chunk_size, weight_sharing, True, reduce_rows)
 
   def _kron(
-    self, chunk_size, weight_sharing: str, with_grads: bool
+    self,
+    chunk_size,
+    weight_sharing: str,
+    with_grads: bool,
+    reduce_rows: Callable[[dict], dict] | None = None,
   ) -> tuple[PyTree, PyTree]:
     """:meth:`kron_and_example_grads` after its checks; ``None`` grads
     without ``with_grads``."""
     reduce = weight_sharing == "reduce"
     grads = (lambda g: g._example_grads()) if with_grads else (lambda g: {})
+    if reduce_rows is not None:
+      grads = lambda g, rows_of=grads: reduce_rows(rows_of(g))
     if self._per_pass(chunk_size) is None:
       kron, rows = self._kron_parts(chunk_size, reduce), grads(self)
     else:
       pair = lambda v: isinstance(v, tuple)
 
-      def parts(g):  # Gamma sums over the samples
+      def parts(g):  # Gamma (and reduced rows) sum over the samples
         kron = g._kron_parts(chunk_size, reduce)
-        return {k: v[1] for k, v in kron.items() if pair(v)}, {}, grads(g)
+        gammas = {k: v[1] for k, v in kron.items() if pair(v)}
+        if reduce_rows is not None:
+          return (gammas, grads(g)), {}, {}
+        return (gammas, {}), {}, grads(g)
 
-      gammas, _, rows = self._over_samples(chunk_size, parts)
+      (gammas, sums), _, rows = self._over_samples(chunk_size, parts)
+      if reduce_rows is not None:
+        rows = sums
       # A does not depend on the samples: once, from the activations (or
       # the fused layers' forward pass). The Gamma of these zero cotangents
       # is never used, so XLA drops it.
