@@ -2297,7 +2297,7 @@ class LayerGrads:
     (:meth:`_over_samples`)."""
     if self._per_pass(chunk_size) is None:
       return self._diag_parts(chunk_size)
-    parts = lambda g: (g._diag_parts(chunk_size), {}, {})
+    parts = lambda g: (g._diag_parts(chunk_size), {})
     return self._over_samples(chunk_size, parts)[0]
 
   def _kron_parts(self, chunk_size, reduce: bool) -> dict:
@@ -2359,10 +2359,10 @@ class LayerGrads:
         kron = g._kron_parts(chunk_size, reduce)
         gammas = {k: v[1] for k, v in kron.items() if pair(v)}
         if reduce_rows is not None:
-          return (gammas, grads(g)), {}, {}
-        return (gammas, {}), {}, grads(g)
+          return (gammas, grads(g)), {}
+        return (gammas, {}), grads(g)
 
-      (gammas, sums), _, rows = self._over_samples(chunk_size, parts)
+      (gammas, sums), rows = self._over_samples(chunk_size, parts)
       if reduce_rows is not None:
         rows = sums
       # A does not depend on the samples: once, from the activations (or
@@ -2389,11 +2389,10 @@ class LayerGrads:
     return per_pass
 
   def _over_samples(self, chunk_size, parts: Callable) -> tuple:
-    """``parts(grads) -> (sums, same, rows)`` over the samples, the
-    cotangents pulled back ``per_pass`` at a time in a scan: the pass holds
-    the ``delta`` of those samples, not ``S``, and its memory stays near the
-    batch gradient's at any ``B``. ``sums`` are added over the passes,
-    ``same`` (values no sample changes) taken from the last one, and
+    """``parts(grads) -> (sums, rows)`` over the samples, the cotangents
+    pulled back ``per_pass`` at a time in a scan: the pass holds the
+    ``delta`` of those samples, not ``S``, and its memory stays near the
+    batch gradient's at any ``B``. ``sums`` are added over the passes and
     ``rows`` (``(per_pass * B, ...)``, rows ``s * B + n``) stacked to ``S *
     B`` rows."""
     per_pass = self._per_pass(chunk_size)
@@ -2411,18 +2410,18 @@ class LayerGrads:
     one = lambda c: parts(LayerGrads(tape, tape._pull(c), per_pass))
 
     def body(acc, c):
-      sums, same, rows = one(c)
-      return (jax.tree.map(jnp.add, acc[0], sums), same), rows
+      sums, rows = one(c)
+      return jax.tree.map(jnp.add, acc, sums), rows
 
     shapes = jax.eval_shape(one, jax.tree.map(lambda x: x[0], xs))
     init = jax.tree.map(
-      lambda a: _zeros_varying(a.shape, a.dtype, a), shapes[:2]
+      lambda a: _zeros_varying(a.shape, a.dtype, a), shapes[0]
     )
-    (sums, same), rows = lax.scan(body, init, xs)
+    sums, rows = lax.scan(body, init, xs)
     rows = jax.tree.map(
       lambda r: r.reshape((-1,) + r.shape[2:])[: num * b], rows
     )
-    return sums, same, rows
+    return sums, rows
 
   def combine(self, weights: Array) -> PyTree:
     """Weighted sums of pseudo-gradients, ``sum_i weights[:, i] g_i``.
