@@ -1166,6 +1166,50 @@ class LowRankMemoryTest(absltest.TestCase):
     self.assertLess(stats.temp_size_in_bytes, 0.25 * stats.output_size_in_bytes)
 
 
+class LargeBatchMemoryTest(absltest.TestCase):
+  """Memory that used to grow with ``B`` beyond the batch gradient's: the
+  squares of a dense diagonal (matmul operands XLA writes out) and the
+  per-leaf ``(B, B)`` products of a Gram matrix."""
+
+  B = 4096
+
+  def setUp(self):
+    super().setUp()
+    self.params = ft.mlp_params(jax.random.key(0), (256, 256, 256, 10))
+    self.x = jnp.ones((self.B, 256))
+    self.y = jnp.arange(self.B) % 10
+
+  def _temp(self, fn) -> int:
+    stats = jax.jit(fn).lower(self.params).compile().memory_analysis()
+    if stats is None:
+      self.skipTest("no memory analysis on this backend")
+    return stats.temp_size_in_bytes
+
+  def _estimate(self, estimator, **kw):
+    return lambda p: estimator(
+      ft.mlp_apply,
+      p,
+      (self.x, self.y),
+      likelihood=fisher.Categorical(),
+      kind="empirical",
+      **kw,
+    )
+
+  def test_dense_diagonal_squares_a_chunk_of_examples_at_a_time(self):
+    def loss(p):
+      logp = jax.nn.log_softmax(ft.mlp_apply(p, self.x))
+      return jnp.mean(logp[jnp.arange(self.B), self.y])
+
+    grad = self._temp(jax.grad(loss))
+    diag = self._temp(self._estimate(fisher.diagonal))
+    self.assertLess(diag, 1.5 * grad)  # 1.75x with all squares at once
+
+  def test_gram_matrix_forms_by_blocks_of_rows(self):
+    temp = self._temp(self._estimate(fisher.low_rank, rank=8))
+    gram = 4 * self.B**2
+    self.assertLess(temp, 4 * gram)  # 10.4 Gram matrices with one per leaf
+
+
 class KroneckerMemoryTest(absltest.TestCase):
   def test_shampoo_sums_of_elementwise_leaves_form_a_pass_at_a_time(self):
     """A learned positional table (no K-FAC rule) takes Shampoo factors from

@@ -289,11 +289,14 @@ class LayerStatisticsTest(parameterized.TestCase):
       for got, gi in zip(jax.tree.leaves(out["combine"]), g):
         _assert_close(self, got, jnp.tensordot(weights, gi, 1))
 
-  @parameterized.parameters("plain_seq", "linen_seq")
-  def test_gram_and_combine_in_blocks(self, name):
-    """With a tiny block budget the Gram matrix is summed over input-feature
-    blocks (one-hot blocks for an embedding) and the weighted sums over
-    example chunks (a padded last one): both equal the oracle."""
+  @parameterized.parameters("plain_seq", "linen_seq", "plain_mlp", "nnx_mlp")
+  def test_statistics_in_blocks(self, name):
+    """With tiny budgets the Gram matrix is summed over input-feature
+    blocks (one-hot blocks for an embedding) or formed by blocks of rows
+    (dense layers without weight sharing, biases; rows of several samples
+    read their example's activations), the weighted sums over example
+    chunks, and the squares of a dense diagonal a chunk of examples at a
+    time (a remainder chunk): all equal the oracle."""
     with jax.enable_x64(True):
       apply_fn, params, inputs, out_dim = _model(name)
       cot = _cotangents(out_dim)
@@ -301,14 +304,46 @@ class LayerStatisticsTest(parameterized.TestCase):
         jax.random.key(3), (2, S * B), jnp.float64
       )
       g = jax.tree.leaves(_pseudo_grads(apply_fn, params, inputs, cot))
-      with mock.patch.object(_taps, "_BLOCK_ELEMENTS", 8):
+      with (
+        mock.patch.object(_taps, "_BLOCK_ELEMENTS", 8),
+        mock.patch.object(_taps, "_PATCH_CHUNK_ELEMENTS", 18),
+      ):
         grads = _taps.record(apply_fn, params, inputs).backward(cot)
         gram = grads.statistics("gram")
         combined = grads.combine(weights)
+        diag = grads.statistics("diag")
       flat = jnp.concatenate([gi.reshape(S * B, -1) for gi in g], 1)
       _assert_close(self, gram, flat @ flat.T)
       for got, gi in zip(jax.tree.leaves(combined), g):
         _assert_close(self, got, jnp.tensordot(weights, gi, 1))
+      for got, gi in zip(jax.tree.leaves(diag), g):
+        _assert_close(self, got, jnp.sum(gi**2, 0))
+
+  @parameterized.parameters((7, 7, 3), (12, 4, 5), (6, 3, 4), (5, 5, 8))
+  def test_rows_gram_by_blocks(self, n, b, block_rows):
+    """Blocks of rows (a remainder block when no divisor is near the
+    budget; several samples per example) give the dense Gram matrix."""
+    keys = jax.random.split(jax.random.key(0), 4)
+    a = fisher_testing.normal(keys[0], (b, 3))
+    r1 = fisher_testing.normal(keys[1], (n, 2))
+    r2 = fisher_testing.normal(keys[2], (n, 4))
+    aa = jnp.tile(a @ a.T, (n // b, n // b))
+    want = (aa + 1) * (r1 @ r1.T) + r2 @ r2.T
+    terms = [(a, r1, True), (None, r2, False)]
+    with mock.patch.object(_taps, "_BLOCK_ELEMENTS", 2 * n * block_rows):
+      got = _taps._rows_gram(terms, n, b)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+  @parameterized.parameters((7, 3), (12, 5), (8, 4), (3, 8))
+  def test_sums_over_example_chunks_without_padding(self, b, chunk):
+    x = fisher_testing.normal(jax.random.key(0), (b, 3))
+    y = fisher_testing.normal(jax.random.key(1), (2, b))
+    got = _taps._sum_over_example_chunks(
+      lambda x_c, y_c: y_c @ x_c, [x, y], [0, 1], b, chunk, (2, 3), x.dtype
+    )
+    np.testing.assert_allclose(got, y @ x, rtol=1e-5, atol=1e-6)
+    self.assertEqual(_taps._even_chunk(12, 5), 4)
+    self.assertEqual(_taps._even_chunk(7, 3), 3)  # 7 = 2 * 3 + 1
 
   def test_transformer_matches_per_example_vjps(self):
     """Attention (q, k, v, o on (B, T, d)), MLP, embedding, head."""

@@ -1647,6 +1647,59 @@ def _gram_stat(site_view, role: str, chunk_size) -> Array:
   return jnp.einsum("nmtu,snrmtu->snrm", ka, kd).reshape(num_s * b, num_s * b)
 
 
+def _row_gram_ok(site_view, role: str) -> bool:
+  """Whether a use's Gram matrix is a product of row Gram matrices: a bias
+  or an elementwise leaf (``g = sum_t delta``), or a dense kernel without
+  weight sharing (``(A A^T) * (D D^T)``)."""
+  site, act, delta, _ = site_view
+  if role == "bias":
+    return True
+  return site.kind == "dense" and act is not None and delta.shape[2] == 1
+
+
+def _row_gram_term(site_view, roles: list[str]):
+  """``(a, r, plus_one)`` of the uses at one site: their Gram is ``((a
+  a^T) + plus_one) * (r r^T)`` (``a`` ``None``: ``r r^T``), rows of ``r``
+  ``s * B + n``, ``a`` ``(B, K)``."""
+  _, act, delta, _ = site_view
+  r = jnp.sum(delta, axis=2)
+  r = r.reshape(-1, r.shape[-1])
+  kernel = any(role != "bias" for role in roles)
+  return (act[:, 0] if kernel else None), r, kernel and "bias" in roles
+
+
+def _rows_gram(terms: list, n: int, b: int) -> Array:
+  """``sum`` of :func:`_row_gram_term` Gram matrices ``(n, n)``, formed by
+  blocks of rows: each site's row products live for a block at a time, not
+  as ``(n, n)`` matrices per leaf (on the MLP at ``B = 2048``, nine of them
+  at once)."""
+  blk = _even_chunk(n, max(1, _BLOCK_ELEMENTS // (2 * n)))
+  dtype = jnp.result_type(*(x for t in terms for x in t[:2] if x is not None))
+
+  def block(start, size: int) -> Array:
+    out = jnp.zeros((size, n), dtype)
+    for a, r, plus_one in terms:
+      prod = lax.dynamic_slice_in_dim(r, start, size) @ r.T
+      if a is not None:
+        if n == b:
+          a_i = lax.dynamic_slice_in_dim(a, start, size)
+        else:  # several samples: row s * B + m reads example m
+          a_i = a[(start + jnp.arange(size)) % b]
+        aa = jnp.tile(a_i @ a.T, (1, n // b))
+        prod = (aa + 1 if plus_one else aa) * prod
+      out = out + prod
+    return out
+
+  count, rest = divmod(n, blk)
+  if count == 1 and not rest:
+    return block(0, n)
+  full = lax.map(lambda i: block(i * blk, blk), jnp.arange(count))
+  full = full.reshape(count * blk, n)
+  if not rest:
+    return full
+  return jnp.concatenate([full, block(count * blk, rest)])
+
+
 def _combine_dense(w: Array, a: Array, d: Array) -> Array:
   """``sum_{s,n} w[k, s, n] a_n^T d_{s,n}``, ``(k, K, O)``, for ``a`` ``(B,
   T, K)`` and ``d`` ``(S, B, T, O)``.
@@ -1676,6 +1729,16 @@ def _combine_dense(w: Array, a: Array, d: Array) -> Array:
   )
 
 
+def _even_chunk(b: int, chunk: int) -> int:
+  """A chunk of at most ``chunk`` examples, a divisor of ``b`` when one of
+  at least half that size exists (no remainder to run apart)."""
+  chunk = max(1, min(chunk, b))
+  for c in range(chunk, (chunk + 1) // 2 - 1, -1):
+    if b % c == 0:
+      return c
+  return chunk
+
+
 def _sum_over_example_chunks(
   fn: Callable[..., Array],
   arrays: Sequence[Array],
@@ -1687,20 +1750,13 @@ def _sum_over_example_chunks(
 ) -> Array:
   """``sum_j fn(*chunk j of arrays)``, each array's ``b`` examples along its
   axis in ``axes``, ``chunk`` at a time, one chunk's terms live at a time
-  (a ``scan``); ``fn(*arrays)`` when one chunk holds them all. The last
-  chunk is padded with zero examples, so ``fn`` must give zero for them."""
-  chunk = max(1, min(chunk, b))
-  count = -(-b // chunk)
-  if count == 1:
+  (a ``scan`` over the whole chunks, then the remainder); ``fn(*arrays)``
+  when one chunk holds them all. Slices, never a padded copy of the
+  arrays."""
+  chunk = _even_chunk(b, chunk)
+  count, rest = divmod(b, chunk)
+  if count == 1 and not rest:
     return fn(*arrays)
-  pad = count * chunk - b
-
-  def padded(x, axis):
-    widths = [(0, 0)] * x.ndim
-    widths[axis] = (0, pad)
-    return jnp.pad(x, widths)
-
-  arrays = [padded(x, axis) for x, axis in zip(arrays, axes)]
 
   def one(j):
     return fn(
@@ -1710,7 +1766,14 @@ def _sum_over_example_chunks(
       )
     )
 
-  return _loop_sum(one, count, shape, dtype, arrays)
+  total = _loop_sum(one, count, shape, dtype, arrays)
+  if rest:
+    tail = (
+      lax.slice_in_dim(x, count * chunk, b, axis=axis)
+      for x, axis in zip(arrays, axes)
+    )
+    total = total + fn(*tail).astype(dtype)
+  return total
 
 
 def _combine_stat(site_view, role: str, weights: Array, shape: tuple) -> Array:
@@ -1879,10 +1942,31 @@ def _summed_sq(delta: Array) -> Array:
   return jnp.sum(delta[:, :, 0] ** 2, axis=0)
 
 
-def _rows_diag(site: _Site, act: Array, summed_sq: Array, shape: tuple):
-  """Its diagonal from :func:`_summed_sq`: one ``(d_in, B)`` matmul serves
-  every sample."""
-  return _kernel_to_shape(site, act[:, 0].T ** 2 @ summed_sq, shape)
+def _rows_diag(
+  site: _Site, act: Array, rows: Array, shape: tuple, squared: bool
+):
+  """A dense use's diagonal without weight sharing, ``(a^2)^T sum_s
+  delta^2``: one ``(d_in, B)`` matmul serves every sample. ``rows`` are the
+  cotangents ``(S, B, O)``, or with ``squared`` their :func:`_summed_sq`.
+  The squares (matmul operands, so XLA writes them out) are formed a chunk
+  of examples at a time: their memory does not grow with ``B``."""
+  a = act[:, 0]
+  (b, k), o = a.shape, rows.shape[-1]
+  dtype = jnp.promote_types(a.dtype, rows.dtype)
+
+  def part(a_c, r_c):
+    return (a_c**2).T @ (r_c if squared else jnp.sum(r_c**2, axis=0))
+
+  total = _sum_over_example_chunks(
+    part,
+    [a, rows],
+    [0, 0 if squared else 1],
+    b,
+    max(1, _PATCH_CHUNK_ELEMENTS // (k + o * (1 if squared else len(rows)))),
+    (k, o),
+    dtype,
+  )
+  return _kernel_to_shape(site, total, shape)
 
 
 def _diag_stat(site_view, role: str, shape: tuple, chunk_size) -> Array:
@@ -1902,7 +1986,7 @@ def _diag_stat(site_view, role: str, shape: tuple, chunk_size) -> Array:
       .add(per_pos.reshape(-1, shape[-1]))
     )
   if act.shape[1] == 1:
-    return _rows_diag(site, act, _summed_sq(delta), shape)
+    return _rows_diag(site, act, delta[:, :, 0], shape, squared=False)
   # Weight sharing: no shortcut, per-example products.
   if _loop_over_examples():  # memory O(d_in * d_out), below any chunk
     total = _sum_sq_example_grads(act, delta)
@@ -2215,14 +2299,21 @@ class LayerGrads:
     validation.check_choice("weight_sharing", weight_sharing, WEIGHT_SHARING)
     self._check_fusion(structure, weight_sharing)
     if structure == "diag":
-      return self._unflatten(self._diag_finish(self._diag_sums(chunk_size)))
+      return self._unflatten(self._diag_sums(chunk_size))
     if structure == "kron":
       return self._kron(chunk_size, weight_sharing, with_grads=False)[0]
     views = self._views()
     n = self.num_samples * self._tape.batch
     total = jnp.zeros((n, n), jnp.float32)
+    rows: dict[int, list[str]] = {}  # site -> roles with a row-form Gram
     for _, s, role in self._leaf_items():
-      total = total + _gram_stat(views(s), role, chunk_size)
+      if _row_gram_ok(views(s), role):
+        rows.setdefault(s, []).append(role)
+      else:
+        total = total + _gram_stat(views(s), role, chunk_size)
+    if rows:
+      terms = [_row_gram_term(views(s), r) for s, r in rows.items()]
+      total = total + _rows_gram(terms, n, self._tape.batch)
     for val in self._special(structure, chunk_size).values():
       total = total + val
     for val in self._fused().values():
@@ -2268,14 +2359,17 @@ class LayerGrads:
     act = self._tape._acts[s]
     return _dense_act(site, act, self._tape.batch).shape[1] == 1
 
-  def _diag_parts(self, chunk_size) -> dict:
+  def _diag_parts(self, chunk_size, summed: bool = True) -> dict:
     """Per covered leaf, a sum over this object's samples that
     :meth:`_diag_finish` turns into its diagonal: the diagonal sums
-    themselves, or ``sum_s delta^2`` ``(B, O)`` where :meth:`_summed_rows`."""
+    themselves, or where :meth:`_summed_rows` ``sum_s delta^2`` ``(B, O)``
+    (without ``summed``, the ``(S, B, O)`` cotangents, squared later a
+    chunk of examples at a time)."""
     out, views = {}, self._views()
     for leaf, s, role in self._leaf_items():
       if self._summed_rows(s, role):
-        out[leaf] = _summed_sq(self._site(s)[2])
+        delta = self._site(s)[2]
+        out[leaf] = _summed_sq(delta) if summed else delta[:, :, 0]
       else:
         shape = self._leaf_shape(leaf)
         out[leaf] = _diag_stat(views(s), role, shape, chunk_size)
@@ -2283,22 +2377,23 @@ class LayerGrads:
     out.update(self._fused())
     return out
 
-  def _diag_finish(self, parts: dict) -> dict:
+  def _diag_finish(self, parts: dict, summed: bool) -> dict:
     out = dict(parts)
     for leaf, s, role in self._leaf_items():
       if self._summed_rows(s, role):
         site = self._tape._plan.sites[s]
         act = _dense_act(site, self._tape._acts[s], self._tape.batch)
-        out[leaf] = _rows_diag(site, act, parts[leaf], self._leaf_shape(leaf))
+        shape = self._leaf_shape(leaf)
+        out[leaf] = _rows_diag(site, act, parts[leaf], shape, summed)
     return out
 
   def _diag_sums(self, chunk_size) -> dict:
-    """:meth:`_diag_parts` over all samples, a few per backward pass
-    (:meth:`_over_samples`)."""
+    """The diagonal of every covered leaf: :meth:`_diag_parts` over all
+    samples, a few per backward pass (:meth:`_over_samples`)."""
     if self._per_pass(chunk_size) is None:
-      return self._diag_parts(chunk_size)
+      return self._diag_finish(self._diag_parts(chunk_size, False), False)
     parts = lambda g: (g._diag_parts(chunk_size), {})
-    return self._over_samples(chunk_size, parts)[0]
+    return self._diag_finish(self._over_samples(chunk_size, parts)[0], True)
 
   def _kron_parts(self, chunk_size, reduce: bool) -> dict:
     """Leaf -> K-FAC sums ``(A_sum, Gamma_sum)`` (``None`` without)."""
