@@ -81,6 +81,13 @@ _CHUNK = flags.DEFINE_integer("chunk", 32, "Per-example path chunk size.")
 _BATCHES = flags.DEFINE_list(
   "batches", ["32", "128", "512"], "Batch sizes (full run)."
 )
+_MEMORY_BATCHES = flags.DEFINE_list(
+  "memory_batches",
+  ["2048"],
+  "Larger batch sizes where only XLA's temp bytes are read (compiled, not "
+  "run), for the layer-path rows: whether memory grows with B beyond the "
+  "gradient's.",
+)
 _MODELS = flags.DEFINE_list(
   "models",
   ["mlp", "transformer", "transformer_scan", "cnn", "cnn_scan"],
@@ -250,6 +257,43 @@ def run_one(
   return list(rows.values())
 
 
+def memory_rows(
+  model_name: str, batch: int, small: bool, chunk: int
+) -> list[dict[str, Any]]:
+  """XLA's temp bytes of the batch gradient and every layer-path row at
+  ``batch``, compiled only (``memory_only`` rows, no time)."""
+  apply_fn, params, in_shape = make_model(model_name, small)
+  if model_name.startswith("transformer"):
+    x = jnp.zeros((batch,) + in_shape, jnp.int32)
+  else:
+    x = jnp.zeros((batch,) + in_shape, jnp.float32)
+  y = jnp.zeros((batch,), jnp.int32)
+
+  def loss(p, x, y):
+    return common.cross_entropy(apply_fn(p, x), y)
+
+  grad = jax.value_and_grad(loss)
+  fns = {"batch gradient": lambda p, x, y, k: grad(p, x, y)}
+  fns.update(
+    (k, f)
+    for k, (f, slow) in estimators(apply_fn, chunk).items()
+    if not slow or "auto" in k  # every layer-path row, whatever --only
+  )
+  return [
+    {
+      "model": model_name,
+      "batch": batch,
+      "estimator": name,
+      "temp_mb": common.compiled_memory_bytes(
+        fn, params, x, y, jax.random.key(0)
+      )
+      / 2**20,
+      "memory_only": True,
+    }
+    for name, fn in fns.items()
+  ]
+
+
 def _fmt_ratio(r):
   return "—" if r is None else (f"{r:.2f}x" if r < 20 else f"{r:.0f}x")
 
@@ -261,23 +305,29 @@ def to_markdown(
   order = ["mlp", "transformer", "transformer_scan", "cnn", "cnn_scan"]
   for model in sorted({r["model"] for r in rows}, key=order.index):
     sub = [r for r in rows if r["model"] == model]
-    batches_m = [b for b in batches if any(r["batch"] == b for r in sub)]
+    timed = [r for r in sub if not r.get("memory_only")]
+    batches_m = [b for b in batches if any(r["batch"] == b for r in timed)]
+    mem_b = batches_m + sorted(
+      {r["batch"] for r in sub if r.get("memory_only")} - set(batches_m)
+    )
     frac = sub[0]["covered_fraction"]
     base = {
       r["batch"]: r["median_s"]
-      for r in sub
+      for r in timed
       if r["estimator"] == "batch gradient"
     }
     header = (
       ["estimator / path"]
       + [f"B={b}" for b in batches_m]
-      + [f"temp MB @{b}" for b in batches_m]
+      + [f"temp MB @{b}" for b in mem_b]
     )
     table = []
     order = ["batch gradient", *estimators(None, 1)]
     names = sorted({r["estimator"] for r in sub}, key=order.index)
     for name in names:
       by_b = {r["batch"]: r for r in sub if r["estimator"] == name}
+      if all(by_b[b].get("memory_only") for b in by_b):
+        continue  # a per-example row: not compiled at the memory batches
       cells = []
       for b in batches_m:
         r = by_b.get(b)
@@ -290,9 +340,7 @@ def to_markdown(
           if r.get("floor") is not None:
             cell += f" ({r['floor']:.2f})"
           cells.append(cell)
-      mems = [
-        f"{by_b[b]['temp_mb']:.1f}" if b in by_b else "…" for b in batches_m
-      ]
+      mems = [f"{by_b[b]['temp_mb']:.1f}" if b in by_b else "—" for b in mem_b]
       table.append([name] + cells + mems)
     title = {
       "mlp": "MLP (NNX, relu): " + sub[0]["sizes"],
@@ -312,6 +360,13 @@ def to_markdown(
       "(median of within-round ratios); the batch-gradient row "
       "gives its absolute median time"
       + "; in parentheses, the flop floor (see the script's docstring)."
+      + (
+        " Temp memory at B="
+        + "/".join(str(b) for b in mem_b[len(batches_m) :])
+        + " is read from the compiled functions only (not run)."
+        if len(mem_b) > len(batches_m)
+        else ""
+      )
       + "\n"
     )
     out.append(common.markdown_table(header, table))
@@ -357,6 +412,13 @@ def main(argv):
         # The stored rows' ratios refer to the stored gradient row.
         new = [r for r in new if r["estimator"] != "batch gradient"]
       rows.extend(new)
+      if b == batches[-1]:  # after the timed batches: memory only
+        for mb in [] if small else [int(v) for v in _MEMORY_BATCHES.value]:
+          print(f"[{NAME}] {model_name} B={mb} (memory only)", flush=True)
+          mem = memory_rows(model_name, mb, small, chunk)
+          key = lambda r: (r["model"], r["batch"], r["estimator"])
+          fresh = {key(r) for r in mem}  # replace stored ones (--merge)
+          rows[:] = [r for r in rows if key(r) not in fresh] + mem
       # Written after every configuration, so a long run leaves its results.
       done = [bb for bb in batches if any(r["batch"] == bb for r in rows)]
       md = preamble + to_markdown(rows, done, chunk)

@@ -1677,7 +1677,7 @@ def _rows_gram(terms: list, n: int, b: int) -> Array:
   dtype = jnp.result_type(*(x for t in terms for x in t[:2] if x is not None))
 
   def block(start, size: int) -> Array:
-    out = jnp.zeros((size, n), dtype)
+    out = None
     for a, r, plus_one in terms:
       prod = lax.dynamic_slice_in_dim(r, start, size) @ r.T
       if a is not None:
@@ -1687,8 +1687,9 @@ def _rows_gram(terms: list, n: int, b: int) -> Array:
           a_i = a[(start + jnp.arange(size)) % b]
         aa = jnp.tile(a_i @ a.T, (1, n // b))
         prod = (aa + 1 if plus_one else aa) * prod
-      out = out + prod
-    return out
+      out = prod if out is None else out + prod
+    assert out is not None
+    return out.astype(dtype)
 
   count, rest = divmod(n, blk)
   if count == 1 and not rest:
