@@ -1362,6 +1362,28 @@ class _ScannedStack(nn.Module):
     return nn.Dense(8)(jnp.mean(x, axis=1))
 
 
+class _ConvBlock(nn.Module):
+  @nn.compact
+  def __call__(self, x, _):
+    return jax.nn.relu(nn.Conv(4, (3, 3))(x)), None
+
+
+class _ScannedConvs(nn.Module):
+  """3x3 convs stacked by ``nn.scan`` over ``nn.remat``, a dense head."""
+
+  @nn.compact
+  def __call__(self, x):
+    x = nn.Conv(4, (3, 3), strides=2)(x)
+    scan = nn.scan(
+      nn.remat(_ConvBlock),
+      variable_axes={"params": 0},
+      split_rngs={"params": True},
+      length=2,
+    )
+    x, _ = scan()(x, None)
+    return nn.Dense(3)(x.reshape(x.shape[0], -1))
+
+
 def _traced_tape(apply_fn, params, inputs, **kw) -> _taps.LayerTape:
   """A tape recorded under ``eval_shape``: its plan, without running it."""
   tapes = []
@@ -1565,6 +1587,48 @@ class FusedStatisticsTest(parameterized.TestCase):
     self.assertIsNotNone(
       _traced_tape(self.apply_fn, self.params, x, statistic="gram")._fusion
     )
+    _assert_same_statistic(self, got, want)
+
+  @parameterized.parameters(None, 3)
+  def test_fused_conv_gram_and_combine(self, chunk_size):
+    """Stacked conv kernels form their Gram matrix and weighted sums in the
+    backward pass from per-example kernel gradients (in chunks of examples,
+    a remainder chunk for 3 of 7), equal to the recorded layers'."""
+    model = _ScannedConvs()
+    x = fisher_testing.normal(jax.random.key(0), (7, 8, 8, 2))
+    params = model.init(jax.random.key(1), x)
+    r = fisher_testing.normal(jax.random.key(2), (7, 3))
+    weights = fisher_testing.normal(jax.random.key(3), (2, 7))
+    kw = dict(chunk_size=chunk_size)
+
+    @jax.jit
+    def run(params, x, r, weights):
+      plain = _taps.record(model.apply, params, x).backward(r[None])
+      gram = _taps.record(model.apply, params, x, statistic="gram", **kw)
+      combine = _taps.record(
+        model.apply, params, x, statistic="combine", weights=weights, **kw
+      )
+      return (
+        (plain.statistics("gram"), plain.combine(weights)),
+        (
+          gram.gradient(r)[1].statistics("gram", chunk_size=chunk_size),
+          combine.backward(r[None]).combine(weights),
+        ),
+      )
+
+    want, got = run(params, x, r, weights)
+    tape = _traced_tape(model.apply, params, x, statistic="gram")
+    assert tape._fusion is not None
+    kernels = [
+      i
+      for i, (path, _) in enumerate(
+        jax.tree_util.tree_flatten_with_path(params)[0]
+      )
+      if "ScanCheckpoint" in jax.tree_util.keystr(path)
+      and "kernel" in jax.tree_util.keystr(path)
+    ]
+    self.assertLen(kernels, 1)
+    self.assertIn(kernels[0], tape._fusion.leaves)
     _assert_same_statistic(self, got, want)
 
   def test_reversed_nested_and_rematerialised_scans(self):

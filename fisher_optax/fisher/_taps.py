@@ -1219,7 +1219,7 @@ def record(
       never sums tap cotangents (examples) across devices.
     statistic: ``"diag"``, ``"kron"``, ``"gram"`` or ``"combine"`` to
       form that statistic of the leaves stacked along a scan (one use each,
-      a dense, scale or shift layer; a conv for ``"diag"``) inside the
+      a dense, scale, shift or conv layer) inside the
       backward pass, one iteration at a time: the pass then keeps neither
       their activations nor their cotangents ``(L, B, T, ...)``, and a
       ``remat`` body is still recomputed, so memory stays near the batch
@@ -1372,12 +1372,10 @@ class _Fusion:
 def _fusable(plan: _Plan, statistic: str) -> dict[int, tuple[int, str]]:
   """Leaf -> (site, role) for the leaves whose statistic can be formed in
   the backward pass: stacked along every scan around their one use, a
-  dense, scale or shift layer (a conv for ``"diag"``, and for ``"kron"``
-  one with K-FAC factors), at a site no other covered leaf needs. (K-FAC's
+  dense, scale, shift or conv layer (for ``"kron"`` a conv with K-FAC
+  factors), at a site no other covered leaf needs. (K-FAC's
   ``A`` forms in the forward pass, :func:`_fused_inputs`.)"""
-  kinds = ("dense", "scale", "shift")
-  if statistic in ("diag", "kron"):
-    kinds += ("conv",)
+  kinds = ("dense", "scale", "shift", "conv")
   out: dict[int, tuple[int, str]] = {}
   for leaf, uses in plan.special.items():
     if len(uses) != 1:
@@ -1427,9 +1425,19 @@ def _fused_stat(
   for leaf, role, shape in users:
     if site.kind == "conv" and statistic == "kron":  # A: _fused_inputs
       out[leaf] = _conv_kron_gamma(site.eqn, delta[None], batch, reduce)
-    elif site.kind == "conv":  # diag (_fusable)
+    elif site.kind == "conv" and statistic == "diag":
       assert act is not None
       out[leaf] = _conv_diag(site.eqn, act, view[2], shape, chunk_size)
+    elif site.kind == "conv" and statistic == "gram":  # S = 1 (backward)
+      assert act is not None
+      g = _conv_example_grads(site.eqn, act, delta, chunk_size)
+      g = g.reshape(batch, -1)
+      out[leaf] = g @ g.T
+    elif site.kind == "conv":  # combine
+      assert act is not None
+      w = tap[leaf][0]
+      sums = _conv_combine(site.eqn, act, delta, w, shape, chunk_size)
+      out[leaf] = (jnp.zeros_like(w), sums)
     elif statistic == "diag":
       out[leaf] = _diag_stat(view, role, shape, chunk_size)
     elif statistic == "gram":
@@ -2069,7 +2077,7 @@ def _conv_diag(
   num_s, b = delta.shape[:2]
   chunk = chunk_size or _PATCH_CHUNK_ELEMENTS // _patch_elements(eqn)
 
-  def square(xc, dc):  # zero examples have zero gradients
+  def square(xc, dc):
     squares = [
       jnp.sum(_conv_kernel_grads(eqn, xc, dc[s]) ** 2, axis=0)
       for s in range(num_s)
@@ -2079,6 +2087,65 @@ def _conv_diag(
   dtype = jnp.promote_types(x.dtype, delta.dtype)
   return _sum_over_example_chunks(
     square, [x, delta], [0, 1], b, chunk, shape, dtype
+  )
+
+
+def _conv_example_grads(
+  eqn, x: Array, delta: Array, chunk_size: int | None
+) -> Array:
+  """Per-example kernel gradients ``(B, *kernel)`` of a conv from its input
+  ``x`` and output cotangents ``delta`` (one sample), formed a chunk of
+  examples at a time (``chunk_size``, or as many as keep their input
+  patches in cache)."""
+  b = x.shape[0]  # example-major, as _conv_kernel_grads takes them
+  chunk = _even_chunk(
+    b, chunk_size or _PATCH_CHUNK_ELEMENTS // _patch_elements(eqn)
+  )
+  count, rest = divmod(b, chunk)
+  one = lambda xc, dc: _conv_kernel_grads(eqn, xc, dc)
+  if count == 1 and not rest:
+    return one(x, delta)
+
+  def part(j):
+    take = lambda v: lax.dynamic_slice_in_dim(v, j * chunk, chunk, 0)
+    return one(take(x), take(delta))
+
+  g = lax.map(part, jnp.arange(count))
+  g = g.reshape((count * chunk,) + g.shape[2:])
+  if rest:
+    tail = one(x[count * chunk :], delta[count * chunk :])
+    g = jnp.concatenate([g, tail])
+  return g
+
+
+def _conv_combine(
+  eqn,
+  x: Array,
+  delta: Array,
+  weights: Array,
+  shape: tuple,
+  chunk_size: int | None,
+) -> Array:
+  """``sum_n weights[:, n] g_n`` ``(k, *kernel)`` of a conv kernel from its
+  input ``x`` and output cotangents ``delta`` (one sample), the per-example
+  gradients formed a chunk of examples at a time."""
+  b = weights.shape[-1]
+  chunk = chunk_size or _PATCH_CHUNK_ELEMENTS // _patch_elements(eqn)
+  dtype = jnp.promote_types(
+    weights.dtype, jnp.promote_types(x.dtype, delta.dtype)
+  )
+
+  def part(w_c, x_c, d_c):
+    return jnp.tensordot(w_c, _conv_kernel_grads(eqn, x_c, d_c), 1)
+
+  return _sum_over_example_chunks(
+    part,
+    [weights, x, delta],
+    [1, 0, 0],
+    b,
+    chunk,
+    (weights.shape[0],) + shape,
+    dtype,
   )
 
 
