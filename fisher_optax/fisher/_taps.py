@@ -1876,15 +1876,22 @@ def _conv_kernel_grads(eqn, x: Array, delta: Array, shared: int = 1) -> Array:
 def _chunk_map(
   fn: Callable[..., Array], xs: Sequence[Array], chunk: int
 ) -> Array:
-  """``fn`` over row chunks of ``xs`` (zero-padded), results concatenated."""
+  """``fn`` over row chunks of ``xs`` (a ``lax.map`` over the whole chunks,
+  then the remainder; no padded copy), results concatenated."""
   n = xs[0].shape[0]
-  if chunk >= n:
+  chunk = _even_chunk(n, chunk)
+  count, rest = divmod(n, chunk)
+  if count == 1 and not rest:
     return fn(*xs)
-  pad = -n % chunk
-  padded = [jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1)) for x in xs]
-  shaped = [x.reshape((-1, chunk) + x.shape[1:]) for x in padded]
-  out = lax.map(lambda c: fn(*c), shaped)
-  return out.reshape((-1,) + out.shape[2:])[:n]
+
+  def part(j):
+    return fn(*(lax.dynamic_slice_in_dim(x, j * chunk, chunk, 0) for x in xs))
+
+  out = lax.map(part, jnp.arange(count))
+  out = out.reshape((-1,) + out.shape[2:])
+  if rest:
+    out = jnp.concatenate([out, fn(*(x[count * chunk :] for x in xs))])
+  return out
 
 
 def _dense_act(site: _Site, act: Array, b: int) -> Array:
@@ -2097,25 +2104,9 @@ def _conv_example_grads(
   ``x`` and output cotangents ``delta`` (one sample), formed a chunk of
   examples at a time (``chunk_size``, or as many as keep their input
   patches in cache)."""
-  b = x.shape[0]  # example-major, as _conv_kernel_grads takes them
-  chunk = _even_chunk(
-    b, chunk_size or _PATCH_CHUNK_ELEMENTS // _patch_elements(eqn)
-  )
-  count, rest = divmod(b, chunk)
+  chunk = chunk_size or _PATCH_CHUNK_ELEMENTS // _patch_elements(eqn)
   one = lambda xc, dc: _conv_kernel_grads(eqn, xc, dc)
-  if count == 1 and not rest:
-    return one(x, delta)
-
-  def part(j):
-    take = lambda v: lax.dynamic_slice_in_dim(v, j * chunk, chunk, 0)
-    return one(take(x), take(delta))
-
-  g = lax.map(part, jnp.arange(count))
-  g = g.reshape((count * chunk,) + g.shape[2:])
-  if rest:
-    tail = one(x[count * chunk :], delta[count * chunk :])
-    g = jnp.concatenate([g, tail])
-  return g
+  return _chunk_map(one, [x, delta], chunk)
 
 
 def _conv_combine(
