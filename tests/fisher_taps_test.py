@@ -342,9 +342,7 @@ class LayerStatisticsTest(parameterized.TestCase):
       lambda x_c, y_c: y_c @ x_c, [x, y], [0, 1], b, chunk, (2, 3), x.dtype
     )
     np.testing.assert_allclose(got, y @ x, rtol=1e-5, atol=1e-6)
-    rows = _taps._chunk_map(
-      lambda x_c, y_c: x_c * y_c.T[:, :1], [x, y.T], chunk
-    )
+    rows = _taps._chunk_map(lambda x_c, y_c: x_c * y_c[:, :1], [x, y.T], chunk)
     np.testing.assert_allclose(rows, x * y.T[:, :1], rtol=1e-6)
     self.assertEqual(_taps._even_chunk(12, 5), 4)
     self.assertEqual(_taps._even_chunk(7, 3), 3)  # 7 = 2 * 3 + 1
