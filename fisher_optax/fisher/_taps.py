@@ -1587,6 +1587,12 @@ def _conv_patches(eqn, x: Array) -> Array:
   return jnp.stack(slices, axis=-2)
 
 
+def _patch_chunk(eqn, chunk_size: int | None) -> int:
+  """Examples per chunk of a conv's input patches: ``chunk_size``, or as
+  many as keep their patches in cache."""
+  return chunk_size or max(1, _PATCH_CHUNK_ELEMENTS // _patch_elements(eqn))
+
+
 def _patch_elements(eqn) -> int:
   """Elements of one example's :func:`_conv_patches`."""
   dn = eqn.params["dimension_numbers"]
@@ -1678,35 +1684,25 @@ def _row_gram_term(site_view, roles: list[str]):
 
 def _rows_gram(terms: list, n: int, b: int) -> Array:
   """``sum`` of :func:`_row_gram_term` Gram matrices ``(n, n)``, formed by
-  blocks of rows: each site's row products live for a block at a time, not
-  as ``(n, n)`` matrices per leaf (on the MLP at ``B = 2048``, nine of them
-  at once)."""
-  blk = _even_chunk(n, max(1, _BLOCK_ELEMENTS // (2 * n)))
+  blocks of rows (:func:`_chunk_map`): each site's row products live for a
+  block at a time, not as ``(n, n)`` matrices per leaf (on the MLP at ``B =
+  2048``, nine of them at once)."""
   dtype = jnp.result_type(*(x for t in terms for x in t[:2] if x is not None))
 
-  def block(start, size: int) -> Array:
+  def block(rows, *r_rows):  # rows s * B + m read example m's activations
     out = None
-    for a, r, plus_one in terms:
-      prod = lax.dynamic_slice_in_dim(r, start, size) @ r.T
+    for (a, r, plus_one), r_i in zip(terms, r_rows):
+      prod = r_i @ r.T
       if a is not None:
-        if n == b:
-          a_i = lax.dynamic_slice_in_dim(a, start, size)
-        else:  # several samples: row s * B + m reads example m
-          a_i = a[(start + jnp.arange(size)) % b]
-        aa = jnp.tile(a_i @ a.T, (1, n // b))
+        aa = jnp.tile(a[rows % b] @ a.T, (1, n // b))
         prod = (aa + 1 if plus_one else aa) * prod
       out = prod if out is None else out + prod
     assert out is not None
     return out.astype(dtype)
 
-  count, rest = divmod(n, blk)
-  if count == 1 and not rest:
-    return block(0, n)
-  full = lax.map(lambda i: block(i * blk, blk), jnp.arange(count))
-  full = full.reshape(count * blk, n)
-  if not rest:
-    return full
-  return jnp.concatenate([full, block(count * blk, rest)])
+  r_all = [r for _, r, _ in terms]
+  chunk = max(1, _BLOCK_ELEMENTS // (2 * n))
+  return _chunk_map(block, [jnp.arange(n), *r_all], chunk)
 
 
 def _combine_dense(w: Array, a: Array, d: Array) -> Array:
@@ -2082,7 +2078,7 @@ def _conv_diag(
   formed for a chunk of examples at a time (``chunk_size``, or as many as
   keep their input patches in cache)."""
   num_s, b = delta.shape[:2]
-  chunk = chunk_size or _PATCH_CHUNK_ELEMENTS // _patch_elements(eqn)
+  chunk = _patch_chunk(eqn, chunk_size)
 
   def square(xc, dc):
     squares = [
@@ -2104,7 +2100,7 @@ def _conv_example_grads(
   ``x`` and output cotangents ``delta`` (one sample), formed a chunk of
   examples at a time (``chunk_size``, or as many as keep their input
   patches in cache)."""
-  chunk = chunk_size or _PATCH_CHUNK_ELEMENTS // _patch_elements(eqn)
+  chunk = _patch_chunk(eqn, chunk_size)
   one = lambda xc, dc: _conv_kernel_grads(eqn, xc, dc)
   return _chunk_map(one, [x, delta], chunk)
 
@@ -2121,7 +2117,7 @@ def _conv_combine(
   input ``x`` and output cotangents ``delta`` (one sample), the per-example
   gradients formed a chunk of examples at a time."""
   b = weights.shape[-1]
-  chunk = chunk_size or _PATCH_CHUNK_ELEMENTS // _patch_elements(eqn)
+  chunk = _patch_chunk(eqn, chunk_size)
   dtype = jnp.promote_types(
     weights.dtype, jnp.promote_types(x.dtype, delta.dtype)
   )
