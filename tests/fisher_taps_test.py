@@ -1232,6 +1232,53 @@ class CoverageTest(parameterized.TestCase):
     self.assertIn("batch_group_count > 1", cov["k"].reason)
     self.assertFalse(cov["k"])
 
+  def test_parameters_times_constants(self):
+    """A leaf times a constant (a BatchNorm's ``rsqrt(var + eps)``, a scalar
+    multiplier on a kernel) records ``x * c``: every statistic, K-FAC
+    factors included, is the one of the model with ``c`` moved onto the
+    activation. A kernel times a mask is not covered."""
+    with jax.enable_x64(True):
+      x = fisher_testing.normal(jax.random.key(1), (B, 3, 4))
+      c = 0.5 + jnp.abs(fisher_testing.normal(jax.random.key(2), (4,)))
+      params = {
+        "s": fisher_testing.normal(jax.random.key(3), (4,)),
+        "w": fisher_testing.normal(jax.random.key(4), (4, 2)),
+      }
+
+      def scaled(p, x):  # the constants enter with the parameters
+        return jnp.tanh(x * (p["s"] * c)) @ (p["w"] * 0.25)
+
+      def moved(p, x):  # the same function, constants on the activations
+        return (jnp.tanh((x * c) * p["s"]) * 0.25) @ p["w"]
+
+      cov = _taps.coverage(scaled, params, x)
+      self.assertTrue(all(jax.tree.leaves(cov)))
+      self.assertIn("times a constant", cov["s"].reason)
+      self.assertTrue(cov["w"].kronecker)
+      cot = fisher_testing.normal(jax.random.key(7), (S, B, 3, 2))
+      for structure in ("diag", "kron", "gram"):
+        with self.subTest(structure):
+          got, _ = _stats(scaled, params, x, cot, structure)
+          want, _ = _stats(moved, params, x, cot, structure)
+          self.assertEqual(jax.tree.structure(got), jax.tree.structure(want))
+          for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            _assert_close(self, g, w)
+
+      mask = jnp.arange(8.0).reshape(4, 2) % 3
+
+      def masked(p, x):
+        return x @ (p["w"] * mask)
+
+      cov = _taps.coverage(masked, params, x)
+      self.assertFalse(cov["w"])
+      self.assertIn("times a constant other than a scalar", cov["w"].reason)
+
+      # A constant computed outside the jaxpr of the layer that uses the
+      # product (here, outside a jit) cannot be read there: not covered.
+      inner = jax.jit(lambda s, x: x * s)
+      cov = _taps.coverage(lambda p, x: inner(p["s"] * c, x), params, x)
+      self.assertFalse(cov["s"])
+
   def test_coverage_on_shape_dtype_structs(self):
     params = fisher_testing.mlp_params(jax.random.key(0))
     abstract = jax.tree.map(

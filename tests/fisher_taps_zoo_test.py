@@ -652,10 +652,105 @@ class _NnxViT(nnx.Module):
     return self.head(jnp.mean(self.norm2(x), axis=1))
 
 
+class _BNBlock(nn.Module):
+  """A residual conv block with BatchNorm: one layer of a scanned stack."""
+
+  dtype: jnp.dtype = jnp.float32
+
+  @nn.compact
+  def __call__(self, x, _):
+    kw: dict[str, Any] = dict(param_dtype=self.dtype, dtype=self.dtype)
+    y = nn.Conv(4, (3, 3), use_bias=False, **kw)(x)
+    return x + nn.relu(nn.BatchNorm(use_running_average=True, **kw)(y)), None
+
+
+class _LinenBNCNN(nn.Module):
+  """BatchNorm with running statistics (as in evaluation, or a frozen
+  backbone): a conv stem, residual blocks stacked by ``nn.scan``, and a
+  head kernel that enters times a constant (a muP-style multiplier)."""
+
+  dtype: jnp.dtype = jnp.float32
+
+  @nn.compact
+  def __call__(self, x):
+    kw: dict[str, Any] = dict(param_dtype=self.dtype, dtype=self.dtype)
+    x = nn.Conv(4, (3, 3), strides=2, use_bias=False, **kw)(x)
+    x = nn.relu(nn.BatchNorm(use_running_average=True, **kw)(x))
+    stack = nn.scan(
+      nn.remat(_BNBlock),
+      variable_axes={"params": 0, "batch_stats": 0},
+      split_rngs={"params": True},
+      length=2,
+    )
+    x, _ = stack(self.dtype)(x, None)
+    w = self.param("head", nn.initializers.normal(1.0), (4, CLASSES))
+    return jnp.mean(x, axis=(1, 2)) @ (w.astype(self.dtype) * 0.25)
+
+
+class _NnxBNBlock(nnx.Module):
+  def __init__(self, rngs, dtype):
+    kw: dict[str, Any] = dict(param_dtype=dtype, dtype=dtype, rngs=rngs)
+    self.conv = nnx.Conv(4, 4, (3, 3), use_bias=False, **kw)
+    self.norm = nnx.BatchNorm(4, use_running_average=True, **kw)
+
+  def __call__(self, x):
+    return x + nnx.relu(self.norm(self.conv(x)))
+
+
+class _NnxBNCNN(nnx.Module):
+  def __init__(self, rngs, dtype):
+    kw: dict[str, Any] = dict(param_dtype=dtype, dtype=dtype, rngs=rngs)
+    self.stem = nnx.Conv(CH, 4, (3, 3), strides=2, use_bias=False, **kw)
+    self.norm = nnx.BatchNorm(4, use_running_average=True, **kw)
+
+    @nnx.split_rngs(splits=2)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def make(rngs):
+      return _NnxBNBlock(rngs, dtype)
+
+    self.blocks = make(rngs)
+    self.head = nnx.Param(jax.random.normal(rngs.params(), (4, CLASSES), dtype))
+
+  def __call__(self, x):
+    @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+    @nnx.remat
+    def run(x, block):
+      return block(x)
+
+    x = run(nnx.relu(self.norm(self.stem(x))), self.blocks)
+    return jnp.mean(x, axis=(1, 2)) @ (self.head[...] * 0.25)
+
+
+def _running_stats(stats, dtype):
+  """BatchNorm running means and variances far from their initial 0 and 1
+  (positive, so that every ``rsqrt(var + eps)`` is finite)."""
+  return jax.tree.map(lambda a: jnp.abs(a) + 0.1, _perturbed(stats, dtype))
+
+
 def _conv_model(
   name: str, dtype
 ) -> tuple[Callable[[Any, Any], Any], Any, jax.Array]:
   x = jax.random.normal(jax.random.key(1), (B, IMG, IMG, CH), dtype)
+  if name == "linen_bn_cnn":  # the running statistics are constants
+    model = _LinenBNCNN(dtype)
+    variables = jax.jit(model.init)(jax.random.key(0), x)
+    params = _perturbed(variables["params"], dtype)
+    stats = _running_stats(variables["batch_stats"], dtype)
+    return (
+      (lambda p, inp: model.apply({"params": p, "batch_stats": stats}, inp)),
+      params,
+      x,
+    )
+  if name == "nnx_bn_cnn":
+    graphdef, params, rest = nnx.split(
+      _NnxBNCNN(nnx.Rngs(0), dtype), nnx.Param, ...
+    )
+    params, rest = _perturbed(params, dtype), _running_stats(rest, dtype)
+
+    def apply_fn(p, inp):  # fresh Variables for the constants in each trace
+      return nnx.merge(graphdef, p, jax.tree.map(jnp.asarray, rest))(inp)
+
+    return apply_fn, params, x
   if name.startswith("linen"):
     model = {
       "linen_cnn": _LinenCNN,
@@ -740,6 +835,8 @@ class ConvZooTest(parameterized.TestCase):
     ("nnx_scan_cnn", False),
     ("linen_shared_cnn", False),
     ("nnx_shared_cnn", True),
+    ("linen_bn_cnn", True),
+    ("nnx_bn_cnn", False),
   )
   def test_every_leaf_on_the_layer_path_and_exact(self, name, x64):
     with jax.enable_x64(x64):
@@ -762,6 +859,8 @@ class ConvZooTest(parameterized.TestCase):
         "nnx_shared_cnn": [False, False, True],
         "linen_vit": [True],
         "nnx_vit": [True],
+        "linen_bn_cnn": [True, True],  # the stem, the stacked block's
+        "nnx_bn_cnn": [True, True],
       }.get(name, [True, True, False, False])
       self.assertEqual([c.kronecker for c in convs], want)
       rtol = 1e-10 if x64 else 1e-5
@@ -802,7 +901,7 @@ class ConvZooTest(parameterized.TestCase):
       _check_layer_statistics(self, apply_fn, params, x, cot, rtol)
 
   @parameterized.parameters(
-    "linen_cnn", "nnx_vit", "linen_scan_cnn", "nnx_shared_cnn"
+    "linen_cnn", "nnx_vit", "linen_scan_cnn", "nnx_shared_cnn", "nnx_bn_cnn"
   )
   def test_estimators_equal_the_per_example_path(self, name):
     """``method="auto"`` (no fallback warning) against ``"per_example"``:

@@ -50,6 +50,13 @@ produced them, so the same code serves Flax Linen (``model.apply``), Flax NNX
   product has other consumers. The output ``y`` is tapped; the example
   gradient is ``x * delta`` (scale) or ``delta`` (shift) summed over the
   broadcast axes;
+* a leaf (or a view of it) times a constant, one that depends on neither
+  the inputs nor the parameters, computed in the same jaxpr as the layer
+  using the product: an elementwise scale ``x * (p * c)`` (a BatchNorm
+  with running statistics, ``c = rsqrt(var + eps)``) and a kernel times a
+  scalar (``x @ (W * 0.5)``, a muP-style multiplier). The layer records
+  ``x * c`` as its activation, ``x * (c * p) = (x * c) * p``, so every
+  statistic is exact; a kernel times a mask is not covered;
 * the kernel of a ``conv_general_dilated`` whose input (the lhs) has the
   examples on axis 0, as does its output: any dimension numbers (Flax's
   ``NHWC``/``HWIO``), strides, padding, lhs/rhs dilation and feature groups
@@ -233,7 +240,7 @@ _PASS_THROUGH = ("convert_element_type", "pvary", "pcast", "copy", "copy_p")
 
 # Kinds of walked values that are (views of) a parameter leaf; "perm" is a
 # transposed leaf, usable as a dot_general kernel only.
-_PARAM_KINDS = ("param", "view", "perm")
+_PARAM_KINDS = ("param", "view", "perm", "scaled")
 
 # Site kinds of elementwise parameters (norm scales and shifts, positions).
 _ELEMENTWISE = ("scale", "shift")
@@ -289,6 +296,9 @@ class _Site:
   compact: tuple[int, ...] = ()
   # conv: the convolution equation (its layouts, strides, padding, groups)
   eqn: Any = None
+  # the parameter enters times this constant (a jaxpr variable or literal
+  # of the site's jaxpr): the recorded activation is x * factor
+  factor: Any = None
 
 
 @dataclasses.dataclass
@@ -412,21 +422,64 @@ def _view_of(eqn, kind) -> tuple | None:
   ``compact`` is the leaf's shape with size-one axes inserted (same size,
   same element order); the value is ``compact`` broadcast to the output.
   """
-  if kind is None or kind[0] not in ("param", "view"):
+  if kind is None or kind[0] not in ("param", "view", "scaled"):
     return None
   src, out = eqn.invars[0].aval, eqn.outvars[0].aval
   compact = tuple(src.shape) if kind[0] == "param" else kind[2]
+  head = ("view", kind[1]) if kind[0] != "scaled" else kind[:2]
+  tail = (*kind[3:5], False) if kind[0] == "scaled" else ()
   if eqn.primitive.name == "reshape":
     if eqn.params.get("dimensions") is not None or compact != src.shape:
       return None
-    return ("view", kind[1], tuple(out.shape))
+    return (*head, tuple(out.shape), *tail)
   dims = tuple(eqn.params["broadcast_dimensions"])
   if list(dims) != sorted(set(dims)) or len(dims) != len(compact):
     return None
   new = [1] * len(out.shape)
   for i, d in enumerate(dims):
     new[d] = compact[i]
-  return ("view", kind[1], tuple(new))
+  return (*head, tuple(new), *tail)
+
+
+def _scaled_param(eqn, kinds, here: tuple[int, ...], walk) -> tuple | None:
+  """``p * c``, ``c`` a constant: ``("scaled", leaf, compact, c, scope,
+  direct)``, ``direct`` when ``p`` is the leaf itself (not a view).
+
+  ``p`` is a leaf or a view of one, ``c`` depends on neither the inputs nor
+  the parameters (a BatchNorm's ``rsqrt(var + eps)``, a fixed scale) and
+  does not broadcast ``p``. A layer using the product records ``x * c`` as
+  its activation, which is exact for every statistic of ``p``; ``scope``
+  (the jaxpr holding the product) is where ``c`` can be read.
+  """
+  for j in (0, 1):
+    p_k, c = kinds[j], eqn.invars[1 - j]
+    if p_k is None or p_k[0] not in ("param", "view"):
+      continue
+    if not walk.is_const(c) or (
+      eqn.invars[j].aval.shape != eqn.outvars[0].aval.shape
+    ):
+      return None
+    compact = tuple(eqn.invars[j].aval.shape) if p_k[0] == "param" else p_k[2]
+    return ("scaled", p_k[1], compact, c, here[:-1], p_k[0] == "param")
+  return None
+
+
+# Only a scalar factor folds into a kernel's activation (a mask does not).
+_SCALED_KERNEL = "the kernel of a {} times a constant other than a scalar"
+
+
+def _factor(kind, here: tuple[int, ...], kernel: bool = False) -> tuple:
+  """``(ok, factor)`` of a parameter operand at a layer: ``factor`` is the
+  constant of a ``"scaled"`` kind (None otherwise); not ``ok`` when it is
+  out of the layer's jaxpr or, for a ``kernel`` (dense, conv), not a scalar
+  times the leaf itself."""
+  if kind[0] != "scaled":
+    return True, None
+  c, scope, direct = kind[3:6]
+  ok = scope == here[:-1]
+  if kernel:
+    ok = ok and direct and not c.aval.shape
+  return ok, c
 
 
 @dataclasses.dataclass
@@ -445,6 +498,12 @@ class _Walk:
   modes: dict[tuple[int, int], tuple[str, ...]] = dataclasses.field(
     default_factory=dict
   )
+  # variables that depend on neither the inputs nor the parameters (the
+  # jaxpr's consts: a BatchNorm's running statistics, masks, literals)
+  consts: set = dataclasses.field(default_factory=set)
+
+  def is_const(self, v) -> bool:
+    return isinstance(v, jex.Literal) or v in self.consts
 
   def other(self, kind, what: str) -> None:
     """Records an opaque use of a (viewed) parameter leaf."""
@@ -467,7 +526,11 @@ def _scan(jaxpr, env: dict, path: tuple[int, ...], walk: _Walk) -> list:
   ``("site", site)`` (a matched product with a single consumer chain).
   """
   counts = _var_uses(jaxpr)
+  walk.consts.update(jaxpr.constvars)
   for i, eqn in enumerate(jaxpr.eqns):
+    if all(walk.is_const(v) for v in eqn.invars):
+      walk.consts.update(eqn.outvars)
+      continue
     kinds = [env.get(v) if isinstance(v, jex.Var) else None for v in eqn.invars]
     if not any(kinds):
       continue
@@ -486,13 +549,18 @@ def _scan_call(eqn, kinds: list, env: dict, here: tuple[int, ...], walk: _Walk):
   """Walks a call's body; the call is inlined at eval if it holds a site."""
   inner, _ = _call_body(eqn)
   inner_env = {v: k for v, k in zip(inner.invars, kinds) if k}
+  walk.consts.update(
+    v for v, o in zip(inner.invars, eqn.invars) if walk.is_const(o)
+  )
   n_sites = len(walk.plan.sites)
   out_kinds = _scan(inner, inner_env, here, walk)
   if len(walk.plan.sites) > n_sites:
     walk.plan.inline.add(here)
-  for v, k in zip(eqn.outvars, out_kinds):
+  for v, k, o in zip(eqn.outvars, out_kinds, inner.outvars):
     if k is not None:
       env[v] = k
+    elif walk.is_const(o):
+      walk.consts.add(v)
 
 
 def _scan_loop(eqn, kinds, env, here: tuple[int, ...], walk: _Walk, counts):
@@ -520,9 +588,11 @@ def _scan_loop(eqn, kinds, env, here: tuple[int, ...], walk: _Walk, counts):
   mode_of: dict[int, str] = {}
   inner_env = {}
   for j, (v, k) in enumerate(zip(body.invars, kinds)):
+    carry = num_consts <= j < num_consts + num_carry
+    if not carry and walk.is_const(eqn.invars[j]):
+      walk.consts.add(v)  # e.g. a stack of layers' running statistics
     if k is None or k[0] not in _PARAM_KINDS:
       continue
-    carry = num_consts <= j < num_consts + num_carry
     if k[0] != "param" or carry or over_batch or entering.count(k[1]) > 1:
       what = (
         "an operand of a scan over the batch"
@@ -592,6 +662,11 @@ def _match(
     if view is not None:
       env[eqn.outvars[0]] = view
     return view is not None
+  if name == "mul" and len(kinds) == 2:
+    scaled = _scaled_param(eqn, kinds, here, walk)
+    if scaled is not None:
+      env[eqn.outvars[0]] = scaled
+      return True
   if name in ("add", "mul") and len(kinds) == 2:
     return (name == "add" and _match_bias_add(eqn, kinds, walk)) or (
       _match_elementwise(eqn, kinds, here, walk)
@@ -604,15 +679,21 @@ def _match_dense(eqn, kinds, env, here, walk: _Walk, counts) -> bool:
   for act in (0, 1):
     x_kind, w_kind = kinds[act], kinds[1 - act]
     if (x_kind is not None and x_kind[0] != "site") or (
-      w_kind is None or w_kind[0] not in ("param", "perm")
+      w_kind is None or w_kind[0] not in ("param", "perm", "scaled")
     ):
       continue
+    ok, factor = _factor(w_kind, here, kernel=True)
     layout = _dense_layout(eqn, act, walk.batch)
     if layout is None:
       return False
+    if not ok:
+      walk.other(w_kind, _SCALED_KERNEL.format("dot_general"))
+      return True
     if w_kind[0] == "perm":  # kernel axis i is the leaf's axis perm[i]
       layout["leaf_perm"] = tuple(w_kind[2][i] for i in layout["leaf_perm"])
-    site = _Site("dense", here, w_kind[1], act_index=act, **layout)
+    site = _Site(
+      "dense", here, w_kind[1], act_index=act, factor=factor, **layout
+    )
     index = walk.add_site(site, "kernel", "the kernel of a dot_general")
     if counts[eqn.outvars[0]] == 1:
       env[eqn.outvars[0]] = ("site", index)
@@ -629,8 +710,16 @@ def _match_conv(eqn, kinds, here, walk: _Walk) -> bool:
   patches with ``delta`` (:func:`_conv_kernel_grads`).
   """
   x_k, w_k = kinds[0], kinds[1]
-  if w_k is None or w_k[0] != "param" or (x_k is not None and x_k[0] != "site"):
+  if (
+    w_k is None
+    or w_k[0] not in ("param", "scaled")
+    or (x_k is not None and x_k[0] != "site")
+  ):
     return False
+  ok, factor = _factor(w_k, here, kernel=True)
+  if not ok:
+    walk.other(w_k, _SCALED_KERNEL.format("conv_general_dilated"))
+    return True
   params = eqn.params
   dn = params["dimension_numbers"]
   x, out = eqn.invars[0].aval, eqn.outvars[0].aval
@@ -650,7 +739,8 @@ def _match_conv(eqn, kinds, here, walk: _Walk) -> bool:
       ("other", -1, f"{what} whose input has no example axis 0")
     )
     return True
-  walk.add_site(_Site("conv", here, w_k[1], eqn=eqn), "kernel", what)
+  site = _Site("conv", here, w_k[1], eqn=eqn, factor=factor)
+  walk.add_site(site, "kernel", what)
   return True
 
 
@@ -718,11 +808,15 @@ def _match_elementwise(eqn, kinds, here, walk: _Walk) -> bool:
   the broadcast axes.
   """
   out = eqn.outvars[0].aval
+  kind = "shift" if eqn.primitive.name == "add" else "scale"
   for j in (0, 1):
     p_k, x_k = kinds[j], kinds[1 - j]
-    if p_k is None or p_k[0] not in ("param", "view"):
+    if p_k is None or p_k[0] not in ("param", "view", "scaled"):
       continue
     if x_k is not None and x_k[0] != "site":
+      return False
+    ok, factor = _factor(p_k, here)
+    if not ok or (factor is not None and kind == "shift"):
       return False
     compact = tuple(eqn.invars[j].aval.shape) if p_k[0] == "param" else p_k[2]
     if not compact:  # a scalar parameter broadcasts along every axis
@@ -735,9 +829,13 @@ def _match_elementwise(eqn, kinds, here, walk: _Walk) -> bool:
       or any(c not in (1, o) for c, o in zip(compact, out.shape))
     ):
       return False
-    kind = "shift" if eqn.primitive.name == "add" else "scale"
-    site = _Site(kind, here, p_k[1], act_index=1 - j, compact=compact)
-    walk.add_site(site, "bias", f"an elementwise {kind} ({eqn.primitive.name})")
+    site = _Site(
+      kind, here, p_k[1], act_index=1 - j, compact=compact, factor=factor
+    )
+    what = f"an elementwise {kind} ({eqn.primitive.name})"
+    if factor is not None:
+      what += " of the parameter times a constant"
+    walk.add_site(site, "bias", what)
     return True
   return False
 
@@ -897,17 +995,29 @@ def _eval(
       site = plan.site_at.get(here)
       if site is not None and site in fused:
         f = fused[site]
-        act = lax.stop_gradient(invals[plan.sites[site].act_index])
+        act = lax.stop_gradient(_site_act(plan.sites[site], invals, read))
         if f.forward is not None:
           acts[site] = f.forward(act, lax.stop_gradient(outs[0]))
         outs = [f.tap(outs[0], act if f.needs_act else None, taps[site])]
       elif site is not None:
-        acts[site] = invals[plan.sites[site].act_index]
+        acts[site] = _site_act(plan.sites[site], invals, read)
         outs = [outs[0] + taps[site]]
     for v, x in zip(eqn.outvars, outs):
       if not isinstance(v, jex.DropVar):
         env[v] = x
   return [read(v) for v in jaxpr.outvars]
+
+
+def _site_act(site: _Site, invals: list, read: Callable[[Any], Any]) -> Array:
+  """The activation a site records: its operand ``x``, times the constant
+  its parameter enters with (``x * (c * p) = (x * c) * p``)."""
+  x = invals[site.act_index]
+  if site.factor is None:
+    return x
+  c = jnp.asarray(read(site.factor))
+  if c.ndim:  # the leaf's constant, laid out as the leaf's view
+    c = jnp.reshape(c, site.compact)
+  return (x * c).astype(x.dtype)
 
 
 def _eval_call(
@@ -2997,7 +3107,8 @@ def coverage(
   head) and its bias, convolution kernels (``conv_general_dilated``: Linen
   and NNX ``Conv`` with any strides, padding, dilation and feature groups),
   embedding gathers, and elementwise scale and shift parameters (norm
-  scales and biases, learned positions, conv biases), also inside ``scan``
+  scales and biases, BatchNorm with running statistics, learned positions,
+  conv biases), a kernel times a constant scalar, also inside ``scan``
   bodies (stacked layers, recurrent cells) and for a leaf with several such
   uses (tied embeddings, a conv kernel applied twice). K-FAC factors
   (``kronecker``) need one use, or a stack of layers along a scan: a
