@@ -957,6 +957,92 @@ class ConvZooTest(parameterized.TestCase):
     self.assertEqual(slow, [])
 
 
+def _bn_train_model():
+  """A conv and a BatchNorm normalising by the batch's statistics."""
+  model = nn.Sequential([nn.Conv(4, (3, 3)), nn.BatchNorm(False)])
+  x = jax.random.normal(jax.random.key(1), (B, IMG, IMG, CH))
+  variables = jax.jit(model.init)(jax.random.key(0), x)
+
+  def apply_fn(p, inp):
+    stats = {"batch_stats": variables["batch_stats"]}
+    out, _ = model.apply({"params": p, **stats}, inp, mutable=["batch_stats"])
+    return out.mean(axis=(1, 2))
+
+  return apply_fn, variables["params"], x
+
+
+class MixedExamplesTest(parameterized.TestCase):
+  """A model whose outputs combine different examples has no per-example
+  gradients: every estimator says so, on either path."""
+
+  def _found(self, apply_fn, params, x):
+    leaves, _, _, closed, _, b = fisher_taps._trace(apply_fn, params, x)
+    with warnings.catch_warnings(record=True) as caught:
+      warnings.simplefilter("always")
+      found = fisher_taps.check_independent_examples(closed, len(leaves), b)
+    self.assertLen(caught, int(found is not None))
+    return found
+
+  def test_models_that_mix_examples(self):
+    w = {"w": jnp.ones((6, 3))}
+    x = jnp.ones((B, 6))
+    self.assertIn("reduce_sum over", self._found(*_bn_train_model()))
+    cases = {
+      "reduce_sum over": lambda p, x: (x - x.mean(0)) @ p["w"],
+      "pairing every two": lambda p, x: (x @ p["w"]) @ (x @ p["w"]).T,
+      "contracting": lambda p, x: p["w"].T @ (x.T @ x),
+      "cumsum along": lambda p, x: jnp.cumsum(x @ p["w"], axis=0),
+      # examples moved off axis 0, then reduced there
+      "reduce_max over": lambda p, x: jnp.max(jnp.swapaxes(x, 0, 1), 1),
+    }
+    for want, fn in cases.items():
+      with self.subTest(want):
+        self.assertIn(want, self._found(fn, w, x) or "")
+
+  def test_models_that_keep_examples_apart(self):
+    lm = _model("linen_scan", jnp.float32)
+    self.assertIsNone(self._found(*lm))
+    for name in ("nnx_bn_cnn", "linen_shared_cnn", "nnx_vit"):
+      with self.subTest(name):
+        self.assertIsNone(self._found(*_conv_model(name, jnp.float32)))
+    w = {"w": jnp.ones((6, 3))}
+    xs = jnp.ones((B, 5, 6))
+    fns = {
+      # time-major processing, examples back on axis 0
+      "transposed": lambda p, x: jnp.swapaxes(
+        jnp.cumsum(jnp.swapaxes(x, 0, 1) @ p["w"], axis=0), 0, 1
+      ),
+      # per-example matmuls with the examples as dot_general batch axis
+      "batched dot": lambda p, x: jnp.einsum("btd,bsd->bts", x, x) @ x @ p["w"],
+      # a map over the examples (a scan over their axis)
+      "map": lambda p, x: jax.lax.map(lambda e: e.sum(0) @ p["w"], x),
+    }
+    for name, fn in fns.items():
+      with self.subTest(name):
+        self.assertIsNone(self._found(fn, w, xs))
+
+  @parameterized.parameters("auto", "per_example")
+  def test_estimators_warn(self, method):
+    apply_fn, params, x = _bn_train_model()
+    y = jnp.arange(B) % 4
+    with warnings.catch_warnings(record=True) as caught:
+      warnings.simplefilter("always")
+      fisher.diagonal(
+        apply_fn,
+        params,
+        (x, y),
+        likelihood=fisher.Categorical(),
+        kind="empirical",
+        method=method,
+      )
+    found = [
+      w for w in caught if w.category is fisher.FisherMixedExamplesWarning
+    ]
+    self.assertLen(found, 1)
+    self.assertIn("BatchNorm", str(found[0].message))
+    self.assertEqual(found[0].filename, __file__)
+
+
 class FallbackWarningTest(absltest.TestCase):
   def test_warns_once_naming_the_leaves(self):
     def apply_fn(p, x):  # a kernel through sin: no layer rule

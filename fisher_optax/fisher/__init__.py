@@ -88,7 +88,11 @@ shifts) where they apply and the generic per-example path
 (:func:`per_example_grads`-style ``vmap`` of VJPs, chunked by
 ``chunk_size``) elsewhere; both give the same numbers. :func:`coverage`
 says which path each leaf takes and why; a :class:`FisherFallbackWarning`
-says so once when more than a tenth of the parameters fall back.
+says so once when more than a tenth of the parameters fall back. Both paths
+need output ``n`` to depend on input ``n`` only: a model that combines the
+examples of a batch (a BatchNorm normalising by the batch's statistics)
+has no per-example gradients, and every estimator warns
+(:class:`FisherMixedExamplesWarning`) naming the operation that does.
 
 Example:
   >>> import jax, jax.numpy as jnp
@@ -136,6 +140,7 @@ from fisher_optax.fisher._statistics import FisherStatistic
 from fisher_optax.fisher._statistics import KroneckerFisher
 from fisher_optax.fisher._statistics import LowRankFisher
 from fisher_optax.fisher._taps import FisherFallbackWarning
+from fisher_optax.fisher._taps import FisherMixedExamplesWarning
 from fisher_optax.fisher._taps import LeafCoverage
 from fisher_optax.fisher._taps import coverage
 from fisher_optax.fisher._transforms import EstimateFisherDiagState
@@ -153,6 +158,7 @@ __all__ = [
   "EstimateFisherDiagState",
   "EstimateFisherLowRankState",
   "FisherFallbackWarning",
+  "FisherMixedExamplesWarning",
   "FisherStatistic",
   "Gaussian",
   "HeteroscedasticGaussian",

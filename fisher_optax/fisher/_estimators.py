@@ -204,6 +204,8 @@ def _forward(
     pull = lambda r: tape.gradient(r)
   else:
     tape = None
+    leaves, _, _, closed, _, num = _taps._trace(apply_fn, params, inputs)
+    _taps.check_independent_examples(closed, len(leaves), num)
     out, vjp = jax.vjp(lambda p: apply_fn(p, inputs), params)
     pull = lambda r: (vjp(r)[0], None)
   _check_apply_outputs(out, size)

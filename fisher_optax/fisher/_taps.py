@@ -200,6 +200,8 @@ from collections.abc import Callable, Sequence
 import dataclasses
 import functools
 import math
+import os
+import sys
 from typing import Any, NamedTuple
 import warnings
 
@@ -1363,6 +1365,7 @@ def record(
   leaves, treedef, in_leaves, closed, out_def, batch = _trace(
     apply_fn, params, inputs
   )
+  check_independent_examples(closed, len(leaves), batch)
   if weights is not None:
     weights = jnp.asarray(weights)
     if weights.ndim != 2 or weights.shape[1] != batch:
@@ -3024,6 +3027,210 @@ def _put(values: Sequence[Any], index: int, value: Any) -> tuple:
   out = list(values)
   out[index] = value
   return tuple(out)
+
+
+# --------------------------------------------------------------------------
+# Examples mixed across the batch.
+
+
+class FisherMixedExamplesWarning(UserWarning):
+  """``apply_fn`` combines different examples of the batch.
+
+  Every estimator assumes that output ``n`` depends on input ``n`` only, so
+  that the Fisher is a sum over per-example gradients. A model that reduces
+  over the batch axis (a BatchNorm with batch statistics, in-batch
+  similarities, attention across examples) breaks that: its per-example
+  gradients are not defined, and the layer path (one batched pass) and the
+  per-example path (one example at a time) compute different things, neither
+  of them this model's Fisher. Evaluate the model as at inference (Linen
+  ``BatchNorm(use_running_average=True)``, NNX ``use_running_average=True``
+  or ``model.eval()``), whose running statistics the layer path covers.
+  """
+
+
+_REDUCTIONS = (
+  "reduce_sum",
+  "reduce_max",
+  "reduce_min",
+  "reduce_prod",
+  "reduce_and",
+  "reduce_or",
+  "reduce_xor",
+  "argmax",
+  "argmin",
+)
+_CUMULATIVE = ("cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp")
+
+
+def _inner_jaxpr(eqn):
+  """The body of a call-like equation (``pjit``, ``remat``, custom
+  derivatives), or None."""
+  for key in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
+    sub = eqn.params.get(key)
+    if isinstance(sub, jex.ClosedJaxpr):
+      return sub.jaxpr
+    if isinstance(sub, jex.Jaxpr):
+      return sub
+  return None
+
+
+def _example_axis(eqn, axes: list, batch: int) -> int | None:
+  """The output axis holding the examples, given each operand's (``axes``,
+  None for none): conservative, None when unsure (the output is then not
+  followed further)."""
+  name, p = eqn.primitive.name, eqn.params
+  out = tuple(getattr(eqn.outvars[0].aval, "shape", ()))
+  ax = next(a for a in axes if a is not None)
+  if name in _REDUCTIONS:  # not over the examples (that mixes them)
+    return ax - sum(1 for d in p["axes"] if d < ax)
+  if name == "transpose":
+    return list(p["permutation"]).index(ax)
+  if name == "reshape":
+    ok = ax == 0 and eqn.invars[0].aval.shape[:1] == out[:1] == (batch,)
+    return 0 if ok and not p.get("dimensions") else None
+  if name == "broadcast_in_dim":
+    return p["broadcast_dimensions"][ax]
+  if name == "squeeze":
+    return ax - sum(1 for d in p["dimensions"] if d < ax)
+  if name == "dot_general":
+    (lc, rc), (lb, rb) = p["dimension_numbers"]
+    if axes[0] is not None:
+      if axes[0] in lb:
+        return lb.index(axes[0])
+      free = [d for d in range(eqn.invars[0].aval.ndim) if d not in lc + lb]
+      return len(lb) + free.index(axes[0])
+    free = [d for d in range(eqn.invars[1].aval.ndim) if d not in rc + rb]
+    n_lhs = eqn.invars[0].aval.ndim - len(lc) - len(lb)
+    if axes[1] in rb:
+      return rb.index(axes[1])
+    return len(lb) + n_lhs + free.index(axes[1])
+  if name == "conv_general_dilated":
+    dn = p["dimension_numbers"]
+    ok = axes[0] == dn.lhs_spec[0] and axes[1] is None
+    return dn.out_spec[0] if ok else None
+  if name == "gather":
+    ok = axes[0] is None and axes[1] == 0
+    return 0 if ok and 0 not in p["dimension_numbers"].offset_dims else None
+  if name in ("concatenate", "pad") or name in _CUMULATIVE:
+    if len(set(a for a in axes if a is not None)) != 1:
+      return None
+    if name == "pad":
+      return ax if tuple(p["padding_config"][ax]) == (0, 0, 0) else None
+    return ax if p.get("dimension", p.get("axis")) != ax else None
+  # Elementwise (size-one axes broadcast): every operand the output's rank
+  # or a scalar, the examples on one axis.
+  shapes = [tuple(getattr(v.aval, "shape", ())) for v in eqn.invars]
+  ok = len(eqn.outvars) == 1 and all(
+    not sh
+    or (len(sh) == len(out) and all(a in (1, o) for a, o in zip(sh, out)))
+    for sh in shapes
+  )
+  same = len(set(a for a in axes if a is not None)) == 1
+  return ax if ok and same and out[ax : ax + 1] == (batch,) else None
+
+
+def _mixing(jaxpr, axes: dict, batch: int) -> str | None:
+  """The first operation of ``jaxpr`` that combines different examples, or
+  None. ``axes`` maps a variable holding the examples to their axis (the
+  inputs': 0) and grows with the variables that follow."""
+
+  def walk_into(body, invars_axes) -> str | None:
+    inner = {w: a for w, a in invars_axes if a is not None}
+    found = _mixing(body, inner, batch)
+    axes.update(inner)  # body variables are distinct objects
+    return found
+
+  for eqn in jaxpr.eqns:
+    ins = [axes.get(v) if isinstance(v, jex.Var) else None for v in eqn.invars]
+    if all(a is None for a in ins):
+      continue
+    name, p = eqn.primitive.name, eqn.params
+    if name == "scan":  # consts and carry keep their axes; xs lose axis 0
+      body, n = p["jaxpr"].jaxpr, p["num_consts"] + p["num_carry"]
+      sliced = [None if a in (None, 0) else a - 1 for a in ins[n:]]
+      found = walk_into(body, zip(body.invars, ins[:n] + sliced))
+      if found:
+        return found
+      k = p["num_carry"]
+      for j, (o, w) in enumerate(zip(eqn.outvars, body.outvars)):
+        a = axes.get(w) if isinstance(w, jex.Var) else None
+        if a is not None:
+          axes[o] = a if j < k else a + 1
+      continue
+    if name == "cond":
+      for branch in p["branches"]:
+        found = walk_into(branch.jaxpr, zip(branch.jaxpr.invars, ins[1:]))
+        if found:
+          return found
+      continue
+    body = None if name == "while" else _inner_jaxpr(eqn)
+    if body is not None:
+      found = walk_into(body, zip(body.invars, ins))
+      if found:
+        return found
+      for o, w in zip(eqn.outvars, body.outvars):
+        if isinstance(w, jex.Var) and w in axes:
+          axes[o] = axes[w]
+      continue
+    if name in _REDUCTIONS and ins[0] in p["axes"]:
+      return f"{name} over the examples' axis"
+    if name in _CUMULATIVE and ins[0] == p["axis"]:
+      return f"{name} along the examples' axis"
+    if name == "sort" and p["dimension"] in ins:
+      return "sort along the examples' axis"
+    if name == "dot_general":
+      (lc, rc), (lb, rb) = p["dimension_numbers"]
+      if ins[0] in lc or ins[1] in rc:
+        return "dot_general contracting the examples' axis"
+      if None not in ins[:2] and not (
+        ins[0] in lb and ins[1] in rb and lb.index(ins[0]) == rb.index(ins[1])
+      ):
+        return "dot_general pairing every two examples"
+    if name == "conv_general_dilated" and (
+      ins[0] not in (None, p["dimension_numbers"].lhs_spec[0])
+    ):
+      return "conv_general_dilated along the examples' axis"
+    if name == "while" or not eqn.outvars:
+      continue
+    try:
+      a = _example_axis(eqn, ins, batch)
+    except (KeyError, IndexError, ValueError, TypeError, AttributeError):
+      a = None  # an unforeseen equation: stop following (a hint, not a rule)
+    if a is not None:
+      axes[eqn.outvars[0]] = a
+  return None
+
+
+def _caller_stacklevel() -> int:
+  """The :func:`warnings.warn` stacklevel of the first frame outside this
+  package (the user's call into an estimator, or JAX tracing it)."""
+  package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  frame, level = sys._getframe(1), 1
+  while frame is not None and os.path.abspath(
+    frame.f_code.co_filename
+  ).startswith(package + os.sep):
+    frame, level = frame.f_back, level + 1
+  return level
+
+
+def check_independent_examples(
+  closed, num_leaves: int, batch: int
+) -> str | None:
+  """Warns (:class:`FisherMixedExamplesWarning`) if the traced ``apply_fn``
+  (``closed``, invars: the parameter leaves, then the inputs) combines
+  different examples; returns what does, or None."""
+  jaxpr = closed.jaxpr
+  found = _mixing(jaxpr, dict.fromkeys(jaxpr.invars[num_leaves:], 0), batch)
+  if found is not None:
+    warnings.warn(
+      f"apply_fn combines different examples of the batch ({found}): "
+      "per-example gradients, and every Fisher statistic built from them, "
+      "are not defined for such a model. Evaluate it as at inference (e.g. "
+      "BatchNorm with running statistics); see FisherMixedExamplesWarning.",
+      FisherMixedExamplesWarning,
+      stacklevel=_caller_stacklevel(),
+    )
+  return found
 
 
 # --------------------------------------------------------------------------
