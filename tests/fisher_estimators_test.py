@@ -367,6 +367,52 @@ class DiagonalTest(parameterized.TestCase):
 
 
 class LowRankTest(parameterized.TestCase):
+  def test_large_batches_take_lobpcg(self):
+    """With 1100 float32 pseudo-gradients the Gram matrix's top eigenpairs
+    come from LOBPCG (not an O(M^3) eigh), on both paths: the eigenvalues
+    and the projected Fisher match the dense float64 Fisher's."""
+    from jax.experimental.sparse import linalg as sparse_linalg  # noqa: PLC0415
+
+    apply_fn, params, x, y = _setup("categorical", n=1100)
+    calls = []
+    lobpcg = sparse_linalg.lobpcg_standard
+
+    def spy(*args, **kwargs):
+      calls.append(args[1].shape)
+      return lobpcg(*args, **kwargs)
+
+    kw = dict(likelihood=fisher.Categorical(), kind="empirical", rank=4)
+    with mock.patch.object(sparse_linalg, "lobpcg_standard", spy):
+      stats = [
+        _est(fisher.low_rank, apply_fn, params, (x, y), method=m, **kw)
+        for m in ("auto", "per_example")
+      ]
+    self.assertEqual(calls, [(1100, 12)] * 2)  # rank 4 + 8 more
+    with jax.enable_x64(True):
+      p64 = jax.tree.map(lambda a: a.astype(jnp.float64), params)
+      dense = ft.dense_fisher(
+        apply_fn,
+        p64,
+        x.astype(jnp.float64),
+        y,
+        family="categorical",
+        kind="empirical",
+      )
+      vals, vecs = ft.top_eig(dense, 4)
+    vals, vecs = np.asarray(vals), np.asarray(vecs)
+    for stat in stats:
+      np.testing.assert_allclose(stat.eigvals, vals, rtol=1e-5)
+      flat = np.stack(
+        [
+          np.concatenate(
+            [np.ravel(l[j]) for l in jax.tree.leaves(stat.eigvecs)]
+          )
+          for j in range(4)
+        ]
+      )
+      # The same projector onto the top-4 subspace.
+      np.testing.assert_allclose(flat.T @ flat, vecs.T @ vecs, atol=1e-4)
+
   @parameterized.parameters("categorical", "heteroscedastic")
   def test_matches_dense_eigenpairs(self, family):
     """Every kind and path of one family: one compile, oracles included."""

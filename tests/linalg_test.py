@@ -12,6 +12,61 @@ from fisher_optax.fisher import linalg
 from tests import fisher_testing
 
 
+class TopEighTest(parameterized.TestCase):
+  """LOBPCG for large float32 matrices, the full eigh otherwise."""
+
+  N = 1100  # above min_iterative: LOBPCG
+
+  def _gram(self, rank, scale):
+    g = np.random.default_rng(0).normal(size=(self.N, rank))
+    return (scale * (g @ g.T)).astype(np.float32)
+
+  @parameterized.parameters(
+    (30, 1.0), (30, 1e-30), (30, 1e30), (3, 1.0), (2000, 1.0)
+  )
+  def test_matches_the_full_eigh(self, rank, scale):
+    """Tiny and huge scales, a rank below the block, full rank."""
+    a = self._gram(rank, scale)
+    vals, vecs = jax.jit(lambda a: linalg.top_eigh(a, 8))(a)
+    want, wvecs = np.linalg.eigh(a.astype(np.float64))
+    want, wvecs = want[::-1][:8], wvecs[:, ::-1][:, :8]
+    big = want[0]
+    np.testing.assert_allclose(vals, want, rtol=1e-5, atol=1e-5 * big)
+    vecs = np.asarray(vecs, np.float64)
+    np.testing.assert_allclose(vecs.T @ vecs, np.eye(8), atol=1e-5)
+    # Each pair's residual, relative to the largest eigenvalue.
+    res = np.linalg.norm(a @ vecs - vecs * np.asarray(vals), axis=0)
+    self.assertLess(res.max(), 1e-4 * big)
+    # The well separated directions agree with eigh's up to sign.
+    n = min(rank, 8) - 1
+    cos = np.abs(np.sum(vecs[:, :n] * wvecs[:, :n], 0))
+    np.testing.assert_allclose(cos, 1.0, atol=1e-4)
+
+  def test_zero_matrix(self):
+    vals, vecs = linalg.top_eigh(jnp.zeros((self.N, self.N)), 4)
+    np.testing.assert_array_equal(vals, 0.0)
+    np.testing.assert_allclose(vecs.T @ vecs, np.eye(4), atol=1e-6)
+
+  def test_small_and_float64_matrices_take_eigh(self):
+    a = self._gram(30, 1.0)
+    full_vals, full_vecs = np.linalg.eigh(a)
+    kw = {"min_iterative": self.N + 1}
+    vals, vecs = jax.jit(lambda a: linalg.top_eigh(a, 8, **kw))(a)
+    np.testing.assert_allclose(vals, full_vals[::-1][:8], rtol=1e-5)
+    np.testing.assert_allclose(
+      np.abs(vecs), np.abs(full_vecs[:, ::-1][:, :8]), atol=1e-4
+    )
+    hlo = jax.jit(lambda a: linalg.top_eigh(a, 8)).lower(a).as_text()
+    self.assertIn("while", hlo)  # LOBPCG's loop
+    with jax.enable_x64(True):
+      hlo = (
+        jax.jit(lambda a: linalg.top_eigh(a, 8))
+        .lower(jnp.asarray(a, jnp.float64))
+        .as_text()
+      )
+      self.assertNotIn("while", hlo)  # no LOBPCG loop
+
+
 class StackedPushRowsTest(parameterized.TestCase):
   """The ring-buffer push keeps the cached Gram equal to a fresh one."""
 

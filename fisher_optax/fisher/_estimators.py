@@ -598,8 +598,9 @@ def _top_k(
   # A non-finite Gram (NaN inputs, bad labels, 1e30 gradients squared) gives
   # NaN eigenpairs without reaching LAPACK, whose eigh on an infinite
   # matrix need not terminate on XLA:CPU.
-  vals, vecs = numerics.finite_or_nan(jnp.linalg.eigh, gram)
-  vals, vecs = vals[::-1], vecs[:, ::-1]
+  vals, vecs = numerics.finite_or_nan(
+    lambda a: linalg.top_eigh(a, min(rank, m)), gram
+  )
   if rank > m:  # Fewer pseudo-gradients than directions: pad with zeros.
     vals = jnp.concatenate([vals, jnp.zeros((rank - m,), vals.dtype)])
     vecs = jnp.concatenate([vecs, jnp.zeros((m, rank - m), vecs.dtype)], 1)
@@ -662,7 +663,10 @@ def low_rank(
     V = G^\\top U \\Lambda^{-1/2} / \\sqrt{N},
 
   so ``V`` has orthonormal columns and ``F V = V \\Lambda``; ``P x P`` is
-  never formed. Eigenvalues below ``M * eps * max(eigvals)`` get eigenvalue
+  never formed. ``K`` takes ``M^2`` memory; from ``M = 1024`` (float32) its
+  top ``k`` eigenpairs come from LOBPCG
+  (:func:`fisher_optax.fisher.linalg.top_eigh`), ``O(M^2 k)`` per
+  iteration, where a full ``eigh`` costs ``O(M^3)``. Eigenvalues below ``M * eps * max(eigvals)`` get eigenvalue
   0 and a zero direction (no division by zero). ``rank > M`` pads with zeros.
 
   On the layer path, layers stacked by a scan (``nn.scan``, ``nnx.scan``,

@@ -182,6 +182,86 @@ def symmetrize(a: jax.Array) -> jax.Array:
   return 0.5 * (a + jnp.matrix_transpose(a))
 
 
+# LOBPCG's block: the wanted eigenpairs plus a few more, whose extra
+# directions speed up the convergence of the last wanted ones.
+_OVERSAMPLE = 8
+
+
+def top_eigh(
+  a: jax.Array,
+  k: int,
+  *,
+  min_iterative: int = 1024,
+  max_iters: int = 200,
+) -> tuple[jax.Array, jax.Array]:
+  """The ``k`` largest eigenpairs of a symmetric ``(n, n)`` matrix.
+
+  A full ``eigh`` costs ``O(n^3)``; for ``n >= min_iterative`` and a float32
+  (or narrower) matrix the pairs come from LOBPCG (Knyazev, 2001) with a
+  block of ``k + 8`` directions, ``O(n^2 k)`` per iteration and no copy of
+  the matrix, until every residual ``|A v - lambda v|`` is below about
+  ``1e-5 lambda`` (the float32 round-off of the Gram matrices it serves is
+  about ``4e-6 lambda``); on those it converged in 30 to 60 iterations.
+  After ``max_iters`` it returns the Ritz pairs it has. On the engine's
+  ``2048 x 2048`` Gram matrices it took a fifth to a seventh of ``eigh``'s
+  time on CPU. Float64 matrices always take ``eigh``.
+
+  Args:
+    a: a symmetric ``(n, n)`` matrix (finite; see
+      :func:`fisher_optax.fisher.numerics.finite_or_nan`).
+    k: number of eigenpairs (static, ``1 <= k <= n``).
+    min_iterative: the smallest ``n`` that takes LOBPCG.
+    max_iters: LOBPCG's iteration limit (static).
+
+  Returns:
+    ``(vals, vecs)``: ``vals (k,)`` in descending order and orthonormal
+    ``vecs (n, k)``.
+
+  References:
+    Knyazev, `Toward the optimal preconditioned eigensolver: locally optimal
+    block preconditioned conjugate gradient method
+    <https://doi.org/10.1137/S1064827500366124>`_, 2001.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from fisher_optax.fisher import linalg
+    >>> g = jax.random.normal(jax.random.key(0), (64, 8))
+    >>> vals, vecs = linalg.top_eigh(g @ g.T, 2, min_iterative=64)
+    >>> bool(jnp.allclose(vals, jnp.linalg.eigvalsh(g @ g.T)[::-1][:2],
+    ...                   rtol=1e-4))
+    True
+  """
+  n = a.shape[-1]
+  block = k + _OVERSAMPLE
+
+  if n < min_iterative or 5 * block >= n or jnp.finfo(a.dtype).bits > 32:
+    vals, vecs = jnp.linalg.eigh(a)
+    return vals[::-1][:k], vecs[:, ::-1][:, :k]
+  from jax.experimental.sparse import linalg as sparse_linalg  # noqa: PLC0415
+
+  # Entries of order one: LOBPCG's squared norms would underflow (or
+  # overflow) for a Gram matrix of tiny (huge) gradients. Scaled in the
+  # product, not in a scaled copy of the matrix. A zero matrix (zero
+  # gradients) would give 0/0: it runs as the identity, eigenvalues 0.
+  top = jnp.max(jnp.abs(a))
+  nonzero = top > 0
+  scale = jnp.where(nonzero, top, 1.0)
+
+  def matmul(x: jax.Array) -> jax.Array:
+    ax = jnp.matmul(a, x / scale, precision=_HIGHEST)
+    return jnp.where(nonzero, ax, x)
+
+  # Converged at |A v - lambda v| < tol * 10 n (lambda + |A v|), ~20 n tol.
+  tol = 1e-5 / (20.0 * n)
+  start = jax.random.normal(jax.random.key(0), (n, block), a.dtype)
+  vals, vecs, iters = sparse_linalg.lobpcg_standard(
+    matmul, start, max_iters, tol
+  )
+  del iters  # a fallback to eigh would hold two more copies of the matrix
+  order = jnp.argsort(-vals)[:k]
+  return jnp.where(nonzero, vals[order] * scale, 0.0), vecs[:, order]
+
+
 def stacked_push_rows(
   stacked: PyTree, gram: jax.Array, rows: PyTree, index: jax.Array | int
 ) -> tuple[PyTree, jax.Array]:
