@@ -994,6 +994,10 @@ class MixedExamplesTest(parameterized.TestCase):
       "cumsum along": lambda p, x: jnp.cumsum(x @ p["w"], axis=0),
       # examples moved off axis 0, then reduced there
       "reduce_max over": lambda p, x: jnp.max(jnp.swapaxes(x, 0, 1), 1),
+      # followed through pooling and a split of the features
+      "reduce_sum over the": lambda p, x: jnp.split(
+        nn.avg_pool(x[..., None], (2,), strides=(2,))[..., 0], [1], 1
+      )[1].mean(0),
     }
     for want, fn in cases.items():
       with self.subTest(want):

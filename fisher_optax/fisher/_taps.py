@@ -3045,6 +3045,8 @@ class FisherMixedExamplesWarning(UserWarning):
   of them this model's Fisher. Evaluate the model as at inference (Linen
   ``BatchNorm(use_running_average=True)``, NNX ``use_running_average=True``
   or ``model.eval()``), whose running statistics the layer path covers.
+  Silence it with ``warnings.simplefilter("ignore",
+  FisherMixedExamplesWarning)``.
   """
 
 
@@ -3092,6 +3094,13 @@ def _example_axis(eqn, axes: list, batch: int) -> int | None:
     return p["broadcast_dimensions"][ax]
   if name == "squeeze":
     return ax - sum(1 for d in p["dimensions"] if d < ax)
+  if name.startswith("reduce_window"):  # pooling, the examples' axis alone
+    alone = (
+      p["window_dimensions"][ax] == 1
+      and p["window_strides"][ax] == 1
+      and tuple(p["padding"][ax]) == (0, 0)
+    )
+    return ax if alone else None
   if name == "dot_general":
     (lc, rc), (lb, rb) = p["dimension_numbers"]
     if axes[0] is not None:
@@ -3191,6 +3200,10 @@ def _mixing(jaxpr, axes: dict, batch: int) -> str | None:
     ):
       return "conv_general_dilated along the examples' axis"
     if name == "while" or not eqn.outvars:
+      continue
+    if name == "split":  # jnp.split along another axis
+      if ins[0] is not None and p["axis"] != ins[0]:
+        axes.update((o, ins[0]) for o in eqn.outvars)
       continue
     try:
       a = _example_axis(eqn, ins, batch)
