@@ -48,6 +48,7 @@ root::
   python -m benchmarks.fisher_engine           # full run
   python -m benchmarks.fisher_engine --small   # seconds-long smoke run
   python -m benchmarks.fisher_engine --models=cnn --merge  # one model again
+  python -m benchmarks.fisher_engine --memory_only --merge  # temp MB @2048
 """
 
 from __future__ import annotations
@@ -87,6 +88,12 @@ _MEMORY_BATCHES = flags.DEFINE_list(
   "Larger batch sizes where only XLA's temp bytes are read (compiled, not "
   "run), for the layer-path rows: whether memory grows with B beyond the "
   "gradient's.",
+)
+_MEMORY_ONLY = flags.DEFINE_bool(
+  "memory_only",
+  False,
+  "Only the --memory_batches rows, compiled (with --merge: every timed row "
+  "kept as stored).",
 )
 _MODELS = flags.DEFINE_list(
   "models",
@@ -395,6 +402,7 @@ def main(argv):
   slow_rounds = 1 if small else _SLOW_ROUNDS.value
   chunk = 4 if small else _CHUNK.value
   rows, preamble = [], ""
+  memory_only = _MEMORY_ONLY.value and not small
   if _MERGE.value and not small:
     only = set(_ONLY.value)
     rows = [
@@ -402,16 +410,18 @@ def main(argv):
       for r in _stored_rows()
       if r["model"] not in _MODELS.value
       or (only and r["estimator"] not in only)
+      or (memory_only and not r.get("memory_only"))
     ]
     preamble = _stored_preamble()
   for model_name in _MODELS.value:
     for b in batches:
-      print(f"[{NAME}] {model_name} B={b}", flush=True)
-      new = run_one(model_name, b, small, chunk, rounds, slow_rounds)
-      if _ONLY.value and _MERGE.value and not small:
-        # The stored rows' ratios refer to the stored gradient row.
-        new = [r for r in new if r["estimator"] != "batch gradient"]
-      rows.extend(new)
+      if not memory_only:
+        print(f"[{NAME}] {model_name} B={b}", flush=True)
+        new = run_one(model_name, b, small, chunk, rounds, slow_rounds)
+        if _ONLY.value and _MERGE.value and not small:
+          # The stored rows' ratios refer to the stored gradient row.
+          new = [r for r in new if r["estimator"] != "batch gradient"]
+        rows.extend(new)
       if b == batches[-1]:  # after the timed batches: memory only
         for mb in [] if small else [int(v) for v in _MEMORY_BATCHES.value]:
           print(f"[{NAME}] {model_name} B={mb} (memory only)", flush=True)
