@@ -1242,14 +1242,18 @@ class CoverageTest(parameterized.TestCase):
       c = 0.5 + jnp.abs(fisher_testing.normal(jax.random.key(2), (4,)))
       params = {
         "s": fisher_testing.normal(jax.random.key(3), (4,)),
+        "u": fisher_testing.normal(jax.random.key(5), (1, 4)),
         "w": fisher_testing.normal(jax.random.key(4), (4, 2)),
       }
+      c2 = jnp.full((1, 1), 1.5)  # size-one axes broadcast by the product
 
       def scaled(p, x):  # the constants enter with the parameters
-        return jnp.tanh(x * (p["s"] * c)) @ (p["w"] * 0.25)
+        h = jnp.tanh(x * (p["s"] * c)) * (p["u"] * c2)
+        return h @ (p["w"] * 0.25)
 
       def moved(p, x):  # the same function, constants on the activations
-        return (jnp.tanh((x * c) * p["s"]) * 0.25) @ p["w"]
+        h = (jnp.tanh((x * c) * p["s"]) * 1.5) * p["u"]
+        return (h * 0.25) @ p["w"]
 
       cov = _taps.coverage(scaled, params, x)
       self.assertTrue(all(jax.tree.leaves(cov)))

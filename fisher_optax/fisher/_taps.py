@@ -298,8 +298,9 @@ class _Site:
   compact: tuple[int, ...] = ()
   # conv: the convolution equation (its layouts, strides, padding, groups)
   eqn: Any = None
-  # the parameter enters times this constant (a jaxpr variable or literal
-  # of the site's jaxpr): the recorded activation is x * factor
+  # the parameter enters times a constant, (c, shape): c a jaxpr variable
+  # or literal of the site's jaxpr, broadcast to shape (the product's):
+  # the recorded activation is x * c
   factor: Any = None
 
 
@@ -444,8 +445,9 @@ def _view_of(eqn, kind) -> tuple | None:
 
 
 def _scaled_param(eqn, kinds, here: tuple[int, ...], walk) -> tuple | None:
-  """``p * c``, ``c`` a constant: ``("scaled", leaf, compact, c, scope,
-  direct)``, ``direct`` when ``p`` is the leaf itself (not a view).
+  """``p * c``, ``c`` a constant: ``("scaled", leaf, compact, (c, shape),
+  scope, direct)``, ``shape`` the product's (``c`` may broadcast size-one
+  axes to it), ``direct`` when ``p`` is the leaf itself (not a view).
 
   ``p`` is a leaf or a view of one, ``c`` depends on neither the inputs nor
   the parameters (a BatchNorm's ``rsqrt(var + eps)``, a fixed scale) and
@@ -457,12 +459,18 @@ def _scaled_param(eqn, kinds, here: tuple[int, ...], walk) -> tuple | None:
     p_k, c = kinds[j], eqn.invars[1 - j]
     if p_k is None or p_k[0] not in ("param", "view"):
       continue
-    if not walk.is_const(c) or (
-      eqn.invars[j].aval.shape != eqn.outvars[0].aval.shape
+    shape = tuple(eqn.invars[j].aval.shape)
+    c_shape = tuple(c.aval.shape)
+    if (
+      not walk.is_const(c)
+      or shape != tuple(eqn.outvars[0].aval.shape)
+      or (c_shape and len(c_shape) != len(shape))
+      or any(a not in (1, b) for a, b in zip(c_shape, shape))
     ):
       return None
-    compact = tuple(eqn.invars[j].aval.shape) if p_k[0] == "param" else p_k[2]
-    return ("scaled", p_k[1], compact, c, here[:-1], p_k[0] == "param")
+    compact = shape if p_k[0] == "param" else p_k[2]
+    factor = (c, shape)
+    return ("scaled", p_k[1], compact, factor, here[:-1], p_k[0] == "param")
   return None
 
 
@@ -477,11 +485,11 @@ def _factor(kind, here: tuple[int, ...], kernel: bool = False) -> tuple:
   times the leaf itself."""
   if kind[0] != "scaled":
     return True, None
-  c, scope, direct = kind[3:6]
+  factor, scope, direct = kind[3:6]
   ok = scope == here[:-1]
   if kernel:
-    ok = ok and direct and not c.aval.shape
-  return ok, c
+    ok = ok and direct and math.prod(factor[0].aval.shape) == 1
+  return ok, factor
 
 
 @dataclasses.dataclass
@@ -1016,9 +1024,12 @@ def _site_act(site: _Site, invals: list, read: Callable[[Any], Any]) -> Array:
   x = invals[site.act_index]
   if site.factor is None:
     return x
-  c = jnp.asarray(read(site.factor))
-  if c.ndim:  # the leaf's constant, laid out as the leaf's view
-    c = jnp.reshape(c, site.compact)
+  var, shape = site.factor
+  c = jnp.asarray(read(var))
+  if c.size == 1:  # a scalar, or size-one axes
+    c = jnp.reshape(c, ())
+  else:  # the leaf's constant, laid out as the leaf's view
+    c = jnp.reshape(jnp.broadcast_to(c, shape), site.compact)
   return (x * c).astype(x.dtype)
 
 
