@@ -957,10 +957,22 @@ class ConvZooTest(parameterized.TestCase):
     self.assertEqual(slow, [])
 
 
-def _bn_train_model():
+def _bn_train_model(api: str = "linen"):
   """A conv and a BatchNorm normalising by the batch's statistics."""
-  model = nn.Sequential([nn.Conv(4, (3, 3)), nn.BatchNorm(False)])
   x = jax.random.normal(jax.random.key(1), (B, IMG, IMG, CH))
+  if api == "nnx":
+    rngs = nnx.Rngs(0)
+    net = nnx.Sequential(
+      nnx.Conv(CH, 4, (3, 3), rngs=rngs), nnx.BatchNorm(4, rngs=rngs)
+    )
+    graphdef, params, rest = nnx.split(net, nnx.Param, ...)
+
+    def nnx_apply(p, inp):
+      out = nnx.merge(graphdef, p, jax.tree.map(jnp.asarray, rest))(inp)
+      return out.mean(axis=(1, 2))
+
+    return nnx_apply, params, x
+  model = nn.Sequential([nn.Conv(4, (3, 3)), nn.BatchNorm(False)])
   variables = jax.jit(model.init)(jax.random.key(0), x)
 
   def apply_fn(p, inp):
@@ -1025,9 +1037,9 @@ class MixedExamplesTest(parameterized.TestCase):
       with self.subTest(name):
         self.assertIsNone(self._found(fn, w, xs))
 
-  @parameterized.parameters("auto", "per_example")
-  def test_estimators_warn(self, method):
-    apply_fn, params, x = _bn_train_model()
+  @parameterized.product(method=("auto", "per_example"), api=("linen", "nnx"))
+  def test_estimators_warn(self, method, api):
+    apply_fn, params, x = _bn_train_model(api)
     y = jnp.arange(B) % 4
     with warnings.catch_warnings(record=True) as caught:
       warnings.simplefilter("always")
