@@ -666,8 +666,9 @@ def low_rank(
   never formed. ``K`` takes ``M^2`` memory; from ``M = 1024`` (float32) its
   top ``k`` eigenpairs come from LOBPCG
   (:func:`fisher_optax.fisher.linalg.top_eigh`), ``O(M^2 k)`` per
-  iteration, where a full ``eigh`` costs ``O(M^3)``. Eigenvalues below ``M * eps * max(eigvals)`` get eigenvalue
-  0 and a zero direction (no division by zero). ``rank > M`` pads with zeros.
+  iteration, where a full ``eigh`` costs ``O(M^3)``. Eigenvalues below
+  ``M * eps * max(eigvals)`` get eigenvalue 0 and a zero direction (no
+  division by zero). ``rank > M`` pads with zeros.
 
   On the layer path, layers stacked by a scan (``nn.scan``, ``nnx.scan``,
   ``lax.scan``) form ``K`` inside the backward pass when there is one
