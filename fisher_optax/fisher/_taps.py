@@ -338,17 +338,21 @@ class _Plan:
     return len(self.uses(leaf)[0][2])
 
 
-def _sub_jaxpr(eqn) -> tuple[Any, Sequence[Any]] | None:
-  """Returns (open jaxpr, consts) of a call-like equation, else None."""
-  name = _CALLS.get(eqn.primitive.name)
-  if name is None or name not in eqn.params:
-    return None
-  sub = eqn.params[name]
+def _open_jaxpr(sub: Any) -> tuple[Any, Sequence[Any]] | None:
+  """(open jaxpr, consts) of a closed or open jaxpr parameter, else None."""
   if isinstance(sub, jex.ClosedJaxpr):
     return sub.jaxpr, sub.consts
   if isinstance(sub, jex.Jaxpr):
     return sub, ()
   return None
+
+
+def _sub_jaxpr(eqn) -> tuple[Any, Sequence[Any]] | None:
+  """Returns (open jaxpr, consts) of a call-like equation, else None."""
+  name = _CALLS.get(eqn.primitive.name)
+  if name is None or name not in eqn.params:
+    return None
+  return _open_jaxpr(eqn.params[name])
 
 
 def _call_body(eqn) -> tuple[Any, Sequence[Any]]:
@@ -3079,11 +3083,9 @@ def _inner_jaxpr(eqn):
   """The body of a call-like equation (``pjit``, ``remat``, custom
   derivatives), or None."""
   for key in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
-    sub = eqn.params.get(key)
-    if isinstance(sub, jex.ClosedJaxpr):
-      return sub.jaxpr
-    if isinstance(sub, jex.Jaxpr):
-      return sub
+    sub = _open_jaxpr(eqn.params.get(key))
+    if sub is not None:
+      return sub[0]
   return None
 
 
