@@ -36,9 +36,9 @@ def _setup(family, n=N, seed=0):
 
 
 def _scaled_mlp(params, x):
-  """An MLP with an element-wise scale the layer path does not cover."""
+  """An MLP with an element-wise parameter the layer path does not cover."""
   h = jnp.tanh(x @ params["dense_0"]["kernel"] + params["dense_0"]["bias"])
-  h = h * params["scale"] ** 2  # a squared scale: no layer rule matches
+  h = jnp.minimum(h, params["scale"])  # a learned clip: no layer rule
   return h @ params["dense_1"]["kernel"] + params["dense_1"]["bias"]
 
 
@@ -690,9 +690,10 @@ class KroneckerTest(parameterized.TestCase):
         )
 
   def test_example_chunks_keep_every_factor(self):
-    # K-FAC leaves (dense), an elementwise gain (Shampoo factors from the
-    # layer path) and a squared scale (from the per-example path), the
-    # examples in chunks of 3 with a remainder vs one forward pass.
+    # K-FAC leaves (dense), an elementwise gain and a squared scale (a
+    # value computed from a parameter; both Shampoo factors from the layer
+    # path), the examples in chunks of 3 with a remainder vs one forward
+    # pass.
     def apply_fn(params, x):
       h = jnp.tanh(x @ params["dense_0"]["kernel"] + params["dense_0"]["bias"])
       h = h * params["gain"] * params["scale"] ** 2

@@ -122,6 +122,24 @@ def _plain_scan(params, ids):
   return h.mean(axis=1) @ params["table"].T
 
 
+_MASK = np.arange(25).reshape(5, 5) % 3 != 1
+
+
+def _plain_derived(params, x):
+  """Leaves used through functions of parameters only: a weight-normed
+  kernel, a softplus scale, merged LoRA weights passed into a jitted
+  einsum, a masked kernel used twice, a leaf used both masked and as is,
+  and an exp temperature."""
+  v, g = params["v"], params["g"]
+  w = v * (g / jnp.sqrt(jnp.sum(v * v, axis=0)))  # WeightNorm
+  h = jnp.tanh(x @ w) * jax.nn.softplus(params["s"])  # (B, T, 5)
+  merged = params["w0"] + params["a"] @ params["b"]
+  h = jnp.tanh(jnp.einsum("btd,de->bte", h, merged))
+  masked = params["m"] * jnp.asarray(_MASK, h.dtype)
+  h = jnp.tanh(h @ masked + h @ params["m"]) @ masked
+  return jnp.mean(h, axis=1) @ params["head"] * jnp.exp(params["t"])
+
+
 def _model(name: str, dtype=None):
   """Returns (apply_fn, params, inputs, out_dim) for a named test model."""
   dtype = dtype or jnp.float64
@@ -181,6 +199,25 @@ def _model(name: str, dtype=None):
       "shared": fisher_testing.normal(k[6], (4, 4), dtype) / 2,
     }
     return _plain_scan, params, ids, VOCAB
+  if name == "plain_derived_seq":
+    k = jax.random.split(kp, 9)
+    params = {
+      "v": fisher_testing.normal(k[0], (4, 5), dtype),
+      "g": fisher_testing.normal(k[1], (5,), dtype),
+      "s": fisher_testing.normal(k[2], (5,), dtype),
+      "w0": fisher_testing.normal(k[3], (5, 5), dtype) / 3,
+      "a": fisher_testing.normal(k[4], (5, 2), dtype) / 2,
+      "b": fisher_testing.normal(k[5], (2, 5), dtype) / 2,
+      "m": fisher_testing.normal(k[6], (5, 5), dtype) / 3,
+      "head": fisher_testing.normal(k[7], (5, 3), dtype),
+      "t": jnp.asarray(0.3, dtype),
+    }
+    return (
+      _plain_derived,
+      params,
+      fisher_testing.normal(kx, (B, T, 4), dtype),
+      3,
+    )
   raise ValueError(name)
 
 
@@ -194,6 +231,7 @@ _MODELS = (
   "plain_seq",
   "plain_general",
   "plain_scan",
+  "plain_derived_seq",
 )
 
 
@@ -1044,19 +1082,29 @@ class CoverageTest(parameterized.TestCase):
     self.assertTrue(cov["w1"] and cov["w2"])
 
   def test_scan_rules(self):
-    """Stacked and const leaves are covered; a carried leaf and a scan over
-    the examples themselves are not."""
+    """Stacked and const leaves are covered; a leaf carried with the
+    activations and a scan over the examples themselves are not. A scan of
+    parameters alone computes a derived value."""
     params = {"w": jnp.ones((3, 3)), "v": jnp.ones((2, 3, 3))}
 
     def apply_fn(p, x):
       h = jax.lax.scan(lambda h, v: (h @ v, None), x @ p["w"], p["v"])[0]
-      c = jax.lax.scan(lambda c, _: (c * 2, None), p["w"], None, length=2)[0]
-      return h @ c
+      twice = lambda c, _: ((c[0] * 2, c[1]), None)
+      c = jax.lax.scan(twice, (p["w"], h), None, length=2)[0]
+      return c[1] @ c[0]
 
     cov = _taps.coverage(apply_fn, params, jnp.ones((4, 3)))
     self.assertIn("stacked along the iterations", cov["v"].reason)
     self.assertIn("a scan carry", cov["w"].reason)
     self.assertFalse(cov["w"])
+
+    def param_scan(p, x):  # the scan's result depends on w alone
+      c = jax.lax.scan(lambda c, _: (c * 2, None), p["w"], None, length=2)[0]
+      return x @ c
+
+    cov = _taps.coverage(param_scan, params, jnp.ones((4, 3)))
+    self.assertTrue(cov["w"])
+    self.assertIn("computed from parameters", cov["w"].reason)
 
     def over_batch(p, x):  # B = T = 4: the body sees (T, d) slices
       return jax.lax.map(lambda xi: jnp.tanh(xi @ p["w"]), x)
@@ -1268,20 +1316,65 @@ class CoverageTest(parameterized.TestCase):
           for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
             _assert_close(self, g, w)
 
+      # A kernel times a mask, and a constant outside the jaxpr of the layer
+      # using the product (here, outside a jit), do not fold into the
+      # activation: their products run as derived values (a VJP per
+      # example, no K-FAC factors; test_values_computed_from_parameters).
       mask = jnp.arange(8.0).reshape(4, 2) % 3
-
-      def masked(p, x):
-        return x @ (p["w"] * mask)
-
-      cov = _taps.coverage(masked, params, x)
-      self.assertFalse(cov["w"])
-      self.assertIn("times a constant other than a scalar", cov["w"].reason)
-
-      # A constant computed outside the jaxpr of the layer that uses the
-      # product (here, outside a jit) cannot be read there: not covered.
       inner = jax.jit(lambda s, x: x * s)
-      cov = _taps.coverage(lambda p, x: inner(p["s"] * c, x), params, x)
-      self.assertFalse(cov["s"])
+      for fn, leaf in (
+        (lambda p, x: x @ (p["w"] * mask), "w"),
+        (lambda p, x: inner(p["s"] * c, x), "s"),
+      ):
+        cov = _taps.coverage(fn, params, x)
+        self.assertTrue(cov[leaf])
+        self.assertFalse(cov[leaf].kronecker)
+        self.assertIn("computed from parameters", cov[leaf].reason)
+
+  def test_values_computed_from_parameters(self):
+    """A layer using a value computed from parameters alone (WeightNorm,
+    softplus, a mask, merged LoRA weights; statistics: the oracle test's
+    plain_derived_seq) is on the layer path without K-FAC factors; the
+    value entering a scan, made in a call that also takes inputs, used
+    opaquely or returned is not."""
+    params = {"w": jnp.ones((3, 3)), "s": jnp.ones(3), "v": jnp.ones((2, 3, 3))}
+    x = jnp.ones((4, 3))
+    soft = lambda p: jax.nn.softplus(p["s"])  # a jitted function of s
+
+    cov = _taps.coverage(
+      lambda p, x: (x * soft(p)) @ (p["w"] / 2 + 1), params, x
+    )
+    self.assertTrue(cov["w"] and cov["s"])
+    self.assertFalse(cov["w"].kronecker or cov["s"].kronecker)
+    self.assertIn("elementwise scale (mul), a value computed", cov["s"].reason)
+
+    def into_scan(p, x):  # a derived stack enters the scan
+      layer = lambda h, w: (jnp.tanh(h @ w), None)
+      return jax.lax.scan(layer, x, p["v"] * 2 + 1)[0]
+
+    def in_scan(p, x):  # derived inside the body, from the sliced leaf
+      layer = lambda h, w: (jnp.tanh(h @ (w * _MASK[:3, :3])), None)
+      return jax.lax.scan(layer, x, p["v"])[0]
+
+    made_inside = jax.jit(lambda x, w: (jnp.tanh(x), w * 2 + 1))
+
+    def from_call(p, x):
+      h, w = made_inside(x, p["w"])
+      return h @ w
+
+    cases = {
+      "an operand of scan (a value computed": into_scan,
+      "computed from parameters inside a scan": in_scan,
+      "computed from parameters inside a call taking inputs": from_call,
+      "an operand of max": lambda p, x: jnp.maximum(x, soft(p)),
+      "returned by apply_fn": lambda p, x: (x @ p["w"], soft(p)),
+    }
+    for reason, fn in cases.items():
+      with self.subTest(reason):
+        cov = _taps.coverage(fn, params, x)
+        leaf = "v" if "scan" in reason else ("w" if "call" in reason else "s")
+        self.assertFalse(cov[leaf])
+        self.assertIn(reason, cov[leaf].reason)
 
   def test_coverage_on_shape_dtype_structs(self):
     params = fisher_testing.mlp_params(jax.random.key(0))

@@ -721,6 +721,65 @@ class _NnxBNCNN(nnx.Module):
     return jnp.mean(x, axis=(1, 2)) @ (self.head[...] * 0.25)
 
 
+class _StdConv(nn.Module):
+  """A conv with a weight-standardised kernel (BiT's ``StdConv``): zero mean
+  and unit variance per output channel, computed from the kernel alone."""
+
+  features: int
+  dtype: jnp.dtype = jnp.float32
+
+  @nn.compact
+  def __call__(self, x):
+    shape = (3, 3, x.shape[-1], self.features)
+    w = self.param("kernel", nn.initializers.lecun_normal(), shape, self.dtype)
+    w = (w - w.mean((0, 1, 2))) / jnp.sqrt(w.var((0, 1, 2)) + 1e-5)
+    dn = ("NHWC", "HWIO", "NHWC")
+    return jax.lax.conv_general_dilated(
+      x, w, (1, 1), "SAME", dimension_numbers=dn
+    )
+
+
+class _LinenDerivedCNN(nn.Module):
+  """Kernels computed from parameters before use: a weight-normed conv, a
+  weight-standardised conv, a spectral-normed Dense (power iteration on
+  its kernel, the ``u`` estimate a constant) and a softplus-parameterised
+  temperature on the logits."""
+
+  dtype: jnp.dtype = jnp.float32
+
+  @nn.compact
+  def __call__(self, x):
+    kw: dict[str, Any] = dict(param_dtype=self.dtype, dtype=self.dtype)
+    x = nn.relu(nn.WeightNorm(nn.Conv(4, (3, 3), strides=2, **kw))(x))
+    x = jnp.tanh(_StdConv(4, self.dtype)(x))
+    h = nn.SpectralNorm(nn.Dense(6, **kw))(
+      jnp.mean(x, (1, 2)), update_stats=False
+    )
+    t = self.param("log_t", nn.initializers.zeros, (), self.dtype)
+    return nn.Dense(CLASSES, **kw)(jnp.tanh(h)) * jax.nn.softplus(t + 0.5)
+
+
+class _NnxDerivedCNN(nnx.Module):
+  """NNX weight-normed conv and Dense head around a masked conv (a fixed
+  sparsity pattern on the kernel)."""
+
+  def __init__(self, rngs, dtype):
+    kw: dict[str, Any] = dict(param_dtype=dtype, dtype=dtype, rngs=rngs)
+    wn: dict[str, Any] = dict(param_dtype=dtype, rngs=rngs)
+    self.conv1 = nnx.WeightNorm(nnx.Conv(CH, 4, (3, 3), **kw), **wn)
+    self.conv2 = nnx.Conv(4, 4, (3, 3), strides=2, **kw)
+    self.head = nnx.WeightNorm(nnx.Linear(4, CLASSES, **kw), **wn)
+
+  def __call__(self, x):
+    x = nnx.relu(self.conv1(x))
+    mask = np.arange(3 * 3 * 4 * 4).reshape(3, 3, 4, 4) % 3 != 0
+    k = self.conv2.kernel[...] * jnp.asarray(mask, x.dtype)
+    dn = ("NHWC", "HWIO", "NHWC")
+    x = jax.lax.conv_general_dilated(x, k, (2, 2), "SAME", dimension_numbers=dn)
+    x = jnp.tanh(x + self.conv2.bias[...])
+    return self.head(jnp.mean(x, axis=(1, 2)))
+
+
 def _running_stats(stats, dtype):
   """BatchNorm running means and variances far from their initial 0 and 1
   (positive, so that every ``rsqrt(var + eps)`` is finite)."""
@@ -736,6 +795,16 @@ def _conv_model(
     variables = jax.jit(model.init)(jax.random.key(0), x)
     params = _perturbed(variables["params"], dtype)
     stats = _running_stats(variables["batch_stats"], dtype)
+    return (
+      (lambda p, inp: model.apply({"params": p, "batch_stats": stats}, inp)),
+      params,
+      x,
+    )
+  if name == "linen_derived_cnn":  # SpectralNorm's u is a constant
+    model = _LinenDerivedCNN(dtype)
+    variables = jax.jit(model.init)(jax.random.key(0), x)
+    params = _perturbed(variables["params"], dtype)
+    stats = variables["batch_stats"]
     return (
       (lambda p, inp: model.apply({"params": p, "batch_stats": stats}, inp)),
       params,
@@ -765,6 +834,7 @@ def _conv_model(
     "nnx_scan_cnn": _NnxScanCNN,
     "nnx_shared_cnn": _NnxSharedCNN,
     "nnx_vit": _NnxViT,
+    "nnx_derived_cnn": _NnxDerivedCNN,
   }[name]
   graphdef, state = nnx.split(cls(nnx.Rngs(0), dtype))
   state = _perturbed(state, dtype)
@@ -837,6 +907,8 @@ class ConvZooTest(parameterized.TestCase):
     ("nnx_shared_cnn", True),
     ("linen_bn_cnn", True),
     ("nnx_bn_cnn", False),
+    ("linen_derived_cnn", True),
+    ("nnx_derived_cnn", False),
   )
   def test_every_leaf_on_the_layer_path_and_exact(self, name, x64):
     with jax.enable_x64(x64):
@@ -861,6 +933,10 @@ class ConvZooTest(parameterized.TestCase):
         "nnx_vit": [True],
         "linen_bn_cnn": [True, True],  # the stem, the stacked block's
         "nnx_bn_cnn": [True, True],
+        # Kernels computed from parameters (and a WeightNorm scale): a VJP
+        # per example, no factors.
+        "linen_derived_cnn": [False] * 3,
+        "nnx_derived_cnn": [False] * 3,
       }.get(name, [True, True, False, False])
       self.assertEqual([c.kronecker for c in convs], want)
       rtol = 1e-10 if x64 else 1e-5
@@ -901,7 +977,12 @@ class ConvZooTest(parameterized.TestCase):
       _check_layer_statistics(self, apply_fn, params, x, cot, rtol)
 
   @parameterized.parameters(
-    "linen_cnn", "nnx_vit", "linen_scan_cnn", "nnx_shared_cnn", "nnx_bn_cnn"
+    "linen_cnn",
+    "nnx_vit",
+    "linen_scan_cnn",
+    "nnx_shared_cnn",
+    "nnx_bn_cnn",
+    "linen_derived_cnn",
   )
   def test_estimators_equal_the_per_example_path(self, name):
     """``method="auto"`` (no fallback warning) against ``"per_example"``:
@@ -1061,11 +1142,11 @@ class MixedExamplesTest(parameterized.TestCase):
 
 class FallbackWarningTest(absltest.TestCase):
   def test_warns_once_naming_the_leaves(self):
-    def apply_fn(p, x):  # a kernel through sin: no layer rule
-      h = x.reshape(x.shape[0], -1) @ jnp.sin(p["k"])
-      return h @ p["w"]
+    def apply_fn(p, x):  # per-head kernels (dot_general batch axes): no rule
+      h = jnp.einsum("bhi,hij->bhj", x, p["k"])
+      return h.reshape(x.shape[0], -1) @ p["w"]
 
-    params = {"k": jnp.ones((12, 24)), "w": jnp.ones((24, 2)) / 9}
+    params = {"k": jnp.ones((2, 6, 12)), "w": jnp.ones((24, 2)) / 9}
     x, y = jnp.ones((2, 2, 6)), jnp.array([0, 1])
     kw: dict[str, Any] = dict(likelihood=fisher.Categorical(), kind="empirical")
     with warnings.catch_warnings(record=True) as caught:
@@ -1076,7 +1157,7 @@ class FallbackWarningTest(absltest.TestCase):
     found = [w for w in caught if w.category is fisher.FisherFallbackWarning]
     self.assertLen(found, 1)
     self.assertIn("['k']", str(found[0].message))
-    self.assertIn("an operand of sin", str(found[0].message))
+    self.assertIn("an operand of dot_general", str(found[0].message))
     self.assertEqual(found[0].filename, __file__)
     cov = fisher.coverage(apply_fn, params, x)
     self.assertEqual(cov["k"].path, "per_example")
@@ -1084,15 +1165,16 @@ class FallbackWarningTest(absltest.TestCase):
 
   def test_fallback_memory_is_chunked_by_default(self):
     """Without chunk_size, the per-example gradients of the leaves sent to
-    the per-example path come a chunk at a time (here 2048 x 128 x 128
+    the per-example path come a chunk at a time (here 2048 x 2 x 64 x 128
     elements, twice the budget), not all B at once."""
 
     def apply_fn(p, x):  # leaf names of its own: the warning is per leaf set
-      return (x @ jnp.sin(p["big"])) @ p["head"]
+      h = jnp.einsum("bhi,hij->bhj", x, p["big"])  # per-head: no rule
+      return h.sum(1) @ p["head"]
 
-    params = {"big": jnp.ones((128, 128)), "head": jnp.ones((128, 2))}
+    params = {"big": jnp.ones((2, 64, 128)), "head": jnp.ones((128, 2))}
     b = 2048
-    x, y = jnp.ones((b, 128)), jnp.zeros((b,), jnp.int32)
+    x, y = jnp.ones((b, 2, 64)), jnp.zeros((b,), jnp.int32)
 
     def temp(chunk_size):
       fn = functools.partial(

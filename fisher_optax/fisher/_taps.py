@@ -56,7 +56,7 @@ produced them, so the same code serves Flax Linen (``model.apply``), Flax NNX
   with running statistics, ``c = rsqrt(var + eps)``) and a kernel times a
   scalar (``x @ (W * 0.5)``, a muP-style multiplier). The layer records
   ``x * c`` as its activation, ``x * (c * p) = (x * c) * p``, so every
-  statistic is exact; a kernel times a mask is not covered;
+  statistic is exact (a kernel times a mask: below);
 * the kernel of a ``conv_general_dilated`` whose input (the lhs) has the
   examples on axis 0, as does its output: any dimension numbers (Flax's
   ``NHWC``/``HWIO``), strides, padding, lhs/rhs dilation and feature groups
@@ -71,11 +71,28 @@ produced them, so the same code serves Flax Linen (``model.apply``), Flax NNX
   bias (added after the conv, broadcast over the spatial axes) is an
   elementwise shift.
 
+**Values computed from parameters.** An operand of these layers (a kernel,
+an elementwise scale or shift) that depends on parameters and constants
+only, through any equations (``WeightNorm``'s ``g * v / |v|``,
+``SpectralNorm``'s power iteration, a weight-standardised conv kernel, a
+kernel times a mask, merged LoRA weights ``W0 + A @ B``, ``softplus(p)``,
+``exp(t)``; jitted functions and ``jit`` boundaries included), is a
+*derived* value ``D``. The walk records the equations computing ``D`` and
+reads their inputs (the leaves, possibly cast, and constants) in the
+forward pass; the layer gives ``D``'s per-example gradients ``G_n`` (as for
+a leaf), and each leaf's are ``J^T G_n``, a VJP of those equations per
+example, formed for a chunk of examples at a time like a shared leaf's.
+Diagonal, Gram matrix, weighted sums and norms are exact; K-FAC factors do
+not exist for these leaves. Outside scans only: a derived value in a scan
+body, or entering a scan, is not covered. Nor under ``shard_map``: the VJP
+of a device-invariant value sums the devices' cotangents, which would mix
+their examples (a batch-sharded ``jit`` is fine).
+
 Casts (``convert_element_type``) and ``jit``/``remat`` boundaries are looked
 through, and ``scan`` bodies are walked (below). A leaf used any other way
-(a leaf in a ``scan`` carry or a ``custom_jvp``) is not covered; the engine
-computes it by the per-example path, and :func:`coverage` says which path
-each leaf takes and why.
+(a leaf in a ``scan`` carry with the activations, a ``custom_jvp`` of the
+activations) is not covered; the engine computes it by the per-example
+path, and :func:`coverage` says which path each leaf takes and why.
 
 **Scans.** A leaf entering a ``scan`` (``lax.scan``, Linen ``nn.scan``,
 ``nnx.scan``; ``remat`` inside or around it) as an ``xs`` operand is a stack
@@ -302,6 +319,67 @@ class _Site:
   # or literal of the site's jaxpr, broadcast to shape (the product's):
   # the recorded activation is x * c
   factor: Any = None
+  # the operand is a value computed from parameters (WeightNorm, softplus,
+  # a mask): the index of its program in _Plan.derived
+  derived: int | None = None
+
+
+@dataclasses.dataclass
+class _Derived:
+  """A value that depends on parameters and constants only (not on the
+  inputs), as the equations computing it: a WeightNorm kernel ``scale * v
+  / |v|``, ``softplus(p)``, a kernel times a mask, merged LoRA weights.
+
+  A layer using it gives the per-example gradient ``G_n`` of the value;
+  the leaves' are ``J^T G_n`` (a VJP of these equations at the recorded
+  inputs, one per example). Variables are ``(jaxpr path, var)``: the
+  equations may lie in the layer's jaxpr and the calls around it, a call
+  body's operand ``links`` to the caller's variable. ``inputs`` are the
+  leaves (``leaves[i]`` their index; possibly cast) and the non-literal
+  constants (``None``), read in the forward pass after the program's last
+  equation in their jaxpr.
+  """
+
+  eqns: list[tuple[tuple[int, ...], Any]]  # (path, equation), in order
+  inputs: list[tuple[tuple[int, ...], Any]]
+  leaves: list[int | None]
+  links: dict[tuple[tuple[int, ...], Any], tuple[tuple[int, ...], Any]]
+  out: tuple[tuple[int, ...], Any]  # the variable the layer uses
+
+  @property
+  def shape(self) -> tuple[int, ...]:
+    return tuple(self.out[1].aval.shape)
+
+  def run(self, values: Sequence[Any]) -> Array:
+    """The value from its inputs' values (in ``inputs`` order)."""
+    env = dict(zip(self.inputs, values))
+
+    def read(scope, v):
+      if isinstance(v, jex.Literal):
+        return v.val
+      while (scope, v) in self.links:
+        scope, v = self.links[scope, v]
+      return env[scope, v]
+
+    for scope, eqn in self.eqns:
+      outs = _bind(eqn, [read(scope, v) for v in eqn.invars])
+      env.update(((scope, v), x) for v, x in zip(eqn.outvars, outs))
+    return read(*self.out)
+
+  def leaf_vjp(self, values: Sequence[Any], leaf: int) -> Callable:
+    """``G -> J^T G`` for one leaf (its inputs' cotangents summed, widened)."""
+    idx = [i for i, k in enumerate(self.leaves) if k == leaf]
+
+    def fn(*xs):
+      ins = list(values)
+      for i, x in zip(idx, xs):
+        ins[i] = x
+      return self.run(ins)
+
+    out, pull = jax.vjp(fn, *(values[i] for i in idx))
+    return lambda g: sum(
+      numerics.widen(c) for c in pull(jnp.asarray(g).astype(out.dtype))
+    )
 
 
 @dataclasses.dataclass
@@ -323,6 +401,12 @@ class _Plan:
   # (site, role, modes): per enclosing scan, "xs" (sliced) or "const"
   special: dict[int, list[tuple[int, str, tuple[str, ...]]]] = (
     dataclasses.field(default_factory=dict)
+  )
+  # programs of the values computed from parameters that sites use, and
+  # equation path -> (program, input) read after it
+  derived: list[_Derived] = dataclasses.field(default_factory=list)
+  capture: dict[tuple[int, ...], list[tuple[int, int]]] = dataclasses.field(
+    default_factory=dict
   )
 
   def uses(self, leaf: int) -> list[tuple[int, str, tuple[str, ...]]]:
@@ -478,8 +562,8 @@ def _scaled_param(eqn, kinds, here: tuple[int, ...], walk) -> tuple | None:
   return None
 
 
-# Only a scalar factor folds into a kernel's activation (a mask does not).
-_SCALED_KERNEL = "the kernel of a {} times a constant other than a scalar"
+# A use of a value computed from parameters, in coverage's reasons.
+_DERIVED = "a value computed from parameters (a VJP per example)"
 
 
 def _factor(kind, here: tuple[int, ...], kernel: bool = False) -> tuple:
@@ -515,20 +599,110 @@ class _Walk:
   # variables that depend on neither the inputs nor the parameters (the
   # jaxpr's consts: a BatchNorm's running statistics, masks, literals)
   consts: set = dataclasses.field(default_factory=set)
+  # Values computed from parameters: (jaxpr path, variable) -> (equation
+  # index, equation) for views and derived values; a call body's operand
+  # -> the caller's (path, variable); jaxpr path -> its kinds (env).
+  producer: dict = dataclasses.field(default_factory=dict)
+  alias: dict = dataclasses.field(default_factory=dict)
+  envs: dict = dataclasses.field(default_factory=dict)
+  loop_depth: int = 0  # scans around the jaxpr being walked
+  # inside shard_map: the examples vary over manual mesh axes, parameters
+  # do not, and a VJP of device-invariant values would sum the devices'
+  # cotangents (mixing their examples): no derived values there
+  manual: bool = False
 
   def is_const(self, v) -> bool:
     return isinstance(v, jex.Literal) or v in self.consts
 
   def other(self, kind, what: str) -> None:
-    """Records an opaque use of a (viewed) parameter leaf."""
+    """Records an opaque use of a (viewed or derived) parameter leaf."""
     if kind is not None and kind[0] in _PARAM_KINDS:
       self.uses[kind[1]].append(("other", -1, what))
+    elif kind is not None and kind[0] == "derived":
+      for leaf in kind[1]:
+        self.uses[leaf].append(("other", -1, what))
 
   def add_site(self, site: _Site, role: str, what: str) -> int:
     index = len(self.plan.sites)
     self.plan.sites.append(site)
     self.plan.site_at[site.path] = index
-    self.uses[site.kernel].append((role, index, what))
+    if site.derived is None:
+      self.uses[site.kernel].append((role, index, what))
+    else:  # every leaf the value is computed from
+      d = self.plan.derived[site.derived]
+      for leaf in sorted({k for k in d.leaves if k is not None}):
+        self.uses[leaf].append(("derived", index, f"{what}, {_DERIVED}"))
+    return index
+
+  def param_side(self, eqn, kinds) -> bool:
+    """Whether every operand is a constant, a parameter (view) or a value
+    computed from them: the outputs depend on no input."""
+    return all(
+      self.is_const(v)
+      or (k is not None and k[0] in _PARAM_KINDS + ("derived",))
+      for v, k in zip(eqn.invars, kinds)
+    )
+
+  def derive(self, eqn, kinds, env: dict, here: tuple[int, ...]) -> None:
+    """Marks the outputs of a parameter-side equation as derived values."""
+    leaves: set[int] = set()
+    for k in kinds:
+      if k is not None and k[0] in _PARAM_KINDS:
+        leaves.add(k[1])
+      elif k is not None and k[0] == "derived":
+        leaves.update(k[1])
+    for v in eqn.outvars:
+      if not isinstance(v, jex.DropVar):
+        env[v] = ("derived", tuple(sorted(leaves)))
+        self.producer[here[:-1], v] = (here[-1], eqn)
+
+  def program(self, var, scope: tuple[int, ...]) -> int | None:
+    """The program of a derived or viewed value a site at ``scope`` uses,
+    as an index into ``plan.derived`` (None if some variable it needs was
+    made inside a call, or in a scan)."""
+    eqns: dict[tuple[int, ...], Any] = {}  # path -> equation
+    inputs, leaves, links, seen = [], [], {}, set()
+    stack = [(scope, var)]
+    while stack:
+      key = stack.pop()
+      sc, v = key
+      if isinstance(v, jex.Literal) or key in seen:
+        continue
+      seen.add(key)
+      if key in self.alias:  # a call body's operand: the caller's variable
+        links[key] = self.alias[key]
+        stack.append(self.alias[key])
+        continue
+      kind = self.envs[sc].get(v)
+      made = self.producer.get(key)
+      if kind is not None and kind[0] == "param":
+        inputs.append(key)
+        leaves.append(kind[1])
+      elif made is not None:
+        eqns[sc + (made[0],)] = made[1]
+        stack.extend((sc, u) for u in made[1].invars)
+      elif self.is_const(v):
+        inputs.append(key)
+        leaves.append(None)
+      else:
+        return None
+    # Outer jaxprs first (their variables feed the calls), then in order.
+    order = sorted(eqns, key=lambda path: (len(path), path))
+    last = {path[:-1]: path for path in order}  # per jaxpr, its last one
+    if not order or any(sc not in last for sc, _ in inputs):
+      return None
+    index = len(self.plan.derived)
+    self.plan.derived.append(
+      _Derived(
+        [(path[:-1], eqns[path]) for path in order],
+        inputs,
+        leaves,
+        links,
+        (scope, var),
+      )
+    )
+    for i, (sc, _) in enumerate(inputs):
+      self.plan.capture.setdefault(last[sc], []).append((index, i))
     return index
 
 
@@ -541,6 +715,7 @@ def _scan(jaxpr, env: dict, path: tuple[int, ...], walk: _Walk) -> list:
   """
   counts = _var_uses(jaxpr)
   walk.consts.update(jaxpr.constvars)
+  walk.envs[path] = env
   for i, eqn in enumerate(jaxpr.eqns):
     if all(walk.is_const(v) for v in eqn.invars):
       walk.consts.update(eqn.outvars)
@@ -549,30 +724,79 @@ def _scan(jaxpr, env: dict, path: tuple[int, ...], walk: _Walk) -> list:
     if not any(kinds):
       continue
     here = path + (i,)
+    # Outside scans, an equation of parameters and constants only computes
+    # a derived value (a layer using it takes a VJP per example).
+    derives = walk.loop_depth == 0 and walk.param_side(eqn, kinds)
     if _sub_jaxpr(eqn) is not None:
-      _scan_call(eqn, kinds, env, here, walk)
+      if derives and any(k and k[0] == "derived" for k in kinds):
+        walk.derive(eqn, kinds, env, here)
+      else:
+        _scan_call(eqn, kinds, env, here, walk, derives)
     elif eqn.primitive.name == "scan":
-      _scan_loop(eqn, kinds, env, here, walk, counts)
-    elif not _match(eqn, kinds, env, here, walk, counts):
+      if derives:
+        walk.derive(eqn, kinds, env, here)
+      else:
+        _scan_loop(eqn, kinds, env, here, walk, counts)
+    elif _match(eqn, kinds, env, here, walk, counts):
+      for v in eqn.outvars:  # a view's equation, for derived programs
+        k = env.get(v)
+        if k is not None and k[0] in _PARAM_KINDS:
+          walk.producer[path, v] = (i, eqn)
+    elif derives:
+      walk.derive(eqn, kinds, env, here)
+    else:
       for k in kinds:
         walk.other(k, f"an operand of {eqn.primitive.name}")
   return [env.get(v) if isinstance(v, jex.Var) else None for v in jaxpr.outvars]
 
 
-def _scan_call(eqn, kinds: list, env: dict, here: tuple[int, ...], walk: _Walk):
-  """Walks a call's body; the call is inlined at eval if it holds a site."""
+def _scan_call(
+  eqn,
+  kinds: list,
+  env: dict,
+  here: tuple[int, ...],
+  walk: _Walk,
+  derives: bool = False,
+):
+  """Walks a call's body; the call is inlined at eval if it holds a site.
+
+  A call of parameters and constants only (``derives``) whose body does
+  more than view them (``softplus``, a jitted norm) is one derived
+  equation instead: the walk of its body is undone.
+  """
   inner, _ = _call_body(eqn)
   inner_env = {v: k for v, k in zip(inner.invars, kinds) if k}
+  for v, o, k in zip(inner.invars, eqn.invars, kinds):
+    if k is not None and k[0] not in ("param", "site"):
+      walk.alias[here, v] = (here[:-1], o)  # derived programs look out
   walk.consts.update(
     v for v, o in zip(inner.invars, eqn.invars) if walk.is_const(o)
   )
   n_sites = len(walk.plan.sites)
+  n_uses = [len(u) for u in walk.uses]
   out_kinds = _scan(inner, inner_env, here, walk)
+  if derives and len(walk.plan.sites) == n_sites:
+    opaque = any(
+      len(u) > n and any(r == "other" for r, _, _ in u[n:])
+      for u, n in zip(walk.uses, n_uses)
+    ) or any(
+      k is None or k[0] not in _PARAM_KINDS
+      for k, o in zip(out_kinds, inner.outvars)
+      if not walk.is_const(o)
+    )
+    if opaque:
+      for leaf, n in enumerate(n_uses):
+        del walk.uses[leaf][n:]
+      walk.modes = {k: m for k, m in walk.modes.items() if k[1] < n_uses[k[0]]}
+      walk.derive(eqn, kinds, env, here)
+      return
   if len(walk.plan.sites) > n_sites:
     walk.plan.inline.add(here)
   for v, k, o in zip(eqn.outvars, out_kinds, inner.outvars):
     if k is not None:
       env[v] = k
+      if k[0] in _PARAM_KINDS and k[0] != "param":
+        walk.producer[here[:-1], v] = (here[-1], eqn)
     elif walk.is_const(o):
       walk.consts.add(v)
 
@@ -605,6 +829,9 @@ def _scan_loop(eqn, kinds, env, here: tuple[int, ...], walk: _Walk, counts):
     carry = num_consts <= j < num_consts + num_carry
     if not carry and walk.is_const(eqn.invars[j]):
       walk.consts.add(v)  # e.g. a stack of layers' running statistics
+    if k is not None and k[0] == "derived":  # programs stay outside scans
+      walk.other(k, "an operand of scan (a value computed from parameters)")
+      continue
     if k is None or k[0] not in _PARAM_KINDS:
       continue
     if k[0] != "param" or carry or over_batch or entering.count(k[1]) > 1:
@@ -619,7 +846,9 @@ def _scan_loop(eqn, kinds, env, here: tuple[int, ...], walk: _Walk, counts):
     inner_env[v] = ("param", k[1])
   before = {leaf: len(walk.uses[leaf]) for leaf in mode_of}
   num_sites = len(walk.plan.sites)
+  walk.loop_depth += 1
   out_kinds = _scan(body, inner_env, here, walk)
+  walk.loop_depth -= 1
   for leaf, mode in mode_of.items():
     for u in range(before[leaf], len(walk.uses[leaf])):
       walk.modes[leaf, u] = (mode,) + walk.modes.get((leaf, u), ())
@@ -688,25 +917,55 @@ def _match(
   return False
 
 
+def _derived_operand(eqn, j: int, kind, here, walk: _Walk, what: str):
+  """``(ok, program)`` of a layer's parameter-side operand ``j`` used as a
+  derived value (``kind`` derived, or a view the layer rule cannot fold):
+  not ``ok`` (an opaque use, recorded) inside a scan, or when part of the
+  value was computed inside a call that also takes inputs."""
+  if walk.loop_depth:
+    walk.other(kind, f"{what}, computed from parameters inside a scan")
+    return False, None
+  if walk.manual:
+    walk.other(kind, f"{what}, computed from parameters, under shard_map")
+    return False, None
+  program = walk.program(eqn.invars[j], here[:-1])
+  if program is None:
+    walk.other(
+      kind, f"{what}, computed from parameters inside a call taking inputs"
+    )
+  return program is not None, program
+
+
 def _match_dense(eqn, kinds, env, here, walk: _Walk, counts) -> bool:
   """``x . W``: a site whose product may be followed by a bias."""
   for act in (0, 1):
     x_kind, w_kind = kinds[act], kinds[1 - act]
     if (x_kind is not None and x_kind[0] != "site") or (
-      w_kind is None or w_kind[0] not in ("param", "perm", "scaled")
+      w_kind is None or w_kind[0] not in ("param", "perm", "scaled", "derived")
     ):
       continue
     ok, factor = _factor(w_kind, here, kernel=True)
     layout = _dense_layout(eqn, act, walk.batch)
     if layout is None:
       return False
-    if not ok:
-      walk.other(w_kind, _SCALED_KERNEL.format("dot_general"))
-      return True
+    derived = None
+    if not ok or w_kind[0] == "derived":  # a mask, WeightNorm, ...
+      ok, derived = _derived_operand(
+        eqn, 1 - act, w_kind, here, walk, "the kernel of a dot_general"
+      )
+      if not ok:
+        return True
+      factor = None
     if w_kind[0] == "perm":  # kernel axis i is the leaf's axis perm[i]
       layout["leaf_perm"] = tuple(w_kind[2][i] for i in layout["leaf_perm"])
     site = _Site(
-      "dense", here, w_kind[1], act_index=act, factor=factor, **layout
+      "dense",
+      here,
+      -1 if derived is not None else w_kind[1],
+      act_index=act,
+      factor=factor,
+      derived=derived,
+      **layout,
     )
     index = walk.add_site(site, "kernel", "the kernel of a dot_general")
     if counts[eqn.outvars[0]] == 1:
@@ -726,22 +985,16 @@ def _match_conv(eqn, kinds, here, walk: _Walk) -> bool:
   x_k, w_k = kinds[0], kinds[1]
   if (
     w_k is None
-    or w_k[0] not in ("param", "scaled")
+    or w_k[0] not in ("param", "scaled", "derived")
     or (x_k is not None and x_k[0] != "site")
   ):
     return False
-  ok, factor = _factor(w_k, here, kernel=True)
-  if not ok:
-    walk.other(w_k, _SCALED_KERNEL.format("conv_general_dilated"))
-    return True
   params = eqn.params
   dn = params["dimension_numbers"]
   x, out = eqn.invars[0].aval, eqn.outvars[0].aval
   what = "the kernel of a conv_general_dilated"
   if params.get("batch_group_count", 1) != 1:
-    walk.uses[w_k[1]].append(
-      ("other", -1, f"{what} with batch_group_count > 1")
-    )
+    walk.other(w_k, f"{what} with batch_group_count > 1")
     return True
   if (
     dn.lhs_spec[0] != 0
@@ -749,11 +1002,17 @@ def _match_conv(eqn, kinds, here, walk: _Walk) -> bool:
     or x.shape[:1] != (walk.batch,)
     or out.shape[:1] != (walk.batch,)
   ):
-    walk.uses[w_k[1]].append(
-      ("other", -1, f"{what} whose input has no example axis 0")
-    )
+    walk.other(w_k, f"{what} whose input has no example axis 0")
     return True
-  site = _Site("conv", here, w_k[1], eqn=eqn, factor=factor)
+  ok, factor = _factor(w_k, here, kernel=True)
+  derived = None
+  if not ok or w_k[0] == "derived":  # weight standardisation, a mask, ...
+    ok, derived = _derived_operand(eqn, 1, w_k, here, walk, what)
+    if not ok:
+      return True
+    factor = None
+  kernel = -1 if derived is not None else w_k[1]
+  site = _Site("conv", here, kernel, eqn=eqn, factor=factor, derived=derived)
   walk.add_site(site, "kernel", what)
   return True
 
@@ -825,14 +1084,18 @@ def _match_elementwise(eqn, kinds, here, walk: _Walk) -> bool:
   kind = "shift" if eqn.primitive.name == "add" else "scale"
   for j in (0, 1):
     p_k, x_k = kinds[j], kinds[1 - j]
-    if p_k is None or p_k[0] not in ("param", "view", "scaled"):
+    if p_k is None or p_k[0] not in ("param", "view", "scaled", "derived"):
       continue
     if x_k is not None and x_k[0] != "site":
       return False
     ok, factor = _factor(p_k, here)
-    if not ok or (factor is not None and kind == "shift"):
-      return False
-    compact = tuple(eqn.invars[j].aval.shape) if p_k[0] == "param" else p_k[2]
+    # A derived value (softplus(p), exp(p)) and a view that cannot fold
+    # into the activation (a shift times a constant) run as programs.
+    derive = p_k[0] == "derived" or not ok or (factor and kind == "shift")
+    if derive or p_k[0] == "param":
+      compact = tuple(eqn.invars[j].aval.shape)
+    else:
+      compact = p_k[2]
     if not compact:  # a scalar parameter broadcasts along every axis
       compact = (1,) * len(out.shape)
     if (
@@ -843,10 +1106,23 @@ def _match_elementwise(eqn, kinds, here, walk: _Walk) -> bool:
       or any(c not in (1, o) for c, o in zip(compact, out.shape))
     ):
       return False
-    site = _Site(
-      kind, here, p_k[1], act_index=1 - j, compact=compact, factor=factor
-    )
     what = f"an elementwise {kind} ({eqn.primitive.name})"
+    derived = None
+    if derive:
+      ok, derived = _derived_operand(eqn, j, p_k, here, walk, what)
+      if not ok:
+        return True
+      factor = None
+    leaf = -1 if derived is not None else p_k[1]
+    site = _Site(
+      kind,
+      here,
+      leaf,
+      act_index=1 - j,
+      compact=compact,
+      factor=factor,
+      derived=derived,
+    )
     if factor is not None:
       what += " of the parameter times a constant"
     walk.add_site(site, "bias", what)
@@ -861,10 +1137,12 @@ def _make_plan(closed, num_leaves: int, batch: int) -> _Plan:
     v: ("param", i) for i, v in enumerate(closed.jaxpr.invars[:num_leaves])
   }
   walk = _Walk(batch, plan, uses)
+  walk.manual = any(
+    _varying_axes(v.aval) for v in closed.jaxpr.invars[num_leaves:]
+  )
   out_kinds = _scan(closed.jaxpr, env, (), walk)
   for k in out_kinds:  # a leaf returned as an output is an opaque use
-    if k is not None and k[0] in _PARAM_KINDS:
-      uses[k[1]].append(("other", -1, "returned by apply_fn"))
+    walk.other(k, "returned by apply_fn")
   for leaf, u in enumerate(uses):
     modes = [walk.modes.get((leaf, k), ()) for k in range(len(u))]
     reason = _reason(u, modes)
@@ -872,8 +1150,10 @@ def _make_plan(closed, num_leaves: int, batch: int) -> _Plan:
       conv = any(plan.sites[site].kind == "conv" for _, site, _ in u)
       plan.roles[leaf] = (u[0][1], u[0][0])
       # A conv kernel's statistics always come from chunked per-example
-      # gradients (LayerGrads._use_grads; no cheap (a, delta) form for them).
-      if len(u) > 1 or "xs" in modes[0] or conv:
+      # gradients (LayerGrads._use_grads; no cheap (a, delta) form for them),
+      # as do a derived value's (a VJP per example).
+      derived = any(role == "derived" for role, _, _ in u)
+      if len(u) > 1 or "xs" in modes[0] or conv or derived:
         plan.special[leaf] = [
           (site, role, m) for (role, site, _), m in zip(u, modes)
         ]
@@ -1019,6 +1299,9 @@ def _eval(
     for v, x in zip(eqn.outvars, outs):
       if not isinstance(v, jex.DropVar):
         env[v] = x
+    for d, k in plan.capture.get(here, ()):  # a derived value's inputs
+      v = plan.derived[d].inputs[k][1]
+      acts["derived", d, k] = lax.stop_gradient(read(v))
   return [read(v) for v in jaxpr.outvars]
 
 
@@ -1160,6 +1443,7 @@ class LayerTape:
   _acts: tuple[Any, ...]
   batch: int
   _fusion: _Fusion | None = None
+  _derived: tuple[Any, ...] = ()  # the inputs of each derived program
 
   @property
   def covered(self) -> PyTree:
@@ -1465,9 +1749,12 @@ def record(
       acts,
       fused,
     )
-    return (
-      jax.tree_util.tree_unflatten(out_def, outs),
+    return jax.tree_util.tree_unflatten(out_def, outs), (
       tuple(acts.get(s) for s in range(len(plan.sites))),
+      tuple(
+        tuple(acts.get(("derived", d, k)) for k in range(len(p.inputs)))
+        for d, p in enumerate(plan.derived)
+      ),
     )
 
   if weights is not None:
@@ -1476,14 +1763,23 @@ def record(
     leaves, in_leaves, _ = lax.optimization_barrier(
       (list(leaves), list(in_leaves), weights)
     )
-  outputs, pullback, acts = jax.vjp(
+  outputs, pullback, (acts, derived) = jax.vjp(
     tapped, tuple(leaves), tuple(taps), has_aux=True
   )
   fusion = None
   if statistic is not None and fused_leaves:
     fusion = _Fusion(statistic, weight_sharing, fused_leaves, weights)
   return LayerTape(
-    plan, treedef, leaves, covered, outputs, pullback, acts, batch, fusion
+    plan,
+    treedef,
+    leaves,
+    covered,
+    outputs,
+    pullback,
+    acts,
+    batch,
+    fusion,
+    derived,
   )
 
 
@@ -1655,6 +1951,8 @@ def _kron_ok(site: _Site, role: str) -> bool:
   scale or shift has no K-FAC rule (Shampoo factors from its per-example
   gradients are already its exact block when it is a vector).
   """
+  if role == "derived":  # a VJP per example: no factors
+    return False
   if site.kind == "conv":
     return _conv_kron_ok(site.eqn)
   if site.kind in ("scale", "shift"):
@@ -2820,7 +3118,7 @@ class LayerGrads:
       return None
     s = uses[0][0]
     site = self._tape._plan.sites[s]
-    if site.kind != "conv" or not _conv_kron_ok(site.eqn):
+    if site.kind != "conv" or not _kron_ok(site, uses[0][1]):
       return None
     return _conv_kron_sums(
       site.eqn, self._tape._acts[s], self._deltas[s], self._tape.batch, reduce
@@ -2870,7 +3168,11 @@ class LayerGrads:
           out[leaf] = self._stacked_kron(leaf, reduce)
         continue
       views = self._special_views(leaf)
-      if len(views) > 1 or views[0][0][0].kind == "conv":
+      if (
+        len(views) > 1
+        or views[0][0][0].kind == "conv"
+        or views[0][1] == "derived"
+      ):
         out[leaf] = self._shared(views, leaf, structure, chunk_size)
         continue
       ((site, *arrays), role, sliced) = views[0]
@@ -2888,10 +3190,28 @@ class LayerGrads:
         out[leaf] = jnp.sum(val, axis=0)
     return out
 
+  def _operand_shape(self, site: _Site, leaf: int) -> tuple[int, ...]:
+    """The shape of the parameter operand a site's statistic is of: the
+    leaf's, or a derived value's (a WeightNorm kernel)."""
+    if site.derived is None:
+      return tuple(np.shape(self._tape._leaves[leaf]))
+    return self._tape._plan.derived[site.derived].shape
+
   def _use_grads(self, view, role: str, leaf: int, sliced: int, rows):
-    """Per-example gradients ``(c, *leaf)`` of one use, rows ``s * B + n``."""
+    """Per-example gradients ``(c, *leaf)`` of one use, rows ``s * B + n``.
+
+    A use of a derived value ``D`` (``role == "derived"``) forms ``D``'s
+    per-example gradients, then maps them to the leaf's by the VJP of
+    ``D``'s program (outside scans: ``sliced == 0``).
+    """
     (site, act, delta, _), b = view, self._tape.batch
-    shape = tuple(np.shape(self._tape._leaves[leaf]))
+    if role == "derived":
+      role = "bias" if site.kind in _ELEMENTWISE else "kernel"
+      value = self._tape._plan.derived[site.derived]
+      vjp = value.leaf_vjp(self._tape._derived[site.derived], leaf)
+      g = self._use_grads(view, role, leaf, 0, rows)
+      return jax.vmap(vjp)(g)
+    shape = self._operand_shape(site, leaf)
     per, c = shape[sliced:], rows.shape[0]
     sample, n = rows // b, rows % b
     layers = math.prod(shape[:sliced])
@@ -2924,6 +3244,9 @@ class LayerGrads:
     their per-example gradients summed over the uses (padding rows 0)."""
     shape = tuple(np.shape(self._tape._leaves[leaf]))
     num = self.num_samples * self._tape.batch
+    size = max(  # a derived value's gradients may be larger than the leaf's
+      math.prod(self._operand_shape(site, leaf)) for (site, *_), _, _ in views
+    )
     patches = sum(  # a use forms its patches of all X iterations at once
       _patch_elements(site.eqn) * act.shape[0]
       for (site, act, *_), _, _ in views
@@ -2932,7 +3255,7 @@ class LayerGrads:
     chunk = chunk_size or max(
       1,
       min(
-        DEFAULT_CHUNK_ELEMENTS // math.prod(shape),
+        DEFAULT_CHUNK_ELEMENTS // max(size, math.prod(shape)),
         _PATCH_CHUNK_ELEMENTS // max(patches, 1),
       ),
     )
@@ -3343,9 +3666,13 @@ def coverage(
   scales and biases, BatchNorm with running statistics, learned positions,
   conv biases), a kernel times a constant scalar, also inside ``scan``
   bodies (stacked layers, recurrent cells) and for a leaf with several such
-  uses (tied embeddings, a conv kernel applied twice). K-FAC factors
-  (``kronecker``) need one use, or a stack of layers along a scan: a
-  kernel shared by a scan's iterations has none. Only traces ``apply_fn``
+  uses (tied embeddings, a conv kernel applied twice). Outside scans, a
+  leaf may reach these layers through a function of parameters alone
+  (``WeightNorm``, ``SpectralNorm``, a masked or weight-standardised
+  kernel, ``softplus(p)``): a VJP per example takes the layer's gradients
+  back to it. K-FAC factors (``kronecker``) need one use of the leaf
+  itself, or a stack of layers along a scan: a kernel shared by a scan's
+  iterations, or computed from parameters, has none. Only traces ``apply_fn``
   (no FLOPs), so ``params`` and ``inputs`` may be ``jax.ShapeDtypeStruct``
   trees.
 
@@ -3364,14 +3691,17 @@ def coverage(
     >>> from fisher_optax import fisher
     >>> def apply_fn(p, x):
     ...   h = jnp.tanh(x @ p["w"] + p["b"]) * p["scale"]
-    ...   return jnp.sin(h * p["t"].sum())
+    ...   return jnp.maximum(h * p["t"].sum(), p["floor"])
     >>> params = {"w": jnp.ones((3, 2)), "b": jnp.zeros(2),
-    ...           "scale": jnp.ones(2), "t": jnp.ones(2)}
+    ...           "scale": jnp.ones(2), "t": jnp.ones(2),
+    ...           "floor": jnp.zeros(2)}
     >>> cov = fisher.coverage(apply_fn, params, jnp.ones((4, 3)))
     >>> cov["w"].path, cov["scale"].reason
     ('layer', 'an elementwise scale (mul)')
-    >>> cov["t"].path, cov["t"].reason
-    ('per_example', 'an operand of reduce_sum: no layer rule matches')
+    >>> cov["t"].reason  # t.sum() depends on parameters alone
+    'an elementwise scale (mul), a value computed from parameters (a VJP per example)'
+    >>> cov["floor"].path, cov["floor"].reason
+    ('per_example', 'an operand of max: no layer rule matches')
     >>> import jax
     >>> def stack_fn(p, x):  # two layers (2, 3, 3) run by a scan
     ...   layer = lambda h, w: (jnp.tanh(h @ w), None)

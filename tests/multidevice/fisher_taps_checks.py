@@ -2,6 +2,7 @@
 """Layer statistics on 8 CPU devices (run by fisher_taps_multidevice_test)."""
 
 from unittest import mock
+import warnings
 
 from absl.testing import absltest
 import chex
@@ -11,6 +12,7 @@ from jax.sharding import AxisType
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from fisher_optax import fisher
 from fisher_optax.fisher import _taps
 from tests import fisher_taps_test
 from tests import fisher_testing
@@ -126,6 +128,42 @@ class TapsShardedTest(absltest.TestCase):
     with mock.patch.object(_taps, "_BLOCK_ELEMENTS", 64):
       ref = jax.jit(stats)(params, x, cot)
       out = _sharded_sums(stats, params, x, cot)
+    chex.assert_trees_all_close(out, ref, rtol=1e-5, atol=1e-6)
+
+  def test_values_computed_from_parameters(self):
+    """Leaves reaching their layers through functions of parameters (a
+    weight-normed, a masked and a merged kernel, a softplus scale). Under a
+    batch-sharded jit they stay on the layer path; under shard_map they take
+    the per-example path (the VJP of a device-invariant value would sum the
+    devices' cotangents): both equal one device's diagonal."""
+    apply_fn, params, _, out_dim = fisher_taps_test._model(
+      "plain_derived_seq", jnp.float32
+    )
+    k = jax.random.split(jax.random.key(5))
+    x = jax.random.normal(k[0], (16, fisher_taps_test.T, 4))
+    y = jax.random.randint(k[1], (16,), 0, out_dim)
+    kw = dict(likelihood=fisher.Categorical(), kind="exact", chunk_size=3)
+    diag = lambda p, x, y, **more: (
+      fisher.diagonal(apply_fn, p, (x, y), **kw, **more).diag
+    )
+    ref = jax.jit(diag)(params, x, y)
+
+    mesh = jax.make_mesh((8,), ("d",), axis_types=(AxisType.Auto,))
+    local = jax.shard_map(
+      lambda p, x, y: diag(p, x, y, axis_name="d"),
+      mesh=mesh,
+      in_specs=(P(), P("d"), P("d")),
+      out_specs=P(),
+    )
+    with warnings.catch_warnings():
+      warnings.simplefilter("ignore", fisher.FisherFallbackWarning)
+      chex.assert_trees_all_close(
+        jax.jit(local)(params, x, y), ref, rtol=1e-5, atol=1e-6
+      )
+    xs = jax.device_put(x, NamedSharding(mesh, P("d")))
+    ys = jax.device_put(y, NamedSharding(mesh, P("d")))
+    with jax.set_mesh(mesh):
+      out = jax.jit(diag)(params, xs, ys)
     chex.assert_trees_all_close(out, ref, rtol=1e-5, atol=1e-6)
 
   def test_sharded_jit_matches_one_device(self):
