@@ -429,30 +429,40 @@ class LayerStatisticsTest(parameterized.TestCase):
           gi = jnp.swapaxes(gi, 0, 1).reshape(S * B, -1)
           _assert_close(self, n, jnp.sum(gi**2, 1), rtol=tol)
 
-  def test_weight_shared_diag_loop_and_chunks(self):
-    """The scan over examples (CPU) and the chunked batched einsum (other
+  @parameterized.parameters("linen_seq", "plain_derived_seq")
+  def test_weight_shared_diag_loop_and_chunks(self, name):
+    """The loops over examples (CPU: the weight-shared diagonal, a derived
+    value's per-example VJPs) and the chunked batched forms (other
     backends; chunks with remainder rows) equal the oracle."""
     with jax.enable_x64(True):
-      apply_fn, params, inputs, out_dim = _model("linen_seq")
+      apply_fn, params, inputs, out_dim = _model(name)
       cot = _cotangents(out_dim)
+      weights = fisher_testing.normal(jax.random.key(3), (2, S * B))
       g = _pseudo_grads(apply_fn, params, inputs, cot)
       want = jax.tree.map(lambda gi: jnp.sum(gi**2, 0), g)
+      flat = jnp.concatenate(
+        [gi.reshape(S * B, -1) for gi in jax.tree.leaves(g)], 1
+      )
       for loop in (True, False):
         with mock.patch.object(_taps, "_loop_over_examples", lambda: loop):
 
           @jax.jit
-          def run(params, inputs, cot):
-            return [
-              fisher_testing.layer_statistics(
-                apply_fn, params, inputs, cot, structure="diag", chunk_size=c
-              )[0]
-              for c in (1, 4, None)
+          def run(params, inputs, cot, weights):
+            grads = _taps.record(apply_fn, params, inputs).backward(cot)
+            diags = [
+              grads.statistics("diag", chunk_size=c) for c in (1, 4, None)
             ]
+            return diags, grads.statistics("gram"), grads.combine(weights)
 
-          for c, got in zip((1, 4, None), run(params, inputs, cot)):
+          diags, gram, combined = run(params, inputs, cot, weights)
+          for c, got in zip((1, 4, None), diags):
             with self.subTest(loop=loop, chunk=c):
               for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
                 _assert_close(self, a, b)
+          with self.subTest(loop=loop, statistic="gram, combine"):
+            _assert_close(self, gram, flat @ flat.T)
+            for a, gi in zip(jax.tree.leaves(combined), jax.tree.leaves(g)):
+              _assert_close(self, a, jnp.tensordot(weights, gi, 1))
 
   def test_gram_both_weight_sharing_forms(self):
     """Ghost form (small T) and materialised form (large T) both exact."""
