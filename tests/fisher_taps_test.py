@@ -10,6 +10,7 @@ models, with and without weight sharing, with ``S > 1`` cotangents.
 import functools
 import math
 from unittest import mock
+import warnings
 
 from absl.testing import absltest
 from absl.testing import parameterized
@@ -140,6 +141,26 @@ def _plain_derived(params, x):
   return jnp.mean(h, axis=1) @ params["head"] * jnp.exp(params["t"])
 
 
+def _plain_heads(params, x):
+  """Per-head kernels (``dot_general`` batch axes): an einsum with the
+  activation first, one with the kernel first, one contracting all of a
+  kernel's free axes, and per-head kernels stacked along a scan (one of
+  them shared by the iterations)."""
+  b, t = x.shape[:2]
+  h = jnp.einsum("bthd,hde->bhte", x.reshape(b, t, 2, 2), params["k"])
+  h = jnp.tanh(h)  # (B, H, T, 3)
+  dn = (((2,), (3,)), ((0,), (1,)))
+  h = jnp.transpose(jax.lax.dot_general(params["k2"], h, dn), (2, 0, 3, 1))
+
+  def layer(h, k):  # (B, H, T, 3), a stacked and a shared per-head kernel
+    h = h + jnp.tanh(jnp.einsum("bhtd,hde->bhte", h, k))
+    return jnp.tanh(jnp.einsum("bhtd,hde->bhte", h, params["shared"])), None
+
+  h = jax.lax.scan(layer, h, params["stack"])[0]
+  h = jnp.tanh(jnp.einsum("bhtd,hd->bht", h, params["v"]))
+  return h.reshape(b, -1) @ params["w"]
+
+
 def _model(name: str, dtype=None):
   """Returns (apply_fn, params, inputs, out_dim) for a named test model."""
   dtype = dtype or jnp.float64
@@ -199,6 +220,18 @@ def _model(name: str, dtype=None):
       "shared": fisher_testing.normal(k[6], (4, 4), dtype) / 2,
     }
     return _plain_scan, params, ids, VOCAB
+  if name == "plain_heads_seq":
+    k = jax.random.split(kp, 6)
+    params = {
+      "k": fisher_testing.normal(k[0], (2, 2, 3), dtype),
+      "k2": fisher_testing.normal(k[1], (2, 3, 3), dtype) / 2,
+      "stack": fisher_testing.normal(k[2], (2, 2, 3, 3), dtype) / 2,
+      "shared": fisher_testing.normal(k[3], (2, 3, 3), dtype) / 2,
+      "v": fisher_testing.normal(k[4], (2, 3), dtype),
+      "w": fisher_testing.normal(k[5], (2 * T, 3), dtype) / 2,
+    }
+    x = fisher_testing.normal(kx, (B, T, 4), dtype)
+    return _plain_heads, params, x, 3
   if name == "plain_derived_seq":
     k = jax.random.split(kp, 9)
     params = {
@@ -232,6 +265,7 @@ _MODELS = (
   "plain_general",
   "plain_scan",
   "plain_derived_seq",
+  "plain_heads_seq",
 )
 
 
@@ -1385,6 +1419,41 @@ class CoverageTest(parameterized.TestCase):
         leaf = "v" if "scan" in reason else ("w" if "call" in reason else "s")
         self.assertFalse(cov[leaf])
         self.assertIn(reason, cov[leaf].reason)
+
+  @parameterized.parameters("plain_heads_seq", "plain_derived_seq")
+  def test_estimators_equal_the_per_example_path(self, name):
+    """Per-head kernels and values computed from parameters, end to end:
+    ``method="auto"`` (no fallback) against ``"per_example"``."""
+    with jax.enable_x64(True):
+      apply_fn, params, x, out_dim = _model(name)
+      y = jnp.arange(B) % out_dim
+
+      @jax.jit
+      def run(params, x, y):
+        out = {}
+        for method in ("auto", "per_example"):
+          kw = dict(likelihood=fisher.Categorical(), method=method)
+          for kind in ("empirical", "exact"):
+            out[method, kind] = fisher.diagonal(
+              apply_fn, params, (x, y), kind=kind, **kw
+            ).diag
+          top = fisher.low_rank(
+            apply_fn, params, (x, y), kind="exact", rank=3, **kw
+          )
+          v = jax.tree.map(jnp.ones_like, params)
+          out[method, "low_rank"] = (top.eigvals, top.matvec(v))
+        return out
+
+      with warnings.catch_warnings():
+        warnings.simplefilter("error", fisher.FisherFallbackWarning)
+        out = run(params, x, y)
+      for key in ("empirical", "exact", "low_rank"):
+        with self.subTest(key):
+          for a, b in zip(
+            jax.tree.leaves(out["auto", key]),
+            jax.tree.leaves(out["per_example", key]),
+          ):
+            _assert_close(self, a, b, rtol=1e-9, atol=1e-12)
 
   def test_coverage_on_shape_dtype_structs(self):
     params = fisher_testing.mlp_params(jax.random.key(0))

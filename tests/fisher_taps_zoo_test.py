@@ -1142,11 +1142,12 @@ class MixedExamplesTest(parameterized.TestCase):
 
 class FallbackWarningTest(absltest.TestCase):
   def test_warns_once_naming_the_leaves(self):
-    def apply_fn(p, x):  # per-head kernels (dot_general batch axes): no rule
-      h = jnp.einsum("bhi,hij->bhj", x, p["k"])
-      return h.reshape(x.shape[0], -1) @ p["w"]
+    def apply_fn(p, x):  # a kernel through sin inside a scan: no layer rule
+      step = lambda c, _: (c, c @ jnp.sin(p["k"]))
+      h = jax.lax.scan(step, x.reshape(x.shape[0], -1), None, length=1)[1]
+      return h[0] @ p["w"]
 
-    params = {"k": jnp.ones((2, 6, 12)), "w": jnp.ones((24, 2)) / 9}
+    params = {"k": jnp.ones((12, 24)), "w": jnp.ones((24, 2)) / 9}
     x, y = jnp.ones((2, 2, 6)), jnp.array([0, 1])
     kw: dict[str, Any] = dict(likelihood=fisher.Categorical(), kind="empirical")
     with warnings.catch_warnings(record=True) as caught:
@@ -1157,7 +1158,7 @@ class FallbackWarningTest(absltest.TestCase):
     found = [w for w in caught if w.category is fisher.FisherFallbackWarning]
     self.assertLen(found, 1)
     self.assertIn("['k']", str(found[0].message))
-    self.assertIn("an operand of dot_general", str(found[0].message))
+    self.assertIn("an operand of sin", str(found[0].message))
     self.assertEqual(found[0].filename, __file__)
     cov = fisher.coverage(apply_fn, params, x)
     self.assertEqual(cov["k"].path, "per_example")
@@ -1165,16 +1166,16 @@ class FallbackWarningTest(absltest.TestCase):
 
   def test_fallback_memory_is_chunked_by_default(self):
     """Without chunk_size, the per-example gradients of the leaves sent to
-    the per-example path come a chunk at a time (here 2048 x 2 x 64 x 128
+    the per-example path come a chunk at a time (here 2048 x 128 x 128
     elements, twice the budget), not all B at once."""
 
     def apply_fn(p, x):  # leaf names of its own: the warning is per leaf set
-      h = jnp.einsum("bhi,hij->bhj", x, p["big"])  # per-head: no rule
-      return h.sum(1) @ p["head"]
+      step = lambda h, _: (h @ jnp.sin(p["big"]), None)  # in a scan: no rule
+      return jax.lax.scan(step, x, None, length=1)[0] @ p["head"]
 
-    params = {"big": jnp.ones((2, 64, 128)), "head": jnp.ones((128, 2))}
+    params = {"big": jnp.ones((128, 128)), "head": jnp.ones((128, 2))}
     b = 2048
-    x, y = jnp.ones((b, 2, 64)), jnp.zeros((b,), jnp.int32)
+    x, y = jnp.ones((b, 128)), jnp.zeros((b,), jnp.int32)
 
     def temp(chunk_size):
       fn = functools.partial(

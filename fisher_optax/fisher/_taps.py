@@ -30,9 +30,10 @@ produced them, so the same code serves Flax Linen (``model.apply``), Flax NNX
 
 * an operand of a ``dot_general`` whose other operand is an activation
   ``x`` with the examples on axis 0: any contraction of feature axes of ``x``
-  with axes of the N-D kernel, no ``dot_general`` batch axes; the other axes
-  of ``x`` (positions) are weight-shared (``x @ W``, ``jnp.einsum``, Linen
-  ``Dense``/``DenseGeneral``/``Einsum``, the ``(d, heads, head_dim)`` and
+  with axes of the N-D kernel, no ``dot_general`` batch axes (below); the
+  other axes of ``x`` (positions) are weight-shared (``x @ W``,
+  ``jnp.einsum``, Linen ``Dense``/``DenseGeneral``/``Einsum``, the ``(d,
+  heads, head_dim)`` and
   ``(heads, head_dim, d)`` kernels of ``MultiHeadDotProductAttention``, NNX
   ``Linear``/``LinearGeneral``/``MultiHeadAttention``; the kernel may be a
   transposed leaf, as in a head tied to the embedding, ``Embed.attend``,
@@ -40,6 +41,13 @@ produced them, so the same code serves Flax Linen (``model.apply``), Flax NNX
   are exact; the example gradient is the ``(K, O)`` matrix
   ``sum_t x_t delta_t^T`` (contracted axes ``K``, kernel free axes ``O``)
   mapped back to the kernel's axis order;
+* the kernel of a ``dot_general`` with batch axes shared with the
+  activation, the examples on the activation's axis 0 and not a batch axis
+  (per-head or per-expert kernels, ``bhtd,hde->bhte``): every batch index is
+  its own dense layer, and the example gradient ``(H, K, O)`` contracts the
+  example's activations with its ``delta`` over the positions per head.
+  Like a conv kernel's, its statistics are formed from these gradients a
+  chunk of examples at a time (exact; no K-FAC factors);
 * a leaf reshaped or broadcast over the leading axes and added to such a
   product that has no other consumer (its bias, N-D for ``DenseGeneral``);
 * the table of a row ``gather`` (``jnp.take(table, ids, axis=0)``,
@@ -263,6 +271,10 @@ _PARAM_KINDS = ("param", "view", "perm", "scaled")
 
 # Site kinds of elementwise parameters (norm scales and shifts, positions).
 _ELEMENTWISE = ("scale", "shift")
+# Site kinds whose statistics always come from per-example gradients formed
+# a chunk of examples at a time, the layer's own layout kept (no cheap
+# (a, delta) form): convolutions and per-head kernels.
+_CHUNKED = ("conv", "bdense")
 
 # Budget (elements) for a materialised chunk of per-example layer gradients
 # when the caller gives no chunk size (weight-shared diagonal, shared leaves).
@@ -291,8 +303,9 @@ class _Site:
 
   ``kind`` is ``"dense"`` (a ``dot_general`` with a parameter operand),
   ``"embed"`` (a row gather of a table), ``"scale"`` (``x * p``) or
-  ``"shift"`` (``x + p``) or ``"conv"`` (a ``conv_general_dilated`` with a
-  parameter kernel). ``act_index`` is the equation operand recorded
+  ``"shift"`` (``x + p``), ``"conv"`` (a ``conv_general_dilated`` with a
+  parameter kernel) or ``"bdense"`` (a ``dot_general`` with batch axes
+  shared by the kernel and the activation: per-head kernels). ``act_index`` is the equation operand recorded
   as the activation (the other operand of a product, the ids of a gather).
   """
 
@@ -310,6 +323,7 @@ class _Site:
   out_perm: tuple[int, ...] = ()
   leaf_perm: tuple[int, ...] = ()
   num_free: int = 0  # the kernel's free (output) axes
+  heads: int = 0  # bdense: the dot_general's batch axes (per-head kernels)
   # scale / shift: the parameter broadcast from this shape (same size as
   # the leaf, ones where it is broadcast) to the output's.
   compact: tuple[int, ...] = ()
@@ -488,6 +502,43 @@ def _dense_layout(eqn, act: int, batch: int) -> dict | None:
     "out_perm": out_perm,
     "leaf_perm": tuple(cw) + tuple(fw),
     "num_free": nw,
+  }
+
+
+def _batched_layout(eqn, act: int, batch: int) -> dict | None:
+  """The permutations of a ``dot_general`` with batch axes (``bhtd,hde->
+  bhte``: per-head or per-expert kernels), the kernel operand ``1 - act``.
+
+  The activation has the examples on its axis 0, not a batch axis; as
+  ``(B, H, T, K)`` it is ``x.transpose(x_perm)`` (batch axes ``H``, other
+  free axes ``T``, contracted ``K``); the output (batch axes first) as
+  ``(B, H, T, O)`` is ``out.transpose(out_perm)``; the per-example ``(H, K,
+  O)`` statistic is the kernel transposed by ``leaf_perm``.
+  """
+  (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+  if not lb:
+    return None
+  cx, cw = (lc, rc) if act == 0 else (rc, lc)
+  bx, bw = (lb, rb) if act == 0 else (rb, lb)
+  x, w = eqn.invars[act].aval, eqn.invars[1 - act].aval
+  if x.shape[:1] != (batch,) or 0 in cx or 0 in bx or not cx:
+    return None
+  fx = [i for i in range(len(x.shape)) if i not in cx and i not in bx]
+  fw = [i for i in range(len(w.shape)) if i not in cw and i not in bw]
+  nb, nx, nw = len(bx), len(fx), len(fw)
+  ex = nb if act == 0 else nb + nw  # the example axis in the output
+  rest = [ex + 1 + i for i in range(nx - 1)]  # its other free axes
+  own = (
+    [nb + nx + i for i in range(nw)]
+    if act == 0
+    else [nb + i for i in range(nw)]
+  )
+  return {
+    "x_perm": (0, *bx, *fx[1:], *cx),
+    "out_perm": (ex, *range(nb), *rest, *own),
+    "leaf_perm": (*bw, *cw, *fw),
+    "num_free": nw,
+    "heads": nb,
   }
 
 
@@ -946,20 +997,24 @@ def _match_dense(eqn, kinds, env, here, walk: _Walk, counts) -> bool:
       continue
     ok, factor = _factor(w_kind, here, kernel=True)
     layout = _dense_layout(eqn, act, walk.batch)
+    kind = "dense"
+    if layout is None:  # per-head kernels: per-example gradients, chunked
+      layout, kind = _batched_layout(eqn, act, walk.batch), "bdense"
     if layout is None:
       return False
+    what = "the kernel of a dot_general"
+    if kind == "bdense":
+      what += " with batch axes"
     derived = None
     if not ok or w_kind[0] == "derived":  # a mask, WeightNorm, ...
-      ok, derived = _derived_operand(
-        eqn, 1 - act, w_kind, here, walk, "the kernel of a dot_general"
-      )
+      ok, derived = _derived_operand(eqn, 1 - act, w_kind, here, walk, what)
       if not ok:
         return True
       factor = None
     if w_kind[0] == "perm":  # kernel axis i is the leaf's axis perm[i]
       layout["leaf_perm"] = tuple(w_kind[2][i] for i in layout["leaf_perm"])
     site = _Site(
-      "dense",
+      kind,
       here,
       -1 if derived is not None else w_kind[1],
       act_index=act,
@@ -967,8 +1022,8 @@ def _match_dense(eqn, kinds, env, here, walk: _Walk, counts) -> bool:
       derived=derived,
       **layout,
     )
-    index = walk.add_site(site, "kernel", "the kernel of a dot_general")
-    if counts[eqn.outvars[0]] == 1:
+    index = walk.add_site(site, "kernel", what)
+    if counts[eqn.outvars[0]] == 1 and kind == "dense":
       env[eqn.outvars[0]] = ("site", index)
     return True
   return False
@@ -1147,7 +1202,7 @@ def _make_plan(closed, num_leaves: int, batch: int) -> _Plan:
     modes = [walk.modes.get((leaf, k), ()) for k in range(len(u))]
     reason = _reason(u, modes)
     if u and all(role != "other" for role, _, _ in u):
-      conv = any(plan.sites[site].kind == "conv" for _, site, _ in u)
+      conv = any(plan.sites[site].kind in _CHUNKED for _, site, _ in u)
       plan.roles[leaf] = (u[0][1], u[0][0])
       # A conv kernel's statistics always come from chunked per-example
       # gradients (LayerGrads._use_grads; no cheap (a, delta) form for them),
@@ -1951,7 +2006,7 @@ def _kron_ok(site: _Site, role: str) -> bool:
   scale or shift has no K-FAC rule (Shampoo factors from its per-example
   gradients are already its exact block when it is a vector).
   """
-  if role == "derived":  # a VJP per example: no factors
+  if role == "derived" or site.kind == "bdense":  # no factors
     return False
   if site.kind == "conv":
     return _conv_kron_ok(site.eqn)
@@ -2333,6 +2388,18 @@ def _site_view(site: _Site, act: Any, delta: Array, b: int):
   delta = numerics.widen(delta)
   if site.kind == "conv":  # a (B, ...) and delta (S, B, ...) as laid out
     return site, numerics.widen(act), delta, None
+  if site.kind == "bdense":  # a (B, H, T, K), delta (S, B, H, T, O)
+    delta = jnp.transpose(delta, (0, *(1 + i for i in site.out_perm)))
+    heads = math.prod(delta.shape[2 : 2 + site.heads])
+    o = math.prod(delta.shape[delta.ndim - site.num_free :])
+    delta = delta.reshape(delta.shape[0], b, heads, -1, o)
+    if act is not None:
+      act = jnp.transpose(numerics.widen(act), site.x_perm)
+      k = math.prod(
+        act.shape[act.ndim - len(site.leaf_perm) + site.num_free + site.heads :]
+      )
+      act = act.reshape(b, heads, -1, k)
+    return site, act, delta, None
   if site.kind == "dense":
     delta = jnp.transpose(delta, (0, *(1 + i for i in site.out_perm)))
     o = math.prod(delta.shape[delta.ndim - site.num_free :])
@@ -3089,7 +3156,7 @@ class LayerGrads:
         return None
       x = x.reshape(tuple(lengths) + x.shape[1:])
       mid = list(range(n, n + pre + 1))
-      if site.kind == "conv":  # -> (X * L_c, *pre, B, ...)
+      if site.kind in _CHUNKED:  # -> (X * L_c, *pre, B, ...)
         x = jnp.transpose(x, sliced + shared + list(range(n, x.ndim)))
         return x.reshape((-1,) + x.shape[n:])
       x = jnp.transpose(
@@ -3170,7 +3237,7 @@ class LayerGrads:
       views = self._special_views(leaf)
       if (
         len(views) > 1
-        or views[0][0][0].kind == "conv"
+        or views[0][0][0].kind in _CHUNKED
         or views[0][1] == "derived"
       ):
         out[leaf] = self._shared(views, leaf, structure, chunk_size)
@@ -3215,8 +3282,8 @@ class LayerGrads:
         # VJP's reductions (WeightNorm's norms) into their broadcast
         # consumers, recomputing them per element (3 s against 11 ms for a
         # loop, 32 rows of a (784, 256) kernel).
-        one = lambda r: vjp(self._use_grads(view, role, leaf, 0, r[None])[0])
-        return lax.map(one, rows)
+        row = lambda r: vjp(self._use_grads(view, role, leaf, 0, r[None])[0])
+        return lax.map(row, rows)
       return jax.vmap(vjp)(self._use_grads(view, role, leaf, 0, rows))
     shape = self._operand_shape(site, leaf)
     per, c = shape[sliced:], rows.shape[0]
@@ -3230,6 +3297,9 @@ class LayerGrads:
         return _conv_kernel_grads(
           site.eqn, merge(a[:, n]), merge(d), shared=d.shape[0]
         )
+      if site.kind == "bdense":  # per head, summed over the iterations
+        g = jnp.einsum("lchtk,lchto->chko", a[:, n], d)
+        return _kernel_to_shape(site, g.reshape(c, -1, g.shape[-1]), per)
       d = d[0]  # L_c = 1: the other kinds fold shared iterations into T
       if role == "bias":
         return jnp.sum(d, axis=1).reshape((c,) + per)
@@ -3680,7 +3750,8 @@ def coverage(
   The layer path recognises, in the traced ``apply_fn`` and whatever module
   produced it: any ``dot_general`` of an activation with a parameter
   (``Dense``, ``DenseGeneral``, attention projections, ``Einsum``, a tied
-  head) and its bias, convolution kernels (``conv_general_dilated``: Linen
+  head, per-head kernels with ``dot_general`` batch axes) and its bias,
+  convolution kernels (``conv_general_dilated``: Linen
   and NNX ``Conv`` with any strides, padding, dilation and feature groups),
   embedding gathers, and elementwise scale and shift parameters (norm
   scales and biases, BatchNorm with running statistics, learned positions,
