@@ -10,7 +10,6 @@ models, with and without weight sharing, with ``S > 1`` cotangents.
 import functools
 import math
 from unittest import mock
-import warnings
 
 from absl.testing import absltest
 from absl.testing import parameterized
@@ -1427,26 +1426,7 @@ class CoverageTest(parameterized.TestCase):
     with jax.enable_x64(True):
       apply_fn, params, x, out_dim = _model(name)
       y = jnp.arange(B) % out_dim
-
-      @jax.jit
-      def run(params, x, y):
-        out = {}
-        for method in ("auto", "per_example"):
-          kw = dict(likelihood=fisher.Categorical(), method=method)
-          for kind in ("empirical", "exact"):
-            out[method, kind] = fisher.diagonal(
-              apply_fn, params, (x, y), kind=kind, **kw
-            ).diag
-          top = fisher.low_rank(
-            apply_fn, params, (x, y), kind="exact", rank=3, **kw
-          )
-          v = jax.tree.map(jnp.ones_like, params)
-          out[method, "low_rank"] = (top.eigvals, top.matvec(v))
-        return out
-
-      with warnings.catch_warnings():
-        warnings.simplefilter("error", fisher.FisherFallbackWarning)
-        out = run(params, x, y)
+      out = fisher_testing.estimates_by_path(apply_fn, params, (x, y), rank=3)
       for key in ("empirical", "exact", "low_rank"):
         with self.subTest(key):
           for a, b in zip(

@@ -25,6 +25,7 @@ import numpy as np
 
 from fisher_optax import fisher
 from fisher_optax.fisher import _taps as fisher_taps
+from tests import fisher_testing
 
 B, T, D, H, VOCAB = 3, 5, 8, 2, 7
 
@@ -990,28 +991,7 @@ class ConvZooTest(parameterized.TestCase):
     with jax.enable_x64(True):
       apply_fn, params, x = _conv_model(name, jnp.float64)
       y = jnp.arange(B) % CLASSES
-
-      @jax.jit
-      def run(params, x, y):
-        out = {}
-        for method in ("auto", "per_example"):
-          kw: dict[str, Any] = dict(
-            likelihood=fisher.Categorical(), method=method
-          )
-          for kind in ("empirical", "exact"):
-            out[method, kind] = fisher.diagonal(
-              apply_fn, params, (x, y), kind=kind, **kw
-            ).diag
-          top = fisher.low_rank(
-            apply_fn, params, (x, y), kind="exact", rank=4, **kw
-          )
-          v = jax.tree.map(jnp.ones_like, params)
-          out[method, "low_rank"] = (top.eigvals, top.matvec(v))
-        return out
-
-      with warnings.catch_warnings():
-        warnings.simplefilter("error", fisher.FisherFallbackWarning)
-        out = run(params, x, y)
+      out = fisher_testing.estimates_by_path(apply_fn, params, (x, y), rank=4)
       for key in ("empirical", "exact", "low_rank"):
         with self.subTest(key):
           _assert_tree_close(out["auto", key], out["per_example", key], 1e-10)

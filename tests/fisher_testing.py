@@ -28,11 +28,13 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 import functools
 from typing import Any
+import warnings
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fisher_optax import fisher
 from fisher_optax.fisher import _taps
 from fisher_optax.fisher import linalg
 
@@ -387,3 +389,36 @@ def woodbury_inverse_diag(stacked: PyTree, factor: Any) -> PyTree:
     ),
     z,
   )
+
+
+def estimates_by_path(
+  apply_fn: Callable[[PyTree, PyTree], PyTree],
+  params: PyTree,
+  batch: tuple[Any, Any],
+  *,
+  rank: int,
+) -> dict[tuple[str, str], Any]:
+  """Categorical diagonals (``"empirical"``, ``"exact"``) and a top-``rank``
+  exact ``"low_rank"`` (eigenvalues, product with ones), by ``method="auto"``
+  and ``"per_example"`` in one jit: ``{(method, key): value}``. ``"auto"``
+  must not fall back (a ``FisherFallbackWarning`` is an error)."""
+
+  @jax.jit
+  def run(params, batch):
+    out = {}
+    for method in ("auto", "per_example"):
+      kw: dict[str, Any] = dict(likelihood=fisher.Categorical(), method=method)
+      for kind in ("empirical", "exact"):
+        out[method, kind] = fisher.diagonal(
+          apply_fn, params, batch, kind=kind, **kw
+        ).diag
+      top = fisher.low_rank(
+        apply_fn, params, batch, kind="exact", rank=rank, **kw
+      )
+      v = jax.tree.map(jnp.ones_like, params)
+      out[method, "low_rank"] = (top.eigvals, top.matvec(v))
+    return out
+
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", fisher.FisherFallbackWarning)
+    return run(params, batch)
