@@ -3264,18 +3264,25 @@ class LayerGrads:
       return tuple(np.shape(self._tape._leaves[leaf]))
     return self._tape._plan.derived[site.derived].shape
 
-  def _use_grads(self, view, role: str, leaf: int, sliced: int, rows):
+  def _derived_vjp(self, site: _Site, leaf: int) -> Callable:
+    """``G -> J^T G`` from a site's derived value to a leaf it depends on."""
+    assert site.derived is not None
+    value = self._tape._plan.derived[site.derived]
+    return value.leaf_vjp(self._tape._derived[site.derived], leaf)
+
+  def _use_grads(self, view, role: str, leaf: int, sliced: int, rows, vjp=None):
     """Per-example gradients ``(c, *leaf)`` of one use, rows ``s * B + n``.
 
     A use of a derived value ``D`` (``role == "derived"``) forms ``D``'s
     per-example gradients, then maps them to the leaf's by the VJP of
-    ``D``'s program (outside scans: ``sliced == 0``).
+    ``D``'s program (outside scans: ``sliced == 0``; ``vjp``: that map,
+    linearised once outside the caller's loop over chunks).
     """
     (site, act, delta, _), b = view, self._tape.batch
     if role == "derived":
       role = "bias" if site.kind in _ELEMENTWISE else "kernel"
-      value = self._tape._plan.derived[site.derived]
-      vjp = value.leaf_vjp(self._tape._derived[site.derived], leaf)
+      if vjp is None:
+        vjp = self._derived_vjp(site, leaf)
       if _loop_over_examples():
         # One example at a time: XLA:CPU runs batched per-example kernel
         # products several times slower than 2-D ones, and fuses a vmapped
@@ -3349,11 +3356,20 @@ class LayerGrads:
       chunk = 1
     chunk = min(chunk, num)
 
+    # A derived value's program is linearised once, not in every chunk.
+    vjps = [
+      self._derived_vjp(v[0], leaf) if r == "derived" else None
+      for v, r, _ in views
+    ]
+
     def grads(j):
       rows = j * chunk + jnp.arange(chunk)
       keep = rows < num
       rows = jnp.minimum(rows, num - 1)
-      g = sum(self._use_grads(v, r, leaf, x, rows) for v, r, x in views)
+      g = sum(
+        self._use_grads(v, r, leaf, x, rows, vjp)
+        for (v, r, x), vjp in zip(views, vjps)
+      )
       g = jnp.asarray(g)
       return rows, g * keep.reshape((-1,) + (1,) * len(shape)).astype(g.dtype)
 
