@@ -1435,6 +1435,36 @@ class CoverageTest(parameterized.TestCase):
           ):
             _assert_close(self, a, b, rtol=1e-9, atol=1e-12)
 
+  def test_conv_local_takes_the_per_head_rule(self):
+    """Linen ``ConvLocal`` contracts its patches with one kernel per output
+    position (a ``dot_general`` batch axis): on the layer path, equal to
+    the per-example path."""
+
+    class LocalNet(nn.Module):
+      @nn.compact
+      def __call__(self, x):
+        h = nn.ConvLocal(3, (3, 3), param_dtype=x.dtype)(x)
+        return nn.Dense(4, param_dtype=x.dtype)(jnp.tanh(h).reshape(len(x), -1))
+
+    with jax.enable_x64(True):
+      x = fisher_testing.normal(jax.random.key(1), (B, 5, 5, 2))
+      model = LocalNet()
+      params = model.init(jax.random.key(0), x)
+      cov = _taps.coverage(model.apply, params, x)
+      kernel = cov["params"]["ConvLocal_0"]["kernel"]
+      self.assertIn("dot_general with batch axes", kernel.reason)
+      y = jnp.arange(B) % 4
+      out = fisher_testing.estimates_by_path(
+        model.apply, params, (x, y), rank=2
+      )
+      for key in ("empirical", "exact", "low_rank"):
+        with self.subTest(key):
+          for a, b in zip(
+            jax.tree.leaves(out["auto", key]),
+            jax.tree.leaves(out["per_example", key]),
+          ):
+            _assert_close(self, a, b, rtol=1e-9, atol=1e-12)
+
   def test_coverage_on_shape_dtype_structs(self):
     params = fisher_testing.mlp_params(jax.random.key(0))
     abstract = jax.tree.map(
