@@ -1435,6 +1435,49 @@ class CoverageTest(parameterized.TestCase):
           ):
             _assert_close(self, a, b, rtol=1e-9, atol=1e-12)
 
+  def test_per_head_kfac_factors(self):
+    """A per-head kernel's K-FAC sums are, head by head, those of the same
+    model with one dense kernel per head (both weight-sharing conventions);
+    stacked along a scan they are per layer and head; a kernel whose
+    contracted axes do not lead its free ones has none."""
+    with jax.enable_x64(True):
+      x = fisher_testing.normal(jax.random.key(1), (B, T, 2, 3))
+      k = fisher_testing.normal(jax.random.key(2), (2, 3, 4))
+      w = fisher_testing.normal(jax.random.key(3), (T * 2 * 4, 2))
+      cot = fisher_testing.normal(jax.random.key(4), (S, B, 2))
+
+      def batched(p, x):
+        h = jnp.tanh(jnp.einsum("bthd,hde->bthe", x, p["k"]))
+        return h.reshape(len(x), -1) @ p["w"]
+
+      def unrolled(p, x):
+        heads = [x[:, :, i] @ p[f"k{i}"] for i in range(2)]
+        h = jnp.tanh(jnp.stack(heads, axis=2))
+        return h.reshape(len(x), -1) @ p["w"]
+
+      split = {"k0": k[0], "k1": k[1], "w": w}
+      for mode in ("expand", "reduce"):
+        with self.subTest(mode):
+          got = _taps.record(batched, {"k": k, "w": w}, x).backward(cot)
+          got = got.statistics("kron", weight_sharing=mode)["k"]
+          want = _taps.record(unrolled, split, x).backward(cot)
+          want = want.statistics("kron", weight_sharing=mode)
+          for i in range(2):
+            _assert_close(self, got[0][i], want[f"k{i}"][0])
+            _assert_close(self, got[1][i], want[f"k{i}"][1])
+
+      apply_fn, params, inputs, out_dim = _model("plain_heads_seq")
+      cov = _taps.coverage(apply_fn, params, inputs)
+      kron = [cov[n].kronecker for n in ("k", "k2", "stack", "shared", "v")]
+      self.assertEqual(kron, [True, False, True, False, True])
+      grads = _taps.record(apply_fn, params, inputs).backward(
+        _cotangents(out_dim)
+      )
+      factors = grads.statistics("kron")
+      self.assertEqual(factors["stack"][0].shape, (2, 2, 3, 3))  # (L, H, ...)
+      self.assertEqual(factors["v"][1].shape, (2, 1, 1))
+      self.assertIsNone(factors["k2"])
+
   def test_conv_local_takes_the_per_head_rule(self):
     """Linen ``ConvLocal`` contracts its patches with one kernel per output
     position (a ``dot_general`` batch axis): on the layer path, equal to

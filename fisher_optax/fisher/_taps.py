@@ -47,7 +47,8 @@ produced them, so the same code serves Flax Linen (``model.apply``), Flax NNX
   its own dense layer, and the example gradient ``(H, K, O)`` contracts the
   example's activations with its ``delta`` over the positions per head.
   Like a conv kernel's, its statistics are formed from these gradients a
-  chunk of examples at a time (exact; no K-FAC factors);
+  chunk of examples at a time (exact), and its K-FAC factors are per head
+  (below);
 * a leaf reshaped or broadcast over the leading axes and added to such a
   product that has no other consumer (its bias, N-D for ``DenseGeneral``);
 * the table of a row ``gather`` (``jnp.take(table, ids, axis=0)``,
@@ -156,7 +157,10 @@ the broadcast positions; inside the backward pass under
 O)`` layout (Flax's ``HWIO``) with one feature group has factors in its
 matrix view ``(prod(spatial) * I, O)``: ``a`` its input patches, the
 output positions weight-shared (Grosse & Martens, 2016), per layer when
-stacked along a scan; grouped convs and other kernel layouts have none.
+stacked along a scan; grouped convs and other kernel layouts have none. A
+per-head kernel ``(H, K, O)`` (batch axes, then contracted, then free) has
+factors per head, ``(H, K, K)`` and ``(H, O, O)``, each the dense rule on
+that head's activations and cotangents (``ConvLocal``: per position).
 
 **Weight sharing.** When the activation has middle axes (a dense layer applied
 to ``(B, T, d)``), the example gradient is ``sum_t a_t delta_t^T``. Norms and
@@ -2006,7 +2010,7 @@ def _kron_ok(site: _Site, role: str) -> bool:
   scale or shift has no K-FAC rule (Shampoo factors from its per-example
   gradients are already its exact block when it is a vector).
   """
-  if role == "derived" or site.kind == "bdense":  # no factors
+  if role == "derived":  # a VJP per example: no factors
     return False
   if site.kind == "conv":
     return _conv_kron_ok(site.eqn)
@@ -2517,6 +2521,10 @@ def _kron_stat(site_view, role: str, batch: int, reduce: bool = False):
   if its factors do not fit the leaf's matrix view)."""
   if not _kron_ok(site_view[0], role):
     return None
+  if site_view[0].kind == "bdense":  # per head: (H, K, K) and (H, O, O)
+    _, act, delta, _ = site_view
+    a_sum = jax.vmap(lambda a: _kron_a(a, reduce), in_axes=1)(act)
+    return a_sum, jax.vmap(lambda d: _kron_gamma(d, reduce), in_axes=2)(delta)
   a_sum = _kron_input(site_view, role, batch, reduce)
   return (a_sum, _kron_gamma(site_view[2], reduce))
 
@@ -3185,6 +3193,15 @@ class LayerGrads:
       return None
     s = uses[0][0]
     site = self._tape._plan.sites[s]
+    if site.kind == "bdense" and _kron_ok(site, uses[0][1]):  # per head
+      a_sum, gamma = _kron_stat(
+        self._site(s), "kernel", self._tape.batch, reduce
+      )
+      lead = tuple(np.shape(self._tape._leaves[leaf]))[: site.heads]
+      return (
+        a_sum.reshape(lead + a_sum.shape[-2:]),
+        gamma.reshape(lead + gamma.shape[-2:]),
+      )
     if site.kind != "conv" or not _kron_ok(site, uses[0][1]):
       return None
     return _conv_kron_sums(
@@ -3200,18 +3217,19 @@ class LayerGrads:
     ((site, *arrays), role, sliced) = self._special_views(leaf)[0]
     if not _kron_ok(site, role):
       return None
-    if site.kind == "conv" and not _stacked_only(uses[0][2]):
-      return None  # a conv's shared iterations are not positions (_loop_view)
+    if site.kind in _CHUNKED and not _stacked_only(uses[0][2]):
+      return None  # their shared iterations are not positions (_loop_view)
     b = self._tape.batch
     if site.kind == "conv":
       one = lambda a: _conv_kron_sums(site.eqn, a[0], a[1], b, reduce)
     else:
       one = lambda a: _kron_stat((site, *a), role, b, reduce)
     a_sum, gamma = lax.map(one, tuple(arrays))
-    lead = tuple(np.shape(self._tape._leaves[leaf]))[:sliced]
+    heads = site.heads if site.kind == "bdense" else 0  # per layer and head
+    lead = tuple(np.shape(self._tape._leaves[leaf]))[: sliced + heads]
     return (
-      a_sum.reshape(lead + a_sum.shape[1:]),
-      gamma.reshape(lead + gamma.shape[1:]),
+      a_sum.reshape(lead + a_sum.shape[-2:]),
+      gamma.reshape(lead + gamma.shape[-2:]),
     )
 
   def _special(self, structure: str, chunk_size, **kwargs) -> dict:
@@ -3749,7 +3767,7 @@ def _leaf_coverage(plan: _Plan, leaves: Sequence[Any]) -> list[LeafCoverage]:
         one_use = True
       elif len(uses) != 1:
         one_use = False
-      elif site.kind == "conv":  # outside scans, or stacked along them
+      elif site.kind in _CHUNKED:  # outside scans, or stacked along them
         one_use = _stacked_only(uses[0][2])
       else:
         one_use = "xs" in uses[0][2]
