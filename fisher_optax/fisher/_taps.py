@@ -3194,9 +3194,9 @@ class LayerGrads:
     s = uses[0][0]
     site = self._tape._plan.sites[s]
     if site.kind == "bdense" and _kron_ok(site, uses[0][1]):  # per head
-      a_sum, gamma = _kron_stat(
-        self._site(s), "kernel", self._tape.batch, reduce
-      )
+      sums = _kron_stat(self._site(s), "kernel", self._tape.batch, reduce)
+      assert sums is not None
+      a_sum, gamma = sums
       lead = tuple(np.shape(self._tape._leaves[leaf]))[: site.heads]
       return (
         a_sum.reshape(lead + a_sum.shape[-2:]),
