@@ -321,6 +321,19 @@ def _assert_close(test, got, want, rtol=1e-10, atol=1e-12):
   )
 
 
+def _assert_paths_agree(test, apply_fn, params, batch, rank: int) -> None:
+  """The estimators by ``method="auto"`` (no fallback) equal the
+  per-example path's (:func:`fisher_testing.estimates_by_path`)."""
+  out = fisher_testing.estimates_by_path(apply_fn, params, batch, rank=rank)
+  for key in ("empirical", "exact", "low_rank"):
+    with test.subTest(key):
+      for a, b in zip(
+        jax.tree.leaves(out["auto", key]),
+        jax.tree.leaves(out["per_example", key]),
+      ):
+        _assert_close(test, a, b, rtol=1e-9, atol=1e-12)
+
+
 class LayerStatisticsTest(parameterized.TestCase):
   @parameterized.parameters(*_MODELS)
   def test_statistics_match_jacobian_oracle(self, name):
@@ -1426,14 +1439,7 @@ class CoverageTest(parameterized.TestCase):
     with jax.enable_x64(True):
       apply_fn, params, x, out_dim = _model(name)
       y = jnp.arange(B) % out_dim
-      out = fisher_testing.estimates_by_path(apply_fn, params, (x, y), rank=3)
-      for key in ("empirical", "exact", "low_rank"):
-        with self.subTest(key):
-          for a, b in zip(
-            jax.tree.leaves(out["auto", key]),
-            jax.tree.leaves(out["per_example", key]),
-          ):
-            _assert_close(self, a, b, rtol=1e-9, atol=1e-12)
+      _assert_paths_agree(self, apply_fn, params, (x, y), rank=3)
 
   def test_per_head_kfac_factors(self):
     """A per-head kernel's K-FAC sums are, head by head, those of the same
@@ -1497,16 +1503,7 @@ class CoverageTest(parameterized.TestCase):
       kernel = cov["params"]["ConvLocal_0"]["kernel"]
       self.assertIn("dot_general with batch axes", kernel.reason)
       y = jnp.arange(B) % 4
-      out = fisher_testing.estimates_by_path(
-        model.apply, params, (x, y), rank=2
-      )
-      for key in ("empirical", "exact", "low_rank"):
-        with self.subTest(key):
-          for a, b in zip(
-            jax.tree.leaves(out["auto", key]),
-            jax.tree.leaves(out["per_example", key]),
-          ):
-            _assert_close(self, a, b, rtol=1e-9, atol=1e-12)
+      _assert_paths_agree(self, model.apply, params, (x, y), rank=2)
 
   def test_coverage_on_shape_dtype_structs(self):
     params = fisher_testing.mlp_params(jax.random.key(0))
