@@ -32,9 +32,9 @@ produced them, so the same code serves Flax Linen (``model.apply``), Flax NNX
   ``x`` with the examples on axis 0: any contraction of feature axes of ``x``
   with axes of the N-D kernel, no ``dot_general`` batch axes (below); the
   other axes of ``x`` (positions) are weight-shared (``x @ W``,
-  ``jnp.einsum``, Linen ``Dense``/``DenseGeneral``/``Einsum``, the ``(d,
-  heads, head_dim)`` and
-  ``(heads, head_dim, d)`` kernels of ``MultiHeadDotProductAttention``, NNX
+  ``jnp.einsum``, Linen ``Dense``/``DenseGeneral``/``Einsum``, the
+  ``(d, heads, head_dim)`` and ``(heads, head_dim, d)`` kernels of
+  ``MultiHeadDotProductAttention``, NNX
   ``Linear``/``LinearGeneral``/``MultiHeadAttention``; the kernel may be a
   transposed leaf, as in a head tied to the embedding, ``Embed.attend``,
   ``x @ table.T``). Diagonal and Gram
