@@ -309,8 +309,9 @@ class _Site:
   ``"embed"`` (a row gather of a table), ``"scale"`` (``x * p``) or
   ``"shift"`` (``x + p``), ``"conv"`` (a ``conv_general_dilated`` with a
   parameter kernel) or ``"bdense"`` (a ``dot_general`` with batch axes
-  shared by the kernel and the activation: per-head kernels). ``act_index`` is the equation operand recorded
-  as the activation (the other operand of a product, the ids of a gather).
+  shared by the kernel and the activation: per-head kernels). ``act_index``
+  is the equation operand recorded as the activation (the other operand of
+  a product, the ids of a gather).
   """
 
   kind: str
@@ -635,6 +636,15 @@ def _factor(kind, here: tuple[int, ...], kernel: bool = False) -> tuple:
   return ok, factor
 
 
+def _leaves_of(kind) -> tuple[int, ...]:
+  """The leaves a walked value is a view of, or is derived from."""
+  if kind is not None and kind[0] in _PARAM_KINDS:
+    return (kind[1],)
+  if kind is not None and kind[0] == "derived":
+    return kind[1]
+  return ()
+
+
 @dataclasses.dataclass
 class _Walk:
   """Matching state shared by the recursive walk over (sub-)jaxprs.
@@ -671,11 +681,8 @@ class _Walk:
 
   def other(self, kind, what: str) -> None:
     """Records an opaque use of a (viewed or derived) parameter leaf."""
-    if kind is not None and kind[0] in _PARAM_KINDS:
-      self.uses[kind[1]].append(("other", -1, what))
-    elif kind is not None and kind[0] == "derived":
-      for leaf in kind[1]:
-        self.uses[leaf].append(("other", -1, what))
+    for leaf in _leaves_of(kind):
+      self.uses[leaf].append(("other", -1, what))
 
   def add_site(self, site: _Site, role: str, what: str) -> int:
     index = len(self.plan.sites)
@@ -700,12 +707,7 @@ class _Walk:
 
   def derive(self, eqn, kinds, env: dict, here: tuple[int, ...]) -> None:
     """Marks the outputs of a parameter-side equation as derived values."""
-    leaves: set[int] = set()
-    for k in kinds:
-      if k is not None and k[0] in _PARAM_KINDS:
-        leaves.add(k[1])
-      elif k is not None and k[0] == "derived":
-        leaves.update(k[1])
+    leaves = {leaf for k in kinds for leaf in _leaves_of(k)}
     for v in eqn.outvars:
       if not isinstance(v, jex.DropVar):
         env[v] = ("derived", tuple(sorted(leaves)))
@@ -3187,21 +3189,12 @@ class LayerGrads:
 
   def _conv_kron(self, leaf: int, reduce: bool):
     """K-FAC factors of a conv kernel with one use outside scans (else
-    ``None``; a stacked one: :meth:`_stacked_kron`)."""
+    ``None``; a stacked one, and per-head kernels: :meth:`_stacked_kron`)."""
     uses = self._tape._plan.special[leaf]
     if len(uses) != 1 or uses[0][2]:
       return None
     s = uses[0][0]
     site = self._tape._plan.sites[s]
-    if site.kind == "bdense" and _kron_ok(site, uses[0][1]):  # per head
-      sums = _kron_stat(self._site(s), "kernel", self._tape.batch, reduce)
-      assert sums is not None
-      a_sum, gamma = sums
-      lead = tuple(np.shape(self._tape._leaves[leaf]))[: site.heads]
-      return (
-        a_sum.reshape(lead + a_sum.shape[-2:]),
-        gamma.reshape(lead + gamma.shape[-2:]),
-      )
     if site.kind != "conv" or not _kron_ok(site, uses[0][1]):
       return None
     return _conv_kron_sums(
@@ -3210,9 +3203,12 @@ class LayerGrads:
 
   def _stacked_kron(self, leaf: int, reduce: bool):
     """K-FAC factors of each layer of a leaf stacked along a scan with one
-    use in its body, ``(*L, K, K)`` and ``(*L, O, O)`` (else ``None``)."""
+    use in its body, ``(*L, K, K)`` and ``(*L, O, O)`` (else ``None``); a
+    per-head kernel's per layer and head, ``(*L, *H, K, K)``, also outside
+    scans (``L = ()``)."""
     uses = self._tape._plan.special[leaf]
-    if len(uses) != 1 or "xs" not in uses[0][2]:
+    heads = self._tape._plan.sites[uses[0][0]].kind == "bdense"
+    if len(uses) != 1 or ("xs" not in uses[0][2] and not heads):
       return None
     ((site, *arrays), role, sliced) = self._special_views(leaf)[0]
     if not _kron_ok(site, role):
