@@ -48,6 +48,20 @@ SMALL_LR_GRID = (1e-3, 1e-2)
 BATCH = 128
 TUNE_SEED = 100
 
+DN = optax.contrib.MuonDimensionNumbers
+
+
+def hidden_matrices(params: Any) -> Any:
+  """Muon's own advice: hidden 2-D kernels only; the head goes to Adam."""
+  head = max(params["layers"])
+  return {
+    "layers": {
+      i: {k: (DN() if k == "kernel" and i != head else None) for k in layer}
+      for i, layer in params["layers"].items()
+    }
+  }
+
+
 # Each optimizer at its defaults with lr 1 (the lr is applied per lane).
 ARMS: dict[str, Callable[[], optax.GradientTransformation]] = {
   "adamw": lambda: optax.adamw(1.0),
@@ -71,6 +85,14 @@ ARMS: dict[str, Callable[[], optax.GradientTransformation]] = {
   # benchmark), and the defaults sweep's best interval.
   "fismo_grafting_none": lambda: fisher_optax.fismo(1.0, grafting="none"),
   "fismo_k50": lambda: fisher_optax.fismo(1.0, precondition_interval=50),
+  # Both with the classifier head (and biases) on Adam, as Muon's author
+  # advises: FISMO's class-side factor is what costs it most on this task.
+  "muon_hidden": lambda: optax.contrib.muon(
+    1.0, muon_weight_dimension_numbers=hidden_matrices
+  ),
+  "fismo_hidden": lambda: fisher_optax.fismo(
+    1.0, fismo_weight_dimension_numbers=hidden_matrices
+  ),
 }
 
 
