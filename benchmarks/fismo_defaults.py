@@ -48,6 +48,16 @@ import fisher_optax
 _SMALL = flags.DEFINE_bool("small", False, "Quick CI-size run.")
 _SEEDS = flags.DEFINE_integer("seeds", 3, "Seeds for the final runs.")
 _STEPS = flags.DEFINE_integer("steps", 200, "Training steps.")
+_DAMPINGS = flags.DEFINE_list(
+  "dampings", [], "Dampings to sweep (default: DAMPINGS)."
+)
+_CONFIGS = flags.DEFINE_list(
+  "configs",
+  [],
+  "Configurations as grafting/momentum_space/interval, e.g. "
+  "muon_norm/whitened/10 (default: CONFIGS).",
+)
+_NAME = flags.DEFINE_string("name", "fismo_defaults", "Results file name.")
 
 LR_GRID = (3e-4, 1e-3, 3e-3, 1e-2, 3e-2)
 SMALL_LR_GRID = (1e-3, 1e-2)
@@ -220,6 +230,12 @@ def main(argv: Any) -> None:
   grid = SMALL_LR_GRID if small else LR_GRID
   dampings = (1e-2, 1.0) if small else DAMPINGS
   configs = CONFIGS[:4] if small else CONFIGS
+  if _DAMPINGS.value:
+    dampings = tuple(float(d) for d in _DAMPINGS.value)
+  if _CONFIGS.value:
+    configs = tuple(
+      (g, m, int(k)) for g, m, k in (c.split("/") for c in _CONFIGS.value)
+    )
   t0 = time.perf_counter()
   data = datasets.load_digits(seed=SPLIT_SEED)
   apply_fn, params0 = common.digits_mlp(seed=0, sizes=SIZES)
@@ -261,7 +277,7 @@ def main(argv: Any) -> None:
         f"{mean_se(r['test_loss'])[0] / muon_loss:.2f}",
       ]
     )
-  name = "fismo_defaults_small" if small else "fismo_defaults"
+  name = f"{_NAME.value}_small" if small else _NAME.value
   md = [
     "## FISMO's open choices (defaults sweep)",
     "",

@@ -38,6 +38,15 @@ _SEEDS = flags.DEFINE_integer("seeds", 5, "Seeds for the final runs.")
 _DIGITS_STEPS = flags.DEFINE_integer("digits_steps", 400, "Digits steps.")
 _LM_STEPS = flags.DEFINE_integer("lm_steps", 250, "Char-LM steps.")
 _TASKS = flags.DEFINE_list("tasks", ["digits", "charlm"], "Tasks to run.")
+_ARMS = flags.DEFINE_list(
+  "arms", [], "Subset of arms (default all; Muon, the paired base, always)."
+)
+_DAMPINGS = flags.DEFINE_list(
+  "fismo_dampings",
+  [],
+  "Extra arms: FISMO at its defaults but these dampings (Muon's lr grid).",
+)
+_NAME = flags.DEFINE_string("name", "fismo_quality", "Results file name.")
 
 DN = optax.contrib.MuonDimensionNumbers
 # lr grids, one per arm, same size (the tuning budget). AdamW's and Muon's are
@@ -70,6 +79,14 @@ _STATIC = {
 }
 
 
+def arms() -> dict[str, tuple[float, ...]]:
+  """The arms to run and their lr grids (from ``--arms``/``--fismo_dampings``)."""
+  grids = dict(GRIDS)
+  grids.update({f"fismo_d{float(d):g}": GRIDS["muon"] for d in _DAMPINGS.value})
+  keep = set(_ARMS.value or grids) | {"muon"}
+  return {a: g for a, g in grids.items() if a in keep}
+
+
 def make_tx(
   arm: str, lr: float, dims: Any, adam_lr: float
 ) -> optax.GradientTransformation:
@@ -85,7 +102,9 @@ def make_tx(
       adam_learning_rate=adam_lr,
       muon_weight_dimension_numbers=dims,
     )
-  kw = {"grafting": "none"} if arm == "fismo_no_graft" else {}
+  kw: dict[str, Any] = {"grafting": "none"} if arm == "fismo_no_graft" else {}
+  if arm.startswith("fismo_d"):
+    kw["damping"] = float(arm.removeprefix("fismo_d"))
   return optax.inject_hyperparams(
     fisher_optax.fismo, static_args=_STATIC["fismo"]
   )(
@@ -185,7 +204,7 @@ def run_digits(seeds: int, steps: int, small: bool) -> dict[str, Any]:
   evaluate = _evaluator(apply_fn)
   data_fn = lambda s: _stack(common.minibatches(xtr, ytr, 128, seed=s), steps)
   results: dict[str, Any] = {}
-  for arm, grid in GRIDS.items():
+  for arm, grid in arms().items():
     trainer = Trainer(apply_fn, arm, dims, adam_lr=1e-3)
     r = _tune_and_run(
       trainer,
@@ -225,7 +244,7 @@ def run_charlm(seeds: int, steps: int, small: bool) -> dict[str, Any]:
     datasets.char_batches(train_ids, batch, context, seed=s), steps
   )
   results: dict[str, Any] = {}
-  for arm, grid in GRIDS.items():
+  for arm, grid in arms().items():
     trainer = Trainer(apply_fn, arm, dims, adam_lr=3e-3)
     r = _tune_and_run(
       trainer,
@@ -290,7 +309,7 @@ def main(argv: Any) -> None:
     results["charlm"] = run_charlm(
       seeds, 20 if small else _LM_STEPS.value, small
     )
-  name = "fismo_quality_small" if small else "fismo_quality"
+  name = f"{_NAME.value}_small" if small else _NAME.value
   md = ["## FISMO vs Muon vs AdamW", ""]
   if "digits" in results:
     rows = []
@@ -365,7 +384,7 @@ def main(argv: Any) -> None:
     f"({jax.default_backend()}, shared 2-core CPU)."
   )
   common.write_results(
-    name, {"grids": GRIDS, "results": results}, "\n".join(md)
+    name, {"grids": arms(), "results": results}, "\n".join(md)
   )
   _plot(results, name)
   print("\n".join(md))

@@ -691,6 +691,15 @@ def scale_by_fismo(
     it (and the lr) when the factor statistics are reliable, e.g. large
     batches or ``fisher_source="per_example"``; ``damping=0.1`` was the
     default before this sweep.
+  * **Damping above 1 trades tasks.** A later sweep past the first one's
+    edge (``benchmarks/fismo_defaults.py --dampings 1,3,10,30``, same
+    held-out task) put :math:`\mu` = 3 to 30 at 0.92-0.97 times Muon's
+    test loss, against 1.07-1.25 at :math:`\mu = 1`; on the digits MLP of
+    ``benchmarks/fismo_quality.py`` (five seeds) :math:`\mu = 10` tied
+    Muon (test loss 0.035 against 0.033; 0.095 at :math:`\mu = 1`). On
+    the character LM the order reverses: held-out loss 1.916 at
+    :math:`\mu = 1`, 1.980 at 3, 2.043 at 10, Muon 2.008. The default stays
+    1, for language models; on small MLP classifiers use ``damping=10``.
   * roots: the inverse square roots are recomputed in float32 every
     ``precondition_interval`` steps (``lax.cond`` on the step count only) and
     cached in the state. Between refreshes the Gauss-Seidel sweep uses the
@@ -977,8 +986,11 @@ def fismo(
   route only hidden matrices (a ``fismo_weight_dimension_numbers`` with
   ``None`` at the head). On that digits MLP most of FISMO's gap came from
   the classifier head, whose class-side factor whitens the logits' Fisher:
-  with the head on Adam FISMO ended at test loss 0.044 against Muon's 0.033
-  (same routing; 0.103 against 0.038 with every matrix).
+  with the head on Adam at the same lr FISMO ended at test loss 0.044
+  against Muon's 0.033 (0.103 against 0.038 with every matrix). On such
+  small classifiers also raise ``damping`` to 10 (see
+  :func:`scale_by_fismo`): with the head on Adam at 1e-3, FISMO's 0.095
+  became 0.035 (Muon 0.033); language models want the default.
 
   Args:
     learning_rate: FISMO learning rate or schedule.
