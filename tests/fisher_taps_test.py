@@ -127,12 +127,18 @@ _MASK = np.arange(25).reshape(5, 5) % 3 != 1
 
 def _plain_derived(params, x):
   """Leaves used through functions of parameters only: a weight-normed
-  kernel, a softplus scale, merged LoRA weights passed into a jitted
-  einsum, a masked kernel used twice, a leaf used both masked and as is,
-  and an exp temperature."""
+  kernel, a softplus scale, a weight-normed conv kernel (its two leaves
+  share their per-example gradients' pass), merged LoRA weights passed into
+  a jitted einsum, a masked kernel used twice, a leaf used both masked and
+  as is, and an exp temperature."""
   v, g = params["v"], params["g"]
   w = v * (g / jnp.sqrt(jnp.sum(v * v, axis=0)))  # WeightNorm
   h = jnp.tanh(x @ w) * jax.nn.softplus(params["s"])  # (B, T, 5)
+  cv, cg = params["cv"], params["cg"]
+  kernel = cv * (cg / jnp.sqrt(jnp.sum(cv * cv, axis=(0, 1))))
+  dn = ("NWC", "WIO", "NWC")
+  conv = jax.lax.conv_general_dilated(h, kernel, (1,), "SAME", None, None, dn)
+  h = h + jnp.tanh(conv)
   merged = params["w0"] + params["a"] @ params["b"]
   h = jnp.tanh(jnp.einsum("btd,de->bte", h, merged))
   masked = params["m"] * jnp.asarray(_MASK, h.dtype)
@@ -158,6 +164,10 @@ def _plain_heads(params, x):
   h = jax.lax.scan(layer, h, params["stack"])[0]
   h = jnp.tanh(jnp.einsum("bhtd,hd->bht", h, params["v"]))
   return h.reshape(b, -1) @ params["w"]
+
+
+def _paths(tree):
+  return jax.tree_util.tree_flatten_with_path(tree)[0]
 
 
 def _model(name: str, dtype=None):
@@ -232,7 +242,7 @@ def _model(name: str, dtype=None):
     x = fisher_testing.normal(kx, (B, T, 4), dtype)
     return _plain_heads, params, x, 3
   if name == "plain_derived_seq":
-    k = jax.random.split(kp, 9)
+    k = jax.random.split(kp, 10)
     params = {
       "v": fisher_testing.normal(k[0], (4, 5), dtype),
       "g": fisher_testing.normal(k[1], (5,), dtype),
@@ -243,6 +253,8 @@ def _model(name: str, dtype=None):
       "m": fisher_testing.normal(k[6], (5, 5), dtype) / 3,
       "head": fisher_testing.normal(k[7], (5, 3), dtype),
       "t": jnp.asarray(0.3, dtype),
+      "cv": fisher_testing.normal(k[8], (3, 5, 5), dtype) / 3,
+      "cg": fisher_testing.normal(k[9], (5,), dtype),
     }
     return (
       _plain_derived,
@@ -489,6 +501,12 @@ class LayerStatisticsTest(parameterized.TestCase):
       flat = jnp.concatenate(
         [gi.reshape(S * B, -1) for gi in jax.tree.leaves(g)], 1
       )
+      if name == "plain_derived_seq":
+        # The weight-normed conv's two leaves share one pass.
+        grads = _taps.record(apply_fn, params, inputs).backward(cot)
+        names = [jax.tree_util.keystr(p) for p, _ in _paths(params)]
+        groups = [[names[k] for k in g] for g in grads._special_groups()]
+        self.assertIn(["['cg']", "['cv']"], groups)
       for loop in (True, False):
         with mock.patch.object(_taps, "_loop_over_examples", lambda: loop):
 

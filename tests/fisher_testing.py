@@ -305,8 +305,8 @@ def layer_norms(layer_grads: Any) -> PyTree:
   num = layer_grads.num_samples * layer_grads.tape.batch
   for leaf in layer_grads.tape._plan.special:  # scanned or shared leaves
     views = layer_grads._special_views(leaf)
-    chunk, count, grads = layer_grads._chunks(views, leaf, None)
-    rows = [grads(j)[1].reshape(chunk, -1) for j in range(count)]
+    chunk, count, grads = layer_grads._chunks(views, (leaf,), None)
+    rows = [grads(j)[1][0].reshape(chunk, -1) for j in range(count)]
     out[leaf] = jnp.sum(jnp.concatenate(rows) ** 2, axis=1)[:num]
   return layer_grads._unflatten(out)
 

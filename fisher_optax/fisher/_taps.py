@@ -90,7 +90,9 @@ kernel times a mask, merged LoRA weights ``W0 + A @ B``, ``softplus(p)``,
 reads their inputs (the leaves, possibly cast, and constants) in the
 forward pass; the layer gives ``D``'s per-example gradients ``G_n`` (as for
 a leaf), and each leaf's are ``J^T G_n``, a VJP of those equations per
-example, formed for a chunk of examples at a time like a shared leaf's.
+example, formed for a chunk of examples at a time like a shared leaf's
+(leaves used only through the same value of a conv or per-head kernel,
+a WeightNorm conv's direction and scale, share one such pass).
 Diagonal, Gram matrix, weighted sums and norms are exact; K-FAC factors do
 not exist for these leaves. Outside scans only: a derived value in a scan
 body, or entering a scan, is not covered. Nor under ``shard_map``: the VJP
@@ -385,20 +387,31 @@ class _Derived:
       env.update(((scope, v), x) for v, x in zip(eqn.outvars, outs))
     return read(*self.out)
 
-  def leaf_vjp(self, values: Sequence[Any], leaf: int) -> Callable:
-    """``G -> J^T G`` for one leaf (its inputs' cotangents summed, widened)."""
-    idx = [i for i, k in enumerate(self.leaves) if k == leaf]
+  def leaf_vjp(self, values: Sequence[Any], leaves: Sequence[int]) -> Callable:
+    """``G -> (J_k^T G for k in leaves)``, one pullback for all of them (each
+    leaf's inputs' cotangents summed, widened)."""
+    idx = [
+      [i for i, k in enumerate(self.leaves) if k == leaf] for leaf in leaves
+    ]
+    flat = [i for ix in idx for i in ix]
 
     def fn(*xs):
       ins = list(values)
-      for i, x in zip(idx, xs):
+      for i, x in zip(flat, xs):
         ins[i] = x
       return self.run(ins)
 
-    out, pull = jax.vjp(fn, *(values[i] for i in idx))
-    return lambda g: sum(
-      numerics.widen(c) for c in pull(jnp.asarray(g).astype(out.dtype))
-    )
+    out, pull = jax.vjp(fn, *(values[i] for i in flat))
+    ends = np.cumsum([0] + [len(ix) for ix in idx])
+
+    def apply(g):
+      cts = pull(jnp.asarray(g).astype(out.dtype))
+      return tuple(
+        sum(numerics.widen(c) for c in cts[a:b])
+        for a, b in zip(ends[:-1], ends[1:])
+      )
+
+    return apply
 
 
 @dataclasses.dataclass
@@ -2794,7 +2807,7 @@ class LayerGrads:
       elif leaf in plan.special:
         rows = jnp.arange(num_s * b)
         g = sum(
-          self._use_grads(v, role, leaf, x, rows)
+          self._use_grads(v, role, (leaf,), x, rows)[0]
           for v, role, x in self._special_views(leaf)
         )
       else:
@@ -3238,23 +3251,22 @@ class LayerGrads:
     time. A stacked leaf has K-FAC factors per layer; a shared one none.
     """
     out: dict = {}
-    fusion = self._tape._fusion
-    for leaf in self._tape._plan.special:
-      if fusion is not None and leaf in fusion.leaves:
-        continue
+    for leaves in self._special_groups():
       if structure == "kron":
         reduce = kwargs.get("reduce", False)
-        out[leaf] = self._conv_kron(leaf, reduce)
-        if out[leaf] is None:
-          out[leaf] = self._stacked_kron(leaf, reduce)
+        for leaf in leaves:
+          out[leaf] = self._conv_kron(leaf, reduce)
+          if out[leaf] is None:
+            out[leaf] = self._stacked_kron(leaf, reduce)
         continue
+      leaf = leaves[0]
       views = self._special_views(leaf)
       if (
         len(views) > 1
         or views[0][0][0].kind in _CHUNKED
         or views[0][1] == "derived"
       ):
-        out[leaf] = self._shared(views, leaf, structure, chunk_size)
+        out.update(self._shared(views, leaves, structure, chunk_size))
         continue
       ((site, *arrays), role, sliced) = views[0]
       per = self._leaf_shape(leaf, sliced)
@@ -3271,6 +3283,26 @@ class LayerGrads:
         out[leaf] = jnp.sum(val, axis=0)
     return out
 
+  def _special_groups(self) -> list[tuple[int, ...]]:
+    """The special leaves (not fused), grouped: leaves used only through
+    the same derived values of convolutions or per-head kernels (a
+    WeightNorm conv's direction and scale) form their per-example gradients
+    together, the value's once and one VJP for all. A dense layer's
+    per-example gradient is an outer product that XLA fuses into each
+    leaf's VJP: there the joint VJP measured slower on XLA:CPU (a
+    WeightNorm MLP's exact diagonal 10%), a conv's 17-32% faster."""
+    groups: dict[Any, list[int]] = {}
+    plan, fusion = self._tape._plan, self._tape._fusion
+    for leaf, uses in plan.special.items():
+      if fusion is not None and leaf in fusion.leaves:
+        continue
+      joint = all(
+        role == "derived" and plan.sites[s].kind in _CHUNKED
+        for s, role, _ in uses
+      )
+      groups.setdefault(tuple(uses) if joint else leaf, []).append(leaf)
+    return [tuple(g) for g in groups.values()]
+
   def _operand_shape(self, site: _Site, leaf: int) -> tuple[int, ...]:
     """The shape of the parameter operand a site's statistic is of: the
     leaf's, or a derived value's (a WeightNorm kernel)."""
@@ -3278,34 +3310,45 @@ class LayerGrads:
       return tuple(np.shape(self._tape._leaves[leaf]))
     return self._tape._plan.derived[site.derived].shape
 
-  def _derived_vjp(self, site: _Site, leaf: int) -> Callable:
-    """``G -> J^T G`` from a site's derived value to a leaf it depends on."""
+  def _derived_vjp(self, site: _Site, leaves: tuple[int, ...]) -> Callable:
+    """``G -> (J_k^T G, ...)`` from a site's derived value to leaves it
+    depends on."""
     assert site.derived is not None
     value = self._tape._plan.derived[site.derived]
-    return value.leaf_vjp(self._tape._derived[site.derived], leaf)
+    return value.leaf_vjp(self._tape._derived[site.derived], leaves)
 
-  def _use_grads(self, view, role: str, leaf: int, sliced: int, rows, vjp=None):
-    """Per-example gradients ``(c, *leaf)`` of one use, rows ``s * B + n``.
+  def _use_grads(
+    self, view, role: str, leaves: tuple[int, ...], sliced: int, rows, vjp=None
+  ) -> tuple[Array, ...]:
+    """Per-example gradients ``(c, *leaf)`` of one use, rows ``s * B + n``,
+    for each of ``leaves`` (several only for a derived value's).
 
     A use of a derived value ``D`` (``role == "derived"``) forms ``D``'s
-    per-example gradients, then maps them to the leaf's by the VJP of
+    per-example gradients, then maps them to the leaves' by the VJP of
     ``D``'s program (outside scans: ``sliced == 0``; ``vjp``: that map,
     linearised once outside the caller's loop over chunks).
     """
+    site = view[0]
+    if role != "derived":
+      (leaf,) = leaves
+      return (self._operand_grads(view, role, leaf, sliced, rows),)
+    role = "bias" if site.kind in _ELEMENTWISE else "kernel"
+    if vjp is None:
+      vjp = self._derived_vjp(site, leaves)
+    value = lambda r: self._operand_grads(view, role, leaves[0], 0, r)
+    if _loop_over_examples():
+      # One example at a time: XLA:CPU runs batched per-example kernel
+      # products several times slower than 2-D ones, and fuses a vmapped
+      # VJP's reductions (WeightNorm's norms) into their broadcast
+      # consumers, recomputing them per element (3 s against 11 ms for a
+      # loop, 32 rows of a (784, 256) kernel).
+      return lax.map(lambda r: vjp(value(r[None])[0]), rows)
+    return jax.vmap(vjp)(value(rows))
+
+  def _operand_grads(self, view, role: str, leaf: int, sliced: int, rows):
+    """Per-example gradients ``(c, *operand)`` of a use's operand: the
+    leaf, or the derived value it is used through."""
     (site, act, delta, _), b = view, self._tape.batch
-    if role == "derived":
-      role = "bias" if site.kind in _ELEMENTWISE else "kernel"
-      if vjp is None:
-        vjp = self._derived_vjp(site, leaf)
-      if _loop_over_examples():
-        # One example at a time: XLA:CPU runs batched per-example kernel
-        # products several times slower than 2-D ones, and fuses a vmapped
-        # VJP's reductions (WeightNorm's norms) into their broadcast
-        # consumers, recomputing them per element (3 s against 11 ms for a
-        # loop, 32 rows of a (784, 256) kernel).
-        row = lambda r: vjp(self._use_grads(view, role, leaf, 0, r[None])[0])
-        return lax.map(row, rows)
-      return jax.vmap(vjp)(self._use_grads(view, role, leaf, 0, rows))
     shape = self._operand_shape(site, leaf)
     per, c = shape[sliced:], rows.shape[0]
     sample, n = rows // b, rows % b
@@ -3337,9 +3380,12 @@ class LayerGrads:
     g = jax.vmap(one)(split(act), split(delta))  # (X, c, *per)
     return jnp.moveaxis(g, 0, 1).reshape((c,) + shape)
 
-  def _chunks(self, views, leaf: int, chunk_size, summed: bool = False):
+  def _chunks(
+    self, views, leaves: tuple[int, ...], chunk_size, summed: bool = False
+  ):
     """``(chunk, count, grads)``: ``grads(j)`` is chunk ``j``'s rows and
-    their per-example gradients summed over the uses (padding rows 0).
+    their per-example gradients summed over the uses (padding rows 0), one
+    array per leaf of ``leaves`` (a group of :meth:`_special_groups`).
 
     ``summed``: the caller adds a function of each chunk up (the diagonal,
     weighted sums), so on XLA:CPU a derived value's leaf takes one example
@@ -3348,10 +3394,11 @@ class LayerGrads:
     ``(784, 256)`` kernel's diagonal over 32 examples, with its WeightNorm
     VJP: 61 ms in one chunk, 5 ms one at a time).
     """
-    shape = tuple(np.shape(self._tape._leaves[leaf]))
+    shapes = [tuple(np.shape(self._tape._leaves[k])) for k in leaves]
     num = self.num_samples * self._tape.batch
-    size = max(  # a derived value's gradients may be larger than the leaf's
-      math.prod(self._operand_shape(site, leaf)) for (site, *_), _, _ in views
+    size = max(  # a derived value's gradients may be larger than the leaves'
+      math.prod(self._operand_shape(site, leaves[0]))
+      for (site, *_), _, _ in views
     )
     patches = sum(  # a use forms its patches of all X iterations at once
       _patch_elements(site.eqn) * act.shape[0]
@@ -3361,7 +3408,8 @@ class LayerGrads:
     chunk = chunk_size or max(
       1,
       min(
-        DEFAULT_CHUNK_ELEMENTS // max(size, math.prod(shape)),
+        # as for one leaf (a group is one large leaf and small ones)
+        DEFAULT_CHUNK_ELEMENTS // max(size, *map(math.prod, shapes)),
         _PATCH_CHUNK_ELEMENTS // max(patches, 1),
       ),
     )
@@ -3372,7 +3420,7 @@ class LayerGrads:
 
     # A derived value's program is linearised once, not in every chunk.
     vjps = [
-      self._derived_vjp(v[0], leaf) if r == "derived" else None
+      self._derived_vjp(v[0], leaves) if r == "derived" else None
       for v, r, _ in views
     ]
 
@@ -3380,17 +3428,24 @@ class LayerGrads:
       rows = j * chunk + jnp.arange(chunk)
       keep = rows < num
       rows = jnp.minimum(rows, num - 1)
-      g = sum(
-        self._use_grads(v, r, leaf, x, rows, vjp)
+      uses = [
+        self._use_grads(v, r, leaves, x, rows, vjp)
         for (v, r, x), vjp in zip(views, vjps)
-      )
-      g = jnp.asarray(g)
-      return rows, g * keep.reshape((-1,) + (1,) * len(shape)).astype(g.dtype)
+      ]
+      masked = []
+      for g in (jnp.asarray(sum(gs)) for gs in zip(*uses)):
+        mask = keep.reshape((-1,) + (1,) * (g.ndim - 1)).astype(g.dtype)
+        masked.append(g * mask)
+      return rows, tuple(masked)
 
     return chunk, -(-num // chunk), grads
 
-  def _shared(self, views, leaf: int, structure: str, chunk_size):
-    """Diagonal or Gram matrix of a leaf with several uses, chunked.
+  def _shared(
+    self, views, leaves: tuple[int, ...], structure: str, chunk_size
+  ) -> dict:
+    """Diagonal or Gram matrix of a leaf with several uses (or of a group
+    of leaves, :meth:`_special_groups`), chunked: ``{leaf: diagonal}``, or
+    the group's Gram matrix at its first leaf.
 
     The Gram matrix pairs every two chunks, forming chunk ``i``'s gradients
     again for every chunk ``j``: about ``count`` times the diagonal's work,
@@ -3399,55 +3454,59 @@ class LayerGrads:
     gradient fits the default budget).
     """
     chunk, count, grads = self._chunks(
-      views, leaf, chunk_size, summed=structure == "diag"
+      views, leaves, chunk_size, summed=structure == "diag"
     )
-    shape = tuple(np.shape(self._tape._leaves[leaf]))
+    shapes = [tuple(np.shape(self._tape._leaves[k])) for k in leaves]
+    total = sum(math.prod(shape) for shape in shapes)
     dtype = jnp.result_type(*(v[0][2].dtype for v in views))
     if structure == "diag":
-      square = lambda j: jnp.sum(grads(j)[1] ** 2, axis=0)
-      return _loop_sum(square, count, shape, dtype, views)
+      square = lambda j: tuple(jnp.sum(g**2, axis=0) for g in grads(j)[1])
+      diag = _loop_sums(square, count, shapes, dtype, views)
+      return dict(zip(leaves, diag))
 
     num = self.num_samples * self._tape.batch
-    rows = lambda j: grads(j)[1].reshape(chunk, -1)
+    rows = lambda j: tuple(g.reshape(chunk, -1) for g in grads(j)[1])
+    # the group's Gram matrix: the sum of its leaves' (no concatenated copy)
+    prod = lambda x, y: jnp.asarray(sum(a @ b.T for a, b in zip(x, y)))
     if count == 1:
-      return rows(0) @ rows(0).T
-    fits = count * chunk * math.prod(shape) <= DEFAULT_CHUNK_ELEMENTS
+      return {leaves[0]: prod(rows(0), rows(0))}
+    fits = count * chunk * total <= DEFAULT_CHUNK_ELEMENTS
     if chunk_size is None and fits:
       # Every example's gradient fits the default budget (the chunks bound
       # a conv's patches): form each chunk once, one product.
-      g = lax.map(rows, jnp.arange(count)).reshape(count * chunk, -1)
-      return (g @ g.T)[:num, :num]
+      g = lax.map(rows, jnp.arange(count))
+      g = tuple(x.reshape(count * chunk, -1) for x in g)
+      return {leaves[0]: prod(g, g)[:num, :num]}
 
     def column(j):  # every chunk i against chunk j
       g_j = rows(j)
-      return lax.map(lambda i: rows(i) @ g_j.T, jnp.arange(count))
+      return lax.map(lambda i: prod(rows(i), g_j), jnp.arange(count))
 
     blocks = lax.map(column, jnp.arange(count))  # (j, i, chunk, chunk)
     gram = jnp.transpose(blocks, (1, 2, 0, 3)).reshape(count * chunk, -1)
-    return gram[:num, :num]
+    return {leaves[0]: gram[:num, :num]}
 
   def _special_combine(self, weights: Array) -> dict:
     """``combine`` of the ``_special`` leaves from chunked gradients."""
-    out, fusion = {}, self._tape._fusion
-    for leaf in self._tape._plan.special:
-      if fusion is not None and leaf in fusion.leaves:
-        continue
-      views = self._special_views(leaf)
-      _, count, grads = self._chunks(views, leaf, None, summed=True)
+    out = {}
+    for leaves in self._special_groups():
+      views = self._special_views(leaves[0])
+      _, count, grads = self._chunks(views, leaves, None, summed=True)
       dtype = jnp.result_type(*(v[0][2].dtype for v in views))
       w = numerics.widen(weights).astype(
         jnp.promote_types(weights.dtype, dtype)
       )
-      shape = tuple(np.shape(self._tape._leaves[leaf]))
+      shapes = tuple(
+        (w.shape[0],) + tuple(np.shape(self._tape._leaves[k])) for k in leaves
+      )
 
       def weighted(j, w=w, grads=grads):
-        rows, g = grads(j)
-        return jnp.tensordot(w[:, rows], g, 1)
+        rows, gs = grads(j)
+        return tuple(jnp.tensordot(w[:, rows], g, 1) for g in gs)
 
       out_dtype = jnp.promote_types(w.dtype, dtype)
-      out[leaf] = _loop_sum(
-        weighted, count, (w.shape[0],) + shape, out_dtype, [w, views]
-      )
+      sums = _loop_sums(weighted, count, shapes, out_dtype, [w, views])
+      out.update(zip(leaves, sums))
     return out
 
 
@@ -3456,8 +3515,22 @@ def _loop_sum(
 ) -> Array:
   """``sum_{j < count} fn(j)`` as a ``scan`` (one ``fn(j)`` live at a time),
   the carry varying like ``like`` under ``shard_map``."""
-  init = _zeros_varying(shape, dtype, like)
-  add = lambda total, j: (total + fn(j).astype(dtype), None)
+  return _loop_sums(lambda j: (fn(j),), count, (shape,), dtype, like)[0]
+
+
+def _loop_sums(
+  fn: Callable[[Array], tuple[Array, ...]],
+  count: int,
+  shapes: Sequence[Any],
+  dtype,
+  like: Any,
+) -> tuple[Array, ...]:
+  """:func:`_loop_sum` of several sums at once, one per shape."""
+  init = tuple(_zeros_varying(shape, dtype, like) for shape in shapes)
+
+  def add(total, j):
+    return tuple(t + p.astype(dtype) for t, p in zip(total, fn(j))), None
+
   return lax.scan(add, init, jnp.arange(count))[0]
 
 
