@@ -159,14 +159,16 @@ def optimizers() -> dict[str, optax.GradientTransformation]:
     # AdamW and FAdam: best of a learning rate x weight decay grid.
     "AdamW (optax)": optax.adamw(3e-3, weight_decay=0.5),
     "FAdam": fisher_optax.fadam(3e-3, weight_decay=0.1),
-    # FISMO: best lr of its grid on digits, with the paper's unscaled step
-    # (on digits it beat the default Muon-norm grafting, which wins on the
-    # LMs); the output layer and biases take Adam at AdamW's lr.
+    # FISMO: the hidden kernels at Muon's best digits lr, with the damping
+    # small MLP classifiers want (10; language models want the default 1);
+    # the output layer and biases take Adam at AdamW's lr. Over three seeds
+    # of this demo it ties Muon (test NLL 0.064 against 0.066), where the
+    # paper's unscaled step at damping 1 and lr 1e-3 gave 0.105.
     "FISMO": fisher_optax.fismo(
-      1e-3,
+      3e-3,
       adam_learning_rate=3e-3,
       fismo_weight_dimension_numbers=fismo_dims,
-      grafting="none",
+      damping=10.0,
     ),
     "Natural GaLore": fisher_optax.natural_galore(
       3e-3, rank=16, update_proj_gap=100, history_size=8, damping=1e-2
