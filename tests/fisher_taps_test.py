@@ -130,7 +130,8 @@ def _plain_derived(params, x):
   kernel, a softplus scale, a weight-normed conv kernel (its two leaves
   share their per-example gradients' pass), merged LoRA weights passed into
   a jitted einsum, a masked kernel used twice, a leaf used both masked and
-  as is, and an exp temperature."""
+  as is, weight-normed kernels stacked along a reversed scan of a
+  rematerialised body, and an exp temperature."""
   v, g = params["v"], params["g"]
   w = v * (g / jnp.sqrt(jnp.sum(v * v, axis=0)))  # WeightNorm
   h = jnp.tanh(x @ w) * jax.nn.softplus(params["s"])  # (B, T, 5)
@@ -143,6 +144,14 @@ def _plain_derived(params, x):
   h = jnp.tanh(jnp.einsum("btd,de->bte", h, merged))
   masked = params["m"] * jnp.asarray(_MASK, h.dtype)
   h = jnp.tanh(h @ masked + h @ params["m"]) @ masked
+
+  def layer(h, w):  # weight-normed kernels stacked along a scan
+    wv, wg = w
+    k = wv * (wg / jnp.sqrt(jnp.sum(wv * wv, axis=0)))
+    return h + jnp.tanh(h @ k), None
+
+  stack = (params["wv"], params["wg"])
+  h = jax.lax.scan(jax.checkpoint(layer), h, stack, reverse=True)[0]
   return jnp.mean(h, axis=1) @ params["head"] * jnp.exp(params["t"])
 
 
@@ -242,7 +251,7 @@ def _model(name: str, dtype=None):
     x = fisher_testing.normal(kx, (B, T, 4), dtype)
     return _plain_heads, params, x, 3
   if name == "plain_derived_seq":
-    k = jax.random.split(kp, 10)
+    k = jax.random.split(kp, 12)
     params = {
       "v": fisher_testing.normal(k[0], (4, 5), dtype),
       "g": fisher_testing.normal(k[1], (5,), dtype),
@@ -255,6 +264,8 @@ def _model(name: str, dtype=None):
       "t": jnp.asarray(0.3, dtype),
       "cv": fisher_testing.normal(k[8], (3, 5, 5), dtype) / 3,
       "cg": fisher_testing.normal(k[9], (5,), dtype),
+      "wv": fisher_testing.normal(k[10], (2, 5, 5), dtype) / 3,
+      "wg": fisher_testing.normal(k[11], (2, 5), dtype),
     }
     return (
       _plain_derived,
@@ -1408,10 +1419,16 @@ class CoverageTest(parameterized.TestCase):
   def test_values_computed_from_parameters(self):
     """A layer using a value computed from parameters alone (WeightNorm,
     softplus, a mask, merged LoRA weights; statistics: the oracle test's
-    plain_derived_seq) is on the layer path without K-FAC factors; the
-    value entering a scan, made in a call that also takes inputs, used
-    opaquely or returned is not."""
-    params = {"w": jnp.ones((3, 3)), "s": jnp.ones(3), "v": jnp.ones((2, 3, 3))}
+    plain_derived_seq) is on the layer path without K-FAC factors, also in
+    a scan's body from the leaves it slices; the value entering a scan,
+    made in a scan from a shared leaf or in nested scans, made in a call
+    that also takes inputs, used opaquely or returned is not."""
+    params = {
+      "w": jnp.ones((3, 3)),
+      "s": jnp.ones(3),
+      "v": jnp.ones((2, 3, 3)),
+      "n": jnp.ones((2, 2, 3, 3)),
+    }
     x = jnp.ones((4, 3))
     soft = lambda p: jax.nn.softplus(p["s"])  # a jitted function of s
 
@@ -1430,6 +1447,21 @@ class CoverageTest(parameterized.TestCase):
       layer = lambda h, w: (jnp.tanh(h @ (w * _MASK[:3, :3])), None)
       return jax.lax.scan(layer, x, p["v"])[0]
 
+    cov = _taps.coverage(in_scan, params, x)
+    self.assertTrue(cov["v"])
+    self.assertIn("a value computed from parameters", cov["v"].reason)
+
+    def shared_in_scan(p, x):  # derived inside the body from a shared leaf
+      layer = lambda h, _: (jnp.tanh(h @ (p["w"] * _MASK[:3, :3])), None)
+      return jax.lax.scan(layer, x, None, length=2)[0]
+
+    def nested(p, x):  # derived inside a scan inside a scan
+      def outer(h, w):
+        inner = lambda h, u: (jnp.tanh(h @ (u * _MASK[:3, :3])), None)
+        return jax.lax.scan(inner, h, w)[0], None
+
+      return jax.lax.scan(outer, x, p["n"])[0]
+
     made_inside = jax.jit(lambda x, w: (jnp.tanh(x), w * 2 + 1))
 
     def from_call(p, x):
@@ -1438,7 +1470,8 @@ class CoverageTest(parameterized.TestCase):
 
     cases = {
       "an operand of scan (a value computed": into_scan,
-      "computed from parameters inside a scan": in_scan,
+      "inside a scan, from a leaf the scan does not slice": shared_in_scan,
+      "computed from parameters inside nested scans": nested,
       "computed from parameters inside a call taking inputs": from_call,
       "an operand of max": lambda p, x: jnp.maximum(x, soft(p)),
       "returned by apply_fn": lambda p, x: (x @ p["w"], soft(p)),
@@ -1447,6 +1480,8 @@ class CoverageTest(parameterized.TestCase):
       with self.subTest(reason):
         cov = _taps.coverage(fn, params, x)
         leaf = "v" if "scan" in reason else ("w" if "call" in reason else "s")
+        leaf = "w" if "does not slice" in reason else leaf
+        leaf = "n" if "nested" in reason else leaf
         self.assertFalse(cov[leaf])
         self.assertIn(reason, cov[leaf].reason)
 

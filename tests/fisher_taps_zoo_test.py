@@ -760,6 +760,40 @@ class _LinenDerivedCNN(nn.Module):
     return nn.Dense(CLASSES, **kw)(jnp.tanh(h)) * jax.nn.softplus(t + 0.5)
 
 
+class _WeightNormBlock(nn.Module):
+  """A weight-normed conv and Dense: one layer of a scanned stack."""
+
+  dtype: jnp.dtype = jnp.float32
+
+  @nn.compact
+  def __call__(self, x, _):
+    kw: dict[str, Any] = dict(param_dtype=self.dtype, dtype=self.dtype)
+    wn: dict[str, Any] = dict(param_dtype=self.dtype, dtype=self.dtype)
+    h = nn.relu(nn.WeightNorm(nn.Conv(4, (3, 3), **kw), **wn)(x))
+    return x + jnp.tanh(nn.WeightNorm(nn.Dense(4, **kw), **wn)(h)), None
+
+
+class _LinenDerivedScanCNN(nn.Module):
+  """A strided conv, then weight-normed blocks stacked by ``nn.scan`` over
+  ``nn.remat`` (the kernels computed per layer inside the scan's body),
+  pooling and a Dense head."""
+
+  dtype: jnp.dtype = jnp.float32
+
+  @nn.compact
+  def __call__(self, x):
+    kw: dict[str, Any] = dict(param_dtype=self.dtype, dtype=self.dtype)
+    x = nn.relu(nn.Conv(4, (3, 3), strides=2, **kw)(x))
+    stack = nn.scan(
+      nn.remat(_WeightNormBlock),
+      variable_axes={"params": 0},
+      split_rngs={"params": True},
+      length=2,
+    )
+    x, _ = stack(self.dtype)(x, None)
+    return nn.Dense(CLASSES, **kw)(jnp.mean(x, axis=(1, 2)))
+
+
 class _NnxDerivedCNN(nnx.Module):
   """NNX weight-normed conv and Dense head around a masked conv (a fixed
   sparsity pattern on the kernel)."""
@@ -827,6 +861,7 @@ def _conv_model(
       "linen_scan_cnn": _LinenScanCNN,
       "linen_shared_cnn": functools.partial(_LinenScanCNN, shared=True),
       "linen_vit": _LinenViT,
+      "linen_derived_scan_cnn": _LinenDerivedScanCNN,
     }[name](dtype)
     params = _perturbed(jax.jit(model.init)(jax.random.key(0), x), dtype)
     return model.apply, params, x
@@ -910,6 +945,7 @@ class ConvZooTest(parameterized.TestCase):
     ("nnx_bn_cnn", False),
     ("linen_derived_cnn", True),
     ("nnx_derived_cnn", False),
+    ("linen_derived_scan_cnn", True),
   )
   def test_every_leaf_on_the_layer_path_and_exact(self, name, x64):
     with jax.enable_x64(x64):
@@ -938,6 +974,8 @@ class ConvZooTest(parameterized.TestCase):
         # per example, no factors.
         "linen_derived_cnn": [False] * 3,
         "nnx_derived_cnn": [False] * 3,
+        # the stem; the stacked weight-normed conv's kernel and scale
+        "linen_derived_scan_cnn": [True, False, False],
       }.get(name, [True, True, False, False])
       self.assertEqual([c.kronecker for c in convs], want)
       rtol = 1e-10 if x64 else 1e-5
@@ -984,6 +1022,7 @@ class ConvZooTest(parameterized.TestCase):
     "nnx_shared_cnn",
     "nnx_bn_cnn",
     "linen_derived_cnn",
+    "linen_derived_scan_cnn",
   )
   def test_estimators_equal_the_per_example_path(self, name):
     """``method="auto"`` (no fallback warning) against ``"per_example"``:

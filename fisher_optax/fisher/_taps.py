@@ -94,10 +94,14 @@ example, formed for a chunk of examples at a time like a shared leaf's
 (leaves used only through the same value of a conv or per-head kernel,
 a WeightNorm conv's direction and scale, share one such pass).
 Diagonal, Gram matrix, weighted sums and norms are exact; K-FAC factors do
-not exist for these leaves. Outside scans only: a derived value in a scan
-body, or entering a scan, is not covered. Nor under ``shard_map``: the VJP
-of a device-invariant value sums the devices' cotangents, which would mix
-their examples (a batch-sharded ``jit`` is fine).
+not exist for these leaves. In a scan's body (a WeightNorm layer of an
+``nn.scan`` stack) the value is computed per iteration from the leaves the
+scan slices: its inputs leave the re-run scan stacked, ``(L, ...)``, and
+the program runs per layer under ``vmap``. Not covered: a value entering a
+scan, one computed in a scan from a leaf the scan shares (a const), in
+nested scans, or under ``shard_map``, where the VJP of a device-invariant
+value sums the devices' cotangents, which would mix their examples (a
+batch-sharded ``jit`` is fine).
 
 Casts (``convert_element_type``) and ``jit``/``remat`` boundaries are looked
 through, and ``scan`` bodies are walked (below). A leaf used any other way
@@ -366,10 +370,15 @@ class _Derived:
   leaves: list[int | None]
   links: dict[tuple[tuple[int, ...], Any], tuple[tuple[int, ...], Any]]
   out: tuple[tuple[int, ...], Any]  # the variable the layer uses
+  # inside a scan's body (its leaves sliced by it): the scan's length; the
+  # inputs are read per iteration, stacked, and the program maps over them
+  length: int | None = None
 
   @property
   def shape(self) -> tuple[int, ...]:
-    return tuple(self.out[1].aval.shape)
+    """The value's shape, with a leading ``length`` axis in a scan."""
+    lead = () if self.length is None else (self.length,)
+    return lead + tuple(self.out[1].aval.shape)
 
   def run(self, values: Sequence[Any]) -> Array:
     """The value from its inputs' values (in ``inputs`` order)."""
@@ -395,13 +404,17 @@ class _Derived:
     ]
     flat = [i for ix in idx for i in ix]
 
-    def fn(*xs):
+    def one(values, *xs):
       ins = list(values)
       for i, x in zip(flat, xs):
         ins[i] = x
       return self.run(ins)
 
-    out, pull = jax.vjp(fn, *(values[i] for i in flat))
+    # in a scan, one program per iteration (every input stacked)
+    run = one if self.length is None else jax.vmap(one)
+    out, pull = jax.vjp(
+      functools.partial(run, list(values)), *(values[i] for i in flat)
+    )
     ends = np.cumsum([0] + [len(ix) for ix in idx])
 
     def apply(g):
@@ -684,6 +697,9 @@ class _Walk:
   alias: dict = dataclasses.field(default_factory=dict)
   envs: dict = dataclasses.field(default_factory=dict)
   loop_depth: int = 0  # scans around the jaxpr being walked
+  # scan equation path -> (length, {leaf: "xs" | "const"}) of the leaves
+  # entering it
+  loop_scopes: dict = dataclasses.field(default_factory=dict)
   # inside shard_map: the examples vary over manual mesh axes, parameters
   # do not, and a VJP of device-invariant values would sum the devices'
   # cotangents (mixing their examples): no derived values there
@@ -726,10 +742,11 @@ class _Walk:
         env[v] = ("derived", tuple(sorted(leaves)))
         self.producer[here[:-1], v] = (here[-1], eqn)
 
-  def program(self, var, scope: tuple[int, ...]) -> int | None:
+  def program(self, var, scope: tuple[int, ...]) -> int | str:
     """The program of a derived or viewed value a site at ``scope`` uses,
-    as an index into ``plan.derived`` (None if some variable it needs was
-    made inside a call, or in a scan)."""
+    as an index into ``plan.derived``, or why there is none (a variable it
+    needs was made inside a call taking inputs; inside a scan, it reads a
+    leaf the scan does not slice)."""
     eqns: dict[tuple[int, ...], Any] = {}  # path -> equation
     inputs, leaves, links, seen = [], [], {}, set()
     stack = [(scope, var)]
@@ -755,12 +772,18 @@ class _Walk:
         inputs.append(key)
         leaves.append(None)
       else:
-        return None
+        return "inside a call taking inputs"
     # Outer jaxprs first (their variables feed the calls), then in order.
     order = sorted(eqns, key=lambda path: (len(path), path))
     last = {path[:-1]: path for path in order}  # per jaxpr, its last one
     if not order or any(sc not in last for sc, _ in inputs):
-      return None
+      return "inside a call taking inputs"
+    loops = [p for p in self.loop_scopes if scope[: len(p)] == p]
+    length = None
+    if loops:  # one scan (_derived_operand): its iterations slice the leaves
+      ((length, modes),) = (self.loop_scopes[p] for p in loops)
+      if any(k is not None and modes.get(k) != "xs" for k in leaves):
+        return "inside a scan, from a leaf the scan does not slice"
     index = len(self.plan.derived)
     self.plan.derived.append(
       _Derived(
@@ -769,6 +792,7 @@ class _Walk:
         leaves,
         links,
         (scope, var),
+        length,
       )
     )
     for i, (sc, _) in enumerate(inputs):
@@ -794,9 +818,9 @@ def _scan(jaxpr, env: dict, path: tuple[int, ...], walk: _Walk) -> list:
     if not any(kinds):
       continue
     here = path + (i,)
-    # Outside scans, an equation of parameters and constants only computes
-    # a derived value (a layer using it takes a VJP per example).
-    derives = walk.loop_depth == 0 and walk.param_side(eqn, kinds)
+    # Outside scans or in one, an equation of parameters and constants only
+    # computes a derived value (a layer using it takes a VJP per example).
+    derives = walk.loop_depth <= 1 and walk.param_side(eqn, kinds)
     if _sub_jaxpr(eqn) is not None:
       if derives and any(k and k[0] == "derived" for k in kinds):
         walk.derive(eqn, kinds, env, here)
@@ -916,6 +940,7 @@ def _scan_loop(eqn, kinds, env, here: tuple[int, ...], walk: _Walk, counts):
     inner_env[v] = ("param", k[1])
   before = {leaf: len(walk.uses[leaf]) for leaf in mode_of}
   num_sites = len(walk.plan.sites)
+  walk.loop_scopes[here] = (params["length"], mode_of)
   walk.loop_depth += 1
   out_kinds = _scan(body, inner_env, here, walk)
   walk.loop_depth -= 1
@@ -990,20 +1015,20 @@ def _match(
 def _derived_operand(eqn, j: int, kind, here, walk: _Walk, what: str):
   """``(ok, program)`` of a layer's parameter-side operand ``j`` used as a
   derived value (``kind`` derived, or a view the layer rule cannot fold):
-  not ``ok`` (an opaque use, recorded) inside a scan, or when part of the
-  value was computed inside a call that also takes inputs."""
-  if walk.loop_depth:
-    walk.other(kind, f"{what}, computed from parameters inside a scan")
+  not ``ok`` (an opaque use, recorded) inside nested scans, under
+  ``shard_map``, in a scan from a leaf the scan does not slice, or when
+  part of the value was computed inside a call that also takes inputs."""
+  if walk.loop_depth > 1:
+    walk.other(kind, f"{what}, computed from parameters inside nested scans")
     return False, None
   if walk.manual:
     walk.other(kind, f"{what}, computed from parameters, under shard_map")
     return False, None
   program = walk.program(eqn.invars[j], here[:-1])
-  if program is None:
-    walk.other(
-      kind, f"{what}, computed from parameters inside a call taking inputs"
-    )
-  return program is not None, program
+  if isinstance(program, str):
+    walk.other(kind, f"{what}, computed from parameters {program}")
+    return False, None
+  return True, program
 
 
 def _match_dense(eqn, kinds, env, here, walk: _Walk, counts) -> bool:
@@ -1405,20 +1430,23 @@ def _eval_call(
       inner, inner_consts, invals, here, plan, taps, acts, fused, top
     )
 
+  keys: list = []  # sites and derived inputs (mixed keys: not a pytree)
+
   def body(args, taps):
     inner_acts: dict = {}
     outs = _eval(
       inner, inner_consts, args, here, plan, taps, inner_acts, fused, False
     )
-    return outs, inner_acts
+    keys[:] = inner_acts
+    return outs, list(inner_acts.values())
 
   remat = jax.checkpoint(
     body,
     prevent_cse=eqn.params.get("prevent_cse", True),
     policy=eqn.params.get("policy"),
   )
-  outs, inner_acts = remat(list(invals), taps)
-  acts.update(inner_acts)
+  outs, values = remat(list(invals), taps)
+  acts.update(zip(keys, values))
   return outs
 
 
@@ -1436,6 +1464,12 @@ def _eval_loop(
   init = invals[num_consts : num_consts + num_carry]
   inner = plan.loops[here]
   recorded = [s for s in inner if s not in fused or fused[s].forward]
+  captured = [  # the inputs of derived values in the body, per iteration
+    ("derived", d, k)
+    for path, reads in plan.capture.items()
+    if len(path) > len(here) and path[: len(here)] == here
+    for d, k in reads
+  ]
 
   def step(carry, x):
     xs, inner_taps = x
@@ -1451,10 +1485,14 @@ def _eval_loop(
       fused,
       False,
     )
-    ys = (outs[num_carry:], tuple(inner_acts[s] for s in recorded))
+    ys = (
+      outs[num_carry:],
+      tuple(inner_acts[s] for s in recorded),
+      tuple(inner_acts[c] for c in captured),
+    )
     return outs[:num_carry], ys
 
-  carry, (ys, inner_acts) = lax.scan(
+  carry, (ys, inner_acts, inputs) = lax.scan(
     step,
     list(init),
     (list(invals[num_consts + num_carry :]), tuple(taps[s] for s in inner)),
@@ -1463,6 +1501,7 @@ def _eval_loop(
     unroll=params["unroll"],
   )
   acts.update(zip(recorded, inner_acts))
+  acts.update(zip(captured, inputs))
   return [*carry, *ys]
 
 
@@ -1880,6 +1919,8 @@ def _fusable(plan: _Plan, statistic: str) -> dict[int, tuple[int, str]]:
       continue
     s, role, modes = uses[0]
     site = plan.sites[s]
+    if role == "derived":  # per-example gradients and a VJP: not fused
+      continue
     if statistic == "kron" and site.kind == "conv":
       if not _conv_kron_ok(site.eqn):
         continue
@@ -3303,11 +3344,15 @@ class LayerGrads:
       groups.setdefault(tuple(uses) if joint else leaf, []).append(leaf)
     return [tuple(g) for g in groups.values()]
 
-  def _operand_shape(self, site: _Site, leaf: int) -> tuple[int, ...]:
-    """The shape of the parameter operand a site's statistic is of: the
-    leaf's, or a derived value's (a WeightNorm kernel)."""
-    if site.derived is None:
+  def _operand_shape(
+    self, site: _Site, leaf: int, derived: bool
+  ) -> tuple[int, ...]:
+    """The shape of the parameter operand a use's statistic is of: the
+    leaf's, or (``derived``) the derived value's (a WeightNorm kernel; a
+    bias at its site is a leaf of its own)."""
+    if not derived:
       return tuple(np.shape(self._tape._leaves[leaf]))
+    assert site.derived is not None
     return self._tape._plan.derived[site.derived].shape
 
   def _derived_vjp(self, site: _Site, leaves: tuple[int, ...]) -> Callable:
@@ -3325,8 +3370,9 @@ class LayerGrads:
 
     A use of a derived value ``D`` (``role == "derived"``) forms ``D``'s
     per-example gradients, then maps them to the leaves' by the VJP of
-    ``D``'s program (outside scans: ``sliced == 0``; ``vjp``: that map,
-    linearised once outside the caller's loop over chunks).
+    ``D``'s program (in a scan, ``(L, *D)`` and the program per iteration;
+    ``vjp``: that map, linearised once outside the caller's loop over
+    chunks).
     """
     site = view[0]
     if role != "derived":
@@ -3335,7 +3381,9 @@ class LayerGrads:
     role = "bias" if site.kind in _ELEMENTWISE else "kernel"
     if vjp is None:
       vjp = self._derived_vjp(site, leaves)
-    value = lambda r: self._operand_grads(view, role, leaves[0], 0, r)
+    value = lambda r: self._operand_grads(
+      view, role, leaves[0], sliced, r, derived=True
+    )
     if _loop_over_examples():
       # One example at a time: XLA:CPU runs batched per-example kernel
       # products several times slower than 2-D ones, and fuses a vmapped
@@ -3345,11 +3393,13 @@ class LayerGrads:
       return lax.map(lambda r: vjp(value(r[None])[0]), rows)
     return jax.vmap(vjp)(value(rows))
 
-  def _operand_grads(self, view, role: str, leaf: int, sliced: int, rows):
+  def _operand_grads(
+    self, view, role: str, leaf: int, sliced: int, rows, derived: bool = False
+  ):
     """Per-example gradients ``(c, *operand)`` of a use's operand: the
-    leaf, or the derived value it is used through."""
+    leaf, or (``derived``) the derived value it is used through."""
     (site, act, delta, _), b = view, self._tape.batch
-    shape = self._operand_shape(site, leaf)
+    shape = self._operand_shape(site, leaf, derived)
     per, c = shape[sliced:], rows.shape[0]
     sample, n = rows // b, rows % b
     layers = math.prod(shape[:sliced])
@@ -3397,8 +3447,8 @@ class LayerGrads:
     shapes = [tuple(np.shape(self._tape._leaves[k])) for k in leaves]
     num = self.num_samples * self._tape.batch
     size = max(  # a derived value's gradients may be larger than the leaves'
-      math.prod(self._operand_shape(site, leaves[0]))
-      for (site, *_), _, _ in views
+      math.prod(self._operand_shape(site, leaves[0], role == "derived"))
+      for (site, *_), role, _ in views
     )
     patches = sum(  # a use forms its patches of all X iterations at once
       _patch_elements(site.eqn) * act.shape[0]
