@@ -1455,6 +1455,11 @@ class CoverageTest(parameterized.TestCase):
       layer = lambda h, _: (jnp.tanh(h @ (p["w"] * _MASK[:3, :3])), None)
       return jax.lax.scan(layer, x, None, length=2)[0]
 
+    def out_of_scan(p, x):  # derived inside the body, then returned
+      layer = lambda h, w: (jnp.tanh(h @ w), jnp.exp(w))
+      h, ws = jax.lax.scan(layer, x, p["v"])
+      return h @ ws[0]
+
     def nested(p, x):  # derived inside a scan inside a scan
       def outer(h, w):
         inner = lambda h, u: (jnp.tanh(h @ (u * _MASK[:3, :3])), None)
@@ -1472,6 +1477,7 @@ class CoverageTest(parameterized.TestCase):
       "an operand of scan (a value computed": into_scan,
       "inside a scan, from a leaf the scan does not slice": shared_in_scan,
       "computed from parameters inside nested scans": nested,
+      "an output of a scan body (a value computed": out_of_scan,
       "computed from parameters inside a call taking inputs": from_call,
       "an operand of max": lambda p, x: jnp.maximum(x, soft(p)),
       "returned by apply_fn": lambda p, x: (x @ p["w"], soft(p)),

@@ -954,6 +954,9 @@ def _scan_loop(eqn, kinds, env, here: tuple[int, ...], walk: _Walk, counts):
       lengths = walk.plan.site_loops.get(s, ())
       walk.plan.site_loops[s] = (params["length"],) + lengths
   for j, (v, k) in enumerate(zip(eqn.outvars, out_kinds)):
+    if k is not None and k[0] == "derived" and (j < num_carry or counts.get(v)):
+      # computed in the body, then used by later iterations or outside
+      walk.other(k, "an output of a scan body (a value computed from it)")
     if k is None or k[0] not in _PARAM_KINDS:
       continue
     if j >= num_carry and k[0] == "param" and mode_of.get(k[1]) == "xs":
