@@ -503,14 +503,29 @@ class _ConvBlock(nn.Module):
     return nn.Conv(4, (1, 1), feature_group_count=4, **kw)(x), None
 
 
+class _WeightNormBlock(nn.Module):
+  """A weight-normed conv and Dense: one layer of a scanned stack."""
+
+  dtype: jnp.dtype = jnp.float32
+
+  @nn.compact
+  def __call__(self, x, _):
+    kw: dict[str, Any] = dict(param_dtype=self.dtype, dtype=self.dtype)
+    wn: dict[str, Any] = dict(param_dtype=self.dtype, dtype=self.dtype)
+    h = nn.relu(nn.WeightNorm(nn.Conv(4, (3, 3), **kw), **wn)(x))
+    return x + jnp.tanh(nn.WeightNorm(nn.Dense(4, **kw), **wn)(h)), None
+
+
 class _LinenScanCNN(nn.Module):
   """A strided conv, then conv blocks run by ``nn.scan``, pooling and a Dense
   head: stacked over ``nn.remat`` (each layer its own kernels), or with
   ``shared`` one block applied three times (``variable_broadcast``: every
-  iteration shares its kernels, like a recurrent cell)."""
+  iteration shares its kernels, like a recurrent cell). ``block``: the
+  layer (weight-normed blocks compute their kernels inside the body)."""
 
   dtype: jnp.dtype = jnp.float32
   shared: bool = False
+  block: Any = _ConvBlock
 
   @nn.compact
   def __call__(self, x):
@@ -518,14 +533,14 @@ class _LinenScanCNN(nn.Module):
     x = nn.relu(nn.Conv(4, (3, 3), strides=2, **kw)(x))
     if self.shared:
       stack = nn.scan(
-        _ConvBlock,
+        self.block,
         variable_broadcast="params",
         split_rngs={"params": False},
         length=3,
       )
     else:
       stack = nn.scan(
-        nn.remat(_ConvBlock),
+        nn.remat(self.block),
         variable_axes={"params": 0},
         split_rngs={"params": True},
         length=2,
@@ -760,40 +775,6 @@ class _LinenDerivedCNN(nn.Module):
     return nn.Dense(CLASSES, **kw)(jnp.tanh(h)) * jax.nn.softplus(t + 0.5)
 
 
-class _WeightNormBlock(nn.Module):
-  """A weight-normed conv and Dense: one layer of a scanned stack."""
-
-  dtype: jnp.dtype = jnp.float32
-
-  @nn.compact
-  def __call__(self, x, _):
-    kw: dict[str, Any] = dict(param_dtype=self.dtype, dtype=self.dtype)
-    wn: dict[str, Any] = dict(param_dtype=self.dtype, dtype=self.dtype)
-    h = nn.relu(nn.WeightNorm(nn.Conv(4, (3, 3), **kw), **wn)(x))
-    return x + jnp.tanh(nn.WeightNorm(nn.Dense(4, **kw), **wn)(h)), None
-
-
-class _LinenDerivedScanCNN(nn.Module):
-  """A strided conv, then weight-normed blocks stacked by ``nn.scan`` over
-  ``nn.remat`` (the kernels computed per layer inside the scan's body),
-  pooling and a Dense head."""
-
-  dtype: jnp.dtype = jnp.float32
-
-  @nn.compact
-  def __call__(self, x):
-    kw: dict[str, Any] = dict(param_dtype=self.dtype, dtype=self.dtype)
-    x = nn.relu(nn.Conv(4, (3, 3), strides=2, **kw)(x))
-    stack = nn.scan(
-      nn.remat(_WeightNormBlock),
-      variable_axes={"params": 0},
-      split_rngs={"params": True},
-      length=2,
-    )
-    x, _ = stack(self.dtype)(x, None)
-    return nn.Dense(CLASSES, **kw)(jnp.mean(x, axis=(1, 2)))
-
-
 class _NnxDerivedCNN(nnx.Module):
   """NNX weight-normed conv and Dense head around a masked conv (a fixed
   sparsity pattern on the kernel)."""
@@ -861,7 +842,9 @@ def _conv_model(
       "linen_scan_cnn": _LinenScanCNN,
       "linen_shared_cnn": functools.partial(_LinenScanCNN, shared=True),
       "linen_vit": _LinenViT,
-      "linen_derived_scan_cnn": _LinenDerivedScanCNN,
+      "linen_derived_scan_cnn": functools.partial(
+        _LinenScanCNN, block=_WeightNormBlock
+      ),
     }[name](dtype)
     params = _perturbed(jax.jit(model.init)(jax.random.key(0), x), dtype)
     return model.apply, params, x
@@ -1161,7 +1144,7 @@ class MixedExamplesTest(parameterized.TestCase):
 
 class FallbackWarningTest(absltest.TestCase):
   def test_warns_once_naming_the_leaves(self):
-    def apply_fn(p, x):  # a kernel through sin inside a scan: no layer rule
+    def apply_fn(p, x):  # a kernel shared by a scan, through sin in it
       step = lambda c, _: (c, c @ jnp.sin(p["k"]))
       h = jax.lax.scan(step, x.reshape(x.shape[0], -1), None, length=1)[1]
       return h[0] @ p["w"]
@@ -1177,7 +1160,7 @@ class FallbackWarningTest(absltest.TestCase):
     found = [w for w in caught if w.category is fisher.FisherFallbackWarning]
     self.assertLen(found, 1)
     self.assertIn("['k']", str(found[0].message))
-    self.assertIn("an operand of sin", str(found[0].message))
+    self.assertIn("a leaf the scan does not slice", str(found[0].message))
     self.assertEqual(found[0].filename, __file__)
     cov = fisher.coverage(apply_fn, params, x)
     self.assertEqual(cov["k"].path, "per_example")
