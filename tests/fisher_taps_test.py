@@ -131,7 +131,8 @@ def _plain_derived(params, x):
   share their per-example gradients' pass), merged LoRA weights passed into
   a jitted einsum, a masked kernel used twice, a leaf used both masked and
   as is, weight-normed kernels stacked along a reversed scan of a
-  rematerialised body, and an exp temperature."""
+  rematerialised body with a softplus scale its layers share, and an exp
+  temperature."""
   v, g = params["v"], params["g"]
   w = v * (g / jnp.sqrt(jnp.sum(v * v, axis=0)))  # WeightNorm
   h = jnp.tanh(x @ w) * jax.nn.softplus(params["s"])  # (B, T, 5)
@@ -148,7 +149,8 @@ def _plain_derived(params, x):
   def layer(h, w):  # weight-normed kernels stacked along a scan
     wv, wg = w
     k = wv * (wg / jnp.sqrt(jnp.sum(wv * wv, axis=0)))
-    return h + jnp.tanh(h @ k), None
+    # a softplus scale every layer shares (a const of the scan)
+    return h + jnp.tanh(h @ k) * jax.nn.softplus(params["sh"]), None
 
   stack = (params["wv"], params["wg"])
   h = jax.lax.scan(jax.checkpoint(layer), h, stack, reverse=True)[0]
@@ -251,7 +253,7 @@ def _model(name: str, dtype=None):
     x = fisher_testing.normal(kx, (B, T, 4), dtype)
     return _plain_heads, params, x, 3
   if name == "plain_derived_seq":
-    k = jax.random.split(kp, 12)
+    k = jax.random.split(kp, 13)
     params = {
       "v": fisher_testing.normal(k[0], (4, 5), dtype),
       "g": fisher_testing.normal(k[1], (5,), dtype),
@@ -266,6 +268,7 @@ def _model(name: str, dtype=None):
       "cg": fisher_testing.normal(k[9], (5,), dtype),
       "wv": fisher_testing.normal(k[10], (2, 5, 5), dtype) / 3,
       "wg": fisher_testing.normal(k[11], (2, 5), dtype),
+      "sh": fisher_testing.normal(k[12], (5,), dtype),
     }
     return (
       _plain_derived,
@@ -1452,8 +1455,15 @@ class CoverageTest(parameterized.TestCase):
     self.assertIn("a value computed from parameters", cov["v"].reason)
 
     def shared_in_scan(p, x):  # derived inside the body from a shared leaf
-      layer = lambda h, _: (jnp.tanh(h @ (p["w"] * _MASK[:3, :3])), None)
+      layer = lambda h, _: (jnp.tanh(h @ jnp.exp(p["w"])), None)
       return jax.lax.scan(layer, x, None, length=2)[0]
+
+    cov = _taps.coverage(shared_in_scan, params, x)
+    self.assertTrue(cov["w"])
+
+    def mixed_in_scan(p, x):  # from a sliced and a shared leaf
+      layer = lambda h, v: (jnp.tanh(h @ (v + jnp.exp(p["w"]))), None)
+      return jax.lax.scan(layer, x, p["v"])[0]
 
     def out_of_scan(p, x):  # derived inside the body, then returned
       layer = lambda h, w: (jnp.tanh(h @ w), jnp.exp(w))
@@ -1475,7 +1485,7 @@ class CoverageTest(parameterized.TestCase):
 
     cases = {
       "an operand of scan (a value computed": into_scan,
-      "inside a scan, from a leaf the scan does not slice": shared_in_scan,
+      "inside a scan, from leaves the scan slices and shares": mixed_in_scan,
       "computed from parameters inside nested scans": nested,
       "an output of a scan body (a value computed": out_of_scan,
       "computed from parameters inside a call taking inputs": from_call,
@@ -1486,7 +1496,7 @@ class CoverageTest(parameterized.TestCase):
       with self.subTest(reason):
         cov = _taps.coverage(fn, params, x)
         leaf = "v" if "scan" in reason else ("w" if "call" in reason else "s")
-        leaf = "w" if "does not slice" in reason else leaf
+        leaf = "w" if "slices and shares" in reason else leaf
         leaf = "n" if "nested" in reason else leaf
         self.assertFalse(cov[leaf])
         self.assertIn(reason, cov[leaf].reason)

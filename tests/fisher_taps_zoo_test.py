@@ -845,6 +845,9 @@ def _conv_model(
       "linen_derived_scan_cnn": functools.partial(
         _LinenScanCNN, block=_WeightNormBlock
       ),
+      "linen_derived_shared_cnn": functools.partial(
+        _LinenScanCNN, shared=True, block=_WeightNormBlock
+      ),
     }[name](dtype)
     params = _perturbed(jax.jit(model.init)(jax.random.key(0), x), dtype)
     return model.apply, params, x
@@ -929,6 +932,7 @@ class ConvZooTest(parameterized.TestCase):
     ("linen_derived_cnn", True),
     ("nnx_derived_cnn", False),
     ("linen_derived_scan_cnn", True),
+    ("linen_derived_shared_cnn", False),
   )
   def test_every_leaf_on_the_layer_path_and_exact(self, name, x64):
     with jax.enable_x64(x64):
@@ -959,6 +963,7 @@ class ConvZooTest(parameterized.TestCase):
         "nnx_derived_cnn": [False] * 3,
         # the stem; the stacked weight-normed conv's kernel and scale
         "linen_derived_scan_cnn": [True, False, False],
+        "linen_derived_shared_cnn": [True, False, False],
       }.get(name, [True, True, False, False])
       self.assertEqual([c.kronecker for c in convs], want)
       rtol = 1e-10 if x64 else 1e-5
@@ -986,7 +991,8 @@ class ConvZooTest(parameterized.TestCase):
           with self.subTest(f"{mode}{key}"):
             self.assertEqual(f is not None, c.kronecker)
             if f is not None:  # square factors of a row-major view
-              if "Scan" in key or "blocks" in key:  # one pair per layer
+              stacked = "Scan" in key or "blocks" in key
+              if stacked and "shared" not in name:  # one pair per layer
                 self.assertEqual(f[0].shape[0], p.shape[0])
                 self.assertEqual(f[1].shape[0], p.shape[0])
                 p = p[0]
@@ -1006,6 +1012,7 @@ class ConvZooTest(parameterized.TestCase):
     "nnx_bn_cnn",
     "linen_derived_cnn",
     "linen_derived_scan_cnn",
+    "linen_derived_shared_cnn",
   )
   def test_estimators_equal_the_per_example_path(self, name):
     """``method="auto"`` (no fallback warning) against ``"per_example"``:
@@ -1144,9 +1151,10 @@ class MixedExamplesTest(parameterized.TestCase):
 
 class FallbackWarningTest(absltest.TestCase):
   def test_warns_once_naming_the_leaves(self):
-    def apply_fn(p, x):  # a kernel shared by a scan, through sin in it
+    def apply_fn(p, x):  # a kernel through sin in nested scans: no rule
       step = lambda c, _: (c, c @ jnp.sin(p["k"]))
-      h = jax.lax.scan(step, x.reshape(x.shape[0], -1), None, length=1)[1]
+      outer = lambda c, _: (c, jax.lax.scan(step, c, None, length=1)[1][0])
+      h = jax.lax.scan(outer, x.reshape(x.shape[0], -1), None, length=1)[1]
       return h[0] @ p["w"]
 
     params = {"k": jnp.ones((12, 24)), "w": jnp.ones((24, 2)) / 9}
@@ -1160,7 +1168,7 @@ class FallbackWarningTest(absltest.TestCase):
     found = [w for w in caught if w.category is fisher.FisherFallbackWarning]
     self.assertLen(found, 1)
     self.assertIn("['k']", str(found[0].message))
-    self.assertIn("a leaf the scan does not slice", str(found[0].message))
+    self.assertIn("an operand of sin", str(found[0].message))
     self.assertEqual(found[0].filename, __file__)
     cov = fisher.coverage(apply_fn, params, x)
     self.assertEqual(cov["k"].path, "per_example")
@@ -1172,8 +1180,9 @@ class FallbackWarningTest(absltest.TestCase):
     elements, twice the budget), not all B at once."""
 
     def apply_fn(p, x):  # leaf names of its own: the warning is per leaf set
-      step = lambda h, _: (h @ jnp.sin(p["big"]), None)  # in a scan: no rule
-      return jax.lax.scan(step, x, None, length=1)[0] @ p["head"]
+      step = lambda h, _: (h @ jnp.sin(p["big"]), None)  # nested scans: no rule
+      outer = lambda h, _: (jax.lax.scan(step, h, None, length=1)[0], None)
+      return jax.lax.scan(outer, x, None, length=1)[0] @ p["head"]
 
     params = {"big": jnp.ones((128, 128)), "head": jnp.ones((128, 2))}
     b = 2048

@@ -97,11 +97,13 @@ Diagonal, Gram matrix, weighted sums and norms are exact; K-FAC factors do
 not exist for these leaves. In a scan's body (a WeightNorm layer of an
 ``nn.scan`` stack) the value is computed per iteration from the leaves the
 scan slices: its inputs leave the re-run scan stacked, ``(L, ...)``, and
-the program runs per layer under ``vmap``. Not covered: a value entering a
-scan, one computed in a scan from a leaf the scan shares (a const), in
-nested scans, or under ``shard_map``, where the VJP of a device-invariant
-value sums the devices' cotangents, which would mix their examples (a
-batch-sharded ``jit`` is fine).
+the program runs per layer under ``vmap``; from leaves the scan shares (a
+``variable_broadcast`` stack) it is one value for every iteration, a layer
+shared by them. Not covered: a value entering a scan, one computed in a
+scan from leaves it slices and leaves it shares, in nested scans, or under
+``shard_map``, where the VJP of a device-invariant value sums the devices'
+cotangents, which would mix their examples (a batch-sharded ``jit`` is
+fine).
 
 Casts (``convert_element_type``) and ``jit``/``remat`` boundaries are looked
 through, and ``scan`` bodies are walked (below). A leaf used any other way
@@ -373,6 +375,9 @@ class _Derived:
   # inside a scan's body (its leaves sliced by it): the scan's length; the
   # inputs are read per iteration, stacked, and the program maps over them
   length: int | None = None
+  # inside a scan's body from leaves the scan shares: the same value in
+  # every iteration (a layer shared by them); inputs read in the first
+  first: bool = False
 
   @property
   def shape(self) -> tuple[int, ...]:
@@ -745,8 +750,8 @@ class _Walk:
   def program(self, var, scope: tuple[int, ...]) -> int | str:
     """The program of a derived or viewed value a site at ``scope`` uses,
     as an index into ``plan.derived``, or why there is none (a variable it
-    needs was made inside a call taking inputs; inside a scan, it reads a
-    leaf the scan does not slice)."""
+    needs was made inside a call taking inputs; inside a scan, it reads
+    leaves the scan slices and leaves it shares)."""
     eqns: dict[tuple[int, ...], Any] = {}  # path -> equation
     inputs, leaves, links, seen = [], [], {}, set()
     stack = [(scope, var)]
@@ -779,11 +784,14 @@ class _Walk:
     if not order or any(sc not in last for sc, _ in inputs):
       return "inside a call taking inputs"
     loops = [p for p in self.loop_scopes if scope[: len(p)] == p]
-    length = None
-    if loops:  # one scan (_derived_operand): its iterations slice the leaves
+    length, first = None, False
+    if loops:  # one scan (_derived_operand): it slices or shares the leaves
       ((length, modes),) = (self.loop_scopes[p] for p in loops)
-      if any(k is not None and modes.get(k) != "xs" for k in leaves):
-        return "inside a scan, from a leaf the scan does not slice"
+      used = {modes.get(k) for k in leaves if k is not None}
+      if used == {"const"}:  # one value for every iteration
+        length, first = None, True
+      elif used != {"xs"}:
+        return "inside a scan, from leaves the scan slices and shares"
     index = len(self.plan.derived)
     self.plan.derived.append(
       _Derived(
@@ -793,6 +801,7 @@ class _Walk:
         links,
         (scope, var),
         length,
+        first,
       )
     )
     for i, (sc, _) in enumerate(inputs):
@@ -1019,8 +1028,9 @@ def _derived_operand(eqn, j: int, kind, here, walk: _Walk, what: str):
   """``(ok, program)`` of a layer's parameter-side operand ``j`` used as a
   derived value (``kind`` derived, or a view the layer rule cannot fold):
   not ``ok`` (an opaque use, recorded) inside nested scans, under
-  ``shard_map``, in a scan from a leaf the scan does not slice, or when
-  part of the value was computed inside a call that also takes inputs."""
+  ``shard_map``, in a scan from leaves the scan slices and leaves it
+  shares, or when part of the value was computed inside a call that also
+  takes inputs."""
   if walk.loop_depth > 1:
     walk.other(kind, f"{what}, computed from parameters inside nested scans")
     return False, None
@@ -1504,7 +1514,10 @@ def _eval_loop(
     unroll=params["unroll"],
   )
   acts.update(zip(recorded, inner_acts))
-  acts.update(zip(captured, inputs))
+  acts.update(  # a shared value's inputs: any iteration's (the first)
+    (c, x[0] if plan.derived[c[1]].first else x)
+    for c, x in zip(captured, inputs)
+  )
   return [*carry, *ys]
 
 
