@@ -3182,7 +3182,7 @@ class LayerGrads:
       )
     out = {}
     for leaf, s, role in self._leaf_items():
-      shape = tuple(np.shape(self._tape._leaves[leaf]))
+      shape = self._leaf_shape(leaf)
       out[leaf] = _combine_stat(self._view(s), role, weights, shape)
     out.update(self._special_combine(weights))
     out.update(self._fused())
@@ -3367,7 +3367,7 @@ class LayerGrads:
     leaf's, or (``derived``) the derived value's (a WeightNorm kernel; a
     bias at its site is a leaf of its own)."""
     if not derived:
-      return tuple(np.shape(self._tape._leaves[leaf]))
+      return self._leaf_shape(leaf)
     assert site.derived is not None
     return self._tape._plan.derived[site.derived].shape
 
@@ -3460,7 +3460,7 @@ class LayerGrads:
     ``(784, 256)`` kernel's diagonal over 32 examples, with its WeightNorm
     VJP: 61 ms in one chunk, 5 ms one at a time).
     """
-    shapes = [tuple(np.shape(self._tape._leaves[k])) for k in leaves]
+    shapes = [self._leaf_shape(k) for k in leaves]
     num = self.num_samples * self._tape.batch
     size = max(  # a derived value's gradients may be larger than the leaves'
       math.prod(self._operand_shape(site, leaves[0], role == "derived"))
@@ -3522,7 +3522,7 @@ class LayerGrads:
     chunk, count, grads = self._chunks(
       views, leaves, chunk_size, summed=structure == "diag"
     )
-    shapes = [tuple(np.shape(self._tape._leaves[k])) for k in leaves]
+    shapes = [self._leaf_shape(k) for k in leaves]
     total = sum(math.prod(shape) for shape in shapes)
     dtype = jnp.result_type(*(v[0][2].dtype for v in views))
     if structure == "diag":
@@ -3562,9 +3562,7 @@ class LayerGrads:
       w = numerics.widen(weights).astype(
         jnp.promote_types(weights.dtype, dtype)
       )
-      shapes = tuple(
-        (w.shape[0],) + tuple(np.shape(self._tape._leaves[k])) for k in leaves
-      )
+      shapes = tuple((w.shape[0],) + self._leaf_shape(k) for k in leaves)
 
       def weighted(j, w=w, grads=grads):
         rows, gs = grads(j)
