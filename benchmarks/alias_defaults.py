@@ -22,6 +22,7 @@ across ``jax.vmap`` lanes (one compile per optimizer).
 from __future__ import annotations
 
 from collections.abc import Callable
+import functools
 import math
 import time
 from typing import Any
@@ -35,6 +36,7 @@ import optax
 
 from benchmarks import common
 from examples.common import datasets
+from examples.common import models
 import fisher_optax
 
 _SMALL = flags.DEFINE_bool("small", False, "Quick CI-size run.")
@@ -48,19 +50,10 @@ SMALL_LR_GRID = (1e-3, 1e-2)
 BATCH = 128
 TUNE_SEED = 100
 
-DN = optax.contrib.MuonDimensionNumbers
-
-
-def hidden_matrices(params: Any) -> Any:
-  """Muon's own advice: hidden 2-D kernels only; the head goes to Adam."""
-  head = max(params["layers"])
-  return {
-    "layers": {
-      i: {k: (DN() if k == "kernel" and i != head else None) for k in layer}
-      for i, layer in params["layers"].items()
-    }
-  }
-
+# Muon's own advice: hidden 2-D kernels only; the head goes to Adam.
+hidden_matrices = functools.partial(
+  models.digits_hidden_dims, kind=optax.contrib.MuonDimensionNumbers
+)
 
 # Each optimizer at its defaults with lr 1 (the lr is applied per lane).
 ARMS: dict[str, Callable[[], optax.GradientTransformation]] = {

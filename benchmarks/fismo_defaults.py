@@ -43,6 +43,7 @@ import optax
 
 from benchmarks import common
 from examples.common import datasets
+from examples.common import models
 import fisher_optax
 
 _SMALL = flags.DEFINE_bool("small", False, "Quick CI-size run.")
@@ -74,16 +75,6 @@ SPLIT_SEED = 7
 TUNE_SEED = 100
 ADAM_LR = 1e-3  # non-matrix leaves (head, biases), all arms but AdamW
 DN = optax.contrib.MuonDimensionNumbers
-
-
-def hidden_dims(params: Any, head: str) -> Any:
-  """MuonDimensionNumbers for hidden 2-D kernels, None elsewhere."""
-
-  def pick(path, x):
-    names = [str(getattr(k, "key", getattr(k, "idx", k))) for k in path]
-    return DN() if x.ndim == 2 and head not in names else None
-
-  return jax.tree_util.tree_map_with_path(pick, params)
 
 
 def make_tx(arm: tuple[Any, ...], dims: Any) -> optax.GradientTransformation:
@@ -239,7 +230,7 @@ def main(argv: Any) -> None:
   t0 = time.perf_counter()
   data = datasets.load_digits(seed=SPLIT_SEED)
   apply_fn, params0 = common.digits_mlp(seed=0, sizes=SIZES)
-  dims = hidden_dims(params0, head=str(len(SIZES) - 2))
+  dims = models.digits_hidden_dims(params0, DN)  # not the head
   results: list[dict[str, Any]] = []
   for base in (("adamw",), ("muon",)):
     (r,) = run_arm(apply_fn, base, dims, data, steps, grid, (0.0,), seeds, None)

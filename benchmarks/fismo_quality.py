@@ -61,18 +61,6 @@ GRIDS = {
 }
 
 
-def hidden_dims(params: Any, exclude: tuple[str, ...]) -> Any:
-  """MuonDimensionNumbers for 2-D kernels, None elsewhere (and for exclude)."""
-
-  def pick(path, x):
-    names = [str(getattr(k, "key", getattr(k, "idx", k))) for k in path]
-    if x.ndim != 2 or any(e in names for e in exclude):
-      return None
-    return DN()
-
-  return jax.tree_util.tree_map_with_path(pick, params)
-
-
 _STATIC = {
   "muon": ("ns_steps", "nesterov"),
   "fismo": ("ns_steps", "max_precond_dim", "max_aspect_ratio"),
@@ -199,7 +187,7 @@ def run_digits(seeds: int, steps: int, small: bool) -> dict[str, Any]:
   data = datasets.load_digits(seed=0)
   xtr, ytr = data["train"]
   apply_fn, params0 = common.digits_mlp(seed=0)
-  dims = hidden_dims(params0, exclude=("2",))  # layer 2 is the head
+  dims = models.digits_hidden_dims(params0, DN)  # not the head
   init_fn = lambda s: common.digits_mlp(seed=s)[1]
   evaluate = _evaluator(apply_fn)
   data_fn = lambda s: _stack(common.minibatches(xtr, ytr, 128, seed=s), steps)

@@ -134,6 +134,19 @@ def hidden_dims(params: PyTree, kind: Callable[..., Any]) -> PyTree:
   )
 
 
+def digits_hidden_dims(params: PyTree, kind: Callable[..., Any]) -> PyTree:
+  """``kind()`` for the hidden kernels of :func:`digits_mlp`'s params (every
+  layer's but the last, the classifier head), None for the head and biases:
+  Muon's advice for what Muon (and FISMO) should take."""
+  head = max(params["layers"])
+  return {
+    "layers": {
+      i: {k: kind() if k == "kernel" and i != head else None for k in layer}
+      for i, layer in params["layers"].items()
+    }
+  }
+
+
 def functional(module: nnx.Module) -> tuple[Callable[..., Any], PyTree]:
   """Splits an NNX module into ``(apply_fn, params)`` for pure optax loops.
 
