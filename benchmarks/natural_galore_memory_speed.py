@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import optax
 
 from benchmarks import common
+from benchmarks import floors
 import fisher_optax
 
 _SMALL = flags.DEFINE_bool("small", False, "Tiny shapes, few rounds.")
@@ -169,11 +170,9 @@ def step_floors(shapes, rank: int, s: int, batch: int = 8) -> dict[str, float]:
   for st in shapes.values():
     if len(st.shape) != 2:
       continue
-    m, n = st.shape
-    r = min(rank, m, n)
-    galore += 4 * m * n * r
-    window += 4 * s * r * min(m, n)
-    per_example += 2 * batch * m * n * r
+    galore += floors.galore(st.shape, rank)
+    window += floors.natural_galore_window(st.shape, rank, s)
+    per_example += batch * floors.galore(st.shape, rank) // 2
   ratio = (galore + window) / galore
   return {
     "natural_galore": ratio,
