@@ -65,6 +65,7 @@ import numpy as np
 import optax
 
 from benchmarks import common
+from benchmarks import floors
 from examples.common import datasets
 from examples.common import models
 import fisher_optax
@@ -193,6 +194,49 @@ def estimate_minutes(
   scale = flops(to, count_params(to)) / flops(cfg, n_params)
   steps = to["steps"] * to["seeds"] + to["tune_steps"] * to["grid_points"]
   return scale * steps * sum(s_per_step.values()) / 60
+
+
+def step_floors(
+  names: list[str], params: Any, loss: Any, x: Any, y: Any, cfg: dict
+) -> dict[str, float]:
+  """Each optimizer's train-step flops over AdamW's: the floor of its time.
+
+  The batch gradient's flops come from XLA's cost analysis of the compiled
+  gradient; the optimizers' matrix products from ``benchmarks/floors.py`` on
+  the hidden matrices they take (as routed by :func:`make_tx`). Elementwise
+  updates (Adam's, FAdam's) and periodic refreshes (FISMO's roots, GaLore's
+  SVD) are not counted, so Adam's and FAdam's floor is 1.
+  """
+  compiled = jax.jit(jax.value_and_grad(loss)).lower(params, x, y).compile()
+  analysis = compiled.cost_analysis()
+  if not analysis or "flops" not in analysis:
+    raise RuntimeError(f"no flop count from XLA on {jax.default_backend()}")
+  grad = float(analysis["flops"])
+  rank = max(4, cfg["d"] // 8)
+  mats = []
+  for leaf, axes in zip(
+    jax.tree.leaves(params),
+    jax.tree.leaves(
+      models.hidden_axes(params),
+      is_leaf=lambda a: a is None or isinstance(a, tuple),
+    ),
+  ):
+    if axes is None:
+      continue
+    dims = [(a,) if isinstance(a, int) else a for a in axes]
+    mats.append(tuple(math.prod(leaf.shape[i] for i in d) for d in dims))
+  muon = sum(floors.newton_schulz(m) for m in mats)
+  galore = sum(floors.galore(m, rank) for m in mats)
+  extra = {
+    "muon": muon,
+    "fismo": muon + sum(floors.fismo_extra(m) for m in mats),
+    "galore": galore,
+    "natural_galore": galore
+    + sum(floors.natural_galore_window(m, rank, 8) for m in mats),
+    "mfac": sum(floors.mfac(math.prod(m), 32) for m in mats),
+  }
+  extra["fismo_other_grafting"] = extra["fismo"]
+  return {n: (grad + extra.get(n, 0)) / grad for n in names}
 
 
 # -- data --------------------------------------------------------------------
@@ -491,6 +535,7 @@ def main(argv: Any) -> None:
     warmup=2,
   )
   s_per_step = {n: timing[n]["median_s"] for n in names}
+  floor = step_floors(names, transformer_lm(0, cfg)[1], loss, xb, yb, cfg)
   for n in names:
     print(f"timing {n}: {1e3 * s_per_step[n]:.1f} ms/step", flush=True)
   full = CONFIGS["full"]
@@ -558,6 +603,7 @@ def main(argv: Any) -> None:
           name,
           f"{1e3 * s_per_step[name]:.1f}",
           f"{timing[name]['ratio']:.2f}",
+          f"{floor[name]:.2f}",
           f"{horizon:.1f}",
           f"{horizon / s_per_step[name]:.0f}",
           _fmt(at_time),
@@ -575,6 +621,7 @@ def main(argv: Any) -> None:
       "optimizer",
       "ms/step (timed)",
       f"time vs {names[0]}",
+      "floor (flops)",
       "equal time (s)",
       "steps in it",
       "val loss at equal time",
@@ -618,7 +665,11 @@ def main(argv: Any) -> None:
     "step but is not what is timed). Loss at equal time "
     "interpolates each seed's validation curve at the shorter of the "
     "pair's two total training times. Shared 2-core CPU: absolute ms are "
-    "indicative, ratios more reliable."
+    "indicative, ratios more reliable. Floor: the step's matrix-product "
+    f"flops over {names[0]}'s, the batch gradient's from XLA's cost "
+    "analysis and the optimizer's on the hidden matrices it takes "
+    "(`benchmarks/floors.py`); elementwise updates and the periodic "
+    "refreshes (FISMO's roots, GaLore's SVD) are not counted."
     + (
       f" Sweeps and training runs of {', '.join(sorted(rerun))} made again "
       "with `--rerun` (the other optimizers' lrs and losses are the stored "
@@ -654,6 +705,7 @@ def main(argv: Any) -> None:
       "sweep": {n: {str(k): v for k, v in s.items()} for n, s in sweep.items()},
       "best_lr": best,
       "timing": timing,
+      "floor_flops": floor,
       "eval_steps": eval_steps,
       "val_curves": curves,
       "test_loss": test_loss,
