@@ -2003,6 +2003,98 @@ class FusedStatisticsTest(parameterized.TestCase):
         self.assertEqual(fused, {"s", "sub"})
         chex.assert_trees_all_close(got, want, rtol=1e-10, atol=1e-12)
 
+  def test_per_head_kernels_stacked_along_a_scan(self):
+    """A per-head kernel stacked along a scan forms its diagonal, K-FAC
+    Gamma (A in the forward pass), Gram matrix and weighted sums inside the
+    backward pass, equal to the recorded ones; the per-head kernel that the
+    iterations share, and those outside the scan, are recorded."""
+    with jax.enable_x64(True):
+      apply_fn, params, x, out_dim = _model("plain_heads_seq", jnp.float64)
+      cot = _cotangents(out_dim)
+      weights = fisher_testing.normal(jax.random.key(5), (2, B))
+
+      @functools.partial(jax.jit, static_argnums=(3, 4))
+      def stats(params, x, cot, structure, fused):
+        if structure == "combine":
+          tape = _taps.record(
+            apply_fn,
+            params,
+            x,
+            statistic="combine" if fused else None,
+            weights=weights if fused else None,
+          )
+          return tape.backward(cot[:1]).combine(weights)
+        return fisher_testing.layer_statistics(
+          apply_fn, params, x, cot, structure=structure, fused=fused
+        )[0]
+
+      for structure in ("diag", "kron", "gram", "combine"):
+        # The Gram matrix fuses for one sample per backward pass.
+        c = cot[:1] if structure == "gram" else cot
+        with self.subTest(structure):
+          tape = _traced_tape(
+            apply_fn,
+            params,
+            x,
+            statistic=structure,
+            weights=weights if structure == "combine" else None,
+          )
+          assert tape._fusion is not None
+          fused = {sorted(params)[i] for i in tape._fusion.leaves}
+          self.assertEqual(fused, {"stack"})
+          got = stats(params, x, c, structure, True)
+          want = stats(params, x, c, structure, False)
+          chex.assert_trees_all_close(got, want, rtol=1e-10, atol=1e-12)
+
+  @parameterized.parameters("empirical", "exact")
+  def test_fused_layers_of_a_scan_without_remat_hold_no_copies(self, kind):
+    """Without ``remat`` the scan keeps its layers' inputs for the backward
+    pass, and a fused tap reads those same arrays (of a dense and a
+    per-head kernel stacked along the scan): the diagonal holds no stacked
+    copy of them, so its memory stays near the gradient's. (A tap that read
+    them through ``stop_gradient`` made the scan keep a second stack.)"""
+    b, h, t, k, layers = 64, 4, 16, 16, 3
+
+    def apply_fn(p, x):
+      def layer(z, ws):
+        z = z + jnp.tanh(jnp.einsum("bhtk,hko->bhto", z, ws["heads"]))
+        return z + jnp.tanh(z @ ws["dense"]), None
+
+      z, _ = jax.lax.scan(layer, x, p["stack"])
+      return jnp.mean(z, axis=(1, 2)) @ p["w"]
+
+    key = jax.random.split(jax.random.key(0), 5)
+    params = {
+      "stack": {
+        "heads": fisher_testing.normal(key[0], (layers, h, k, k)) / 4,
+        "dense": fisher_testing.normal(key[1], (layers, k, k)) / 4,
+      },
+      "w": fisher_testing.normal(key[2], (k, 3)),
+    }
+    x = fisher_testing.normal(key[3], (b, h, t, k))
+    y = jax.random.randint(key[4], (b,), 0, 3)
+
+    def grad_fn(p, x, y):
+      del y
+      loss = lambda q: jnp.mean(jax.nn.logsumexp(apply_fn(q, x), axis=-1))
+      return jax.grad(loss)(p)
+
+    def diag_fn(p, x, y):
+      return fisher.diagonal(
+        apply_fn, p, (x, y), likelihood=fisher.Categorical(), kind=kind
+      )
+
+    def temp(fn):
+      compiled = jax.jit(fn).lower(params, x, y).compile()
+      return compiled.memory_analysis().temp_size_in_bytes
+
+    tape = _traced_tape(apply_fn, params, x, statistic="diag")
+    assert tape._fusion is not None
+    self.assertLen(tape._fusion.leaves, 2)
+    # A stacked copy of both kernels' inputs would add 2 * layers of them.
+    one_layer = b * h * t * k * 4
+    self.assertLess(temp(diag_fn), temp(grad_fn) + 2 * layers * one_layer)
+
   def test_fused_kron_forms_a_in_the_forward_pass(self):
     """Under ``statistic="kron"`` a stacked kernel's ``A_sum`` is formed
     once, in the forward pass (recorded per layer), and a backward pass

@@ -1401,7 +1401,9 @@ def _eval(
       site = plan.site_at.get(here)
       if site is not None and site in fused:
         f = fused[site]
-        act = lax.stop_gradient(_site_act(plan.sites[site], invals, read))
+        # The tap's backward returns no cotangent for act; read through a
+        # stop_gradient, a scan would keep it as a second stacked residual.
+        act = _site_act(plan.sites[site], invals, read)
         if f.forward is not None:
           acts[site] = f.forward(act, lax.stop_gradient(outs[0]))
         outs = [f.tap(outs[0], act if f.needs_act else None, taps[site])]
@@ -1759,7 +1761,7 @@ def record(
       never sums tap cotangents (examples) across devices.
     statistic: ``"diag"``, ``"kron"``, ``"gram"`` or ``"combine"`` to
       form that statistic of the leaves stacked along a scan (one use each,
-      a dense, scale, shift or conv layer) inside the
+      a dense, scale, shift, conv or per-head layer) inside the
       backward pass, one iteration at a time: the pass then keeps neither
       their activations nor their cotangents ``(L, B, T, ...)``, and a
       ``remat`` body is still recomputed, so memory stays near the batch
@@ -1925,10 +1927,11 @@ class _Fusion:
 def _fusable(plan: _Plan, statistic: str) -> dict[int, tuple[int, str]]:
   """Leaf -> (site, role) for the leaves whose statistic can be formed in
   the backward pass: stacked along every scan around their one use, a
-  dense, scale, shift or conv layer (for ``"kron"`` a conv with K-FAC
-  factors), at a site no other covered leaf needs. (K-FAC's
+  dense, scale, shift, conv or per-head layer (for ``"kron"`` a conv or
+  per-head kernel with K-FAC factors), at a site no other covered leaf
+  needs. (K-FAC's
   ``A`` forms in the forward pass, :func:`_fused_inputs`.)"""
-  kinds = ("dense", "scale", "shift", "conv")
+  kinds = ("dense", "scale", "shift", "conv", "bdense")
   out: dict[int, tuple[int, str]] = {}
   for leaf, uses in plan.special.items():
     if len(uses) != 1:
@@ -1937,8 +1940,8 @@ def _fusable(plan: _Plan, statistic: str) -> dict[int, tuple[int, str]]:
     site = plan.sites[s]
     if role == "derived":  # per-example gradients and a VJP: not fused
       continue
-    if statistic == "kron" and site.kind == "conv":
-      if not _conv_kron_ok(site.eqn):
+    if statistic == "kron" and site.kind in _CHUNKED:
+      if not _kron_ok(site, role):
         continue
     if modes and _stacked_only(modes) and site.kind in kinds:
       out[leaf] = (s, role)
@@ -1993,6 +1996,13 @@ def _fused_stat(
       w = tap[leaf][0]
       sums = _conv_combine(site.eqn, act, delta, w, shape, chunk_size)
       out[leaf] = (jnp.zeros_like(w), sums)
+    elif site.kind == "bdense" and statistic == "kron":  # A: _fused_inputs
+      gamma = jax.vmap(lambda d: _kron_gamma(d, reduce), in_axes=2)(view[2])
+      out[leaf] = gamma.reshape(shape[: site.heads] + gamma.shape[-2:])
+    elif site.kind == "bdense":
+      w = tap[leaf][0] if statistic == "combine" else None
+      val = _heads_stat(view, shape, statistic, chunk_size, w)
+      out[leaf] = val if w is None else (jnp.zeros_like(w), val)
     elif statistic == "diag":
       out[leaf] = _diag_stat(view, role, shape, chunk_size)
     elif statistic == "gram":
@@ -2005,6 +2015,49 @@ def _fused_stat(
     elif _kron_ok(site, role):  # A_sum: in the forward pass (_fused_inputs)
       out[leaf] = _kron_gamma(view[2], reduce)
   return out
+
+
+def _heads_stat(
+  view, shape: tuple, statistic: str, chunk_size, weights: Array | None
+) -> Array:
+  """One backward iteration's ``"diag"``, ``"gram"`` or ``"combine"`` of a
+  per-head kernel, ``shape``d (the Gram ``(B, B)``), from its view (``act``
+  ``(B, H, T, K)``, one sample's ``delta`` ``(1, B, H, T, O)``): the
+  per-example gradients ``(c, H, K, O)`` formed a chunk of examples at a
+  time (``chunk_size``, or as many as keep them in cache, as for a conv)."""
+  site, act, delta, _ = view
+  delta = delta[0]
+  b, heads, k, o = act.shape[0], act.shape[1], act.shape[-1], delta.shape[-1]
+  chunk = chunk_size or max(1, _PATCH_CHUNK_ELEMENTS // (heads * k * o))
+  grads = lambda a, d: jnp.einsum("chtk,chto->chko", a, d)
+  to_leaf = lambda g: _kernel_to_shape(
+    site, g.reshape(g.shape[:-3] + (heads * k, o)), shape
+  )
+  dtype = jnp.promote_types(act.dtype, delta.dtype)
+  if statistic == "gram":
+    g = _chunk_map(
+      lambda a, d: grads(a, d).reshape(a.shape[0], -1), [act, delta], chunk
+    )
+    return g @ g.T
+  if statistic == "diag":
+    square = lambda a, d: jnp.sum(grads(a, d) ** 2, axis=0)
+    total = _sum_over_example_chunks(
+      square, [act, delta], [0, 0], b, chunk, (heads, k, o), dtype
+    )
+    return to_leaf(total)
+  assert weights is not None
+  dtype = jnp.promote_types(dtype, weights.dtype)
+  part = lambda w, a, d: jnp.tensordot(w, grads(a, d), 1)
+  total = _sum_over_example_chunks(
+    part,
+    [weights, act, delta],
+    [1, 0, 0],
+    b,
+    chunk,
+    (weights.shape[0], heads, k, o),
+    dtype,
+  )
+  return to_leaf(total)
 
 
 def _fused_inputs(
@@ -2023,6 +2076,10 @@ def _fused_inputs(
     (leaf, _, _), *_ = users
     return {leaf: _conv_kron_input(site.eqn, act, batch, reduce)}
   view = _site_view(site, act, out[None], batch)
+  if site.kind == "bdense":  # per head (_fusable: K-FAC factors)
+    (leaf, _, shape), *_ = users
+    a_sum = jax.vmap(lambda a: _kron_a(a, reduce), in_axes=1)(view[1])
+    return {leaf: a_sum.reshape(shape[: site.heads] + a_sum.shape[-2:])}
   return {
     leaf: _kron_input(view, role, batch, reduce)
     for leaf, role, _ in users
