@@ -1929,8 +1929,7 @@ def _fusable(plan: _Plan, statistic: str) -> dict[int, tuple[int, str]]:
   the backward pass: stacked along every scan around their one use, a
   dense, scale, shift, conv or per-head layer (for ``"kron"`` a conv or
   per-head kernel with K-FAC factors), at a site no other covered leaf
-  needs. (K-FAC's
-  ``A`` forms in the forward pass, :func:`_fused_inputs`.)"""
+  needs. (K-FAC's ``A`` forms in the forward pass, :func:`_fused_inputs`.)"""
   kinds = ("dense", "scale", "shift", "conv", "bdense")
   out: dict[int, tuple[int, str]] = {}
   for leaf, uses in plan.special.items():
