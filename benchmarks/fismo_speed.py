@@ -16,10 +16,10 @@ Floor (flops, ``benchmarks/floors.py``): Muon's step is its Newton-Schulz
 iterations, ``30 m^3`` on a square leaf; FISMO's step with cached roots adds
 its products with the factors and their roots, ``14 m^3`` there (``16 m^3``
 with ``momentum_space="original"``), and ``6 a^2 b`` on an ``a x b`` leaf
-preconditioned on its smaller side. The refresh step's
-inverse roots are iterative (``eigh``, a Newton iteration, a Cholesky
-factorisation with its solve), so its rows have no fixed floor; the
-amortised floor is the cached step's. These counts agree with XLA's cost
+preconditioned on its smaller side. The refresh step's inverse roots are
+iterative (``eigh``, a Newton iteration, a Cholesky factorisation with its
+solve), so its rows have no fixed floor; the amortised floor is the cached
+step's. These counts agree with XLA's cost
 analysis of the compiled steps on the default leaves to 0.5%, once the
 products of the refresh branch of the cached step's ``lax.cond`` (each
 root rebuilt from its factor's ``eigh``), which the analysis counts though

@@ -69,6 +69,7 @@ from benchmarks import floors
 from examples.common import datasets
 from examples.common import models
 import fisher_optax
+from fisher_optax import _matrix_view
 
 _SMALL = flags.DEFINE_bool("small", False, "A seconds-long smoke run (CI).")
 _MEDIUM = flags.DEFINE_bool(
@@ -213,18 +214,13 @@ def step_floors(
     raise RuntimeError(f"no flop count from XLA on {jax.default_backend()}")
   grad = float(analysis["flops"])
   rank = max(4, cfg["d"] // 8)
-  mats = []
-  for leaf, axes in zip(
-    jax.tree.leaves(params),
-    jax.tree.leaves(
-      models.hidden_axes(params),
-      is_leaf=lambda a: a is None or isinstance(a, tuple),
-    ),
-  ):
-    if axes is None:
-      continue
-    dims = [(a,) if isinstance(a, int) else a for a in axes]
-    mats.append(tuple(math.prod(leaf.shape[i] for i in d) for d in dims))
+  # The matrices as the optimizers view them (the same dimension numbers).
+  dims = models.hidden_dims(params, optax.contrib.MuonDimensionNumbers)
+  mats = [
+    view.matrix_shape
+    for view in _matrix_view.plans(dims, params)
+    if view is not None
+  ]
   muon = sum(floors.newton_schulz(m) for m in mats)
   galore = sum(floors.galore(m, rank) for m in mats)
   extra = {

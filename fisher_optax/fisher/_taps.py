@@ -1996,7 +1996,7 @@ def _fused_stat(
       sums = _conv_combine(site.eqn, act, delta, w, shape, chunk_size)
       out[leaf] = (jnp.zeros_like(w), sums)
     elif site.kind == "bdense" and statistic == "kron":  # A: _fused_inputs
-      gamma = jax.vmap(lambda d: _kron_gamma(d, reduce), in_axes=2)(view[2])
+      gamma = _heads_kron_gamma(view[2], reduce)
       out[leaf] = gamma.reshape(shape[: site.heads] + gamma.shape[-2:])
     elif site.kind == "bdense":
       w = tap[leaf][0] if statistic == "combine" else None
@@ -2077,7 +2077,8 @@ def _fused_inputs(
   view = _site_view(site, act, out[None], batch)
   if site.kind == "bdense":  # per head (_fusable: K-FAC factors)
     (leaf, _, shape), *_ = users
-    a_sum = jax.vmap(lambda a: _kron_a(a, reduce), in_axes=1)(view[1])
+    assert view[1] is not None
+    a_sum = _heads_kron_a(view[1], reduce)
     return {leaf: a_sum.reshape(shape[: site.heads] + a_sum.shape[-2:])}
   return {
     leaf: _kron_input(view, role, batch, reduce)
@@ -2651,8 +2652,7 @@ def _kron_stat(site_view, role: str, batch: int, reduce: bool = False):
     return None
   if site_view[0].kind == "bdense":  # per head: (H, K, K) and (H, O, O)
     _, act, delta, _ = site_view
-    a_sum = jax.vmap(lambda a: _kron_a(a, reduce), in_axes=1)(act)
-    return a_sum, jax.vmap(lambda d: _kron_gamma(d, reduce), in_axes=2)(delta)
+    return _heads_kron_a(act, reduce), _heads_kron_gamma(delta, reduce)
   a_sum = _kron_input(site_view, role, batch, reduce)
   return (a_sum, _kron_gamma(site_view[2], reduce))
 
@@ -2689,6 +2689,18 @@ def _kron_gamma(delta: Array, reduce: bool) -> Array:
     summed = jnp.sum(delta, axis=2)
     return jnp.einsum("snd,sne->de", summed, summed)
   return jnp.einsum("sntd,snte->de", delta, delta)  # positions as examples
+
+
+def _heads_kron_a(act: Array, reduce: bool) -> Array:
+  """``A_sum`` per head ``(H, K, K)`` of a per-head view's ``act``
+  ``(B, H, T, K)``."""
+  return jax.vmap(lambda a: _kron_a(a, reduce), in_axes=1)(act)
+
+
+def _heads_kron_gamma(delta: Array, reduce: bool) -> Array:
+  """``Gamma_sum`` per head ``(H, O, O)`` of a per-head view's ``delta``
+  ``(S, B, H, T, O)``."""
+  return jax.vmap(lambda d: _kron_gamma(d, reduce), in_axes=2)(delta)
 
 
 def _kron_a(act: Array, reduce: bool) -> Array:
