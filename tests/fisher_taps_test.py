@@ -1289,9 +1289,10 @@ class CoverageTest(parameterized.TestCase):
             _assert_close(self, a, b, rtol=1e-9)
 
   def test_conv_patch_budget_chunks_rows(self):
-    """With the default chunking, rows are split so that a chunk's input
-    patches fit the patch budget (a padded last chunk included); statistics
-    and the combination equal the oracle."""
+    """With the default chunking, examples are split so that a chunk's
+    input patches fit the patch budget: the diagonal's chunks of examples
+    (the kernel's one use outside scans), the combination's chunks of rows
+    (a padded last chunk included); both equal the oracle."""
 
     def apply_fn(p, x):
       h = jax.lax.conv_general_dilated(
@@ -1318,10 +1319,12 @@ class CoverageTest(parameterized.TestCase):
         jax.random.key(3), (2, S * B), jnp.float64
       )
       patches = 3 * 4 * 6 * 2  # positions x window x input channels
-      # Chunks of 4 rows of S * B = 6: the last one padded.
-      with mock.patch.object(_taps, "_PATCH_CHUNK_ELEMENTS", 4 * patches):
+      # The diagonal: chunks of 1 example of B = 3 (2 do not divide it).
+      with mock.patch.object(_taps, "_PATCH_CHUNK_ELEMENTS", 2 * patches):
         diag, _ = _stats(apply_fn, params, x, cot, "diag", None)
-        _jit_stats.clear_cache()
+      _jit_stats.clear_cache()
+      # The combination: chunks of 4 rows of S * B = 6, the last one padded.
+      with mock.patch.object(_taps, "_PATCH_CHUNK_ELEMENTS", 4 * patches):
         tape = _taps.record(apply_fn, params, x)
         combined = tape.backward(cot).combine(weights)
       _jit_stats.clear_cache()
@@ -1331,6 +1334,60 @@ class CoverageTest(parameterized.TestCase):
       want = fisher_testing.unravel_like(params, weights @ flat)
       for a, b in zip(jax.tree.leaves(combined), jax.tree.leaves(want)):
         _assert_close(self, a, b, rtol=1e-9)
+
+  @parameterized.parameters("empirical", "exact")
+  def test_conv_diagonal_slices_the_recorded_arrays(self, kind):
+    """A conv kernel used once outside scans forms its diagonal from slices
+    of the recorded activations and cotangents, a chunk of examples at a
+    time: no gather of rows from them (the generic path's), which also made
+    XLA:CPU copy the activation next to the forward pass's own."""
+
+    def apply_fn(p, x):
+      dn = ("NHWC", "HWIO", "NHWC")
+      z = jax.lax.conv_general_dilated(
+        x, p["c1"], (1, 1), "SAME", dimension_numbers=dn
+      )
+      z = jax.lax.conv_general_dilated(
+        jax.nn.relu(z), p["c2"], (2, 2), "SAME", dimension_numbers=dn
+      )
+      return jnp.tanh(z).reshape(x.shape[0], -1) @ p["w"]
+
+    key = jax.random.split(jax.random.key(0), 5)
+    params = {
+      "c1": fisher_testing.normal(key[0], (3, 3, 2, 4)),
+      "c2": fisher_testing.normal(key[1], (3, 3, 4, 4)) / 4,
+      "w": fisher_testing.normal(key[2], (4 * 4 * 4, 3)) / 8,
+    }
+    x = fisher_testing.normal(key[3], (8, 8, 8, 2))
+    y = jax.random.randint(key[4], (8,), 0, 3)
+
+    def diag(method):
+      return lambda p: fisher.diagonal(
+        apply_fn,
+        p,
+        (x, y),
+        likelihood=fisher.Categorical(),
+        kind=kind,
+        method=method,
+      )
+
+    gathered = []
+
+    def walk(jaxpr):
+      for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "gather":
+          gathered.append(eqn.invars[0].aval.shape)
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+          walk(sub)
+
+    # A patch budget of 3 examples: a loop over chunks, and a remainder.
+    with mock.patch.object(_taps, "_PATCH_CHUNK_ELEMENTS", 3 * 8 * 8 * 9 * 2):
+      walk(jax.make_jaxpr(diag("auto"))(params).jaxpr)
+      got = diag("auto")(params)
+    self.assertEmpty(gathered)
+    want = diag("per_example")(params)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+      np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
 
   def test_conv_rules(self):
     """A conv kernel shared by a scan's iterations is covered, without

@@ -2746,6 +2746,19 @@ def _conv_example_grads(
   return _chunk_map(one, [x, delta], chunk)
 
 
+def _conv_gram_fits(view, chunk_size: int | None) -> bool:
+  """Whether a conv view's per-example kernel gradients (one sample) are
+  formed at once for their Gram matrix: without a ``chunk_size``, when they
+  fit the default budget (else the Gram matrix pairs chunks)."""
+  site, _, delta, _ = view
+  kernel = math.prod(site.eqn.invars[1].aval.shape)
+  return (
+    chunk_size is None
+    and delta.shape[0] == 1
+    and delta.shape[1] * kernel <= DEFAULT_CHUNK_ELEMENTS
+  )
+
+
 def _conv_combine(
   eqn,
   x: Array,
@@ -3385,6 +3398,18 @@ class LayerGrads:
             out[leaf] = self._stacked_kron(leaf, reduce)
         continue
       leaf = leaves[0]
+      conv = self._plain_conv(leaves)
+      if conv is not None and structure == "diag":
+        site, act, delta, _ = conv
+        shape = self._leaf_shape(leaf)
+        out[leaf] = _conv_diag(site.eqn, act, delta, shape, chunk_size)
+        continue
+      if conv is not None and _conv_gram_fits(conv, chunk_size):
+        site, act, delta, _ = conv  # one sample
+        g = _conv_example_grads(site.eqn, act, delta[0], chunk_size)
+        g = g.reshape(g.shape[0], -1)
+        out[leaf] = g @ g.T
+        continue
       views = self._special_views(leaf)
       if (
         len(views) > 1
@@ -3407,6 +3432,23 @@ class LayerGrads:
         )
         out[leaf] = jnp.sum(val, axis=0)
     return out
+
+  def _plain_conv(self, leaves: tuple[int, ...]):
+    """The view of a conv kernel's one use outside scans (else ``None``),
+    activations as the forward pass laid them out.
+
+    Its statistics then slice examples from the recorded arrays in place: a
+    view lifted to the scans' ``(X, ...)`` layout made XLA:CPU copy the
+    activation (the copy fuses with its producer, so the forward pass's
+    buffer is not reused), one activation more than the gradient holds.
+    """
+    uses = self._tape._plan.special[leaves[0]]
+    if len(leaves) != 1 or len(uses) != 1:
+      return None
+    s, role, modes = uses[0]
+    if modes or role != "kernel" or self._tape._plan.sites[s].kind != "conv":
+      return None
+    return self._site(s)
 
   def _special_groups(self) -> list[tuple[int, ...]]:
     """The special leaves (not fused), grouped: leaves used only through
@@ -3624,6 +3666,13 @@ class LayerGrads:
     """``combine`` of the ``_special`` leaves from chunked gradients."""
     out = {}
     for leaves in self._special_groups():
+      conv = self._plain_conv(leaves)
+      if conv is not None and conv[2].shape[0] == 1:
+        site, act, delta, _ = conv
+        shape = self._leaf_shape(leaves[0])
+        w = numerics.widen(weights)
+        out[leaves[0]] = _conv_combine(site.eqn, act, delta[0], w, shape, None)
+        continue
       views = self._special_views(leaves[0])
       _, count, grads = self._chunks(views, leaves, None, summed=True)
       dtype = jnp.result_type(*(v[0][2].dtype for v in views))
