@@ -199,6 +199,7 @@ def _forward(
       statistic=statistic,
       chunk_size=opts.chunk_size,
       weight_sharing=weight_sharing,
+      ordered=kind == "empirical",
     )
     out = tape.outputs
     pull = lambda r: tape.gradient(r)

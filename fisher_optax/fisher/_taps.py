@@ -1397,17 +1397,26 @@ def _eval(
       outs = _eval_loop(eqn, invals, here, plan, taps, acts, fused)
     else:
       conv = top and eqn.primitive is lax.conv_general_dilated_p
-      outs = (_bind_conv if conv else _bind)(eqn, invals)
+      bind = functools.partial(_bind_conv if conv else _bind, eqn)
       site = plan.site_at.get(here)
-      if site is not None and site in fused:
-        f = fused[site]
+      f = fused.get(site) if site is not None else None
+      if site is None:
+        outs = bind(invals)
+      elif f is not None and f.ordered is not None:
+        # An unscanned layer: its equation under _ordered_layer.
+        act = _site_act(plan.sites[site], invals, read)
+        layer = _ordered_layer(f.ordered, bind, plan.sites[site].act_index)
+        outs = [layer(*invals, act, taps[site])]
+      elif f is not None:
         # The tap's backward returns no cotangent for act; read through a
         # stop_gradient, a scan would keep it as a second stacked residual.
+        outs = bind(invals)
         act = _site_act(plan.sites[site], invals, read)
         if f.forward is not None:
           acts[site] = f.forward(act, lax.stop_gradient(outs[0]))
         outs = [f.tap(outs[0], act if f.needs_act else None, taps[site])]
-      elif site is not None:
+      else:
+        outs = bind(invals)
         acts[site] = _site_act(plan.sites[site], invals, read)
         outs = [outs[0] + taps[site]]
     for v, x in zip(eqn.outvars, outs):
@@ -1748,6 +1757,7 @@ def record(
   chunk_size: int | None = None,
   weight_sharing: str = "expand",
   weights: Array | None = None,
+  ordered: bool = False,
 ) -> LayerTape:
   """Runs ``apply_fn(params, inputs)`` with zero taps on its dense layers.
 
@@ -1779,6 +1789,14 @@ def record(
     weights: with ``statistic="combine"``, the ``(k, B)`` weights of
       :meth:`LayerGrads.combine`: a low-rank Fisher's directions from a
       first pass's Gram matrix.
+    ordered: with ``statistic="diag"``, also form the diagonal of the dense
+      and conv layers outside scans inside the backward pass, and pull back
+      each such layer's input cotangent after its statistic and its
+      parameter's cotangent, which both read the layer's input: the input
+      is freed before the next cotangent is written, as in the gradient
+      alone, so memory beyond the gradient's stays within the statistics'
+      chunk budget. For one backward pass (the empirical Fisher's); a loop
+      of passes would form the statistic in every one.
 
   Returns:
     A :class:`LayerTape`; call ``.backward(cotangents)`` on it.
@@ -1807,7 +1825,9 @@ def record(
   plan = _make_plan(closed, num, batch)
   covered = [r is not None for r in plan.roles]
   out_shapes, act_avals = _site_avals(plan, closed)
-  fused_leaves = _fusable(plan, statistic) if statistic is not None else {}
+  fused_leaves = (
+    _fusable(plan, statistic, ordered) if statistic is not None else {}
+  )
   fused, stat_avals = {}, {}
   for s, users in _by_site(fused_leaves).items():
     site, act = plan.sites[s], act_avals[s]
@@ -1845,7 +1865,10 @@ def record(
       tap = {leaf: (numerics.widen(weights), None) for leaf in users}
       stat_avals[s] = jax.eval_shape(stat_fn, a, delta, tap)
     fused[s] = _FusedSite(
-      _fused_tap(stat_fn, reads_tap=weights is not None), needs_act, forward
+      _fused_tap(stat_fn, reads_tap=weights is not None),
+      needs_act,
+      forward,
+      stat_fn if s not in plan.site_loops else None,  # an unscanned layer
     )
   taps = []
   for s in range(len(plan.sites)):
@@ -1924,7 +1947,9 @@ class _Fusion:
   weights: Any = None  # statistic="combine": the (k, B) weights
 
 
-def _fusable(plan: _Plan, statistic: str) -> dict[int, tuple[int, str]]:
+def _fusable(
+  plan: _Plan, statistic: str, ordered: bool = False
+) -> dict[int, tuple[int, str]]:
   """Leaf -> (site, role) for the leaves whose statistic can be formed in
   the backward pass: stacked along every scan around their one use, a
   dense, scale, shift, conv or per-head layer (for ``"kron"`` a conv or
@@ -1944,6 +1969,14 @@ def _fusable(plan: _Plan, statistic: str) -> dict[int, tuple[int, str]]:
         continue
     if modes and _stacked_only(modes) and site.kind in kinds:
       out[leaf] = (s, role)
+  if ordered and statistic == "diag":
+    for leaf, r in enumerate(plan.roles):
+      uses = plan.special.get(leaf, [(*r, ())] if r is not None else [])
+      if len(uses) != 1 or uses[0][2]:  # one use, outside scans
+        continue
+      s, role, _ = uses[0]
+      if role in ("kernel", "bias") and plan.sites[s].kind in ("dense", "conv"):
+        out[leaf] = (s, role)
   needed = set()  # sites that other covered leaves read (a, delta) from
   for leaf in range(len(plan.roles)):
     if leaf not in out:
@@ -2096,6 +2129,7 @@ class _FusedSite(NamedTuple):
   tap: Callable[..., Any]
   needs_act: bool
   forward: Callable[[Array, Array], Any] | None = None
+  ordered: Callable[..., Any] | None = None  # stat_fn of an unscanned layer
 
 
 def _fused_tap(stat_fn: Callable[..., Any], reads_tap: bool = False):
@@ -2120,6 +2154,51 @@ def _fused_tap(stat_fn: Callable[..., Any], reads_tap: bool = False):
 
   tap.defvjp(fwd, bwd)
   return tap
+
+
+def _after(x: Array, tree: Any) -> Array:
+  """``x``, computed after ``tree``: plus a zero made from one of its
+  elements (``0 * isfinite``, so exactly zero, never NaN)."""
+  leaf = jax.tree.leaves(tree)[0]
+  zero = jnp.isfinite(jnp.ravel(leaf)[0]).astype(x.dtype) * 0
+  return x + zero
+
+
+def _ordered_layer(stat_fn, bind, act_index: int):
+  """``layer(x0, x1, act, t) = bind([x0, x1])[0]``, one operand the activation
+  (``act_index``), the other the parameter, whose backward returns
+  ``stat_fn(act, dz)`` as ``t``'s cotangent and pulls back the activation's
+  cotangent after the statistic and the parameter's cotangent.
+
+  Both read the layer's input, which can then be freed before the next
+  cotangent is written; left to itself XLA:CPU ran the statistic after it
+  and held both. The order rides on the parameter operand (small), made to
+  depend on both results (:func:`_after`)."""
+
+  def out(ops) -> Array:
+    return bind(list(ops))[0]
+
+  @jax.custom_vjp
+  def layer(x0, x1, act, t):
+    del act, t
+    return out([x0, x1])
+
+  def fwd(x0, x1, act, t):
+    del t
+    return out([x0, x1]), (x0, x1, act)
+
+  def bwd(res, dz):
+    x0, x1, act = res
+    ops, p = (x0, x1), 1 - act_index
+    stat = stat_fn(act, dz)
+    dw = jax.vjp(lambda w: out(_put(ops, p, w)), ops[p])[1](dz)[0]
+    ops = _put(ops, p, _after(_after(ops[p], dw), stat))
+    x = ops[act_index]
+    dx = jax.vjp(lambda x: out(_put(ops, act_index, x)), x)[1](dz)[0]
+    return (*_put(_put((None, None), p, dw), act_index, dx), None, stat)
+
+  layer.defvjp(fwd, bwd)
+  return layer
 
 
 # --------------------------------------------------------------------------
@@ -2750,7 +2829,7 @@ def _conv_gram_fits(view, chunk_size: int | None) -> bool:
   """Whether a conv view's per-example kernel gradients (one sample) are
   formed at once for their Gram matrix: without a ``chunk_size``, when they
   fit the default budget (else the Gram matrix pairs chunks)."""
-  site, _, delta, _ = view
+  site, _, delta = view
   kernel = math.prod(site.eqn.invars[1].aval.shape)
   return (
     chunk_size is None
@@ -2880,8 +2959,10 @@ class LayerGrads:
     """Yields (leaf index, site index, role) for covered leaves with one use
     and no scan slicing them (the others are ``_special``)."""
     special = self._tape._plan.special
+    fusion = self._tape._fusion
+    fused = fusion.leaves if fusion is not None else {}
     for leaf, r in enumerate(self._tape._plan.roles):
-      if r is not None and leaf not in special:
+      if r is not None and leaf not in special and leaf not in fused:
         yield leaf, r[0], r[1]
 
   def _unflatten(self, values: dict) -> PyTree:
@@ -3400,12 +3481,12 @@ class LayerGrads:
       leaf = leaves[0]
       conv = self._plain_conv(leaves)
       if conv is not None and structure == "diag":
-        site, act, delta, _ = conv
+        site, act, delta = conv
         shape = self._leaf_shape(leaf)
         out[leaf] = _conv_diag(site.eqn, act, delta, shape, chunk_size)
         continue
       if conv is not None and _conv_gram_fits(conv, chunk_size):
-        site, act, delta, _ = conv  # one sample
+        site, act, delta = conv  # one sample
         g = _conv_example_grads(site.eqn, act, delta[0], chunk_size)
         g = g.reshape(g.shape[0], -1)
         out[leaf] = g @ g.T
@@ -3448,7 +3529,9 @@ class LayerGrads:
     s, role, modes = uses[0]
     if modes or role != "kernel" or self._tape._plan.sites[s].kind != "conv":
       return None
-    return self._site(s)
+    site, act, delta, _ = self._site(s)
+    assert act is not None
+    return site, act, delta
 
   def _special_groups(self) -> list[tuple[int, ...]]:
     """The special leaves (not fused), grouped: leaves used only through
@@ -3668,7 +3751,7 @@ class LayerGrads:
     for leaves in self._special_groups():
       conv = self._plain_conv(leaves)
       if conv is not None and conv[2].shape[0] == 1:
-        site, act, delta, _ = conv
+        site, act, delta = conv
         shape = self._leaf_shape(leaves[0])
         w = numerics.widen(weights)
         out[leaves[0]] = _conv_combine(site.eqn, act, delta[0], w, shape, None)
