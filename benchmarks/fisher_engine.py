@@ -158,7 +158,7 @@ def estimators(apply_fn, chunk: int) -> dict[str, tuple[Callable, bool]]:
 
   def one_pass(p, x, y, k):
     del k
-    tape = _taps.record(apply_fn, p, x, statistic="diag")
+    tape = _taps.record(apply_fn, p, x, statistic="diag", ordered=True)
     logits = tape.outputs
     r = (jax.nn.softmax(logits) - jax.nn.one_hot(y, NUM_CLASSES)) / len(y)
     grad, lg = tape.gradient(r)

@@ -13,6 +13,7 @@ import functools
 import math
 import re
 from typing import Any
+from unittest import mock
 import warnings
 
 from absl.testing import absltest
@@ -1024,6 +1025,42 @@ class ConvZooTest(parameterized.TestCase):
       for key in ("empirical", "exact", "low_rank"):
         with self.subTest(key):
           _assert_tree_close(out["auto", key], out["per_example", key], 1e-10)
+
+  @parameterized.parameters("linen_cnn", "nnx_cnn")
+  def test_ordered_layers_equal_the_per_example_path(self, name):
+    """The empirical diagonal with every unscanned dense and conv layer's
+    statistic formed in the backward pass, its input cotangent ordered
+    after it (a chunk budget of one element: every layer's input exceeds
+    it): the diagonal and the mean gradient as by ``"per_example"``."""
+    with jax.enable_x64(True):
+      apply_fn, params, x = _conv_model(name, jnp.float64)
+      y = jnp.arange(B) % CLASSES
+
+      def diag(method):
+        return fisher.diagonal(
+          apply_fn,
+          params,
+          (x, y),
+          likelihood=fisher.Categorical(),
+          kind="empirical",
+          method=method,
+        )
+
+      with mock.patch.object(fisher_taps, "_PATCH_CHUNK_ELEMENTS", 1):
+        tape = fisher_taps.record(
+          apply_fn, params, x, statistic="diag", ordered=True
+        )
+        got = diag("auto")
+      assert tape._fusion is not None
+      kernels = [
+        leaf
+        for leaf, (s, role) in tape._fusion.leaves.items()
+        if role == "kernel" and tape._plan.sites[s].kind == "conv"
+      ]
+      self.assertNotEmpty(kernels)
+      want = diag("per_example")
+      _assert_tree_close(got.diag, want.diag, 1e-10)
+      _assert_tree_close(got.mean_grad, want.mean_grad, 1e-10)
 
   @parameterized.parameters("linen_cnn", "nnx_cnn")
   def test_input_cotangent_convolutions_keep_the_fast_layout(self, name):
