@@ -467,6 +467,12 @@ def diagonal(
   with the cotangents ``r`` of ``kind`` (see :mod:`fisher_optax.fisher`);
   ``batch_squared`` is ``(mean_n g_n)^2``, Adam's quantity.
 
+  On the layer path the ``empirical`` kind takes one backward pass, the
+  mean gradient's. The diagonals of layers stacked along scans, and of
+  dense and conv layers whose inputs are large, form inside it, and such a
+  layer's input is freed before the next cotangent is written, as in the
+  gradient alone (not held next to it for a statistic formed after).
+
   Args:
     apply_fn: ``apply_fn(params, inputs) -> outputs`` with the batch axis
       first (a Linen ``model.apply``, an NNX merge function, any function).
