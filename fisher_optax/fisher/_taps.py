@@ -1794,10 +1794,10 @@ def record(
       statistics' chunk budget inside the backward pass, and pull back each
       such layer's input cotangent after its statistic and its parameter's
       cotangent, which both read the layer's input: the input is freed
-      before the next cotangent is written, as in the gradient alone, so
-      memory beyond the gradient's does not grow with the batch. For one
-      backward pass (the empirical Fisher's); a loop of passes would form
-      the statistic in every one.
+      before the next cotangent is written, as in the gradient alone, not
+      held next to it for a statistic formed after. For one backward pass
+      (the empirical Fisher's); a loop of passes would form the statistic
+      in every one.
 
   Returns:
     A :class:`LayerTape`; call ``.backward(cotangents)`` on it.
