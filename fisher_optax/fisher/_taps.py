@@ -2029,19 +2029,11 @@ def _fused_stat(
   for leaf, role, shape in users:
     if site.kind == "conv" and statistic == "kron":  # A: _fused_inputs
       out[leaf] = _conv_kron_gamma(site.eqn, delta[None], batch, reduce)
-    elif site.kind == "conv" and statistic == "diag":
+    elif site.kind == "conv":  # S = 1 (one backward iteration)
       assert act is not None
-      out[leaf] = _conv_diag(site.eqn, act, view[2], shape, chunk_size)
-    elif site.kind == "conv" and statistic == "gram":  # S = 1 (backward)
-      assert act is not None
-      g = _conv_example_grads(site.eqn, act, delta, chunk_size)
-      g = g.reshape(batch, -1)
-      out[leaf] = g @ g.T
-    elif site.kind == "conv":  # combine
-      assert act is not None
-      w = tap[leaf][0]
-      sums = _conv_combine(site.eqn, act, delta, w, shape, chunk_size)
-      out[leaf] = (jnp.zeros_like(w), sums)
+      w = tap[leaf][0] if statistic == "combine" else None
+      val = _conv_stat(site.eqn, act, view[2], shape, statistic, chunk_size, w)
+      out[leaf] = val if w is None else (jnp.zeros_like(w), val)
     elif site.kind == "bdense" and statistic == "kron":  # A: _fused_inputs
       gamma = _heads_kron_gamma(view[2], reduce)
       out[leaf] = gamma.reshape(shape[: site.heads] + gamma.shape[-2:])
@@ -2839,6 +2831,29 @@ def _conv_example_grads(
   return _chunk_map(one, [x, delta], chunk)
 
 
+def _conv_stat(
+  eqn,
+  x: Array,
+  delta: Array,
+  shape: tuple,
+  statistic: str,
+  chunk_size: int | None,
+  weights: Array | None = None,
+) -> Array:
+  """``"diag"`` (any samples), ``"gram"`` or ``"combine"`` (one sample) of a
+  conv kernel from its input ``x`` and output cotangents ``delta`` ``(S,
+  ...)``, the per-example gradients formed a chunk of examples at a time
+  from slices of the arrays as recorded."""
+  if statistic == "diag":
+    return _conv_diag(eqn, x, delta, shape, chunk_size)
+  if statistic == "gram":
+    g = _conv_example_grads(eqn, x, delta[0], chunk_size)
+    g = g.reshape(g.shape[0], -1)
+    return g @ g.T
+  assert weights is not None
+  return _conv_combine(eqn, x, delta[0], weights, shape, chunk_size)
+
+
 def _conv_gram_fits(view, chunk_size: int | None) -> bool:
   """Whether a conv view's per-example kernel gradients (one sample) are
   formed at once for their Gram matrix: without a ``chunk_size``, when they
@@ -3494,16 +3509,14 @@ class LayerGrads:
         continue
       leaf = leaves[0]
       conv = self._plain_conv(leaves)
-      if conv is not None and structure == "diag":
+      if conv is not None and (
+        structure == "diag" or _conv_gram_fits(conv, chunk_size)
+      ):
         site, act, delta = conv
         shape = self._leaf_shape(leaf)
-        out[leaf] = _conv_diag(site.eqn, act, delta, shape, chunk_size)
-        continue
-      if conv is not None and _conv_gram_fits(conv, chunk_size):
-        site, act, delta = conv  # one sample
-        g = _conv_example_grads(site.eqn, act, delta[0], chunk_size)
-        g = g.reshape(g.shape[0], -1)
-        out[leaf] = g @ g.T
+        out[leaf] = _conv_stat(
+          site.eqn, act, delta, shape, structure, chunk_size
+        )
         continue
       views = self._special_views(leaf)
       if (
@@ -3768,7 +3781,8 @@ class LayerGrads:
         site, act, delta = conv
         shape = self._leaf_shape(leaves[0])
         w = numerics.widen(weights)
-        out[leaves[0]] = _conv_combine(site.eqn, act, delta[0], w, shape, None)
+        stat = _conv_stat(site.eqn, act, delta, shape, "combine", None, w)
+        out[leaves[0]] = stat
         continue
       views = self._special_views(leaves[0])
       _, count, grads = self._chunks(views, leaves, None, summed=True)
