@@ -2206,6 +2206,84 @@ class FusedStatisticsTest(parameterized.TestCase):
     for a, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
       np.testing.assert_allclose(a, w, rtol=1e-4, atol=1e-9)
 
+  def test_empirical_diagonal_of_convs_holds_no_more_than_the_gradient(self):
+    """An unscanned conv kernel's cotangent is the sum of the per-example
+    gradients its diagonal forms: the backward pass runs no kernel-gradient
+    convolution, whose operand XLA:CPU copied to another layout in the
+    forward pass while the statistic held the input as recorded. With a
+    scan after the convs (where the peak falls in the forward pass) that
+    copy had cost a whole activation beyond the gradient's memory."""
+    b, side = 512, 28
+    dn = ("NHWC", "HWIO", "NHWC")
+    conv = lambda h, k, s=1: jax.lax.conv_general_dilated(
+      h, k, (s, s), "SAME", None, None, dn
+    )
+
+    def apply_fn(p, x):
+      h = jax.nn.relu(conv(x, p["k0"]) + p["b0"])
+      h = jax.nn.relu(conv(h, p["k1"], 2) + p["b1"])
+
+      @jax.checkpoint
+      def block(h, k):
+        return jax.nn.relu(conv(h, k)), None
+
+      h, _ = jax.lax.scan(block, h, p["ks"])
+      return h.reshape(h.shape[0], -1) @ p["out"]
+
+    key = jax.random.split(jax.random.key(0), 5)
+    params = {
+      "k0": fisher_testing.normal(key[0], (3, 3, 1, 8)) / 3,
+      "b0": jnp.zeros(8),
+      "k1": fisher_testing.normal(key[1], (3, 3, 8, 16)) / 8,
+      "b1": jnp.zeros(16),
+      "ks": fisher_testing.normal(key[2], (2, 3, 3, 16, 16)) / 12,
+      "out": fisher_testing.normal(key[3], ((side // 2) ** 2 * 16, 10)) / 50,
+    }
+    x = fisher_testing.normal(key[4], (b, side, side, 1))
+    y = jnp.arange(b) % 10
+
+    def grad_fn(p, x, y):
+      def loss(q):
+        z = apply_fn(q, x)
+        picked = jnp.take_along_axis(z, y[:, None], 1)[:, 0]
+        return jnp.mean(jax.nn.logsumexp(z, -1) - picked)
+
+      return jax.grad(loss)(p)
+
+    def diag_fn(p, x, y, method="auto"):
+      return fisher.diagonal(
+        apply_fn,
+        p,
+        (x, y),
+        likelihood=fisher.Categorical(),
+        kind="empirical",
+        method=method,
+      )
+
+    def compiled(fn):
+      return jax.jit(fn).lower(params, x, y).compile()
+
+    def convs(fn) -> int:  # in the compiled program, scan bodies too
+      return compiled(fn).as_text().count(" convolution(")
+
+    with mock.patch.object(_taps, "_PATCH_CHUNK_ELEMENTS", 4096):
+      diag = compiled(diag_fn).memory_analysis().temp_size_in_bytes
+      # No gradient convolution for either unscanned kernel.
+      self.assertEqual(convs(diag_fn), convs(grad_fn) - 2)
+    grad = compiled(grad_fn).memory_analysis().temp_size_in_bytes
+    activation = b * side * side * 8 * 4  # the first conv's output
+    self.assertLess(diag - grad, activation / 4)
+    x, y = x[:64], y[:64]  # the values, on fewer examples
+    with mock.patch.object(_taps, "_PATCH_CHUNK_ELEMENTS", 4096):
+      got = diag_fn(params, x, y)
+    want = diag_fn(params, x, y, "per_example")
+    for a, w in zip(jax.tree.leaves(got.diag), jax.tree.leaves(want.diag)):
+      np.testing.assert_allclose(a, w, rtol=1e-4, atol=1e-9)
+    for a, w in zip(
+      jax.tree.leaves(got.mean_grad), jax.tree.leaves(grad_fn(params, x, y))
+    ):
+      np.testing.assert_allclose(a, w, rtol=1e-4, atol=1e-7)
+
   def test_fused_kron_forms_a_in_the_forward_pass(self):
     """Under ``statistic="kron"`` a stacked kernel's ``A_sum`` is formed
     once, in the forward pass (recorded per layer), and a backward pass

@@ -1875,7 +1875,15 @@ def record(
       _fused_tap(stat_fn, reads_tap=weights is not None),
       needs_act,
       forward,
-      stat_fn if s not in plan.site_loops else None,  # an unscanned layer
+      None
+      if s in plan.site_loops
+      else functools.partial(  # an unscanned layer
+        _ordered_stat,
+        site,
+        [(leaf, role, shapes[leaf]) for leaf, role in users.items()],
+        batch,
+        chunk_size,
+      ),
     )
   taps = []
   for s in range(len(plan.sites)):
@@ -2055,6 +2063,33 @@ def _fused_stat(
   return out
 
 
+def _ordered_stat(
+  site: _Site,
+  users: list[tuple[int, str, tuple[int, ...]]],
+  batch: int,
+  chunk_size: int | None,
+  act: Array,
+  delta: Array,
+) -> tuple[dict[int, Any], Array | None]:
+  """An unscanned layer's diagonals (as :func:`_fused_stat`) and the
+  cotangent of its conv kernel, the sum of the per-example gradients the
+  kernel's diagonal forms anyway (``None`` without a conv kernel).
+
+  So the backward pass runs no kernel-gradient convolution, whose input
+  XLA:CPU copies to another layout in the forward pass: the statistic's
+  slices and that copy would both hold the layer's input."""
+  kernel = [u for u in users if site.kind == "conv" and u[1] == "kernel"]
+  rest = [u for u in users if u not in kernel]
+  out = _fused_stat(site, rest, batch, "diag", chunk_size, False, act, delta)
+  dw = None
+  for leaf, _, shape in kernel:
+    d = numerics.widen(delta)[None]  # as _site_view lays out a conv
+    x = numerics.widen(act)
+    both = _conv_diag(site.eqn, x, d, shape, chunk_size, with_sum=True)
+    out[leaf], dw = both[0], both[1]
+  return out, dw
+
+
 def _heads_stat(
   view, shape: tuple, statistic: str, chunk_size, weights: Array | None
 ) -> Array:
@@ -2172,9 +2207,10 @@ def _after(x: Array, tree: Any) -> Array:
 
 def _ordered_layer(stat_fn, bind, act_index: int):
   """``layer(x0, x1, act, t) = bind([x0, x1])[0]``, one operand the activation
-  (``act_index``), the other the parameter, whose backward returns
-  ``stat_fn(act, dz)`` as ``t``'s cotangent and pulls back the activation's
-  cotangent after the statistic and the parameter's cotangent.
+  (``act_index``), the other the parameter, whose backward returns the
+  statistic of ``stat_fn(act, dz) = (stat, dw)`` as ``t``'s cotangent and
+  pulls back the activation's cotangent after the statistic and the
+  parameter's cotangent (``dw``, or a VJP where it is ``None``).
 
   Both read the layer's input, which can then be freed before the next
   cotangent is written; left to itself XLA:CPU ran the statistic after it
@@ -2196,8 +2232,11 @@ def _ordered_layer(stat_fn, bind, act_index: int):
   def bwd(res, dz):
     x0, x1, act = res
     ops, p = (x0, x1), 1 - act_index
-    stat = stat_fn(act, dz)
-    dw = jax.vjp(lambda w: out(_put(ops, p, w)), ops[p])[1](dz)[0]
+    stat, dw = stat_fn(act, dz)
+    if dw is None:
+      dw = jax.vjp(lambda w: out(_put(ops, p, w)), ops[p])[1](dz)[0]
+    else:
+      dw = dw.reshape(ops[p].shape).astype(ops[p].dtype)
     ops = _put(ops, p, _after(_after(ops[p], dw), stat))
     x = ops[act_index]
     dx = jax.vjp(lambda x: out(_put(ops, act_index, x)), x)[1](dz)[0]
@@ -2797,23 +2836,34 @@ def _kron_a(act: Array, reduce: bool) -> Array:
 
 
 def _conv_diag(
-  eqn, x: Array, delta: Array, shape: tuple, chunk_size: int | None
+  eqn,
+  x: Array,
+  delta: Array,
+  shape: tuple,
+  chunk_size: int | None,
+  with_sum: bool = False,
 ) -> Array:
   """``sum_{s,n} g_{s,n}^2`` of a conv kernel from its input ``x`` and
   output cotangents ``delta`` ``(S, ...)``, the per-example gradients
   formed for a chunk of examples at a time (``chunk_size``, or as many as
-  keep their input patches in cache)."""
+  keep their input patches in cache). ``with_sum`` (one sample): stacked
+  with ``sum_n g_n``, the kernel's cotangent, ``(2, *shape)``."""
   num_s, b = delta.shape[:2]
   chunk = _patch_chunk(eqn, chunk_size)
 
   def square(xc, dc):
+    if with_sum:
+      g = _conv_kernel_grads(eqn, xc, dc[0])
+      return jnp.stack([jnp.sum(g**2, axis=0), jnp.sum(g, axis=0)])
     squares = [
       jnp.sum(_conv_kernel_grads(eqn, xc, dc[s]) ** 2, axis=0)
       for s in range(num_s)
     ]
     return functools.reduce(jnp.add, squares)
 
+  assert not with_sum or num_s == 1
   dtype = jnp.promote_types(x.dtype, delta.dtype)
+  shape = (2, *shape) if with_sum else shape
   return _sum_over_example_chunks(
     square, [x, delta], [0, 1], b, chunk, shape, dtype
   )
