@@ -471,7 +471,9 @@ def diagonal(
   mean gradient's. The diagonals of layers stacked along scans, and of
   dense and conv layers whose inputs are large, form inside it, and such a
   layer's input is freed before the next cotangent is written, as in the
-  gradient alone (not held next to it for a statistic formed after).
+  gradient alone (not held next to it for a statistic formed after). Such
+  a conv kernel's gradient is the sum of the per-example gradients its
+  diagonal forms, so the pass runs no convolution for it.
 
   Args:
     apply_fn: ``apply_fn(params, inputs) -> outputs`` with the batch axis
