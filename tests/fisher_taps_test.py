@@ -2284,6 +2284,57 @@ class FusedStatisticsTest(parameterized.TestCase):
     ):
       np.testing.assert_allclose(a, w, rtol=1e-4, atol=1e-7)
 
+  def test_empirical_diagonal_of_attention_holds_no_more_than_the_gradient(
+    self,
+  ):
+    """Flax's attention merges its heads, a transposed value, before the
+    output projection: the diagonal's loop over examples reads that input as
+    the projection's matmul does, so XLA:CPU keeps one row-major copy of it
+    (it had made a second for the loop, held to the backward pass)."""
+    b, t, d = 64, 32, 128
+
+    class Block(nn.Module):
+      @nn.compact
+      def __call__(self, x):
+        h = nn.LayerNorm()(x)
+        x = x + nn.MultiHeadDotProductAttention(num_heads=4)(h, h)
+        x = x + nn.Dense(d)(jax.nn.gelu(nn.Dense(2 * d)(nn.LayerNorm()(x))))
+        return nn.Dense(10)(jnp.mean(x, axis=1))
+
+    model = Block()
+    x = fisher_testing.normal(jax.random.key(0), (b, t, d))
+    y = jnp.arange(b) % 10
+    params = model.init(jax.random.key(1), x[:1])
+
+    def grad_fn(p, x, y):
+      def loss(q):
+        z = model.apply(q, x)
+        picked = jnp.take_along_axis(z, y[:, None], 1)[:, 0]
+        return jnp.mean(jax.nn.logsumexp(z, -1) - picked)
+
+      return jax.grad(loss)(p)
+
+    def diag_fn(p, x, y, method="auto"):
+      return fisher.diagonal(
+        model.apply,
+        p,
+        (x, y),
+        likelihood=fisher.Categorical(),
+        kind="empirical",
+        method=method,
+      )
+
+    def temp(fn):
+      compiled = jax.jit(fn).lower(params, x, y).compile()
+      return compiled.memory_analysis().temp_size_in_bytes
+
+    self.assertLess(temp(diag_fn) - temp(grad_fn), b * t * d * 4 / 2)
+    x, y = x[:8], y[:8]
+    got = diag_fn(params, x, y).diag
+    want = diag_fn(params, x, y, "per_example").diag
+    for a, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+      np.testing.assert_allclose(a, w, rtol=1e-4, atol=1e-9)
+
   def test_fused_kron_forms_a_in_the_forward_pass(self):
     """Under ``statistic="kron"`` a stacked kernel's ``A_sum`` is formed
     once, in the forward pass (recorded per layer), and a backward pass

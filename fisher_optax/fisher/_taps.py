@@ -2564,17 +2564,25 @@ def _loop_over_examples() -> bool:
 
 def _sum_sq_example_grads(a: Array, d: Array) -> Array:
   """``sum_{s,n} (a_n^T d_{s,n})^2`` for ``a`` ``(B, T, K)`` and ``d`` ``(S,
-  B, T, O)``: a scan over examples, one ``(K, T) x (T, S * O)`` matmul each."""
+  B, T, O)``: a scan over examples, one ``(K, T) x (T, S * O)`` matmul each.
+
+  The loop reads ``a`` as ``(B * T, K)``, the matrix the layer's own matmul
+  reads: where ``a`` is a transposed value (attention's heads merged before
+  the output projection), XLA:CPU then makes one row-major copy of it for
+  both, where a ``(B, T, K)`` operand got a second, held to the backward
+  pass."""
   dtype = jnp.promote_types(a.dtype, d.dtype)
+  t = a.shape[1]
+  flat = a.reshape(-1, a.shape[-1])
 
   def one(n):
-    a_n = lax.dynamic_index_in_dim(a, n, axis=0, keepdims=False)  # (T, K)
+    a_n = lax.dynamic_slice_in_dim(flat, n * t, t, axis=0)  # (T, K)
     d_n = lax.dynamic_index_in_dim(d, n, axis=1, keepdims=False)  # (S, T, O)
     g = jnp.einsum("tk,sto->kso", a_n, d_n)
     return jnp.sum(g * g, axis=1)
 
   shape = (a.shape[-1], d.shape[-1])
-  return _loop_sum(one, a.shape[0], shape, dtype, [a, d])
+  return _loop_sum(one, a.shape[0], shape, dtype, [flat, d])
 
 
 def _conv_kernel_grads(eqn, x: Array, delta: Array, shared: int = 1) -> Array:
