@@ -468,12 +468,13 @@ def diagonal(
   ``batch_squared`` is ``(mean_n g_n)^2``, Adam's quantity.
 
   On the layer path the ``empirical`` kind takes one backward pass, the
-  mean gradient's. The diagonals of layers stacked along scans, and of
-  dense and conv layers whose inputs are large, form inside it, and such a
-  layer's input is freed before the next cotangent is written, as in the
-  gradient alone (not held next to it for a statistic formed after). Such
-  a conv kernel's gradient is the sum of the per-example gradients its
-  diagonal forms, so the pass runs no convolution for it.
+  mean gradient's. The diagonals of layers stacked along scans, of conv
+  layers and dense layers shared over positions, and of dense layers whose
+  inputs are large, form inside it, and such a layer's input is freed
+  before the next cotangent is written, as in the gradient alone (not held
+  next to it for a statistic formed after). A conv or shared dense
+  kernel's gradient outside scans is the sum of the per-example gradients
+  its diagonal forms, so the pass runs no kernel-gradient product for it.
 
   Args:
     apply_fn: ``apply_fn(params, inputs) -> outputs`` with the batch axis

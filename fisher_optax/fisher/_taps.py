@@ -1789,15 +1789,18 @@ def record(
     weights: with ``statistic="combine"``, the ``(k, B)`` weights of
       :meth:`LayerGrads.combine`: a low-rank Fisher's directions from a
       first pass's Gram matrix.
-    ordered: with ``statistic="diag"``, also form the diagonal of the dense
-      and conv layers outside scans whose input is larger than the
-      statistics' chunk budget inside the backward pass, and pull back each
-      such layer's input cotangent after its statistic and its parameter's
-      cotangent, which both read the layer's input: the input is freed
-      before the next cotangent is written, as in the gradient alone, not
-      held next to it for a statistic formed after. For one backward pass
-      (the empirical Fisher's); a loop of passes would form the statistic
-      in every one.
+    ordered: with ``statistic="diag"``, also form the diagonal of conv
+      layers, dense layers shared over positions, and dense layers whose
+      input is larger than the statistics' chunk budget, outside scans,
+      inside the backward pass, and pull back each such layer's input
+      cotangent after its statistic and its parameter's cotangent, which
+      both read the layer's input: the input is freed before the next
+      cotangent is written, as in the gradient alone, not held next to it
+      for a statistic formed after. A conv or shared dense kernel's
+      cotangent is then the sum of the per-example gradients its diagonal
+      forms (no kernel-gradient product). For one backward pass (the
+      empirical Fisher's); a loop of passes would form the statistic in
+      every one.
 
   Returns:
     A :class:`LayerTape`; call ``.backward(cotangents)`` on it.
@@ -1826,15 +1829,14 @@ def record(
   plan = _make_plan(closed, num, batch)
   covered = [r is not None for r in plan.roles]
   out_shapes, act_avals = _site_avals(plan, closed)
-  # Ordering pays where a layer's input is larger than the statistics'
-  # chunk budget; below it, it only cost time (10-15% at B = 32 and 128 on
-  # the benchmark MLP and CNN).
-  big = {
+  orders = {
     s
     for s, aval in act_avals.items()
-    if ordered and math.prod(aval.shape) > _PATCH_CHUNK_ELEMENTS
+    if ordered and _orders(plan.sites[s], aval, batch)
   }
-  fused_leaves = _fusable(plan, statistic, big) if statistic is not None else {}
+  fused_leaves = (
+    _fusable(plan, statistic, orders) if statistic is not None else {}
+  )
   fused, stat_avals = {}, {}
   for s, users in _by_site(fused_leaves).items():
     site, act = plan.sites[s], act_avals[s]
@@ -1962,6 +1964,24 @@ class _Fusion:
   weights: Any = None  # statistic="combine": the (k, B) weights
 
 
+def _orders(site: _Site, aval: Any, batch: int) -> bool:
+  """Whether ``record(..., ordered=True)`` runs an unscanned layer under
+  :func:`_ordered_layer`.
+
+  Where its input is larger than the statistics' chunk budget (the input
+  is then freed before the next cotangent), and where the diagonal forms
+  the kernel's per-example gradients (a conv, a dense layer shared over
+  positions), whose sum replaces the kernel-gradient product
+  (:func:`_ordered_stat`). Elsewhere ordering only cost time: 10-15% at B
+  = 32 and 128 on the benchmark MLP."""
+  if math.prod(aval.shape) > _PATCH_CHUNK_ELEMENTS or site.kind == "conv":
+    return True
+  if site.kind != "dense":
+    return False
+  act = jax.eval_shape(lambda a: _dense_act(site, a, batch), aval)
+  return act.shape[1] > 1
+
+
 def _fusable(
   plan: _Plan, statistic: str, ordered: Collection[int] = ()
 ) -> dict[int, tuple[int, str]]:
@@ -2072,21 +2092,30 @@ def _ordered_stat(
   delta: Array,
 ) -> tuple[dict[int, Any], Array | None]:
   """An unscanned layer's diagonals (as :func:`_fused_stat`) and the
-  cotangent of its conv kernel, the sum of the per-example gradients the
-  kernel's diagonal forms anyway (``None`` without a conv kernel).
+  cotangent of its kernel where the diagonal forms per-example gradients
+  (a conv, a dense layer shared over positions): their sum (else ``None``).
 
-  So the backward pass runs no kernel-gradient convolution, whose input
-  XLA:CPU copies to another layout in the forward pass: the statistic's
-  slices and that copy would both hold the layer's input."""
-  kernel = [u for u in users if site.kind == "conv" and u[1] == "kernel"]
+  So the backward pass runs no kernel-gradient convolution or matmul. A
+  convolution's input XLA:CPU copies to another layout in the forward
+  pass, and the statistic's slices and that copy would both hold the
+  layer's input."""
+  view = _site_view(site, act, delta[None], batch)
+  shared = site.kind == "conv" or (
+    site.kind == "dense" and view[1] is not None and view[1].shape[1] > 1
+  )
+  kernel = [u for u in users if shared and u[1] == "kernel"]
   rest = [u for u in users if u not in kernel]
   out = _fused_stat(site, rest, batch, "diag", chunk_size, False, act, delta)
   dw = None
   for leaf, _, shape in kernel:
-    d = numerics.widen(delta)[None]  # as _site_view lays out a conv
-    x = numerics.widen(act)
-    both = _conv_diag(site.eqn, x, d, shape, chunk_size, with_sum=True)
-    out[leaf], dw = both[0], both[1]
+    _, x, d, _ = view
+    assert x is not None
+    if site.kind == "conv":
+      both = _conv_diag(site.eqn, x, d, shape, chunk_size, with_sum=True)
+      out[leaf], dw = both[0], both[1]
+    else:
+      sq, g = _shared_dense_sums(x, d, chunk_size)
+      out[leaf], dw = (_kernel_to_shape(site, v, shape) for v in (sq, g))
   return out, dw
 
 
@@ -2562,9 +2591,11 @@ def _loop_over_examples() -> bool:
   return _xla_cpu()
 
 
-def _sum_sq_example_grads(a: Array, d: Array) -> Array:
+def _sum_sq_example_grads(a: Array, d: Array, with_sum: bool = False) -> Any:
   """``sum_{s,n} (a_n^T d_{s,n})^2`` for ``a`` ``(B, T, K)`` and ``d`` ``(S,
   B, T, O)``: a scan over examples, one ``(K, T) x (T, S * O)`` matmul each.
+  ``with_sum`` (one sample): and ``sum_n a_n^T d_n``, the kernel's
+  cotangent.
 
   The loop reads ``a`` as ``(B * T, K)``, the matrix the layer's own matmul
   reads: where ``a`` is a transposed value (attention's heads merged before
@@ -2579,10 +2610,33 @@ def _sum_sq_example_grads(a: Array, d: Array) -> Array:
     a_n = lax.dynamic_slice_in_dim(flat, n * t, t, axis=0)  # (T, K)
     d_n = lax.dynamic_index_in_dim(d, n, axis=1, keepdims=False)  # (S, T, O)
     g = jnp.einsum("tk,sto->kso", a_n, d_n)
-    return jnp.sum(g * g, axis=1)
+    return jnp.sum(g * g, axis=1), g[:, 0]
 
   shape = (a.shape[-1], d.shape[-1])
-  return _loop_sum(one, a.shape[0], shape, dtype, [flat, d])
+  if with_sum:
+    assert d.shape[0] == 1
+    return _loop_sums(one, a.shape[0], (shape, shape), dtype, [flat, d])
+  return _loop_sum(lambda n: one(n)[0], a.shape[0], shape, dtype, [flat, d])
+
+
+def _shared_dense_sums(
+  a: Array, d: Array, chunk_size: int | None
+) -> tuple[Array, Array]:
+  """``(sum_n g_n^2, sum_n g_n)`` ``(K, O)`` of a weight-shared dense
+  kernel, ``g_n = a_n^T d_n``, from ``a`` ``(B, T, K)`` and one sample's
+  ``d`` ``(1, B, T, O)``: the diagonal and the kernel's cotangent from the
+  same per-example gradients."""
+  if _loop_over_examples():
+    return _sum_sq_example_grads(a, d, with_sum=True)
+  k, o = a.shape[-1], d.shape[-1]
+  chunk = chunk_size or max(1, DEFAULT_CHUNK_ELEMENTS // (k * o))
+
+  def part(a, d):
+    g = jnp.einsum("cti,ctj->cij", a, d)
+    return jnp.stack([jnp.sum(g**2, axis=0), jnp.sum(g, axis=0)])[None]
+
+  both = jnp.sum(_chunk_map(part, [a, d[0]], chunk), axis=0)
+  return both[0], both[1]
 
 
 def _conv_kernel_grads(eqn, x: Array, delta: Array, shared: int = 1) -> Array:
