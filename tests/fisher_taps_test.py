@@ -501,6 +501,46 @@ class LayerStatisticsTest(parameterized.TestCase):
           gi = jnp.swapaxes(gi, 0, 1).reshape(S * B, -1)
           _assert_close(self, n, jnp.sum(gi**2, 1), rtol=tol)
 
+  @parameterized.parameters("plain_seq", "linen_seq", "nnx_seq")
+  def test_ordered_shared_dense_loop_and_chunks(self, name):
+    """Dense kernels shared over positions, ordered in the empirical
+    diagonal's backward pass (their cotangent the sum of the per-example
+    gradients the diagonal forms): by the loop over examples (CPU) and by
+    chunks of batched products (other backends, remainder rows), the
+    diagonal and mean gradient equal the per-example path's."""
+    with jax.enable_x64(True):
+      apply_fn, params, inputs, out_dim = _model(name)
+      y = jnp.arange(B) % out_dim
+
+      def diag(method, chunk_size=None):
+        return fisher.diagonal(
+          apply_fn,
+          params,
+          (inputs, y),
+          likelihood=fisher.Categorical(),
+          kind="empirical",
+          method=method,
+          chunk_size=chunk_size,
+        )
+
+      tape = _taps.record(
+        apply_fn, params, inputs, statistic="diag", ordered=True
+      )
+      assert tape._fusion is not None
+      shared = [
+        leaf
+        for leaf, (s, role) in tape._fusion.leaves.items()
+        if role == "kernel" and tape._plan.sites[s].kind == "dense"
+      ]
+      self.assertNotEmpty(shared)
+      want = diag("per_example")
+      for loop, chunk in ((True, None), (False, None), (False, 3)):
+        with mock.patch.object(_taps, "_loop_over_examples", lambda: loop):
+          got = diag("auto", chunk)
+        with self.subTest(loop=loop, chunk=chunk):
+          for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            _assert_close(self, a, b)
+
   @parameterized.parameters("linen_seq", "plain_derived_seq")
   def test_weight_shared_diag_loop_and_chunks(self, name):
     """The loops over examples (CPU: the weight-shared diagonal, a derived

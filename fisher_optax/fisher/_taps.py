@@ -2628,15 +2628,26 @@ def _shared_dense_sums(
   same per-example gradients."""
   if _loop_over_examples():
     return _sum_sq_example_grads(a, d, with_sum=True)
+  both = _chunked_example_sums(a, d[0], chunk_size, with_sum=True)
+  return both[0], both[1]
+
+
+def _chunked_example_sums(
+  a: Array, d: Array, chunk_size: int | None, with_sum: bool = False
+) -> Array:
+  """``sum_n g_n^2``, and with ``with_sum`` ``sum_n g_n``, stacked ``(1 or
+  2, K, O)``, ``g_n = a_n^T d_n`` for ``a`` ``(B, T, K)`` and one sample's
+  ``d`` ``(B, T, O)``: chunks of batched products (accelerators). One call
+  per sample keeps the (possibly sharded) batch axis unmerged."""
   k, o = a.shape[-1], d.shape[-1]
   chunk = chunk_size or max(1, DEFAULT_CHUNK_ELEMENTS // (k * o))
 
   def part(a, d):
     g = jnp.einsum("cti,ctj->cij", a, d)
-    return jnp.stack([jnp.sum(g**2, axis=0), jnp.sum(g, axis=0)])[None]
+    sums = [jnp.sum(g**2, axis=0)] + ([jnp.sum(g, axis=0)] if with_sum else [])
+    return jnp.stack(sums)[None]
 
-  both = jnp.sum(_chunk_map(part, [a, d[0]], chunk), axis=0)
-  return both[0], both[1]
+  return jnp.sum(_chunk_map(part, [a, d], chunk), axis=0)
 
 
 def _conv_kernel_grads(eqn, x: Array, delta: Array, shared: int = 1) -> Array:
@@ -2815,17 +2826,8 @@ def _diag_stat(site_view, role: str, shape: tuple, chunk_size) -> Array:
   if _loop_over_examples():  # memory O(d_in * d_out), below any chunk
     total = _sum_sq_example_grads(act, delta)
     return _kernel_to_shape(site, total, shape)
-  # Chunks of batched products; one pass per sample keeps the (possibly
-  # sharded) batch axis unmerged.
-  d_in, d_out = act.shape[-1], delta.shape[-1]
-  chunk = chunk_size or max(1, DEFAULT_CHUNK_ELEMENTS // (d_in * d_out))
-
-  def part(a, d):
-    g = jnp.einsum("cti,ctj->cij", a, d)
-    return jnp.sum(g**2, axis=0)[None]
-
   total = sum(
-    jnp.sum(_chunk_map(part, [act, delta[s]], chunk), axis=0)
+    _chunked_example_sums(act, delta[s], chunk_size)[0]
     for s in range(delta.shape[0])
   )
   return _kernel_to_shape(site, jnp.asarray(total), shape)
