@@ -440,9 +440,20 @@ class LayerStatisticsTest(parameterized.TestCase):
     aa = jnp.tile(a @ a.T, (n // b, n // b))
     want = (aa + 1) * (r1 @ r1.T) + r2 @ r2.T
     terms = [(a, r1, True), (None, r2, False)]
-    with mock.patch.object(_taps, "_BLOCK_ELEMENTS", 2 * n * block_rows):
-      got = _taps._rows_gram(terms, n, b)
+    chunks, chunk_map = [], _taps._chunk_map
+
+    def recorded(fn, xs, chunk):
+      chunks.append(chunk)
+      return chunk_map(fn, xs, chunk)
+
+    # Each block holds every site's two products (all run before the fusion
+    # that sums them): the budget is for all of them.
+    budget = 2 * len(terms) * n * block_rows
+    with mock.patch.object(_taps, "_BLOCK_ELEMENTS", budget):
+      with mock.patch.object(_taps, "_chunk_map", recorded):
+        got = _taps._rows_gram(terms, n, b)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    self.assertEqual(chunks, [block_rows])
 
   @parameterized.parameters((7, 3), (12, 5), (8, 4), (3, 8))
   def test_sums_over_example_chunks_without_padding(self, b, chunk):

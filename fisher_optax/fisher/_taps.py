@@ -2468,7 +2468,9 @@ def _rows_gram(terms: list, n: int, b: int) -> Array:
     return out.astype(dtype)
 
   r_all = [r for _, r, _ in terms]
-  chunk = max(1, _BLOCK_ELEMENTS // (2 * n))
+  # XLA runs every site's products before the fusion that sums them: the
+  # block's row count keeps all of them within the budget.
+  chunk = max(1, _BLOCK_ELEMENTS // (2 * len(terms) * n))
   return _chunk_map(block, [jnp.arange(n), *r_all], chunk)
 
 
