@@ -1832,7 +1832,7 @@ def record(
   orders = {
     s
     for s, aval in act_avals.items()
-    if ordered and _orders(plan.sites[s], aval, batch)
+    if ordered and statistic == "diag" and _orders(plan.sites[s], aval, batch)
   }
   fused_leaves = (
     _fusable(plan, statistic, orders) if statistic is not None else {}
