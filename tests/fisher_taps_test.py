@@ -2324,7 +2324,7 @@ class FusedStatisticsTest(parameterized.TestCase):
     grad = compiled(grad_fn).memory_analysis().temp_size_in_bytes
     activation = b * side * side * 8 * 4  # the first conv's output
     self.assertLess(diag - grad, activation / 4)
-    x, y = x[:64], y[:64]  # the values, on fewer examples
+    x, y = x[:16], y[:16]  # the values, on fewer examples
     with mock.patch.object(_taps, "_PATCH_CHUNK_ELEMENTS", 4096):
       got = diag_fn(params, x, y)
     want = diag_fn(params, x, y, "per_example")
@@ -2365,26 +2365,21 @@ class FusedStatisticsTest(parameterized.TestCase):
 
       return jax.grad(loss)(p)
 
-    def diag_fn(p, x, y, method="auto"):
+    def diag_fn(p, x, y):
       return fisher.diagonal(
         model.apply,
         p,
         (x, y),
         likelihood=fisher.Categorical(),
         kind="empirical",
-        method=method,
       )
 
     def temp(fn):
       compiled = jax.jit(fn).lower(params, x, y).compile()
       return compiled.memory_analysis().temp_size_in_bytes
 
+    # (Its values against the per-example path: the zoo's attention LMs.)
     self.assertLess(temp(diag_fn) - temp(grad_fn), b * t * d * 4 / 2)
-    x, y = x[:8], y[:8]
-    got = diag_fn(params, x, y).diag
-    want = diag_fn(params, x, y, "per_example").diag
-    for a, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-      np.testing.assert_allclose(a, w, rtol=1e-4, atol=1e-9)
 
   def test_fused_kron_forms_a_in_the_forward_pass(self):
     """Under ``statistic="kron"`` a stacked kernel's ``A_sum`` is formed
