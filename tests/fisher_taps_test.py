@@ -347,6 +347,32 @@ def _assert_close(test, got, want, rtol=1e-10, atol=1e-12):
   )
 
 
+def _gradient_and_diagonal(apply_fn):
+  """``(grad_fn, diag_fn)`` of a classifier, each ``(params, x, y)``: the
+  batch gradient of its mean cross-entropy, and its empirical diagonal
+  (``diag_fn`` also takes ``method``)."""
+
+  def grad_fn(p, x, y):
+    def loss(q):
+      z = apply_fn(q, x)
+      picked = jnp.take_along_axis(z, y[:, None], 1)[:, 0]
+      return jnp.mean(jax.nn.logsumexp(z, -1) - picked)
+
+    return jax.grad(loss)(p)
+
+  def diag_fn(p, x, y, method="auto"):
+    return fisher.diagonal(
+      apply_fn,
+      p,
+      (x, y),
+      likelihood=fisher.Categorical(),
+      kind="empirical",
+      method=method,
+    )
+
+  return grad_fn, diag_fn
+
+
 def _assert_paths_agree(test, apply_fn, params, batch, rank: int) -> None:
   """The estimators by ``method="auto"`` (no fallback) equal the
   per-example path's (:func:`fisher_testing.estimates_by_path`)."""
@@ -2227,23 +2253,7 @@ class FusedStatisticsTest(parameterized.TestCase):
     x = fisher_testing.normal(key[5], (b, d))
     y = jnp.zeros((b,), jnp.int32)
 
-    def grad_fn(p, x, y):
-      def loss(q):
-        z = apply_fn(q, x)
-        picked = jnp.take_along_axis(z, y[:, None], 1)[:, 0]
-        return jnp.mean(jax.nn.logsumexp(z, -1) - picked)
-
-      return jax.grad(loss)(p)
-
-    def diag_fn(p, x, y, method="auto"):
-      return fisher.diagonal(
-        apply_fn,
-        p,
-        (x, y),
-        likelihood=fisher.Categorical(),
-        kind="empirical",
-        method=method,
-      )
+    grad_fn, diag_fn = _gradient_and_diagonal(apply_fn)
 
     def temp(fn):
       compiled = jax.jit(fn).lower(params, x, y).compile()
@@ -2293,23 +2303,7 @@ class FusedStatisticsTest(parameterized.TestCase):
     x = fisher_testing.normal(key[4], (b, side, side, 1))
     y = jnp.arange(b) % 10
 
-    def grad_fn(p, x, y):
-      def loss(q):
-        z = apply_fn(q, x)
-        picked = jnp.take_along_axis(z, y[:, None], 1)[:, 0]
-        return jnp.mean(jax.nn.logsumexp(z, -1) - picked)
-
-      return jax.grad(loss)(p)
-
-    def diag_fn(p, x, y, method="auto"):
-      return fisher.diagonal(
-        apply_fn,
-        p,
-        (x, y),
-        likelihood=fisher.Categorical(),
-        kind="empirical",
-        method=method,
-      )
+    grad_fn, diag_fn = _gradient_and_diagonal(apply_fn)
 
     def compiled(fn):
       return jax.jit(fn).lower(params, x, y).compile()
@@ -2357,22 +2351,7 @@ class FusedStatisticsTest(parameterized.TestCase):
     y = jnp.arange(b) % 10
     params = model.init(jax.random.key(1), x[:1])
 
-    def grad_fn(p, x, y):
-      def loss(q):
-        z = model.apply(q, x)
-        picked = jnp.take_along_axis(z, y[:, None], 1)[:, 0]
-        return jnp.mean(jax.nn.logsumexp(z, -1) - picked)
-
-      return jax.grad(loss)(p)
-
-    def diag_fn(p, x, y):
-      return fisher.diagonal(
-        model.apply,
-        p,
-        (x, y),
-        likelihood=fisher.Categorical(),
-        kind="empirical",
-      )
+    grad_fn, diag_fn = _gradient_and_diagonal(model.apply)
 
     def temp(fn):
       compiled = jax.jit(fn).lower(params, x, y).compile()
