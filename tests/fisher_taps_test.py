@@ -563,13 +563,7 @@ class LayerStatisticsTest(parameterized.TestCase):
       tape = _taps.record(
         apply_fn, params, inputs, statistic="diag", ordered=True
       )
-      assert tape._fusion is not None
-      shared = [
-        leaf
-        for leaf, (s, role) in tape._fusion.leaves.items()
-        if role == "kernel" and tape._plan.sites[s].kind == "dense"
-      ]
-      self.assertNotEmpty(shared)
+      self.assertNotEmpty(fisher_testing.fused_kernels(tape, "dense"))
       want = diag("per_example")
       for loop, chunk in ((True, None), (False, None), (False, 3)):
         with mock.patch.object(_taps, "_loop_over_examples", lambda: loop):

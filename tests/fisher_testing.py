@@ -116,6 +116,17 @@ def make_batch(
   return x, y
 
 
+def fused_kernels(tape: Any, kind: str) -> list[int]:
+  """The kernel leaves of ``kind`` sites (``"dense"``, ``"conv"``) whose
+  statistic a recorded tape forms in the backward pass."""
+  assert tape._fusion is not None
+  return [
+    leaf
+    for leaf, (s, role) in tape._fusion.leaves.items()
+    if role == "kernel" and tape._plan.sites[s].kind == kind
+  ]
+
+
 def ravel(tree: PyTree) -> jax.Array:
   return jnp.concatenate([jnp.ravel(l) for l in jax.tree.leaves(tree)])
 
