@@ -1256,6 +1256,60 @@ class LargeBatchMemoryTest(absltest.TestCase):
     gram = 4 * self.B**2
     self.assertLess(temp, 4 * gram)  # 10.4 Gram matrices with one per leaf
 
+  def test_stacked_layers_add_to_one_gram_matrix(self):
+    """A scanned stack's layers add their Gram matrices to one ``(B, B)``
+    sum inside the backward pass: memory beyond the gradient's does not grow
+    with the number of layers (it held one Gram per leaf and layer)."""
+    b, width = 512, 16
+
+    def extra(layers: int) -> float:
+      keys = jax.random.split(jax.random.key(layers), 3)
+      params = {
+        "stack": {
+          "k": ft.normal(keys[0], (layers, width, width)) / 4,
+          "b": jnp.zeros((layers, width)),
+        },
+        "head": ft.normal(keys[1], (width, 10)),
+      }
+
+      def apply_fn(p, x):
+        def layer(z, w):
+          return jnp.tanh(z @ w["k"] + w["b"]), None
+
+        return jax.lax.scan(layer, x, p["stack"])[0] @ p["head"]
+
+      x = ft.normal(keys[2], (b, width))
+      y = jnp.arange(b) % 10
+
+      def loss(p):
+        logp = jax.nn.log_softmax(apply_fn(p, x))
+        return jnp.mean(logp[jnp.arange(b), y])
+
+      grad = jax.grad(loss)
+
+      def top(p):
+        return fisher.low_rank(
+          apply_fn,
+          p,
+          (x, y),
+          likelihood=fisher.Categorical(),
+          kind="empirical",
+          rank=4,
+        )
+
+      temp = [
+        jax.jit(f).lower(params).compile().memory_analysis()
+        for f in (top, grad)
+      ]
+      if temp[0] is None:
+        self.skipTest("no memory analysis on this backend")
+      return (temp[0].temp_size_in_bytes - temp[1].temp_size_in_bytes) / (
+        4 * b * b
+      )
+
+    # 20 more Gram matrices at 12 layers than at 2 with one per leaf.
+    self.assertLess(extra(12) - extra(2), 2)
+
 
 class KroneckerMemoryTest(absltest.TestCase):
   def test_shampoo_sums_of_elementwise_leaves_form_a_pass_at_a_time(self):

@@ -1495,6 +1495,11 @@ def _eval_loop(
     for d, k in reads
   ]
 
+  # A shared tap (the Gram's) enters every iteration whole: the backward
+  # pass then sums its cotangent in the loop's carry.
+  shared = {s: taps[s] for s in inner if s in fused and fused[s].shared}
+  sliced = [s for s in inner if s not in shared]
+
   def step(carry, x):
     xs, inner_taps = x
     inner_acts: dict = {}
@@ -1504,7 +1509,7 @@ def _eval_loop(
       [*consts, *carry, *xs],
       here,
       plan,
-      dict(zip(inner, inner_taps)),
+      {**dict(zip(sliced, inner_taps)), **shared},
       inner_acts,
       fused,
       False,
@@ -1519,7 +1524,7 @@ def _eval_loop(
   carry, (ys, inner_acts, inputs) = lax.scan(
     step,
     list(init),
-    (list(invals[num_consts + num_carry :]), tuple(taps[s] for s in inner)),
+    (list(invals[num_consts + num_carry :]), tuple(taps[s] for s in sliced)),
     length=params["length"],
     reverse=params["reverse"],
     unroll=params["unroll"],
@@ -1659,6 +1664,10 @@ class LayerTape:
           f"one sample (S = 1); got S = {num}. Record with statistic=None "
           "for several samples."
         )
+    if fusion is not None and fusion.weights is not None:
+      # As the forward pass (record): XLA would start this backward pass
+      # from cotangents made early, before the pass that makes the weights.
+      cts = jax.tree.map(lambda c: _after(c, fusion.weights), cts)
     # Pulled back when first needed: the diagonal sums go through the
     # samples a few at a time instead (LayerGrads.statistics).
     return LayerGrads(self, None, num, cotangents=cts)
@@ -1781,7 +1790,11 @@ def record(
       structure (and ``weight_sharing``) for them. ``"gram"`` and
       ``"combine"`` need one sample (``S = 1``) per backward pass: a sum
       over pairs of examples, or over weighted examples, cannot be split
-      by sample. ``None`` (default) records every layer's ``(a, delta)``.
+      by sample. Where they fuse stacked leaves they also fuse the dense,
+      scale, shift, conv and per-head layers used once outside scans (low
+      rank then runs two passes anyway), and every fused layer adds its
+      Gram matrix to one ``(B, B)`` sum in the backward pass. ``None``
+      (default) records every layer's ``(a, delta)``.
     chunk_size: with ``statistic="diag"`` or ``"gram"``, as in
       :meth:`LayerGrads.statistics`.
     weight_sharing: with ``statistic="kron"``, as in
@@ -1837,7 +1850,7 @@ def record(
   fused_leaves = (
     _fusable(plan, statistic, orders) if statistic is not None else {}
   )
-  fused, stat_avals = {}, {}
+  fused, stat_avals, gram_fns = {}, {}, {}
   for s, users in _by_site(fused_leaves).items():
     site, act = plan.sites[s], act_avals[s]
     lead = out_shapes[s][0]
@@ -1868,6 +1881,9 @@ def record(
     needs_act = site.kind != "shift" and forward is None
     a = jax.ShapeDtypeStruct(act.shape, act.dtype) if needs_act else None
     delta = jax.ShapeDtypeStruct(out.shape, out.dtype)
+    if statistic == "gram":  # the layer's leaves summed: one (B, B)
+      gram_fns[s] = stat_fn
+      stat_fn = functools.partial(_summed, stat_fn, None)
     if weights is None:
       stat_avals[s] = jax.eval_shape(stat_fn, a, delta)
     else:  # {leaf: (weights, sums)}: the weights' cotangent is zero
@@ -1878,7 +1894,7 @@ def record(
       needs_act,
       forward,
       None
-      if s in plan.site_loops
+      if s in plan.site_loops or statistic != "diag"
       else functools.partial(  # an unscanned layer
         _ordered_stat,
         site,
@@ -1886,10 +1902,31 @@ def record(
         batch,
         chunk_size,
       ),
+      shared=statistic == "gram",
     )
-  taps = []
+  # "gram": every fused site adds its (B, B) to one tap that no scan slices,
+  # so the backward pass sums it in place (one Gram, not one per leaf and
+  # iteration).
+  gram = None
+  if statistic == "gram" and fused:
+    dtype = jnp.result_type(*(a.dtype for a in stat_avals.values()))
+    gram = jnp.zeros((batch, batch), dtype)
+    vma = tuple(
+      sorted({a for s in fused for a in _varying_axes(out_shapes[s][1])})
+    )
+    if axis_name is not None and axis_name not in vma:
+      vma = vma + (axis_name,)
+    if vma:
+      gram = lax.pcast(gram, vma, to="varying")
+    for s, fn in gram_fns.items():  # a cotangent takes its tap's dtype
+      tap = _fused_tap(functools.partial(_summed, fn, dtype))
+      fused[s] = fused[s]._replace(tap=tap)
+  taps: list = []
   for s in range(len(plan.sites)):
     lead, aval = out_shapes[s]
+    if gram is not None and s in fused:
+      taps.append(None)  # the shared tap, put in place inside tapped
+      continue
     if s in fused:
       t = jax.tree.map(
         lambda x, lead=lead: jnp.zeros(lead + x.shape, x.dtype), stat_avals[s]
@@ -1910,6 +1947,9 @@ def record(
 
   def tapped(leaves, taps):
     acts: dict = {}
+    if gram is not None:
+      *taps, shared = taps
+      taps = [shared if s in fused else t for s, t in enumerate(taps)]
     outs = _eval(
       closed.jaxpr,
       closed.consts,
@@ -1930,10 +1970,13 @@ def record(
 
   if weights is not None:
     # The forward pass does not read the weights, so XLA could run it next
-    # to the pass that makes them, holding both passes' residuals.
-    leaves, in_leaves, _ = lax.optimization_barrier(
-      (list(leaves), list(in_leaves), weights)
-    )
+    # to the pass that makes them, holding both passes' residuals. An
+    # optimization barrier does not order it: XLA:CPU turns the barrier into
+    # per-operand dependencies. The inputs, plus a zero read from the
+    # weights, do.
+    in_leaves = [_after(x, weights) for x in in_leaves]
+  if gram is not None:
+    taps.append(gram)  # its cotangent: the last of the taps'
   outputs, pullback, (acts, derived) = jax.vjp(
     tapped, tuple(leaves), tuple(taps), has_aux=True
   )
@@ -2006,6 +2049,15 @@ def _fusable(
         continue
     if modes and _stacked_only(modes) and site.kind in kinds:
       out[leaf] = (s, role)
+  if out and statistic in ("gram", "combine"):
+    # Two passes run anyway: unscanned layers form their statistic in the
+    # backward pass too, rather than hold every layer's cotangent.
+    for leaf, r in enumerate(plan.roles):
+      uses = plan.special.get(leaf, [(*r, ())] if r is not None else [])
+      if len(uses) == 1 and not uses[0][2] and uses[0][1] != "derived":
+        s, role, _ = uses[0]
+        if plan.sites[s].kind in kinds and s not in plan.site_loops:
+          out[leaf] = (s, role)
   if ordered and statistic == "diag":  # the sites of _ordered_layer
     for leaf, r in enumerate(plan.roles):
       uses = plan.special.get(leaf, [(*r, ())] if r is not None else [])
@@ -2200,6 +2252,15 @@ class _FusedSite(NamedTuple):
   needs_act: bool
   forward: Callable[[Array, Array], Any] | None = None
   ordered: Callable[..., Any] | None = None  # stat_fn of an unscanned layer
+  shared: bool = False  # its tap is the tape's one Gram tap, never sliced
+
+
+def _summed(stat_fn: Callable[..., dict], dtype: Any, *args) -> Array:
+  """The sum of the values ``stat_fn(*args)`` returns per leaf, in ``dtype``
+  (``None``: theirs)."""
+  vals = list(stat_fn(*args).values())
+  total = functools.reduce(jnp.add, vals[1:], vals[0])
+  return total if dtype is None else total.astype(dtype)
 
 
 def _fused_tap(stat_fn: Callable[..., Any], reads_tap: bool = False):
@@ -2401,7 +2462,7 @@ def _gram_by_input_blocks(
 
   if count == 1:
     return gram(0)
-  return _loop_sum(gram, count, (n, n), dtype, [a, d])
+  return _loop_sum(gram, count, (n, n), dtype, [d, a])
 
 
 def _gram_stat(site_view, role: str, chunk_size) -> Array:
@@ -2540,7 +2601,7 @@ def _sum_over_example_chunks(
       )
     )
 
-  total = _loop_sum(one, count, shape, dtype, arrays)
+  total = _loop_sum(one, count, shape, dtype, arrays, after=False)
   if rest:
     tail = (
       lax.slice_in_dim(x, count * chunk, b, axis=axis)
@@ -3121,6 +3182,8 @@ class LayerGrads:
     if fusion is None:
       return out
     sites = self._tape._plan.sites
+    if fusion.statistic == "gram":  # the shared tap's: (S = 1, B, B)
+      return {min(fusion.leaves): self._deltas[-1][0]}
     for leaf, (s, _) in fusion.leaves.items():
       val = self._deltas[s].get(leaf)
       if fusion.statistic == "kron" and sites[s].kind in _ELEMENTWISE:
@@ -3129,8 +3192,6 @@ class LayerGrads:
         out[leaf] = None
       elif fusion.statistic == "diag":
         out[leaf] = jnp.sum(val, axis=0)
-      elif fusion.statistic == "gram":  # (S = 1, *L, B, B): sum the layers
-        out[leaf] = jnp.sum(val, axis=tuple(range(val.ndim - 2)))
       elif fusion.statistic == "combine":  # (S = 1, *L, k, *shape)
         out[leaf] = jnp.moveaxis(
           val[1][0], self._tape._plan.layer_axes(leaf), 0
@@ -3919,11 +3980,16 @@ class LayerGrads:
 
 
 def _loop_sum(
-  fn: Callable[[Array], Array], count: int, shape, dtype, like: Any
+  fn: Callable[[Array], Array],
+  count: int,
+  shape,
+  dtype,
+  like: Any,
+  after: bool = True,
 ) -> Array:
   """``sum_{j < count} fn(j)`` as a ``scan`` (one ``fn(j)`` live at a time),
   the carry varying like ``like`` under ``shard_map``."""
-  return _loop_sums(lambda j: (fn(j),), count, (shape,), dtype, like)[0]
+  return _loop_sums(lambda j: (fn(j),), count, (shape,), dtype, like, after)[0]
 
 
 def _loop_sums(
@@ -3932,9 +3998,18 @@ def _loop_sums(
   shapes: Sequence[Any],
   dtype,
   like: Any,
+  after: bool = True,
 ) -> tuple[Array, ...]:
-  """:func:`_loop_sum` of several sums at once, one per shape."""
+  """:func:`_loop_sum` of several sums at once, one per shape. With
+  ``after``, the zeros are made after ``like``'s first array: XLA would
+  otherwise allocate the carries of a backward pass's loops all at its
+  start (a scanned transformer's low rank and exact diagonal). The chunked
+  sums of :func:`_sum_over_example_chunks` opt out: there it moved K-FAC's
+  peak up (conv input factors, +6-7%)."""
   init = tuple(_zeros_varying(shape, dtype, like) for shape in shapes)
+  first = [x for x in jax.tree.leaves(like) if isinstance(x, jax.Array)]
+  if first and after:
+    init = tuple(_after(z, first[0]) for z in init)
 
   def add(total, j):
     return tuple(t + p.astype(dtype) for t, p in zip(total, fn(j))), None
