@@ -2049,21 +2049,20 @@ def _fusable(
         continue
     if modes and _stacked_only(modes) and site.kind in kinds:
       out[leaf] = (s, role)
+  # Leaves used once outside scans: (leaf, site, role).
+  once = []
+  for leaf, r in enumerate(plan.roles):
+    uses = plan.special.get(leaf, [(*r, ())] if r is not None else [])
+    if len(uses) == 1 and not uses[0][2] and uses[0][0] not in plan.site_loops:
+      once.append((leaf, uses[0][0], uses[0][1]))
   if out and statistic in ("gram", "combine"):
     # Two passes run anyway: unscanned layers form their statistic in the
     # backward pass too, rather than hold every layer's cotangent.
-    for leaf, r in enumerate(plan.roles):
-      uses = plan.special.get(leaf, [(*r, ())] if r is not None else [])
-      if len(uses) == 1 and not uses[0][2] and uses[0][1] != "derived":
-        s, role, _ = uses[0]
-        if plan.sites[s].kind in kinds and s not in plan.site_loops:
-          out[leaf] = (s, role)
+    for leaf, s, role in once:
+      if role != "derived" and plan.sites[s].kind in kinds:
+        out[leaf] = (s, role)
   if ordered and statistic == "diag":  # the sites of _ordered_layer
-    for leaf, r in enumerate(plan.roles):
-      uses = plan.special.get(leaf, [(*r, ())] if r is not None else [])
-      if len(uses) != 1 or uses[0][2]:  # one use, outside scans
-        continue
-      s, role, _ = uses[0]
+    for leaf, s, role in once:
       kind = plan.sites[s].kind
       if (
         s in ordered
