@@ -1288,14 +1288,7 @@ class LargeBatchMemoryTest(absltest.TestCase):
       grad = jax.grad(loss)
 
       def top(p):
-        return fisher.low_rank(
-          apply_fn,
-          p,
-          (x, y),
-          likelihood=fisher.Categorical(),
-          kind="empirical",
-          rank=4,
-        )
+        return ft.empirical(fisher.low_rank, apply_fn, p, (x, y), rank=4)
 
       temp = [
         jax.jit(f).lower(params).compile().memory_analysis()

@@ -550,12 +550,11 @@ class LayerStatisticsTest(parameterized.TestCase):
       y = jnp.arange(B) % out_dim
 
       def diag(method, chunk_size=None):
-        return fisher.diagonal(
+        return fisher_testing.empirical(
+          fisher.diagonal,
           apply_fn,
           params,
           (inputs, y),
-          likelihood=fisher.Categorical(),
-          kind="empirical",
           method=method,
           chunk_size=chunk_size,
         )
@@ -1043,13 +1042,8 @@ class LayerStatisticsTest(parameterized.TestCase):
           _assert_close(self, combine[name], jnp.tensordot(weights, g[name], 1))
       y = jnp.arange(B) % 3
       kron = {
-        method: fisher.kronecker(
-          apply_fn,
-          params,
-          (x, y),
-          likelihood=fisher.Categorical(),
-          kind="empirical",
-          method=method,
+        method: fisher_testing.empirical(
+          fisher.kronecker, apply_fn, params, (x, y), method=method
         )
         for method in ("auto", "per_example")
       }

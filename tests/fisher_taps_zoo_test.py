@@ -1037,13 +1037,8 @@ class ConvZooTest(parameterized.TestCase):
       y = jnp.arange(B) % CLASSES
 
       def diag(method):
-        return fisher.diagonal(
-          apply_fn,
-          params,
-          (x, y),
-          likelihood=fisher.Categorical(),
-          kind="empirical",
-          method=method,
+        return fisher_testing.empirical(
+          fisher.diagonal, apply_fn, params, (x, y), method=method
         )
 
       with mock.patch.object(fisher_taps, "_PATCH_CHUNK_ELEMENTS", 1):

@@ -402,6 +402,25 @@ def woodbury_inverse_diag(stacked: PyTree, factor: Any) -> PyTree:
   )
 
 
+def empirical(
+  estimator: Callable[..., Any],
+  apply_fn: Callable[[PyTree, PyTree], PyTree],
+  params: PyTree,
+  batch: tuple[Any, Any],
+  **kw: Any,
+) -> Any:
+  """``estimator`` (``fisher.diagonal``, ``kronecker``, ``low_rank``, ...)
+  of a categorical model's empirical Fisher on ``batch``."""
+  return estimator(
+    apply_fn,
+    params,
+    batch,
+    likelihood=fisher.Categorical(),
+    kind="empirical",
+    **kw,
+  )
+
+
 def estimates_by_path(
   apply_fn: Callable[[PyTree, PyTree], PyTree],
   params: PyTree,
