@@ -65,15 +65,22 @@ def tree_stacked_combine(stacked: PyTree, z: jax.Array) -> PyTree:
   )
 
 
-def tree_stacked_gram(a: PyTree, b: PyTree | None = None) -> jax.Array:
-  """Returns ``A B^T`` of shape ``(m_a, m_b)`` for stacked trees (``b=a`` default)."""
+def tree_stacked_gram(
+  a: PyTree, b: PyTree | None = None, *, dtype: Any = None
+) -> jax.Array:
+  """Returns ``A B^T`` of shape ``(m_a, m_b)`` for stacked trees (``b=a``
+  default), accumulated in ``dtype`` when given (e.g. a float32 Gram of a
+  bfloat16 window)."""
   b = a if b is None else b
 
   # Contract the trailing axes directly: on XLA:CPU an explicit transpose of
   # a reshaped window is materialised and is far slower.
   def leaf_gram(x: jax.Array, y: jax.Array) -> jax.Array:
     axes = tuple(range(1, x.ndim))
-    return jnp.tensordot(x, y, axes=(axes, axes), precision=_HIGHEST)
+    out = jnp.tensordot(
+      x, y, axes=(axes, axes), precision=_HIGHEST, preferred_element_type=dtype
+    )
+    return out if dtype is None else out.astype(dtype)
 
   terms = jax.tree.leaves(jax.tree.map(leaf_gram, a, b))
   if not terms:
@@ -300,18 +307,7 @@ def stacked_push_rows(
   # and copies the whole window instead (twice when it is donated). Window
   # first: on XLA:CPU the (k, d) x (m, d)^T order transposes the window.
   # Products accumulate in the Gram's dtype (exact for a bfloat16 window).
-  def cross(s: jax.Array, r: jax.Array) -> jax.Array:
-    axes = tuple(range(1, s.ndim))
-    return jnp.tensordot(
-      s,
-      r,
-      axes=(axes, axes),
-      precision=_HIGHEST,
-      preferred_element_type=gram.dtype,
-    )
-
-  terms = jax.tree.leaves(jax.tree.map(cross, stacked, stored))
-  cols = functools.reduce(jnp.add, [c.astype(gram.dtype) for c in terms])
+  cols = tree_stacked_gram(stacked, stored, dtype=gram.dtype)
   gram = gram.at[:, slots].set(cols).at[slots, :].set(cols.T)
   return stacked, gram
 
@@ -382,19 +378,8 @@ def stacked_pending_gram(
       lambda r, v: jnp.concatenate([r, v[None].astype(r.dtype)]), new, x
     )
 
-  def cross(s: jax.Array, r: jax.Array) -> jax.Array:
-    axes = tuple(range(1, s.ndim))
-    return jnp.tensordot(
-      s,
-      r,
-      axes=(axes, axes),
-      precision=_HIGHEST,
-      preferred_element_type=gram.dtype,
-    )
-
   def total(a: PyTree, b: PyTree) -> jax.Array:
-    terms = jax.tree.leaves(jax.tree.map(cross, a, b))
-    return functools.reduce(jnp.add, [c.astype(gram.dtype) for c in terms])
+    return tree_stacked_gram(a, b, dtype=gram.dtype)
 
   # Window first: on XLA:CPU the (k, d) x (m, d)^T order transposes it.
   cols = total(stacked, new)  # (m, k) or (m, k + 1): one pass over G
