@@ -25,6 +25,7 @@ Each optimizer runs at the settings our benchmarks picked on digits (see
 from __future__ import annotations
 
 from collections.abc import Callable
+import functools
 import json
 import pathlib
 import time
@@ -122,12 +123,20 @@ def _train(
   return params, np.asarray(losses), state, (compile_s, step_s)
 
 
+# Evaluations and Fisher statistics are jitted: one compile per program,
+# where op-by-op execution compiles every operation on its first call.
+@functools.partial(jax.jit, static_argnums=0)
+def _scores(apply_fn, params, x, y) -> tuple[jax.Array, jax.Array]:
+  logits = apply_fn(params, x)
+  return jnp.mean(jnp.argmax(logits, -1) == y), _ce(logits, y)
+
+
 def _accuracy(apply_fn, params, x, y) -> float:
-  return float(jnp.mean(jnp.argmax(apply_fn(params, x), -1) == y))
+  return float(_scores(apply_fn, params, x, y)[0])
 
 
 def _nll(apply_fn, params, x, y) -> float:
-  return float(_ce(apply_fn(params, x), y))
+  return float(_scores(apply_fn, params, x, y)[1])
 
 
 # -- 1. optimizers -----------------------------------------------------------
@@ -223,53 +232,64 @@ def part_optimizers(apply_fn, init, data, steps, batch_size, seed):
 # -- 2. Fisher statistics ----------------------------------------------------
 
 
+_KINDS = ("exact", "mc", "empirical", "batch_squared")
+
+
 def part_fisher(apply_fn, params, data, seed, n_examples, rank):
   x, y = data["train"]
   batch = (x[:n_examples], y[:n_examples])
   cat = fisher.Categorical()
-  diags = {
-    kind: fisher.diagonal(
+  flat = lambda t: jnp.concatenate([a.ravel() for a in jax.tree.leaves(t)])
+
+  @jax.jit  # one program, not one compile per operation
+  def statistics(params, batch):
+    diags = {
+      kind: fisher.diagonal(
+        apply_fn,
+        params,
+        batch,
+        likelihood=cat,
+        kind=kind,
+        num_samples=4,
+        key=jax.random.key(seed),
+      )
+      for kind in _KINDS
+    }
+    top = fisher.low_rank(
+      apply_fn, params, batch, likelihood=cat, kind="empirical", rank=rank
+    )
+    # Energies of the empirical Fisher F = G^T G / N, from its N x N Gram.
+    pex = fisher.per_example_grads(
+      lambda p, ex: _ce(apply_fn(p, ex[0][None]), ex[1][None]),
+      params,
+      batch,
+      chunk_size=64,
+    )
+    g = jnp.concatenate(
+      [a.reshape(a.shape[0], -1) for a in jax.tree.leaves(pex)], axis=1
+    )
+    spectrum = jnp.linalg.eigvalsh(g @ g.T / g.shape[0])[::-1]
+    mean_dir = fisher.rank_one(
       apply_fn,
       params,
       batch,
       likelihood=cat,
-      kind=kind,
-      num_samples=4,
-      key=jax.random.key(seed),
+      kind="empirical",
+      direction="mean",
+      scale="optimal",
     )
-    for kind in ("exact", "mc", "empirical", "batch_squared")
-  }
-  flat = lambda t: jnp.concatenate([a.ravel() for a in jax.tree.leaves(t)])
+    return diags, top, spectrum, mean_dir
+
+  diags, top, spectrum, mean_dir = statistics(params, batch)
   exact = flat(diags["exact"].diag)
-  rel_err = {
-    k: float(jnp.linalg.norm(flat(d.diag) - exact) / jnp.linalg.norm(exact))
-    for k, d in diags.items()
+  rel_err = {  # in _KINDS' order (jit returns a dict's keys sorted)
+    k: float(
+      jnp.linalg.norm(flat(diags[k].diag) - exact) / jnp.linalg.norm(exact)
+    )
+    for k in _KINDS
   }
-  top = fisher.low_rank(
-    apply_fn, params, batch, likelihood=cat, kind="empirical", rank=rank
-  )
-  # Energies of the empirical Fisher F = G^T G / N, from its N x N Gram.
-  pex = fisher.per_example_grads(
-    lambda p, ex: _ce(apply_fn(p, ex[0][None]), ex[1][None]),
-    params,
-    batch,
-    chunk_size=64,
-  )
-  g = jnp.concatenate(
-    [a.reshape(a.shape[0], -1) for a in jax.tree.leaves(pex)], axis=1
-  )
-  spectrum = jnp.linalg.eigvalsh(g @ g.T / g.shape[0])[::-1]
   frob2 = float(jnp.sum(spectrum**2))
   diag_emp = flat(diags["empirical"].diag)
-  mean_dir = fisher.rank_one(
-    apply_fn,
-    params,
-    batch,
-    likelihood=cat,
-    kind="empirical",
-    direction="mean",
-    scale="optimal",
-  )
   v1 = flat(jax.tree.map(lambda v: v[0], top.eigvecs))
   mu = flat(mean_dir.eigvecs)
   summary = {
@@ -294,24 +314,30 @@ def _permute(data, seed):
   return {k: (x[:, perm], y) for k, (x, y) in data.items()}
 
 
+@functools.partial(jax.jit, static_argnums=0)
+def _exact_diagonal(apply_fn, params, batch) -> fisher.DiagonalFisher:
+  return fisher.diagonal(
+    apply_fn, params, batch, likelihood=fisher.Categorical(), kind="exact"
+  )
+
+
 def part_continual(
   apply_fn, params_a, data_a, steps, batch_size, seed, n_fisher
 ):
   data_b = _permute(data_a, seed)
   xa, ya = data_a["train"][0][:n_fisher], data_a["train"][1][:n_fisher]
   cat = fisher.Categorical()
-  diag = fisher.diagonal(
-    apply_fn, params_a, (xa, ya), likelihood=cat, kind="exact"
-  )
-  r1 = fisher.rank_one(
-    apply_fn,
-    params_a,
-    (xa, ya),
-    likelihood=cat,
-    kind="empirical",
-    direction="mean",
-    scale="optimal",
-  )
+  diag = _exact_diagonal(apply_fn, params_a, (xa, ya))
+  r1 = jax.jit(
+    functools.partial(
+      fisher.rank_one,
+      apply_fn,
+      likelihood=cat,
+      kind="empirical",
+      direction="mean",
+      scale="optimal",
+    )
+  )(params_a, (xa, ya))
   anchors = {
     "fine-tune": None,
     "EWC (diagonal, exact Fisher)": (
@@ -362,14 +388,9 @@ def part_continual(
 
 
 def part_merging(apply_fn, params_a, params_b, data_a, data_b, n_fisher):
-  cat = fisher.Categorical()
   fishers = [
-    fisher.diagonal(
-      apply_fn,
-      p,
-      (d["train"][0][:n_fisher], d["train"][1][:n_fisher]),
-      likelihood=cat,
-      kind="exact",
+    _exact_diagonal(
+      apply_fn, p, (d["train"][0][:n_fisher], d["train"][1][:n_fisher])
     ).diag
     for p, d in ((params_a, data_a), (params_b, data_b))
   ]
