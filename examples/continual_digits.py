@@ -6,7 +6,7 @@
 #       extension: .py
 #       format_name: percent
 #       format_version: '1.3'
-#       jupytext_version: 1.19.6
+#       jupytext_version: 1.19.7
 #   kernelspec:
 #     display_name: Python 3
 #     language: python
@@ -34,6 +34,7 @@
 # Run as a script: `python examples/continual_digits.py --out_dir plots`.
 
 # %%
+import functools
 import pathlib
 
 import _notebook
@@ -86,8 +87,13 @@ def loss_fn(apply, params, x, y):
   ).mean()
 
 
+@functools.partial(jax.jit, static_argnums=0)  # one compile, not one per op
+def _accuracy(apply, params, x, y):
+  return jnp.mean(jnp.argmax(apply(params, x), -1) == y)
+
+
 def accuracy(apply, params, x, y):
-  return float(jnp.mean(jnp.argmax(apply(params, x), -1) == y))
+  return float(_accuracy(apply, params, x, y))
 
 
 # %% [markdown]
@@ -270,7 +276,7 @@ def main(argv):
       f"{name}: task A",
     )
     acc_a0 = accuracy(apply_fn, params_a, *data_a["test"])
-    state = end_of_task_a(params_a, state)
+    state = jax.jit(end_of_task_a)(params_a, state)
     params_b, state, curves[name] = train(
       step,
       params_a,

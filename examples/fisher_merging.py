@@ -6,7 +6,7 @@
 #       extension: .py
 #       format_name: percent
 #       format_version: '1.3'
-#       jupytext_version: 1.19.6
+#       jupytext_version: 1.19.7
 #   kernelspec:
 #     display_name: Python 3
 #     language: python
@@ -32,6 +32,7 @@
 # Run as a script: `python examples/fisher_merging.py --out_dir plots`.
 
 # %%
+import functools
 import pathlib
 
 import _notebook
@@ -92,8 +93,13 @@ def train(apply_fn, params, data, steps, batch_size, seed, desc):
   return params
 
 
+@functools.partial(jax.jit, static_argnums=0)  # one compile, not one per op
+def _accuracy(apply_fn, params, x, y):
+  return jnp.mean(jnp.argmax(apply_fn(params, x), -1) == y)
+
+
 def accuracy(apply_fn, params, x, y):
-  return float(jnp.mean(jnp.argmax(apply_fn(params, x), -1) == y))
+  return float(_accuracy(apply_fn, params, x, y))
 
 
 # %% [markdown]
@@ -125,14 +131,15 @@ def main(argv):
     FLAGS.seed + 1,
     "fine-tune (task B)",
   )
+  exact_diagonal = jax.jit(
+    lambda p, batch: (
+      fisher.diagonal(
+        apply_fn, p, batch, likelihood=fisher.Categorical(), kind="exact"
+      ).diag
+    )
+  )
   fishers = [
-    fisher.diagonal(
-      apply_fn,
-      p,
-      tuple(a[:n_fisher] for a in d["train"]),
-      likelihood=fisher.Categorical(),
-      kind="exact",
-    ).diag
+    exact_diagonal(p, tuple(a[:n_fisher] for a in d["train"]))
     for p, d in ((base, data_a), (tuned, data_b))
   ]
 
