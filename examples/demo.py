@@ -135,10 +135,6 @@ def _accuracy(apply_fn, params, x, y) -> float:
   return float(_scores(apply_fn, params, x, y)[0])
 
 
-def _nll(apply_fn, params, x, y) -> float:
-  return float(_scores(apply_fn, params, x, y)[1])
-
-
 # -- 1. optimizers -----------------------------------------------------------
 
 
@@ -216,11 +212,12 @@ def part_optimizers(apply_fn, init, data, steps, batch_size, seed):
     )
     curves[name] = losses
     trained[name] = params
+    accuracy, nll = _scores(apply_fn, params, xt, yt)
     rows.append(
       {
         "optimizer": name,
-        "test_accuracy": _accuracy(apply_fn, params, xt, yt),
-        "test_nll": _nll(apply_fn, params, xt, yt),
+        "test_accuracy": float(accuracy),
+        "test_nll": float(nll),
         "final_train_loss": float(losses[-20:].mean()),
         "compile_s": compile_s,
         "ms_per_step": 1e3 * step_s,

@@ -378,13 +378,11 @@ def stacked_pending_gram(
       lambda r, v: jnp.concatenate([r, v[None].astype(r.dtype)]), new, x
     )
 
-  def total(a: PyTree, b: PyTree) -> jax.Array:
-    return tree_stacked_gram(a, b, dtype=gram.dtype)
-
-  # Window first: on XLA:CPU the (k, d) x (m, d)^T order transposes it.
-  cols = total(stacked, new)  # (m, k) or (m, k + 1): one pass over G
+  # Window first: on XLA:CPU the (k, d) x (m, d)^T order transposes it. One
+  # pass over G gives (m, k), or (m, k + 1) with x; then the new rows' entries.
+  cols = tree_stacked_gram(stacked, new, dtype=gram.dtype)
   head = jax.tree.map(lambda r: r[:k], new)
-  cols = cols.at[slots].set(total(head, new))  # the new rows' entries
+  cols = cols.at[slots].set(tree_stacked_gram(head, new, dtype=gram.dtype))
   gx = cols[:, k] if x is not None else None
   cols = cols[:, :k]
   gram = gram.at[:, slots].set(cols).at[slots, :].set(cols.T)
