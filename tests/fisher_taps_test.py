@@ -181,6 +181,12 @@ def _paths(tree):
   return jax.tree_util.tree_flatten_with_path(tree)[0]
 
 
+def _jitted(fn):
+  """``fn()`` as one compiled program: run op by op, each small op would
+  compile on its own (most of a test's time)."""
+  return jax.jit(fn)()
+
+
 def _model(name: str, dtype=None):
   """Returns (apply_fn, params, inputs, out_dim) for a named test model."""
   dtype = dtype or jnp.float64
@@ -444,16 +450,23 @@ class LayerStatisticsTest(parameterized.TestCase):
         mock.patch.object(_taps, "_BLOCK_ELEMENTS", 8),
         mock.patch.object(_taps, "_PATCH_CHUNK_ELEMENTS", 18),
       ):
-        grads = _taps.record(apply_fn, params, inputs).backward(cot)
-        gram = grads.statistics("gram")
-        combined = grads.combine(weights)
-        diag = grads.statistics("diag")
-      flat = jnp.concatenate([gi.reshape(S * B, -1) for gi in g], 1)
+
+        def statistics():
+          grads = _taps.record(apply_fn, params, inputs).backward(cot)
+          return (
+            grads.statistics("gram"),
+            grads.combine(weights),
+            grads.statistics("diag"),
+          )
+
+        gram, combined, diag = _jitted(statistics)
+      g, weights = jax.tree.map(np.asarray, (g, weights))
+      flat = np.concatenate([gi.reshape(S * B, -1) for gi in g], 1)
       _assert_close(self, gram, flat @ flat.T)
       for got, gi in zip(jax.tree.leaves(combined), g):
-        _assert_close(self, got, jnp.tensordot(weights, gi, 1))
+        _assert_close(self, got, np.tensordot(weights, gi, 1))
       for got, gi in zip(jax.tree.leaves(diag), g):
-        _assert_close(self, got, jnp.sum(gi**2, 0))
+        _assert_close(self, got, np.sum(gi**2, 0))
 
   @parameterized.parameters((7, 7, 3), (12, 4, 5), (6, 3, 4), (5, 5, 8))
   def test_rows_gram_by_blocks(self, n, b, block_rows):
@@ -534,9 +547,10 @@ class LayerStatisticsTest(parameterized.TestCase):
           # statistics carry float32 roundoff, and two compilations of the
           # same sums may round differently there.
           tol = 1e-6
-          _assert_close(self, d, jnp.sum(gi**2, (0, 1)), rtol=tol)
-          gi = jnp.swapaxes(gi, 0, 1).reshape(S * B, -1)
-          _assert_close(self, n, jnp.sum(gi**2, 1), rtol=tol)
+          gi = np.asarray(gi)
+          _assert_close(self, d, np.sum(gi**2, (0, 1)), rtol=tol)
+          gi = np.swapaxes(gi, 0, 1).reshape(S * B, -1)
+          _assert_close(self, n, np.sum(gi**2, 1), rtol=tol)
 
   @parameterized.parameters("plain_seq", "linen_seq", "nnx_seq")
   def test_ordered_shared_dense_loop_and_chunks(self, name):
@@ -563,10 +577,10 @@ class LayerStatisticsTest(parameterized.TestCase):
         apply_fn, params, inputs, statistic="diag", ordered=True
       )
       self.assertNotEmpty(fisher_testing.fused_kernels(tape, "dense"))
-      want = diag("per_example")
+      want = _jitted(lambda: diag("per_example"))
       for loop, chunk in ((True, None), (False, None), (False, 3)):
         with mock.patch.object(_taps, "_loop_over_examples", lambda: loop):
-          got = diag("auto", chunk)
+          got = _jitted(lambda: diag("auto", chunk))
         with self.subTest(loop=loop, chunk=chunk):
           for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
             _assert_close(self, a, b)
@@ -696,61 +710,75 @@ class LayerStatisticsTest(parameterized.TestCase):
       ids = jax.random.randint(jax.random.key(1), (B, T), 0, VOCAB)
       ids = ids.at[0, :2].set(2)  # a repeated row within an example
       cot = _cotangents(3)
-      # Per-example quantities by hand.
-      e = params["table"][ids]
-      z = e @ params["w1"] + params["b1"]
-      h = jnp.tanh(z)
-      dz = jnp.einsum("sbo,ho->sbh", cot, params["w2"])[:, :, None] * (
+      modes = ("expand", "reduce")
+
+      @jax.jit
+      def run(params, ids, cot):
+        out = {}
+        for mode in modes:
+          grads = _taps.record(apply_fn, params, ids).backward(cot)
+          one = _taps.record(apply_fn, params, ids[:1]).backward(cot[:, :1])
+          kfac = functools.partial(
+            fisher.kronecker,
+            apply_fn,
+            params,
+            (ids, jnp.arange(B) % 3),
+            likelihood=fisher.Categorical(),
+            kind="exact",
+            estimator="kfac",
+            weight_sharing=mode,
+          )
+          out[mode] = (
+            grads.statistics("kron", weight_sharing=mode),
+            one.statistics("kron", weight_sharing=mode)["w2"],
+            kfac(),
+            # All samples' backward passes at once: the same factors.
+            kfac(chunk_size=64 * B),  # more than S * B rows
+          )
+        return out
+
+      out = run(params, ids, cot)
+      # Per-example quantities by hand, in NumPy.
+      p = jax.tree.map(np.asarray, params)
+      ids, cot = np.asarray(ids), np.asarray(cot)
+      e = p["table"][ids]
+      h = np.tanh(e @ p["w1"] + p["b1"])
+      dz = np.einsum("sbo,ho->sbh", cot, p["w2"])[:, :, None] * (
         1 - h**2
       )  # (S, B, T, 6)
-      de = dz @ params["w1"].T  # (S, B, T, 4)
-      onehot = jax.nn.one_hot(ids, VOCAB)  # (B, T, V)
-      sq = lambda x: jnp.einsum("...i,...j->ij", x, x)
+      de = dz @ p["w1"].T  # (S, B, T, 4)
+      onehot = np.eye(VOCAB)[ids]  # (B, T, V)
+      sq = lambda x: x.reshape(-1, x.shape[-1]).T @ x.reshape(-1, x.shape[-1])
       want = {
         "expand": {
           "w1": (sq(e) / T, sq(dz)),
-          "b1": (jnp.full((1, 1), B), sq(dz)),
+          "b1": (np.full((1, 1), B), sq(dz)),
           "table": (sq(onehot) / T, sq(de)),
           "w2": (sq(h.sum(1)), sq(cot)),
         },
         "reduce": {
           "w1": (sq(e.mean(1)), sq(dz.sum(2))),
-          "b1": (jnp.full((1, 1), B), sq(dz.sum(2))),
+          "b1": (np.full((1, 1), B), sq(dz.sum(2))),
           "table": (sq(onehot.mean(1)), sq(de.sum(2))),
           "w2": (sq(h.sum(1)), sq(cot)),
         },
       }
       for mode, leaves in want.items():
-        grads = _taps.record(apply_fn, params, ids).backward(cot)
-        kron = grads.statistics("kron", weight_sharing=mode)
+        kron, (a_sum, gamma), stat, one_pass = out[mode]
         for name, (a_want, g_want) in leaves.items():
           with self.subTest(f"{mode}/{name}"):
             _assert_close(self, kron[name][0], a_want)
             _assert_close(self, kron[name][1], g_want)
         # One example, one position (w2): either product is the exact block.
-        one = _taps.record(apply_fn, params, ids[:1]).backward(cot[:, :1])
-        a_sum, gamma = one.statistics("kron", weight_sharing=mode)["w2"]
-        g = jnp.einsum("i,sj->sij", h[0].sum(0), cot[:, 0]).reshape(S, -1)
-        _assert_close(self, jnp.kron(a_sum, gamma), g.T @ g)
-        kfac = functools.partial(
-          fisher.kronecker,
-          apply_fn,
-          params,
-          (ids, jnp.arange(B) % 3),
-          likelihood=fisher.Categorical(),
-          kind="exact",
-          estimator="kfac",
-          weight_sharing=mode,
-        )
-        stat = kfac()
+        g = np.einsum("i,sj->sij", h[0].sum(0), cot[:, 0]).reshape(S, -1)
+        _assert_close(self, np.kron(a_sum, gamma), g.T @ g)
         _assert_close(self, stat.left["w1"], want[mode]["w1"][0] / B)
-        # All samples' backward passes at once: the same factors.
-        one_pass = kfac(chunk_size=64 * B)  # more than S * B rows
         for got, ref in zip(
           jax.tree.leaves((one_pass.left, one_pass.right)),
           jax.tree.leaves((stat.left, stat.right)),
         ):
           _assert_close(self, got, ref)
+      grads = _taps.record(apply_fn, params, ids).backward(cot)
       with self.assertRaisesRegex(ValueError, "weight_sharing"):
         grads.statistics("kron", weight_sharing="sum")
 
@@ -777,46 +805,53 @@ class LayerStatisticsTest(parameterized.TestCase):
       cov = _taps.coverage(apply_fn, params, x)
       self.assertTrue(all(c.kronecker for c in jax.tree.leaves(cov)), cov)
       cot = _cotangents(5)
-      # Per-example quantities by hand.
-      z = jnp.einsum("btd,dhk->bthk", x, params["q"]) + params["qb"]
-      h = jnp.tanh(z).reshape(B, T, 6)
-      y = h @ params["o"].reshape(6, 5)
-      dy = cot[:, :, None] * (1 - jnp.tanh(y) ** 2)  # (S, B, T, 5)
-      dz = (dy @ params["o"].reshape(6, 5).T) * (1 - h**2)  # (S, B, T, 6)
-      sq = lambda v: jnp.einsum("...i,...j->ij", v, v)
+      # Per-example quantities by hand, in NumPy.
+      p, xn, cn = jax.tree.map(np.asarray, (params, x, cot))
+      z = np.einsum("btd,dhk->bthk", xn, p["q"]) + p["qb"]
+      h = np.tanh(z).reshape(B, T, 6)
+      y = h @ p["o"].reshape(6, 5)
+      dy = cn[:, :, None] * (1 - np.tanh(y) ** 2)  # (S, B, T, 5)
+      dz = (dy @ p["o"].reshape(6, 5).T) * (1 - h**2)  # (S, B, T, 6)
+      sq = lambda v: v.reshape(-1, v.shape[-1]).T @ v.reshape(-1, v.shape[-1])
       if mode == "expand":
         want = {
-          "q": (sq(x) / T, sq(dz)),
-          "qb": (jnp.full((1, 1), B), sq(dz)),
+          "q": (sq(xn) / T, sq(dz)),
+          "qb": (np.full((1, 1), B), sq(dz)),
           "o": (sq(h) / T, sq(dy)),
         }
       else:
         want = {
-          "q": (sq(x.mean(1)), sq(dz.sum(2))),
-          "qb": (jnp.full((1, 1), B), sq(dz.sum(2))),
+          "q": (sq(xn.mean(1)), sq(dz.sum(2))),
+          "qb": (np.full((1, 1), B), sq(dz.sum(2))),
           "o": (sq(h.mean(1)), sq(dy.sum(2))),
         }
-      grads = _taps.record(apply_fn, params, x).backward(cot)
-      kron = grads.statistics("kron", weight_sharing=mode)
+      kron, (a_sum, gamma), g, stat, got = _jitted(
+        lambda: (
+          _taps.record(apply_fn, params, x)
+          .backward(cot)
+          .statistics("kron", weight_sharing=mode),
+          _taps.record(apply_fn, params, x[:1, :1])
+          .backward(cot[:, :1])
+          .statistics("kron", weight_sharing=mode)["q"],
+          _pseudo_grads(apply_fn, params, x[:1, :1], cot[:, :1])["q"],
+          stat := _gaussian_kfac(apply_fn, params, x, 5, mode),
+          stat.matvec(jax.tree.map(jnp.cos, params)),
+        )
+      )
       for name, (a_want, g_want) in want.items():
         with self.subTest(name):
           _assert_close(self, kron[name][0], a_want)
           _assert_close(self, kron[name][1], g_want)
       # One example, one position: the product is the exact block.
-      one = _taps.record(apply_fn, params, x[:1, :1]).backward(cot[:, :1])
-      a_sum, gamma = one.statistics("kron", weight_sharing=mode)["q"]
-      g = _pseudo_grads(apply_fn, params, x[:1, :1], cot[:, :1])["q"]
-      g = g.reshape(S, -1)
-      _assert_close(self, jnp.kron(a_sum, gamma), g.T @ g)
-      stat = _gaussian_kfac(apply_fn, params, x, 5, mode)
+      g = np.asarray(g).reshape(S, -1)
+      _assert_close(self, np.kron(a_sum, gamma), g.T @ g)
       self.assertEqual(stat.estimator, "kfac")
       self.assertEqual(stat.left["q"].shape, (4, 4))
       self.assertEqual(stat.right["q"].shape, (6, 6))
       self.assertEqual(stat.left["o"].shape, (6, 6))
-      v = jax.tree.map(lambda p: jnp.cos(p), params)
-      got = stat.matvec(v)
+      v = jax.tree.map(np.cos, p)
       for name in params:
-        dense = jnp.kron(stat.left[name], stat.right[name])
+        dense = np.kron(stat.left[name], stat.right[name])
         want_v = (dense @ v[name].reshape(-1)).reshape(params[name].shape)
         with self.subTest(f"matvec/{name}"):
           _assert_close(self, got[name], want_v)
@@ -861,10 +896,16 @@ class LayerStatisticsTest(parameterized.TestCase):
       cov = _taps.coverage(scanned, params, x)
       self.assertTrue(cov["w"].kronecker and cov["b"].kronecker, cov)
       cot = _cotangents(4)
-      got = _taps.record(scanned, params, x).backward(cot)
-      got = got.statistics("kron", weight_sharing=mode)
-      want = _taps.record(unrolled, flat, x).backward(cot)
-      want = want.statistics("kron", weight_sharing=mode)
+      got, want = _jitted(
+        lambda: (
+          _taps.record(scanned, params, x)
+          .backward(cot)
+          .statistics("kron", weight_sharing=mode),
+          _taps.record(unrolled, flat, x)
+          .backward(cot)
+          .statistics("kron", weight_sharing=mode),
+        )
+      )
       self.assertEqual(got["w"][0].shape, (num_layers, 4, 4))
       self.assertEqual(got["w"][1].shape, (num_layers, 4, 4))
       for name in ("w", "b"):
@@ -872,32 +913,43 @@ class LayerStatisticsTest(parameterized.TestCase):
           for j in (0, 1):
             with self.subTest(f"{name}{i}/{j}"):
               _assert_close(self, got[name][j][i], want[f"{name}{i}"][j])
-      stat = _gaussian_kfac(scanned, params, x, 4, mode)
+      stat = _jitted(lambda: _gaussian_kfac(scanned, params, x, 4, mode))
       self.assertEqual(stat.estimator, "kfac")
       per_layer = fisher.KroneckerFisher(
         unstack(stat.left), unstack(stat.right), None, stat.count
       )
-      v = jax.tree.map(jnp.cos, params)
+      v = jax.tree.map(np.cos, params)
       v_flat = unstack(v)
-      for method, args in (
+      methods = (
         ("matvec", ()),
         ("solve", (1e-2,)),
         ("inverse_diag", (1e-2, params)),
         ("diagonal", (params,)),
-      ):
-        if method in ("inverse_diag", "diagonal"):
-          out = getattr(stat, method)(*args)
-          ref = getattr(per_layer, method)(*args[:-1], flat)
-        else:
-          out = getattr(stat, method)(v, *args)
-          ref = getattr(per_layer, method)(v_flat, *args)
+      )
+
+      def apply_methods():
+        out = {}
+        for method, args in methods:
+          if method in ("inverse_diag", "diagonal"):
+            out[method] = (
+              getattr(stat, method)(*args),
+              getattr(per_layer, method)(*args[:-1], flat),
+            )
+          else:
+            out[method] = (
+              getattr(stat, method)(v, *args),
+              getattr(per_layer, method)(v_flat, *args),
+            )
+        quadratic = (stat.quadratic_form(v), per_layer.quadratic_form(v_flat))
+        return out, quadratic
+
+      results, quadratic = _jitted(apply_methods)
+      for method, (out, ref) in results.items():
         for name in ("w", "b"):
           for i in range(num_layers):
             with self.subTest(f"{method}/{name}{i}"):
               _assert_close(self, out[name][i], ref[f"{name}{i}"])
-      _assert_close(
-        self, stat.quadratic_form(v), per_layer.quadratic_form(v_flat)
-      )
+      _assert_close(self, *quadratic)
       with self.assertRaisesRegex(ValueError, "do not fit"):
         stat.matvec({"w": v["w"][:2], "b": v["b"]})
 
@@ -944,27 +996,31 @@ class LayerStatisticsTest(parameterized.TestCase):
       self.assertFalse(shared_k.kronecker)
       for num_s in (1, 2):
         cot = _cotangents(3, num_s)
-        got = (
-          _taps.record(scanned, stacked, x)
-          .backward(cot)
-          .statistics("kron", weight_sharing=mode)["k"]
-        )
-        want = (
-          _taps.record(unrolled, layers, x)
-          .backward(cot)
-          .statistics("kron", weight_sharing=mode)
-        )
         # Under statistic="kron": A in the forward pass, Gamma in the
         # backward pass.
         fusion = _traced_tape(scanned, stacked, x, statistic="kron")._fusion
         assert fusion is not None
         self.assertIn(sorted(stacked).index("k"), fusion.leaves)
-        fused = (
-          _taps.record(
-            scanned, stacked, x, statistic="kron", weight_sharing=mode
-          )
+        diag = lambda statistic: (
+          _taps.record(scanned, stacked, x, statistic=statistic, chunk_size=2)
           .backward(cot)
-          .statistics("kron", weight_sharing=mode)["k"]
+          .statistics("diag", chunk_size=2)["k"]
+        )
+        got, want, fused, diags = _jitted(
+          lambda: (
+            _taps.record(scanned, stacked, x)
+            .backward(cot)
+            .statistics("kron", weight_sharing=mode)["k"],
+            _taps.record(unrolled, layers, x)
+            .backward(cot)
+            .statistics("kron", weight_sharing=mode),
+            _taps.record(
+              scanned, stacked, x, statistic="kron", weight_sharing=mode
+            )
+            .backward(cot)
+            .statistics("kron", weight_sharing=mode)["k"],
+            (diag("diag"), diag(None)),
+          )
         )
         for i in range(num_layers):
           with self.subTest(f"S={num_s}, layer {i}"):
@@ -972,12 +1028,7 @@ class LayerStatisticsTest(parameterized.TestCase):
             _assert_close(self, got[1][i], want[f"k{i}"][1])
             _assert_close(self, fused[0][i], want[f"k{i}"][0])
             _assert_close(self, fused[1][i], want[f"k{i}"][1])
-        diag = lambda statistic: (
-          _taps.record(scanned, stacked, x, statistic=statistic, chunk_size=2)
-          .backward(cot)
-          .statistics("diag", chunk_size=2)["k"]
-        )
-        _assert_close(self, diag("diag"), diag(None))
+        _assert_close(self, *diags)
 
   def test_conv_shared_by_scan_iterations(self):
     """A conv kernel shared by a scan's iterations (also inside a scan that
@@ -1020,33 +1071,43 @@ class LayerStatisticsTest(parameterized.TestCase):
       self.assertIn("shared by the iterations", cov["k"].reason)
       cot = _cotangents(3, 2)
       weights = fisher_testing.normal(jax.random.key(9), (2, 2 * B))
+      y = jnp.arange(B) % 3
 
-      def one(x, r):  # g_{s,n} of one example, both samples
-        _, vjp = jax.vjp(lambda p: apply_fn(p, x[None])[0], params)
-        return jax.vmap(lambda rs: vjp(rs)[0])(r)
+      @jax.jit
+      def run(params, x, cot, weights, y):
+        def one(x, r):  # g_{s,n} of one example, both samples
+          _, vjp = jax.vjp(lambda p: apply_fn(p, x[None])[0], params)
+          return jax.vmap(lambda rs: vjp(rs)[0])(r)
 
-      g = jax.vmap(one, in_axes=(0, 1))(x, cot)
-      g = jax.tree.map(
-        lambda a: jnp.swapaxes(a, 0, 1).reshape((-1,) + a.shape[2:]), g
-      )
-      grads = _taps.record(apply_fn, params, x).backward(cot)
-      diag = grads.statistics("diag", chunk_size=2)
-      combine = grads.combine(weights)
-      rows = jnp.concatenate(
+        g = jax.vmap(one, in_axes=(0, 1))(x, cot)
+        g = jax.tree.map(
+          lambda a: jnp.swapaxes(a, 0, 1).reshape((-1,) + a.shape[2:]), g
+        )
+        grads = _taps.record(apply_fn, params, x).backward(cot)
+        kron = {
+          method: fisher_testing.empirical(
+            fisher.kronecker, apply_fn, params, (x, y), method=method
+          )
+          for method in ("auto", "per_example")
+        }
+        return (
+          g,
+          grads.statistics("diag", chunk_size=2),
+          grads.combine(weights),
+          grads.statistics("gram", chunk_size=2),
+          kron,
+        )
+
+      g, diag, combine, gram, kron = run(params, x, cot, weights, y)
+      g, weights = jax.tree.map(np.asarray, (g, weights))
+      rows = np.concatenate(
         [a.reshape(2 * B, -1) for a in jax.tree.leaves(g)], 1
       )
-      _assert_close(self, grads.statistics("gram", chunk_size=2), rows @ rows.T)
+      _assert_close(self, gram, rows @ rows.T)
       for name in params:
         with self.subTest(name):
-          _assert_close(self, diag[name], jnp.sum(g[name] ** 2, 0))
-          _assert_close(self, combine[name], jnp.tensordot(weights, g[name], 1))
-      y = jnp.arange(B) % 3
-      kron = {
-        method: fisher_testing.empirical(
-          fisher.kronecker, apply_fn, params, (x, y), method=method
-        )
-        for method in ("auto", "per_example")
-      }
+          _assert_close(self, diag[name], np.sum(g[name] ** 2, 0))
+          _assert_close(self, combine[name], np.tensordot(weights, g[name], 1))
       for name in ("stack", "k", "c"):  # w has K-FAC factors under "auto"
         with self.subTest(f"kron {name}"):
           chex.assert_trees_all_close(
@@ -1448,9 +1509,9 @@ class CoverageTest(parameterized.TestCase):
     # A patch budget of 3 examples: a loop over chunks, and a remainder.
     with mock.patch.object(_taps, "_PATCH_CHUNK_ELEMENTS", 3 * 8 * 8 * 9 * 2):
       walk(jax.make_jaxpr(diag("auto"))(params).jaxpr)
-      got = diag("auto")(params)
+      got = jax.jit(diag("auto"))(params)
     self.assertEmpty(gathered)
-    want = diag("per_example")(params)
+    want = jax.jit(diag("per_example"))(params)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
       np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
 
@@ -1655,10 +1716,16 @@ class CoverageTest(parameterized.TestCase):
       split = {"k0": k[0], "k1": k[1], "w": w}
       for mode in ("expand", "reduce"):
         with self.subTest(mode):
-          got = _taps.record(batched, {"k": k, "w": w}, x).backward(cot)
-          got = got.statistics("kron", weight_sharing=mode)["k"]
-          want = _taps.record(unrolled, split, x).backward(cot)
-          want = want.statistics("kron", weight_sharing=mode)
+          got, want = _jitted(
+            lambda: (
+              _taps.record(batched, {"k": k, "w": w}, x)
+              .backward(cot)
+              .statistics("kron", weight_sharing=mode)["k"],
+              _taps.record(unrolled, split, x)
+              .backward(cot)
+              .statistics("kron", weight_sharing=mode),
+            )
+          )
           for i in range(2):
             _assert_close(self, got[0][i], want[f"k{i}"][0])
             _assert_close(self, got[1][i], want[f"k{i}"][1])
@@ -1667,10 +1734,14 @@ class CoverageTest(parameterized.TestCase):
       cov = _taps.coverage(apply_fn, params, inputs)
       kron = [cov[n].kronecker for n in ("k", "k2", "stack", "shared", "v")]
       self.assertEqual(kron, [True, False, True, False, True])
-      grads = _taps.record(apply_fn, params, inputs).backward(
-        _cotangents(out_dim)
+      cot = _cotangents(out_dim)
+      factors = jax.eval_shape(
+        lambda: (
+          _taps.record(apply_fn, params, inputs)
+          .backward(cot)
+          .statistics("kron")
+        )
       )
-      factors = grads.statistics("kron")
       self.assertEqual(factors["stack"][0].shape, (2, 2, 3, 3))  # (L, H, ...)
       self.assertEqual(factors["v"][1].shape, (2, 1, 1))
       self.assertIsNone(factors["k2"])
@@ -2254,8 +2325,12 @@ class FusedStatisticsTest(parameterized.TestCase):
     with mock.patch.object(_taps, "_PATCH_CHUNK_ELEMENTS", 4096):
       extra = temp(diag_fn) - temp(grad_fn)
     self.assertLess(extra, b * d * 4 / 2)  # half an activation
-    got = diag_fn(params, x, y).diag
-    want = diag_fn(params, x, y, "per_example").diag
+    got, want = jax.jit(
+      lambda p, x, y: (
+        diag_fn(p, x, y).diag,
+        diag_fn(p, x, y, "per_example").diag,
+      )
+    )(params, x, y)
     for a, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
       np.testing.assert_allclose(a, w, rtol=1e-4, atol=1e-9)
 
@@ -2300,25 +2375,30 @@ class FusedStatisticsTest(parameterized.TestCase):
     def compiled(fn):
       return jax.jit(fn).lower(params, x, y).compile()
 
-    def convs(fn) -> int:  # in the compiled program, scan bodies too
-      return compiled(fn).as_text().count(" convolution(")
+    def convs(program) -> int:  # in the compiled program, scan bodies too
+      return program.as_text().count(" convolution(")
 
     with mock.patch.object(_taps, "_PATCH_CHUNK_ELEMENTS", 4096):
-      diag = compiled(diag_fn).memory_analysis().temp_size_in_bytes
-      # No gradient convolution for either unscanned kernel.
-      self.assertEqual(convs(diag_fn), convs(grad_fn) - 2)
-    grad = compiled(grad_fn).memory_analysis().temp_size_in_bytes
+      diag_program = compiled(diag_fn)
+    grad_program = compiled(grad_fn)
+    # No gradient convolution for either unscanned kernel.
+    self.assertEqual(convs(diag_program), convs(grad_program) - 2)
+    diag = diag_program.memory_analysis().temp_size_in_bytes
+    grad = grad_program.memory_analysis().temp_size_in_bytes
     activation = b * side * side * 8 * 4  # the first conv's output
     self.assertLess(diag - grad, activation / 4)
     x, y = x[:16], y[:16]  # the values, on fewer examples
-    with mock.patch.object(_taps, "_PATCH_CHUNK_ELEMENTS", 4096):
-      got = diag_fn(params, x, y)
-    want = diag_fn(params, x, y, "per_example")
+
+    @jax.jit
+    def values(params, x, y):
+      with mock.patch.object(_taps, "_PATCH_CHUNK_ELEMENTS", 4096):
+        got = diag_fn(params, x, y)
+      return got, diag_fn(params, x, y, "per_example"), grad_fn(params, x, y)
+
+    got, want, grad_sum = values(params, x, y)
     for a, w in zip(jax.tree.leaves(got.diag), jax.tree.leaves(want.diag)):
       np.testing.assert_allclose(a, w, rtol=1e-4, atol=1e-9)
-    for a, w in zip(
-      jax.tree.leaves(got.mean_grad), jax.tree.leaves(grad_fn(params, x, y))
-    ):
+    for a, w in zip(jax.tree.leaves(got.mean_grad), jax.tree.leaves(grad_sum)):
       np.testing.assert_allclose(a, w, rtol=1e-4, atol=1e-7)
 
   def test_empirical_diagonal_of_attention_holds_no_more_than_the_gradient(

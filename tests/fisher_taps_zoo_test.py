@@ -151,17 +151,29 @@ class _NnxScanLM(nnx.Module):
 
 
 def _perturbed(params, dtype):
-  """Non-trivial norm scales and biases (their initial values are 1 and 0);
-  one jit, not one eager compile per leaf shape."""
-  noise = lambda p: (
-    p + 0.3 * jax.random.normal(jax.random.key(3), p.shape, dtype)
+  """Non-trivial norm scales and biases (their initial values are 1 and 0),
+  drawn in NumPy: no compile per leaf shape."""
+  rng = np.random.default_rng(3)
+  noise = lambda p: jnp.asarray(
+    np.asarray(p) + 0.3 * rng.standard_normal(p.shape), dtype
   )
-  return jax.jit(lambda t: jax.tree.map(noise, t))(params)
+  return jax.tree.map(noise, params)
 
 
+def _cached(build: Callable) -> Callable:
+  """Builds each model once per test process (and per x64 mode): init and
+  its compiles are a large share of this module's time otherwise."""
+  cache = functools.cache(lambda name, dtype, x64: build(name, dtype))
+  return functools.wraps(build)(
+    lambda name, dtype: cache(name, jnp.dtype(dtype), jax.config.x64_enabled)
+  )
+
+
+@_cached
 def _model(name: str, dtype):
-  ids = jax.random.randint(jax.random.key(1), (B, T), 0, VOCAB)
-  ids = ids.at[0, :2].set(1)  # a repeated token within an example
+  ids = np.random.default_rng(1).integers(0, VOCAB, (B, T), dtype=np.int32)
+  ids[0, :2] = 1  # a repeated token within an example
+  ids = jnp.asarray(ids)
   if name in ("linen", "linen_scan"):
     model = (_LinenLM if name == "linen" else _LinenScanLM)(dtype)
     params = _perturbed(jax.jit(model.init)(jax.random.key(0), ids), dtype)
@@ -800,13 +812,17 @@ class _NnxDerivedCNN(nnx.Module):
 def _running_stats(stats, dtype):
   """BatchNorm running means and variances far from their initial 0 and 1
   (positive, so that every ``rsqrt(var + eps)`` is finite)."""
-  return jax.tree.map(lambda a: jnp.abs(a) + 0.1, _perturbed(stats, dtype))
+  stats = _perturbed(stats, dtype)
+  return jax.tree.map(lambda a: jnp.asarray(np.abs(a) + 0.1, dtype), stats)
 
 
+@_cached
 def _conv_model(
   name: str, dtype
 ) -> tuple[Callable[[Any, Any], Any], Any, jax.Array]:
-  x = jax.random.normal(jax.random.key(1), (B, IMG, IMG, CH), dtype)
+  x = jnp.asarray(
+    np.random.default_rng(1).normal(size=(B, IMG, IMG, CH)), dtype
+  )
   if name == "linen_bn_cnn":  # the running statistics are constants
     model = _LinenBNCNN(dtype)
     variables = jax.jit(model.init)(jax.random.key(0), x)
