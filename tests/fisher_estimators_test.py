@@ -1155,17 +1155,19 @@ class ExampleChunksTest(absltest.TestCase):
       got = chunked(params)
       unlabelled = compiled(None, None)[0](params)
     per = len(x) // 4
-    parts = [
-      fisher.diagonal(
-        apply_fn,
-        params,
-        (x[i : i + per], y[i : i + per]),
-        likelihood=fisher.Categorical(),
-        kind="mc",
-        key=jax.random.fold_in(key, i),
-      )
-      for i in range(0, len(x), per)
-    ]
+    parts = jax.jit(
+      lambda params, x, y: [
+        fisher.diagonal(
+          apply_fn,
+          params,
+          (x[i : i + per], y[i : i + per]),
+          likelihood=fisher.Categorical(),
+          kind="mc",
+          key=jax.random.fold_in(key, i),
+        )
+        for i in range(0, len(x), per)
+      ]
+    )(params, x, y)
     want = jax.tree.map(lambda *d: sum(d) / len(d), *[p.diag for p in parts])
     chex.assert_trees_all_close(got.diag, want, rtol=1e-5, atol=1e-9)
     chex.assert_trees_all_close(
