@@ -101,9 +101,11 @@ the program runs per layer under ``vmap``; from leaves the scan shares (a
 ``variable_broadcast`` stack) it is one value for every iteration, a layer
 shared by them. Not covered: a value entering a scan, one computed in a
 scan from leaves it slices and leaves it shares, in nested scans, or under
-``shard_map``, where the VJP of a device-invariant value sums the devices'
-cotangents, which would mix their examples (a batch-sharded ``jit`` is
-fine).
+``shard_map`` from parameters that are device-invariant, where the VJP of
+the value would sum the devices' cotangents and mix their examples. The
+estimators' ``axis_name`` makes the parameters vary per device, so under
+``shard_map`` with it such values are covered (a batch-sharded ``jit`` needs
+nothing).
 
 Casts (``convert_element_type``) and ``jit``/``remat`` boundaries are looked
 through, and ``scan`` bodies are walked (below). A leaf used any other way
@@ -705,9 +707,9 @@ class _Walk:
   # scan equation path -> (length, {leaf: "xs" | "const"}) of the leaves
   # entering it
   loop_scopes: dict = dataclasses.field(default_factory=dict)
-  # inside shard_map: the examples vary over manual mesh axes, parameters
-  # do not, and a VJP of device-invariant values would sum the devices'
-  # cotangents (mixing their examples): no derived values there
+  # inside shard_map, parameters that do not vary over the manual mesh axes
+  # the examples vary over: a VJP of values computed from them would sum the
+  # devices' cotangents (mixing their examples), so no derived values
   manual: bool = False
 
   def is_const(self, v) -> bool:
@@ -1035,7 +1037,11 @@ def _derived_operand(eqn, j: int, kind, here, walk: _Walk, what: str):
     walk.other(kind, f"{what}, computed from parameters inside nested scans")
     return False, None
   if walk.manual:
-    walk.other(kind, f"{what}, computed from parameters, under shard_map")
+    walk.other(
+      kind,
+      f"{what}, computed from device-invariant parameters under shard_map "
+      "(the estimators' axis_name makes them vary per device)",
+    )
     return False, None
   program = walk.program(eqn.invars[j], here[:-1])
   if isinstance(program, str):
@@ -1249,8 +1255,12 @@ def _make_plan(closed, num_leaves: int, batch: int) -> _Plan:
     v: ("param", i) for i, v in enumerate(closed.jaxpr.invars[:num_leaves])
   }
   walk = _Walk(batch, plan, uses)
+  manual = {
+    a for v in closed.jaxpr.invars[num_leaves:] for a in _varying_axes(v.aval)
+  }
   walk.manual = any(
-    _varying_axes(v.aval) for v in closed.jaxpr.invars[num_leaves:]
+    not manual <= set(_varying_axes(v.aval))
+    for v in closed.jaxpr.invars[:num_leaves]
   )
   out_kinds = _scan(closed.jaxpr, env, (), walk)
   for k in out_kinds:  # a leaf returned as an output is an opaque use

@@ -132,10 +132,12 @@ class TapsShardedTest(absltest.TestCase):
 
   def test_values_computed_from_parameters(self):
     """Leaves reaching their layers through functions of parameters (a
-    weight-normed, a masked and a merged kernel, a softplus scale). Under a
-    batch-sharded jit they stay on the layer path; under shard_map they take
-    the per-example path (the VJP of a device-invariant value would sum the
-    devices' cotangents): both equal one device's diagonal."""
+    weight-normed, a masked and a merged kernel, a softplus scale) stay on
+    the layer path under a batch-sharded jit, and under shard_map with
+    ``axis_name`` (which makes the params vary per device, so the values'
+    VJPs do not sum the devices' cotangents): both equal one device's
+    diagonal. Without it (device-invariant params) the raw tape leaves them
+    uncovered, and says why."""
     apply_fn, params, _, out_dim = fisher_taps_test._model(
       "plain_derived_seq", jnp.float32
     )
@@ -156,10 +158,24 @@ class TapsShardedTest(absltest.TestCase):
       out_specs=P(),
     )
     with warnings.catch_warnings():
-      warnings.simplefilter("ignore", fisher.FisherFallbackWarning)
+      warnings.simplefilter("error", fisher.FisherFallbackWarning)
       chex.assert_trees_all_close(
         jax.jit(local)(params, x, y), ref, rtol=1e-5, atol=1e-6
       )
+    reasons = {}
+
+    def invariant(p, x):
+      tape = _taps.record(apply_fn, p, x)
+      for name, covered in tape.covered.items():
+        if not covered:
+          reasons[name] = tape._plan.reasons[sorted(p).index(name)]
+      return jnp.zeros(())
+
+    jax.jit(
+      jax.shard_map(invariant, mesh=mesh, in_specs=(P(), P("d")), out_specs=P())
+    )(params, x)
+    self.assertIn("v", reasons)
+    self.assertIn("device-invariant parameters under shard_map", reasons["v"])
     xs = jax.device_put(x, NamedSharding(mesh, P("d")))
     ys = jax.device_put(y, NamedSharding(mesh, P("d")))
     with jax.set_mesh(mesh):
