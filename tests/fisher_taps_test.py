@@ -181,6 +181,12 @@ def _paths(tree):
   return jax.tree_util.tree_flatten_with_path(tree)[0]
 
 
+def _sum_outer(x: np.ndarray) -> np.ndarray:
+  """``sum x_i x_i^T`` over every leading axis of ``x`` (NumPy)."""
+  rows = x.reshape(-1, x.shape[-1])
+  return rows.T @ rows
+
+
 def _jitted(fn):
   """``fn()`` as one compiled program: run op by op, each small op would
   compile on its own (most of a test's time)."""
@@ -715,9 +721,9 @@ class LayerStatisticsTest(parameterized.TestCase):
       @jax.jit
       def run(params, ids, cot):
         out = {}
+        grads = _taps.record(apply_fn, params, ids).backward(cot)
+        one = _taps.record(apply_fn, params, ids[:1]).backward(cot[:, :1])
         for mode in modes:
-          grads = _taps.record(apply_fn, params, ids).backward(cot)
-          one = _taps.record(apply_fn, params, ids[:1]).backward(cot[:, :1])
           kfac = functools.partial(
             fisher.kronecker,
             apply_fn,
@@ -748,7 +754,7 @@ class LayerStatisticsTest(parameterized.TestCase):
       )  # (S, B, T, 6)
       de = dz @ p["w1"].T  # (S, B, T, 4)
       onehot = np.eye(VOCAB)[ids]  # (B, T, V)
-      sq = lambda x: x.reshape(-1, x.shape[-1]).T @ x.reshape(-1, x.shape[-1])
+      sq = _sum_outer
       want = {
         "expand": {
           "w1": (sq(e) / T, sq(dz)),
@@ -812,7 +818,7 @@ class LayerStatisticsTest(parameterized.TestCase):
       y = h @ p["o"].reshape(6, 5)
       dy = cn[:, :, None] * (1 - np.tanh(y) ** 2)  # (S, B, T, 5)
       dz = (dy @ p["o"].reshape(6, 5).T) * (1 - h**2)  # (S, B, T, 6)
-      sq = lambda v: v.reshape(-1, v.shape[-1]).T @ v.reshape(-1, v.shape[-1])
+      sq = _sum_outer
       if mode == "expand":
         want = {
           "q": (sq(xn) / T, sq(dz)),

@@ -152,10 +152,11 @@ class _NnxScanLM(nnx.Module):
 
 def _perturbed(params, dtype):
   """Non-trivial norm scales and biases (their initial values are 1 and 0),
-  drawn in NumPy: no compile per leaf shape."""
-  rng = np.random.default_rng(3)
+  added in NumPy: no compile per leaf shape."""
   noise = lambda p: jnp.asarray(
-    np.asarray(p) + 0.3 * rng.standard_normal(p.shape), dtype
+    np.asarray(p)
+    + 0.3 * np.asarray(fisher_testing.normal(jax.random.key(3), p.shape)),
+    dtype,
   )
   return jax.tree.map(noise, params)
 
@@ -820,9 +821,7 @@ def _running_stats(stats, dtype):
 def _conv_model(
   name: str, dtype
 ) -> tuple[Callable[[Any, Any], Any], Any, jax.Array]:
-  x = jnp.asarray(
-    np.random.default_rng(1).normal(size=(B, IMG, IMG, CH)), dtype
-  )
+  x = fisher_testing.normal(jax.random.key(1), (B, IMG, IMG, CH), dtype)
   if name == "linen_bn_cnn":  # the running statistics are constants
     model = _LinenBNCNN(dtype)
     variables = jax.jit(model.init)(jax.random.key(0), x)
