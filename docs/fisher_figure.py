@@ -39,13 +39,13 @@ def _problem():
   return params, (x, y)
 
 
-def _dense(params, matvec) -> np.ndarray:
+def _dense(params, matvec) -> jax.Array:
   """The matrix of ``matvec`` in the flattened parameter basis."""
   flat, unravel = jax.flatten_util.ravel_pytree(params)
   cols = jax.vmap(
     lambda e: jax.flatten_util.ravel_pytree(matvec(unravel(e)))[0]
   )
-  return np.asarray(cols(jnp.eye(flat.size)).T)
+  return cols(jnp.eye(flat.size)).T
 
 
 def _dense_references(params, batch):
@@ -61,13 +61,24 @@ def _dense_references(params, batch):
   residual = probs - jax.nn.one_hot(y, probs.shape[-1])
   grads = jnp.einsum("ncp,nc->np", jac, residual)  # per-example gradients
   empirical = grads.T @ grads / x.shape[0]
-  return np.asarray(exact), np.asarray(empirical), jax.vmap(unravel)(grads)
+  return exact, empirical, jax.vmap(unravel)(grads)
 
 
 def panels() -> list[tuple[str, np.ndarray]]:
   """(title, dense matrix) of the exact and empirical Fisher and each
-  structured approximation of the tiny MLP."""
-  params, batch = _problem()
+  structured approximation of the tiny MLP (one compiled program)."""
+  titles = []
+
+  def matrices(params, batch):  # titles are static: collected while tracing
+    titled = _panels(params, batch)
+    titles.extend(title for title, _ in titled)
+    return [m for _, m in titled]
+
+  dense = jax.jit(matrices)(*_problem())
+  return [(title, np.asarray(m)) for title, m in zip(titles, dense)]
+
+
+def _panels(params, batch) -> list[tuple[str, jax.Array]]:
   lik = fisher.Categorical()
   exact = dict(likelihood=lik, kind="exact")
   exact_dense, empirical_dense, grads = _dense_references(params, batch)
