@@ -1088,6 +1088,170 @@ class ConvZooTest(parameterized.TestCase):
     self.assertEqual(slow, [])
 
 
+# -- more of Flax's layers: one small model each ------------------------------
+
+
+class _ConvTranspose(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    x = nn.ConvTranspose(4, (3, 3), strides=(2, 2))(x)
+    return nn.Dense(3)(x.reshape(x.shape[0], -1))
+
+
+class _Recurrent(nn.Module):
+  cell: type[nn.RNNCellBase]
+
+  @nn.compact
+  def __call__(self, x):
+    return nn.Dense(3)(nn.RNN(self.cell(8))(x)[:, -1])
+
+
+class _Norms(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    x = nn.RMSNorm()(nn.Dense(8)(x))
+    x = nn.LayerNorm(use_bias=False)(nn.Dense(8)(x))
+    return nn.Dense(3)(x)
+
+
+class _Einsum(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    x = nn.Einsum((4, 6, 5), "btd,dhk->bthk")(x)
+    return nn.Dense(3)(x.reshape(x.shape[0], -1))
+
+
+class _QKNorm(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    x = nn.MultiHeadDotProductAttention(num_heads=2, normalize_qk=True)(x)
+    return nn.Dense(3)(x.mean(1))
+
+
+class _Conv1D(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    x = nn.Conv(6, (3,), padding="CAUSAL")(x)
+    x = nn.Conv(6, (3,), kernel_dilation=2, padding="CIRCULAR")(x)
+    return nn.Dense(3)(x.reshape(x.shape[0], -1))
+
+
+class _Pools(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    x = nn.avg_pool(nn.Conv(6, (3, 3))(x), (2, 2), (2, 2))
+    x = nn.GroupNorm(num_groups=2)(x)
+    x = nn.Conv(6, (3, 3), feature_group_count=6)(x)  # depthwise
+    x = nn.max_pool(x, (2, 2), (2, 2))
+    return nn.Dense(3)(x.reshape(x.shape[0], -1))
+
+
+class _Mixer(nn.Module):
+  """MLP-Mixer's token mixing: a Dense along the sequence axis."""
+
+  @nn.compact
+  def __call__(self, x):
+    y = jnp.swapaxes(nn.LayerNorm()(x), 1, 2)
+    y = nn.Dense(x.shape[1])(nn.gelu(nn.Dense(5)(y)))
+    return nn.Dense(3)((x + jnp.swapaxes(y, 1, 2)).mean(1))
+
+
+class _Glu(nn.Module):
+  """A gated unit and a raw scale parameter (``self.param``)."""
+
+  @nn.compact
+  def __call__(self, x):
+    a, b = jnp.split(nn.Dense(16)(x), 2, -1)
+    scale = self.param("scale", nn.initializers.ones, (8,))
+    return nn.Dense(3)(a * nn.sigmoid(b) * scale)
+
+
+class _NnxRecurrent(nnx.Module):
+  def __init__(self, rngs: nnx.Rngs):
+    self.rnn = nnx.RNN(nnx.GRUCell(4, 8, rngs=rngs), rngs=False)
+    self.norm = nnx.RMSNorm(8, rngs=rngs)
+    self.head = nnx.Linear(8, 3, rngs=rngs)
+
+  def __call__(self, x):
+    h = self.rnn(x, initial_carry=jnp.zeros((x.shape[0], 8), x.dtype))
+    return self.head(self.norm(h[:, -1]))
+
+
+class _NnxConvEinsum(nnx.Module):
+  def __init__(self, rngs: nnx.Rngs):
+    self.up = nnx.ConvTranspose(3, 4, (3, 3), strides=(2, 2), rngs=rngs)
+    self.mix = nnx.Einsum("bhwc,cd->bhwd", (4, 5), (5,), rngs=rngs)
+    self.head = nnx.Linear(10 * 10 * 5, 3, rngs=rngs)
+
+  def __call__(self, x):
+    x = self.mix(self.up(x))
+    return self.head(x.reshape(x.shape[0], -1))
+
+
+_LAYER_MODELS: dict[str, tuple[Callable[[], Any], tuple[int, ...]]] = {
+  "conv_transpose": (_ConvTranspose, (5, 5, 3)),
+  "lstm": (lambda: _Recurrent(nn.OptimizedLSTMCell), (7, 4)),
+  "gru": (lambda: _Recurrent(nn.GRUCell), (7, 4)),
+  "rms_norm": (_Norms, (4,)),
+  "einsum": (_Einsum, (3, 4)),
+  "qk_norm_attention": (_QKNorm, (3, 8)),
+  "conv_1d": (_Conv1D, (9, 3)),
+  "pools_depthwise": (_Pools, (8, 8, 3)),
+  "mixer": (_Mixer, (6, 4)),
+  "glu_scale": (_Glu, (4,)),
+  "nnx_gru_rms_norm": (_NnxRecurrent, (7, 4)),
+  "nnx_conv_transpose_einsum": (_NnxConvEinsum, (5, 5, 3)),
+}
+
+
+@_cached
+def _layer_model(name: str, dtype):
+  build, shape = _LAYER_MODELS[name]
+  x = fisher_testing.normal(jax.random.key(2), (4, *shape), dtype)
+  if name.startswith("nnx"):
+    graphdef, state = nnx.split(build(rngs=nnx.Rngs(0)))
+    apply_fn = lambda st, inp: nnx.merge(graphdef, st)(inp)
+    return apply_fn, _perturbed(state, dtype), x
+  model = build()
+  params = _perturbed(jax.jit(model.init)(jax.random.key(0), x), dtype)
+  return model.apply, params, x
+
+
+class MoreLayersZooTest(parameterized.TestCase):
+  """Recurrent cells, transposed, 1-D, dilated, depthwise and pooled
+  convolutions, RMSNorm, Einsum, qk-normalised attention, token mixing and
+  raw parameters: every leaf on the layer path, the same diagonal."""
+
+  @parameterized.parameters(*_LAYER_MODELS)
+  def test_every_leaf_on_the_layer_path_and_exact(self, name):
+    apply_fn, params, x = _layer_model(name, jnp.float32)
+    flat = jax.tree_util.tree_flatten_with_path(
+      fisher.coverage(apply_fn, params, x)
+    )[0]
+    self.assertEqual(
+      {jax.tree_util.keystr(p): c.reason for p, c in flat if not c}, {}
+    )
+    y = jnp.arange(x.shape[0]) % 3
+
+    def both(p):
+      return [
+        fisher.diagonal(
+          apply_fn,
+          p,
+          (x, y),
+          likelihood=fisher.Categorical(),
+          kind="empirical",
+          method=method,
+        ).diag
+        for method in ("auto", "per_example")
+      ]
+
+    with warnings.catch_warnings():
+      warnings.simplefilter("error", fisher.FisherFallbackWarning)
+      fast, slow = jax.jit(both)(params)
+    _assert_tree_close(fast, slow, 1e-5)
+
+
 def _bn_train_model(api: str = "linen"):
   """A conv and a BatchNorm normalising by the batch's statistics."""
   x = jax.random.normal(jax.random.key(1), (B, IMG, IMG, CH))
