@@ -44,6 +44,8 @@ _FACTOR_NORMS = ("pre_ema", "paper")
 _ROOT_METHODS = ("eigh", "newton", "cholesky")
 _MOMENTUM_SPACES = ("whitened", "original")
 _GRAFTINGS = ("none", "muon_norm")
+_MAX_PRECOND_DIM = 4096
+_MAX_ASPECT_RATIO = 2
 # A warm-started Newton root that ends with max|H^T F H - I| above this is
 # discarded and the previous root kept (as Distributed Shampoo does).
 _NEWTON_MAX_ERROR = 0.1
@@ -138,7 +140,7 @@ class _Options(NamedTuple):
   gamma: Any
   damping: Any
   coeffs: jax.Array
-  ns_steps: int
+  ns_steps: int | jax.Array
   eps: Any
   nesterov: bool
   root_method: str
@@ -411,6 +413,24 @@ def _init_leaf(
   return (mu, left(), right(), left(), right())
 
 
+def _check_ns_steps(ns_steps: Any) -> int | jax.Array:
+  """An int >= 1, or an integer scalar array (what ``inject_hyperparams``
+  passes, as it does to :func:`optax.contrib.muon`; arrays pass unchecked,
+  as every traced hyperparameter does)."""
+  if isinstance(ns_steps, jax.Array) and ns_steps.ndim == 0:
+    if not jnp.issubdtype(ns_steps.dtype, jnp.integer):
+      raise TypeError(f"ns_steps must be an integer, got {ns_steps.dtype}.")
+    return ns_steps
+  if isinstance(ns_steps, bool) or not isinstance(ns_steps, int):
+    raise TypeError(
+      "ns_steps must be an int or an integer scalar array, got "
+      f"{type(ns_steps).__name__}."
+    )
+  if ns_steps < 1:
+    raise ValueError(f"ns_steps must be >= 1, got {ns_steps}.")
+  return ns_steps
+
+
 def _check_options(
   beta: Any,
   gamma: Any,
@@ -434,7 +454,7 @@ def _check_options(
   validation.check_positive(
     "eigenvalue_floor", eigenvalue_floor, allow_zero=True
   )
-  ns_steps = validation.check_static_int("ns_steps", ns_steps, minimum=1)
+  ns_steps = _check_ns_steps(ns_steps)
   if isinstance(precondition_interval, bool) or not isinstance(
     precondition_interval, (int, jax.Array)
   ):
@@ -612,7 +632,7 @@ def scale_by_fismo(
   gamma: float | jax.Array = 0.95,
   damping: float | jax.Array = 1.0,
   ns_coeffs: Any = _matrix_roots.QUINTIC_NS_COEFFS,
-  ns_steps: int = 5,
+  ns_steps: int | jax.Array = 5,
   eps: float | jax.Array = 1e-8,
   mu_dtype: Any = None,
   *,
@@ -622,8 +642,8 @@ def scale_by_fismo(
   factor_norm: Literal["pre_ema", "paper"] = "pre_ema",
   momentum_space: Literal["whitened", "original"] = "whitened",
   grafting: Literal["none", "muon_norm"] = "muon_norm",
-  max_precond_dim: int = 4096,
-  max_aspect_ratio: int = 2,
+  max_precond_dim: int | None = None,
+  max_aspect_ratio: int | None = None,
   eigenvalue_floor: float | jax.Array = 1e-6,
   fisher_source: Literal["batch", "per_example"] = "batch",
   weight_dimension_numbers: WeightDimNumOrFn = None,
@@ -762,7 +782,9 @@ def scale_by_fismo(
     gamma: factor EMA decay :math:`\gamma` in [0, 1]; 1 freezes ``P = Q = I``.
     damping: :math:`\mu \ge 0` (relative to the mean eigenvalue).
     ns_coeffs: Newton-Schulz coefficients ``(a, b, c)`` or one triple per step.
-    ns_steps: Newton-Schulz steps (static int).
+    ns_steps: Newton-Schulz steps: an int (unrolled), or an integer scalar
+      array, run as a loop (``inject_hyperparams`` passes one unless
+      ``ns_steps`` is in its ``static_args``).
     eps: added to the Frobenius norm in Newton-Schulz.
     mu_dtype: momentum dtype (default: the params').
     nesterov: Muon's Nesterov momentum (not in the paper).
@@ -771,8 +793,10 @@ def scale_by_fismo(
     factor_norm: ``"pre_ema"`` (scale-invariant) or ``"paper"``.
     momentum_space: ``"whitened"`` or ``"original"``.
     grafting: ``"muon_norm"`` (default) or ``"none"`` (the paper's step).
-    max_precond_dim: sides longer than this stay unpreconditioned (static).
-    max_aspect_ratio: two-sided only if ``max(m,n) <= ratio * min(m,n)``.
+    max_precond_dim: sides longer than this stay unpreconditioned (static
+      int; ``None``: 4096).
+    max_aspect_ratio: two-sided only if ``max(m,n) <= ratio * min(m,n)``
+      (static int; ``None``: 2).
     eigenvalue_floor: relative floor of the factors' eigenvalues in the roots.
     fisher_source: ``"batch"`` or ``"per_example"`` (see above).
     weight_dimension_numbers: ``MuonDimensionNumbers`` routing, as in
@@ -823,11 +847,16 @@ def scale_by_fismo(
     grafting,
     eigenvalue_floor,
   )
+  # None defaults: inject_hyperparams would make an int default an array.
   max_precond_dim = validation.check_static_int(
-    "max_precond_dim", max_precond_dim, minimum=0
+    "max_precond_dim",
+    _MAX_PRECOND_DIM if max_precond_dim is None else max_precond_dim,
+    minimum=0,
   )
   max_aspect_ratio = validation.check_static_int(
-    "max_aspect_ratio", max_aspect_ratio, minimum=1
+    "max_aspect_ratio",
+    _MAX_ASPECT_RATIO if max_aspect_ratio is None else max_aspect_ratio,
+    minimum=1,
   )
   source = validation.check_fisher_source(
     fisher_source, function="scale_by_fismo"
@@ -929,7 +958,7 @@ def fismo(
   gamma: float | jax.Array = 0.95,
   damping: float | jax.Array = 1.0,
   ns_coeffs: Any = _matrix_roots.QUINTIC_NS_COEFFS,
-  ns_steps: int = 5,
+  ns_steps: int | jax.Array = 5,
   eps: float | jax.Array = 1e-8,
   weight_decay: float | jax.Array = 0.0,
   weight_decay_mask: Any = None,
@@ -941,8 +970,8 @@ def fismo(
   factor_norm: Literal["pre_ema", "paper"] = "pre_ema",
   momentum_space: Literal["whitened", "original"] = "whitened",
   grafting: Literal["none", "muon_norm"] = "muon_norm",
-  max_precond_dim: int = 4096,
-  max_aspect_ratio: int = 2,
+  max_precond_dim: int | None = None,
+  max_aspect_ratio: int | None = None,
   eigenvalue_floor: float | jax.Array = 1e-6,
   fisher_source: Literal["batch", "per_example"] = "batch",
   adam_b1: float | jax.Array = 0.9,
@@ -999,7 +1028,8 @@ def fismo(
     gamma: factor EMA decay.
     damping: relative damping :math:`\mu`.
     ns_coeffs: Newton-Schulz coefficients.
-    ns_steps: Newton-Schulz steps (static).
+    ns_steps: Newton-Schulz steps (an int, or an integer scalar array: see
+      :func:`scale_by_fismo`).
     eps: Newton-Schulz and Adam epsilon.
     weight_decay: decoupled weight decay of the FISMO leaves (times the lr).
     weight_decay_mask: mask (or callable) for ``weight_decay``.
@@ -1010,8 +1040,10 @@ def fismo(
     factor_norm: ``"pre_ema"`` or ``"paper"``.
     momentum_space: ``"whitened"`` or ``"original"``.
     grafting: ``"muon_norm"`` (default) or ``"none"`` (the paper's step).
-    max_precond_dim: sides longer than this are not preconditioned (static).
-    max_aspect_ratio: two-sided preconditioning only up to this aspect ratio.
+    max_precond_dim: sides longer than this are not preconditioned (static
+      int; ``None``: 4096).
+    max_aspect_ratio: two-sided preconditioning only up to this aspect ratio
+      (static int; ``None``: 2).
     eigenvalue_floor: relative eigenvalue floor in the roots.
     fisher_source: ``"batch"`` or ``"per_example"`` (``per_example_grads``
       extra, masked to the FISMO leaves automatically).

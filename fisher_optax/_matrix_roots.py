@@ -58,7 +58,7 @@ def _batched_eye(a: jax.Array, dtype: Any = None) -> jax.Array:
 def newton_schulz_polar(
   x: jax.Array,
   coeffs: Any = QUINTIC_NS_COEFFS,
-  steps: int = 5,
+  steps: int | jax.Array = 5,
   eps: float | jax.Array = 1e-8,
 ) -> jax.Array:
   r"""Approximates the polar factor :math:`U V^\top` of ``x`` by Newton-Schulz.
@@ -79,7 +79,8 @@ def newton_schulz_polar(
     coeffs: ``(a, b, c)``, or a sequence of such triples, one per step (then
       ``steps`` is ignored). :data:`QUINTIC_NS_COEFFS` (Muon's) or
       :data:`CUBIC_NS_COEFFS` (classical, exact in the limit).
-    steps: number of iterations, a static int.
+    steps: number of iterations: an int, or an integer scalar array (then
+      the iterations run as a loop of that many trips).
     eps: added to the Frobenius norm before dividing.
 
   Returns:
@@ -114,15 +115,20 @@ def newton_schulz_polar(
   norm = jnp.linalg.norm(x, ord="fro", axis=(-2, -1), keepdims=True)
   x = x / (norm + eps)
   coeff_arr = coeff_arr.astype(x.dtype)
-  schedule = (
-    [coeff_arr[i] for i in range(coeff_arr.shape[0])]
-    if coeff_arr.ndim == 2
-    else [coeff_arr] * steps
-  )
-  for abc in schedule:
+
+  def step(abc: jax.Array, x: jax.Array) -> jax.Array:
     gram = x @ jnp.matrix_transpose(x)
     poly = abc[1] * gram + abc[2] * gram @ gram  # (c A) A, as optax.
-    x = abc[0] * x + poly @ x
+    return abc[0] * x + poly @ x
+
+  if coeff_arr.ndim == 2:
+    for i in range(coeff_arr.shape[0]):
+      x = step(coeff_arr[i], x)
+  elif isinstance(steps, int):
+    for _ in range(steps):
+      x = step(coeff_arr, x)
+  else:  # a traced count (inject_hyperparams): a loop, as optax's muon
+    x = jax.lax.fori_loop(0, steps, lambda _, y: step(coeff_arr, y), x)
   return jnp.matrix_transpose(x) if transposed else x
 
 

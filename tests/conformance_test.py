@@ -99,8 +99,8 @@ CASES = (
       "damping",
       "weight_decay",
       "precondition_interval",
+      "ns_steps",
     ),
-    static_args=("ns_steps", "max_precond_dim", "max_aspect_ratio"),
     target_learning_rate={"rosenbrock": 3e-3},
   ),
   Case(
@@ -108,8 +108,7 @@ CASES = (
     fisher_optax.scale_by_fismo,
     {"precondition_interval": 2},
     then=optax.scale_by_learning_rate,
-    injectable=("beta", "gamma", "damping"),
-    static_args=("ns_steps", "max_precond_dim", "max_aspect_ratio"),
+    injectable=("beta", "gamma", "damping", "ns_steps"),
     target_learning_rate={"rosenbrock": 3e-3},
     # Unscaled Newton-Schulz output: array vs Python-float hyperparameters
     # round differently (about 4e-6 on entries of size 0.5).

@@ -624,6 +624,8 @@ class RoutingTest(parameterized.TestCase):
       (ValueError, "damping", dict(damping=-1.0)),
       (ValueError, "eigenvalue_floor", dict(eigenvalue_floor=-1.0)),
       (TypeError, "ns_steps", dict(ns_steps=2.5)),
+      (TypeError, "ns_steps", dict(ns_steps=jnp.asarray(2.0))),
+      (ValueError, "ns_steps", dict(ns_steps=0)),
       (TypeError, "max_precond_dim", dict(max_precond_dim=1e3)),
       (ValueError, "precondition_interval", dict(precondition_interval=0)),
       (TypeError, "precondition_interval", dict(precondition_interval=2.0)),

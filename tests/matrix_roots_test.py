@@ -65,6 +65,22 @@ class MatrixRootsAndPolarTest(parameterized.TestCase):
     with self.assertRaisesRegex(ValueError, "coefficients"):
       _matrix_roots.newton_schulz_polar(x, (1.0, 2.0))
 
+  def test_newton_schulz_traced_step_count(self):
+    """An array count (inject_hyperparams) runs a loop of that many steps,
+    the same iterations as the unrolled ones."""
+    x = jax.random.normal(jax.random.key(2), (4, 6))
+    polar = jax.jit(_matrix_roots.newton_schulz_polar, static_argnums=2)
+    looped = jax.jit(
+      lambda x, n: _matrix_roots.newton_schulz_polar(
+        x, _matrix_roots.QUINTIC_NS_COEFFS, n
+      )
+    )
+    for n in (1, 3):
+      quintic = _matrix_roots.QUINTIC_NS_COEFFS
+      chex.assert_trees_all_close(
+        looped(x, jnp.asarray(n)), polar(x, quintic, n), atol=1e-6
+      )
+
   @parameterized.parameters(1, 2, 4)
   def test_eigh_inverse_root(self, p):
     with jax.enable_x64(True):
