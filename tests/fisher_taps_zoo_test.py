@@ -1353,6 +1353,14 @@ class MixedExamplesTest(parameterized.TestCase):
     self.assertIn("BatchNorm", str(found[0].message))
     self.assertEqual(found[0].filename, __file__)
 
+  def test_coverage_warns(self):
+    apply_fn, params, x = _bn_train_model()
+    with self.assertWarnsRegex(
+      fisher.FisherMixedExamplesWarning, "combines different examples"
+    ) as caught:
+      fisher.coverage(apply_fn, params, x)
+    self.assertEqual(caught.filename, __file__)
+
 
 class FallbackWarningTest(absltest.TestCase):
   def test_warns_once_naming_the_leaves(self):

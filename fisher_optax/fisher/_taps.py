@@ -4352,15 +4352,18 @@ def coverage(
   scales and biases, BatchNorm with running statistics, learned positions,
   conv biases), a kernel times a constant scalar, also inside ``scan``
   bodies (stacked layers, recurrent cells) and for a leaf with several such
-  uses (tied embeddings, a conv kernel applied twice). Outside scans, a
-  leaf may reach these layers through a function of parameters alone
-  (``WeightNorm``, ``SpectralNorm``, a masked or weight-standardised
-  kernel, ``softplus(p)``): a VJP per example takes the layer's gradients
-  back to it. K-FAC factors (``kronecker``) need one use of the leaf
+  uses (tied embeddings, a conv kernel applied twice). A leaf may reach
+  these layers through a function of parameters alone (``WeightNorm``,
+  ``SpectralNorm``, a masked or weight-standardised kernel,
+  ``softplus(p)``; in a scan's body when the scan slices every leaf the
+  function reads): a VJP per example takes the layer's gradients back to
+  it. K-FAC factors (``kronecker``) need one use of the leaf
   itself, or a stack of layers along a scan: a kernel shared by a scan's
   iterations, or computed from parameters, has none. Only traces ``apply_fn``
   (no FLOPs), so ``params`` and ``inputs`` may be ``jax.ShapeDtypeStruct``
-  trees.
+  trees. A model that combines the examples of a batch (``BatchNorm`` on
+  the batch's statistics) warns :class:`FisherMixedExamplesWarning`, as the
+  estimators do: no path gives it per-example gradients.
 
   Args:
     apply_fn: ``apply_fn(params, inputs) -> outputs``, as in
@@ -4398,6 +4401,7 @@ def coverage(
     'the kernel of a dot_general, stacked along the iterations of a scan'
   """
   leaves, treedef, _, closed, _, batch = _trace(apply_fn, params, inputs)
+  check_independent_examples(closed, len(leaves), batch)
   plan = _make_plan(closed, len(leaves), batch)
   return jax.tree_util.tree_unflatten(treedef, _leaf_coverage(plan, leaves))
 
