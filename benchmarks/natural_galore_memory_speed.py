@@ -11,7 +11,7 @@ separately, since a refresh happens once every ``update_proj_gap`` steps.
 Run from the repository root::
 
   python -m benchmarks.natural_galore_memory_speed          # full
-  python -m benchmarks.natural_galore_memory_speed --small  # seconds
+  python -m benchmarks.natural_galore_memory_speed --small  # smoke (about 2 min on 2 CPU cores: compiles)
 """
 
 from __future__ import annotations
