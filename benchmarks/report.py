@@ -693,10 +693,11 @@ def _natural_galore_rows(d: dict[str, Any]) -> list[SpeedRow]:
 
 
 def _fisher_engine_rows(d: dict[str, Any]) -> list[SpeedRow]:
+  # Memory-only rows (``--memory_only``, the large batches) have no times.
   base = {
     (r["model"], r["batch"]): r["median_s"]
     for r in d["rows"]
-    if r["estimator"] == "batch gradient"
+    if r["estimator"] == "batch gradient" and r.get("median_s") is not None
   }
   return [
     SpeedRow(
@@ -708,7 +709,9 @@ def _fisher_engine_rows(d: dict[str, Any]) -> list[SpeedRow]:
       r.get("floor"),
     )
     for r in d["rows"]
-    if r["estimator"] != "batch gradient" and r.get("ratio") is not None
+    if r["estimator"] != "batch gradient"
+    and r.get("ratio") is not None
+    and (r["model"], r["batch"]) in base
   ]
 
 
