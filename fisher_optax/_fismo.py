@@ -413,24 +413,6 @@ def _init_leaf(
   return (mu, left(), right(), left(), right())
 
 
-def _check_ns_steps(ns_steps: Any) -> int | jax.Array:
-  """An int >= 1, or an integer scalar array (what ``inject_hyperparams``
-  passes, as it does to :func:`optax.contrib.muon`; arrays pass unchecked,
-  as every traced hyperparameter does)."""
-  if isinstance(ns_steps, jax.Array) and ns_steps.ndim == 0:
-    if not jnp.issubdtype(ns_steps.dtype, jnp.integer):
-      raise TypeError(f"ns_steps must be an integer, got {ns_steps.dtype}.")
-    return ns_steps
-  if isinstance(ns_steps, bool) or not isinstance(ns_steps, int):
-    raise TypeError(
-      "ns_steps must be an int or an integer scalar array, got "
-      f"{type(ns_steps).__name__}."
-    )
-  if ns_steps < 1:
-    raise ValueError(f"ns_steps must be >= 1, got {ns_steps}.")
-  return ns_steps
-
-
 def _check_options(
   beta: Any,
   gamma: Any,
@@ -454,18 +436,8 @@ def _check_options(
   validation.check_positive(
     "eigenvalue_floor", eigenvalue_floor, allow_zero=True
   )
-  ns_steps = _check_ns_steps(ns_steps)
-  if isinstance(precondition_interval, bool) or not isinstance(
-    precondition_interval, (int, jax.Array)
-  ):
-    raise TypeError(
-      "precondition_interval must be an int, got "
-      f"{type(precondition_interval).__name__}."
-    )
-  if isinstance(precondition_interval, int) and precondition_interval < 1:
-    raise ValueError(
-      f"precondition_interval must be >= 1, got {precondition_interval}."
-    )
+  ns_steps = validation.check_count("ns_steps", ns_steps)
+  validation.check_count("precondition_interval", precondition_interval)
   validation.check_choice("root_method", root_method, _ROOT_METHODS)
   validation.check_choice("factor_norm", factor_norm, _FACTOR_NORMS)
   validation.check_choice("momentum_space", momentum_space, _MOMENTUM_SPACES)

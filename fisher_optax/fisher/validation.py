@@ -61,6 +61,25 @@ def check_static_int(name: str, value: Any, *, minimum: int = 0) -> int:
   return value
 
 
+def check_count(name: str, value: Any, *, minimum: int = 1) -> Any:
+  """A count that need not set shapes (an iteration count, an interval): a
+  Python int ``>= minimum``, or an integer scalar array, which is what
+  ``inject_hyperparams`` passes (arrays pass unchecked, as every traced
+  hyperparameter does)."""
+  if isinstance(value, jax.Array) and value.ndim == 0:
+    if not jnp.issubdtype(value.dtype, jnp.integer):
+      raise TypeError(f"{name} must be an integer, got {value.dtype}.")
+    return value
+  if isinstance(value, bool) or not isinstance(value, int):
+    raise TypeError(
+      f"{name} must be an int or an integer scalar array, got "
+      f"{type(value).__name__}."
+    )
+  if value < minimum:
+    raise ValueError(f"{name} must be >= {minimum}, got {value}.")
+  return value
+
+
 def check_choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
   if value not in choices:
     raise ValueError(f"{name} must be one of {choices}, got {value!r}.")
