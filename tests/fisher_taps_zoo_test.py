@@ -170,6 +170,17 @@ def _cached(build: Callable) -> Callable:
   )
 
 
+def _functional(model: Any, x: Any, dtype) -> tuple[Callable, Any]:
+  """``(apply_fn, params)`` of a Linen or NNX model, the parameters
+  perturbed (:func:`_perturbed`)."""
+  if isinstance(model, nnx.Module):
+    graphdef, state = nnx.split(model)
+    apply_fn = lambda st, inp: nnx.merge(graphdef, st)(inp)
+    return apply_fn, _perturbed(state, dtype)
+  init = jax.jit(model.init)(jax.random.key(0), x)
+  return model.apply, _perturbed(init, dtype)
+
+
 @_cached
 def _model(name: str, dtype):
   ids = np.random.default_rng(1).integers(0, VOCAB, (B, T), dtype=np.int32)
@@ -177,12 +188,9 @@ def _model(name: str, dtype):
   ids = jnp.asarray(ids)
   if name in ("linen", "linen_scan"):
     model = (_LinenLM if name == "linen" else _LinenScanLM)(dtype)
-    params = _perturbed(jax.jit(model.init)(jax.random.key(0), ids), dtype)
-    return model.apply, params, ids
-  cls = _NnxLM if name == "nnx" else _NnxScanLM
-  graphdef, state = nnx.split(cls(nnx.Rngs(0), dtype))
-  state = _perturbed(state, dtype)
-  return (lambda st, x: nnx.merge(graphdef, st)(x)), state, ids
+  else:
+    model = (_NnxLM if name == "nnx" else _NnxScanLM)(nnx.Rngs(0), dtype)
+  return (*_functional(model, ids, dtype), ids)
 
 
 def _estimates(apply_fn, params, ids, kinds):
@@ -865,8 +873,7 @@ def _conv_model(
         _LinenScanCNN, shared=True, block=_WeightNormBlock
       ),
     }[name](dtype)
-    params = _perturbed(jax.jit(model.init)(jax.random.key(0), x), dtype)
-    return model.apply, params, x
+    return (*_functional(model, x, dtype), x)
   cls = {
     "nnx_cnn": _NnxCNN,
     "nnx_scan_cnn": _NnxScanCNN,
@@ -874,9 +881,7 @@ def _conv_model(
     "nnx_vit": _NnxViT,
     "nnx_derived_cnn": _NnxDerivedCNN,
   }[name]
-  graphdef, state = nnx.split(cls(nnx.Rngs(0), dtype))
-  state = _perturbed(state, dtype)
-  return (lambda st, inp: nnx.merge(graphdef, st)(inp)), state, x
+  return (*_functional(cls(nnx.Rngs(0), dtype), x, dtype), x)
 
 
 def _check_layer_statistics(test, apply_fn, params, inputs, cot, rtol):
@@ -1208,13 +1213,8 @@ _LAYER_MODELS: dict[str, tuple[Callable[[], Any], tuple[int, ...]]] = {
 def _layer_model(name: str, dtype):
   build, shape = _LAYER_MODELS[name]
   x = fisher_testing.normal(jax.random.key(2), (4, *shape), dtype)
-  if name.startswith("nnx"):
-    graphdef, state = nnx.split(build(rngs=nnx.Rngs(0)))
-    apply_fn = lambda st, inp: nnx.merge(graphdef, st)(inp)
-    return apply_fn, _perturbed(state, dtype), x
-  model = build()
-  params = _perturbed(jax.jit(model.init)(jax.random.key(0), x), dtype)
-  return model.apply, params, x
+  model = build(rngs=nnx.Rngs(0)) if name.startswith("nnx") else build()
+  return (*_functional(model, x, dtype), x)
 
 
 class MoreLayersZooTest(parameterized.TestCase):

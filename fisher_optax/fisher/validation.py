@@ -48,17 +48,25 @@ def check_learning_rate(value: Any) -> None:
     check_positive("learning_rate", value, allow_zero=True)
 
 
-def check_static_int(name: str, value: Any, *, minimum: int = 0) -> int:
-  """Shape-setting integers must be static Python ints (``TypeError``)."""
+def _check_int(name: str, value: Any, minimum: int, must: str) -> int:
+  """A Python int ``>= minimum`` (``TypeError`` saying what it ``must`` be,
+  else ``ValueError``)."""
   if isinstance(value, bool) or not isinstance(value, int):
-    raise TypeError(
-      f"{name} sets array shapes and must be a static Python int, got "
-      f"{type(value).__name__}. Under inject_hyperparams list it in "
-      "static_args."
-    )
+    raise TypeError(f"{name} {must}, got {type(value).__name__}.")
   if value < minimum:
     raise ValueError(f"{name} must be >= {minimum}, got {value}.")
   return value
+
+
+def check_static_int(name: str, value: Any, *, minimum: int = 0) -> int:
+  """Shape-setting integers must be static Python ints (``TypeError``)."""
+  return _check_int(
+    name,
+    value,
+    minimum,
+    "sets array shapes and must be a static Python int (under "
+    "inject_hyperparams list it in static_args)",
+  )
 
 
 def check_count(name: str, value: Any, *, minimum: int = 1) -> Any:
@@ -70,14 +78,9 @@ def check_count(name: str, value: Any, *, minimum: int = 1) -> Any:
     if not jnp.issubdtype(value.dtype, jnp.integer):
       raise TypeError(f"{name} must be an integer, got {value.dtype}.")
     return value
-  if isinstance(value, bool) or not isinstance(value, int):
-    raise TypeError(
-      f"{name} must be an int or an integer scalar array, got "
-      f"{type(value).__name__}."
-    )
-  if value < minimum:
-    raise ValueError(f"{name} must be >= {minimum}, got {value}.")
-  return value
+  return _check_int(
+    name, value, minimum, "must be an int or an integer scalar array"
+  )
 
 
 def check_choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
