@@ -2178,6 +2178,47 @@ class FusedStatisticsTest(parameterized.TestCase):
     self.assertIn(kernels[0], tape._fusion.leaves)
     _assert_same_statistic(self, got, want)
 
+  @parameterized.parameters(None, 3)
+  def test_ordered_gram_keeps_per_example_gradients(self, chunk_size):
+    """With ``ordered=True`` the one backward pass forms the per-example
+    gradients of convs (stacked or not) and biases that are smaller than
+    their recorded input and cotangent: one tape then gives the Gram
+    matrix, the weighted sums and the gradient (the kernels' cotangents are
+    those gradients' sums), equal to the recorded layers'."""
+    model = _ScannedConvs()
+    x = fisher_testing.normal(jax.random.key(0), (7, 16, 16, 2))
+    params = model.init(jax.random.key(1), x)
+    r = fisher_testing.normal(jax.random.key(2), (7, 3))
+    weights = fisher_testing.normal(jax.random.key(3), (2, 7))
+    kw = dict(statistic="gram", ordered=True, chunk_size=chunk_size)
+
+    @jax.jit
+    def run(params, x, r, weights):
+      plain = _taps.record(model.apply, params, x)
+      grad, lg = _taps.record(model.apply, params, x, **kw).gradient(r)
+      stats = (
+        lg.statistics("gram", chunk_size=chunk_size),
+        lg.combine(weights),
+      )
+      want = plain.backward(r[None])
+      return (
+        (want.statistics("gram"), want.combine(weights), plain.gradient(r)[0]),
+        (*stats, grad),
+      )
+
+    want, got = run(params, x, r, weights)
+    tape = _traced_tape(model.apply, params, x, **kw)
+    assert tape._fusion is not None
+    self.assertFalse(tape.fused)  # one pass serves Gram and combine
+    names = [
+      jax.tree_util.keystr(path)
+      for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]
+    ]
+    grads = {names[i] for i in tape._fusion.grads}
+    # Every conv leaf, stacked or not; the dense head keeps (a, delta).
+    self.assertEqual(grads, {n for n in names if "Dense" not in n})
+    _assert_same_statistic(self, got, want)
+
   def test_reversed_nested_and_rematerialised_scans(self):
     """A reversed scan over a remat body with a nested scan (a leaf sliced
     twice), next to a scan-shared cell and a kernel used twice (both
@@ -2345,10 +2386,13 @@ class FusedStatisticsTest(parameterized.TestCase):
       np.testing.assert_allclose(a, w, rtol=1e-4, atol=1e-9)
 
   def test_empirical_diagonal_of_convs_holds_no_more_than_the_gradient(self):
-    """An unscanned conv kernel's cotangent is the sum of the per-example
-    gradients its diagonal forms: the backward pass runs no kernel-gradient
-    convolution, whose operand XLA:CPU copied to another layout in the
-    forward pass while the statistic held the input as recorded. With a
+    """A conv kernel's cotangent is the sum of the per-example gradients
+    its diagonal forms (stacked along a scan too: there XLA:CPU's
+    kernel-gradient convolution made the gradient alone about 4x slower
+    than the estimator with these sums): the backward pass runs no
+    kernel-gradient convolution, whose operand XLA:CPU copied to another
+    layout in the forward pass while the statistic held the input as
+    recorded. With a
     scan after the convs (where the peak falls in the forward pass) that
     copy had cost a whole activation beyond the gradient's memory."""
     b, side = 512, 28
@@ -2391,8 +2435,9 @@ class FusedStatisticsTest(parameterized.TestCase):
     with mock.patch.object(_taps, "_PATCH_CHUNK_ELEMENTS", 4096):
       diag_program = compiled(diag_fn)
     grad_program = compiled(grad_fn)
-    # No gradient convolution for either unscanned kernel.
-    self.assertEqual(convs(diag_program), convs(grad_program) - 2)
+    # No gradient convolution for either unscanned kernel, nor for the
+    # stacked one in the scan's backward iterations.
+    self.assertEqual(convs(diag_program), convs(grad_program) - 3)
     diag = diag_program.memory_analysis().temp_size_in_bytes
     grad = grad_program.memory_analysis().temp_size_in_bytes
     activation = b * side * side * 8 * 4  # the first conv's output
@@ -2410,6 +2455,73 @@ class FusedStatisticsTest(parameterized.TestCase):
       np.testing.assert_allclose(a, w, rtol=1e-4, atol=1e-9)
     for a, w in zip(jax.tree.leaves(got.mean_grad), jax.tree.leaves(grad_sum)):
       np.testing.assert_allclose(a, w, rtol=1e-4, atol=1e-7)
+
+  def test_empirical_low_rank_of_convs_holds_no_more_than_the_gradient(self):
+    """The empirical low rank keeps an unscanned conv's per-example
+    gradients (formed in the backward pass, smaller than the layer's input
+    and output cotangent) in place of both, and takes the kernel's
+    cotangent as their sum: no kernel-gradient convolution, and beyond the
+    gradient's memory less than half the first conv's output (it held
+    nearly two of them with every layer recorded)."""
+    b, side = 512, 28
+    dn = ("NHWC", "HWIO", "NHWC")
+    conv = lambda h, k, s=1: jax.lax.conv_general_dilated(
+      h, k, (s, s), "SAME", None, None, dn
+    )
+
+    def apply_fn(p, x):
+      h = jax.nn.relu(conv(x, p["k0"]) + p["b0"])
+      h = jax.nn.relu(conv(h, p["k1"], 2) + p["b1"])
+      return h.reshape(h.shape[0], -1) @ p["out"]
+
+    key = jax.random.split(jax.random.key(0), 4)
+    params = {
+      "k0": fisher_testing.normal(key[0], (3, 3, 1, 8)) / 3,
+      "b0": jnp.zeros(8),
+      "k1": fisher_testing.normal(key[1], (3, 3, 8, 16)) / 8,
+      "b1": jnp.zeros(16),
+      "out": fisher_testing.normal(key[2], ((side // 2) ** 2 * 16, 10)) / 50,
+    }
+    x = fisher_testing.normal(key[3], (b, side, side, 1))
+    y = jnp.arange(b) % 10
+    grad_fn, _ = _gradient_and_diagonal(apply_fn)
+
+    def low_rank(p, x, y, method="auto"):
+      return fisher.low_rank(
+        apply_fn,
+        p,
+        (x, y),
+        likelihood=fisher.Categorical(),
+        kind="empirical",
+        rank=4,
+        method=method,
+      )
+
+    def compiled(fn):
+      return jax.jit(fn).lower(params, x, y).compile()
+
+    def convs(program) -> int:
+      return program.as_text().count(" convolution(")
+
+    lr_program, grad_program = compiled(low_rank), compiled(grad_fn)
+    self.assertEqual(convs(lr_program), convs(grad_program) - 2)
+    extra = (
+      lr_program.memory_analysis().temp_size_in_bytes
+      - grad_program.memory_analysis().temp_size_in_bytes
+    )
+    self.assertLess(extra, b * side * side * 8 * 4 / 2)
+    x, y = x[:16], y[:16]  # the values, on fewer examples
+    got, want = jax.jit(
+      lambda p, x, y: (low_rank(p, x, y), low_rank(p, x, y, "per_example"))
+    )(params, x, y)
+    np.testing.assert_allclose(got.eigvals, want.eigvals, rtol=1e-4)
+    for a, w in zip(
+      jax.tree.leaves(got.eigvecs), jax.tree.leaves(want.eigvecs)
+    ):
+      sign = jnp.sign(
+        jnp.sum(a * w, axis=tuple(range(1, a.ndim)), keepdims=True)
+      )
+      np.testing.assert_allclose(a, sign * w, atol=2e-4)
 
   def test_empirical_diagonal_of_attention_holds_no_more_than_the_gradient(
     self,

@@ -289,6 +289,8 @@ _ELEMENTWISE = ("scale", "shift")
 # a chunk of examples at a time, the layer's own layout kept (no cheap
 # (a, delta) form): convolutions and per-head kernels.
 _CHUNKED = ("conv", "bdense")
+# Sites whose per-example gradients record(ordered=True) can form for "gram".
+_GRADS_KINDS = ("conv", "dense", "scale", "shift")
 
 # Budget (elements) for a materialised chunk of per-example layer gradients
 # when the caller gives no chunk size (weight-shared diagonal, shared leaves).
@@ -1607,8 +1609,11 @@ class LayerTape:
   @property
   def fused(self) -> bool:
     """Whether some leaves' statistic forms inside the backward pass
-    (:func:`record`'s ``statistic``), their activations not kept."""
-    return self._fusion is not None
+    (:func:`record`'s ``statistic``), their activations not kept: the tape
+    then serves only that statistic. (Leaves whose per-example gradients
+    form there, ``ordered`` with ``"gram"``, also serve
+    :meth:`LayerGrads.combine`.)"""
+    return self._fusion is not None and bool(self._fusion.statistic_leaves)
 
   def covered_for(self, structure: str) -> PyTree:
     """Like ``covered``, for the leaves ``statistics(structure)`` fills.
@@ -1819,9 +1824,18 @@ def record(
       cotangent after its statistic and its parameter's cotangent, which
       both read the layer's input: the input is freed before the next
       cotangent is written, as in the gradient alone, not held next to it
-      for a statistic formed after. A conv or shared dense kernel's
-      cotangent is then the sum of the per-example gradients its diagonal
-      forms (no kernel-gradient product). For one backward pass (the
+      for a statistic formed after. A conv (stacked along a scan too) or
+      shared dense kernel's cotangent is then the sum of the per-example
+      gradients its diagonal forms (no kernel-gradient product). With
+      ``statistic="gram"``, where every stacked leaf qualifies, the
+      backward pass instead forms the per-example gradients ``(B, *leaf)``
+      of the conv, dense, scale and shift layers (outside scans or stacked
+      along them, one use each) whose gradients have fewer elements than
+      the layer's input and output cotangent (convs, norms, biases over
+      positions): the tape keeps those in place of the layer's ``(a,
+      delta)``, they give both the Gram matrix and
+      :meth:`LayerGrads.combine` (one pass, not two), and a conv or dense
+      kernel's cotangent is their sum. For one backward pass (the
       empirical Fisher's); a loop of passes would form the statistic in
       every one.
 
@@ -1860,6 +1874,16 @@ def record(
   fused_leaves = (
     _fusable(plan, statistic, orders) if statistic is not None else {}
   )
+  grads_leaves = {}
+  if ordered and statistic == "gram":
+    grads_leaves = _grads_fusable(plan, leaves, act_avals, out_shapes, batch)
+    stacked = {
+      k for k in fused_leaves if plan.special.get(k, [(0, 0, ())])[0][2]
+    }
+    if stacked <= set(grads_leaves):  # one pass: no Gram-only tap
+      fused_leaves = {}
+    else:
+      grads_leaves = {}
   fused, stat_avals, gram_fns = {}, {}, {}
   for s, users in _by_site(fused_leaves).items():
     site, act = plan.sites[s], act_avals[s]
@@ -1904,8 +1928,11 @@ def record(
       needs_act,
       forward,
       None
-      if s in plan.site_loops or statistic != "diag"
-      else functools.partial(  # an unscanned layer
+      if statistic != "diag"
+      # Stacked convs too: XLA:CPU ran a kernel-gradient convolution in a
+      # scan's backward iterations about 4x slower than these sums.
+      or (s in plan.site_loops and not (ordered and site.kind == "conv"))
+      else functools.partial(  # an unscanned layer or a stacked conv
         _ordered_stat,
         site,
         [(leaf, role, shapes[leaf]) for leaf, role in users.items()],
@@ -1914,15 +1941,38 @@ def record(
       ),
       shared=statistic == "gram",
     )
+  for s, users in _by_site(grads_leaves).items():
+    site, act = plan.sites[s], act_avals[s]
+    lead = out_shapes[s][0]
+    spec = [
+      (leaf, role, tuple(np.shape(leaves[leaf]))[len(lead) :])
+      for leaf, role in users.items()
+    ]
+    grads_fn = functools.partial(_grads_stat, site, spec, batch, chunk_size)
+    needs_act = site.kind != "shift"
+    a = jax.ShapeDtypeStruct(act.shape, act.dtype) if needs_act else None
+    out = out_shapes[s][1]
+    delta = jax.ShapeDtypeStruct(out.shape, out.dtype)
+    stat_avals[s] = jax.eval_shape(grads_fn, a, delta)
+    kernel = [leaf for leaf, role in users.items() if role == "kernel"]
+    fused[s] = _FusedSite(
+      _fused_tap(grads_fn),
+      needs_act,
+      # A kernel's cotangent is its gradients' sum (no kernel-gradient
+      # product), its input's pulled back after them (_ordered_layer).
+      ordered=functools.partial(_ordered_grads, grads_fn, kernel[0])
+      if kernel and site.kind in ("conv", "dense")
+      else None,
+    )
   # "gram": every fused site adds its (B, B) to one tap that no scan slices,
   # so the backward pass sums it in place (one Gram, not one per leaf and
   # iteration).
   gram = None
-  if statistic == "gram" and fused:
-    dtype = jnp.result_type(*(a.dtype for a in stat_avals.values()))
+  if gram_fns:
+    dtype = jnp.result_type(*(stat_avals[s].dtype for s in gram_fns))
     gram = jnp.zeros((batch, batch), dtype)
     vma = tuple(
-      sorted({a for s in fused for a in _varying_axes(out_shapes[s][1])})
+      sorted({a for s in gram_fns for a in _varying_axes(out_shapes[s][1])})
     )
     if axis_name is not None and axis_name not in vma:
       vma = vma + (axis_name,)
@@ -1934,7 +1984,7 @@ def record(
   taps: list = []
   for s in range(len(plan.sites)):
     lead, aval = out_shapes[s]
-    if gram is not None and s in fused:
+    if s in gram_fns:
       taps.append(None)  # the shared tap, put in place inside tapped
       continue
     if s in fused:
@@ -1959,7 +2009,7 @@ def record(
     acts: dict = {}
     if gram is not None:
       *taps, shared = taps
-      taps = [shared if s in fused else t for s, t in enumerate(taps)]
+      taps = [shared if s in gram_fns else t for s, t in enumerate(taps)]
     outs = _eval(
       closed.jaxpr,
       closed.consts,
@@ -1991,8 +2041,14 @@ def record(
     tapped, tuple(leaves), tuple(taps), has_aux=True
   )
   fusion = None
-  if statistic is not None and fused_leaves:
-    fusion = _Fusion(statistic, weight_sharing, fused_leaves, weights)
+  if statistic is not None and (fused_leaves or grads_leaves):
+    fusion = _Fusion(
+      statistic,
+      weight_sharing,
+      {**fused_leaves, **grads_leaves},
+      weights,
+      frozenset(grads_leaves),
+    )
   return LayerTape(
     plan,
     treedef,
@@ -2015,6 +2071,14 @@ class _Fusion:
   weight_sharing: str
   leaves: dict[int, tuple[int, str]]  # leaf -> (site, role)
   weights: Any = None  # statistic="combine": the (k, B) weights
+  # Leaves whose per-example gradients the backward pass forms instead
+  # (record's ``ordered`` with "gram"): they serve "gram" and combine.
+  grads: frozenset[int] = frozenset()
+
+  @property
+  def statistic_leaves(self) -> dict[int, tuple[int, str]]:
+    """The fused leaves whose tap holds ``statistic`` itself."""
+    return {k: v for k, v in self.leaves.items() if k not in self.grads}
 
 
 def _orders(site: _Site, aval: Any, batch: int) -> bool:
@@ -2085,6 +2149,83 @@ def _fusable(
     if leaf not in out:
       needed.update(u[0] for u in plan.uses(leaf))
   return {leaf: v for leaf, v in out.items() if v[0] not in needed}
+
+
+def _grads_fusable(
+  plan: _Plan,
+  leaves: Sequence[Any],
+  act_avals: dict,
+  out_shapes: dict,
+  batch: int,
+) -> dict[int, tuple[int, str]]:
+  """Leaf -> (site, role) for :func:`record`'s per-example-gradient sites:
+  conv, dense, scale and shift sites, outside scans or stacked along them,
+  whose leaves each have that one use, that no other covered leaf reads,
+  and whose ``(B, P)`` gradients (per layer) have fewer elements than what
+  the site records (its input and output cotangent; a shift only the
+  latter) and, all layers together, fit the chunk budget."""
+  by_site: dict[int, dict[int, str]] = {}
+  for leaf, r in enumerate(plan.roles):
+    uses = plan.special.get(leaf, [(*r, ())] if r is not None else [])
+    if len(uses) != 1:
+      continue
+    s, role, modes = uses[0]
+    if not modes and s in plan.site_loops:  # shared by a loop's iterations
+      continue
+    if _stacked_only(modes) and role != "derived":
+      if plan.sites[s].kind in _GRADS_KINDS:
+        by_site.setdefault(s, {})[leaf] = role
+  needed = set()  # sites that other covered leaves read (a, delta) from
+  for leaf in range(len(plan.roles)):
+    if all(leaf not in users for users in by_site.values()):
+      needed.update(u[0] for u in plan.uses(leaf))
+  out: dict[int, tuple[int, str]] = {}
+  for s, users in by_site.items():
+    if s in needed:
+      continue
+    lead, delta = out_shapes[s]
+    held = math.prod(delta.shape)
+    if plan.sites[s].kind != "shift":
+      held += math.prod(act_avals[s].shape)
+    size = sum(math.prod(np.shape(leaves[k])) for k in users)
+    grads = batch * size // max(1, math.prod(lead))  # one layer's
+    if grads < held and batch * size <= DEFAULT_CHUNK_ELEMENTS:
+      out.update((leaf, (s, role)) for leaf, role in users.items())
+  return out
+
+
+def _grads_stat(
+  site: _Site,
+  users: list[tuple[int, str, tuple[int, ...]]],
+  batch: int,
+  chunk_size: int | None,
+  act: Array | None,
+  delta: Array,
+) -> dict[int, Array]:
+  """The per-example gradients ``(B, *shape)`` of each leaf at a conv,
+  dense, scale or shift site, from its input and output cotangent (one
+  sample): a conv kernel's a chunk of examples at a time."""
+  _, x, d, _ = _site_view(site, act, delta[None], batch)
+  out = {}
+  for leaf, role, shape in users:
+    if site.kind == "conv":
+      assert x is not None
+      g = _conv_example_grads(site.eqn, x, d[0], chunk_size)
+    elif site.kind == "dense" and role == "kernel":
+      g = _kernel_to_shape(site, jnp.einsum("btk,bto->bko", x, d[0]), shape)
+    else:  # a bias, or an elementwise leaf: summed over positions
+      g = jnp.sum(d[0], axis=1)
+    out[leaf] = g.reshape((batch,) + shape)
+  return out
+
+
+def _ordered_grads(
+  grads_fn: Callable[..., dict], kernel: int, act: Array, delta: Array
+) -> tuple[dict[int, Array], Array]:
+  """``(grads, dw)`` for :func:`_ordered_layer`: a conv or dense site's
+  per-example gradients and its ``kernel`` leaf's cotangent, their sum."""
+  grads = grads_fn(act, delta)
+  return grads, jnp.sum(grads[kernel], axis=0)
 
 
 def _by_site(fused: dict[int, tuple[int, str]]) -> dict[int, dict[int, str]]:
@@ -2755,8 +2896,13 @@ def _conv_kernel_grads(eqn, x: Array, delta: Array, shared: int = 1) -> Array:
 def _chunk_map(
   fn: Callable[..., Array], xs: Sequence[Array], chunk: int
 ) -> Array:
-  """``fn`` over row chunks of ``xs`` (a ``lax.map`` over the whole chunks,
-  then the remainder; no padded copy), results concatenated."""
+  """``fn`` over row chunks of ``xs`` (a loop over the whole chunks, then
+  the remainder; no padded copy), results concatenated.
+
+  The loop writes into zeros made after ``xs[-1]``: as ``lax.map``'s own
+  output buffer, XLA:CPU allocated them at the program's start, live
+  through the forward pass (a conv's per-example gradients, the Gram
+  matrix's row blocks)."""
   n = xs[0].shape[0]
   chunk = _even_chunk(n, chunk)
   count, rest = divmod(n, chunk)
@@ -2766,10 +2912,21 @@ def _chunk_map(
   def part(j):
     return fn(*(lax.dynamic_slice_in_dim(x, j * chunk, chunk, 0) for x in xs))
 
-  out = lax.map(part, jnp.arange(count))
-  out = out.reshape((-1,) + out.shape[2:])
+  one = jax.eval_shape(part, 0)
+  r = one.shape[0]
+  tail = None
   if rest:
-    out = jnp.concatenate([out, fn(*(x[count * chunk :] for x in xs))])
+    tail = fn(*(x[count * chunk :] for x in xs))
+  rows = count * r + (tail.shape[0] if tail is not None else 0)
+  out = _zeros_varying((rows, *one.shape[1:]), one.dtype, xs)
+  out = _after(out, xs[-1])
+
+  def write(j, out):
+    return lax.dynamic_update_slice_in_dim(out, part(j), j * r, 0)
+
+  out = lax.fori_loop(0, count, write, out)
+  if tail is not None:
+    out = lax.dynamic_update_slice_in_dim(out, tail, count * r, 0)
   return out
 
 
@@ -3190,10 +3347,10 @@ class LayerGrads:
     fusion, out = self._tape._fusion, {}
     if fusion is None:
       return out
-    sites = self._tape._plan.sites
+    sites, leaves = self._tape._plan.sites, fusion.statistic_leaves
     if fusion.statistic == "gram":  # the shared tap's: (S = 1, B, B)
-      return {min(fusion.leaves): self._deltas[-1][0]}
-    for leaf, (s, _) in fusion.leaves.items():
+      return {min(leaves): self._deltas[-1][0]} if leaves else {}
+    for leaf, (s, _) in leaves.items():
       val = self._deltas[s].get(leaf)
       if fusion.statistic == "kron" and sites[s].kind in _ELEMENTWISE:
         val = None  # per-example gradients (example_grads), not factors
@@ -3207,6 +3364,19 @@ class LayerGrads:
         )
       else:  # Gamma per sample; A_sum from the forward pass
         out[leaf] = (self._tape._acts[s][leaf], jnp.sum(val, axis=0))
+    return out
+
+  def _fused_grads(self) -> dict[int, Array]:
+    """Leaf -> the per-example gradients ``(S * B, *leaf)`` the backward
+    pass formed (:func:`record`'s ``ordered`` with ``"gram"``)."""
+    fusion = self._tape._fusion
+    if fusion is None:
+      return {}
+    out = {}
+    for leaf in sorted(fusion.grads):
+      g = self._deltas[fusion.leaves[leaf][0]][leaf]  # (S, *L, B, *per)
+      g = jnp.moveaxis(g, 1 + self._tape._plan.layer_axes(leaf), 1)
+      out[leaf] = g.reshape((-1,) + self._leaf_shape(leaf))
     return out
 
   def example_grads(self) -> PyTree:
@@ -3309,21 +3479,28 @@ class LayerGrads:
       return self._kron(chunk_size, weight_sharing, with_grads=False)[0]
     views = self._views()
     n = self.num_samples * self._tape.batch
-    total = jnp.zeros((n, n), jnp.float32)
+    # Summed from the first term, not from zeros: XLA:CPU allocated a zero
+    # (n, n) at the program's start, live through the forward pass.
+    terms: list[Array] = []
     rows: dict[int, list[str]] = {}  # site -> roles with a row-form Gram
     for _, s, role in self._leaf_items():
       if _row_gram_ok(views(s), role):
         rows.setdefault(s, []).append(role)
       else:
-        total = total + _gram_stat(views(s), role, chunk_size)
+        terms.append(_gram_stat(views(s), role, chunk_size))
     if rows:
-      terms = [_row_gram_term(views(s), r) for s, r in rows.items()]
-      total = total + _rows_gram(terms, n, self._tape.batch)
-    for val in self._special(structure, chunk_size).values():
-      total = total + val
-    for val in self._fused().values():
-      total = total + val
-    return total
+      parts = [_row_gram_term(views(s), r) for s, r in rows.items()]
+      terms.append(_rows_gram(parts, n, self._tape.batch))
+    terms += self._special(structure, chunk_size).values()
+    terms += self._fused().values()
+    grads = self._fused_grads()
+    if grads:  # one (n, sum P) matrix, one product
+      g = jnp.concatenate([v.reshape(n, -1) for v in grads.values()], axis=1)
+      terms.append(g @ g.T)
+    if not terms:
+      return jnp.zeros((n, n), jnp.float32)
+    total = functools.reduce(jnp.add, terms)
+    return total.astype(jnp.promote_types(total.dtype, jnp.float32))
 
   def _views(self) -> Callable[[int], tuple]:
     """:meth:`_view` of a site, formed once for the leaves that share it."""
@@ -3537,7 +3714,7 @@ class LayerGrads:
       A params-shaped tree, each covered leaf with a leading ``k`` axis,
       ``None`` elsewhere.
     """
-    fusion = self._tape._fusion
+    fusion = self._tape._fusion if self._tape.fused else None
     if fusion is not None and fusion.statistic != "combine":
       raise ValueError(
         "combine needs every layer's activations and cotangents; this tape "
@@ -3563,6 +3740,11 @@ class LayerGrads:
       out[leaf] = _combine_stat(self._view(s), role, weights, shape)
     out.update(self._special_combine(weights))
     out.update(self._fused())
+    for leaf, g in self._fused_grads().items():
+      w = numerics.widen(weights).astype(
+        jnp.promote_types(weights.dtype, g.dtype)
+      )
+      out[leaf] = jnp.tensordot(w, g, 1)
     return self._unflatten(out)
 
   # -- sites inside scans, and leaves with several uses ----------------------
