@@ -2219,6 +2219,33 @@ class FusedStatisticsTest(parameterized.TestCase):
     self.assertEqual(grads, {n for n in names if "Dense" not in n})
     _assert_same_statistic(self, got, want)
 
+  def test_ordered_kron_takes_stacked_conv_cotangents_from_patches(self):
+    """With ``ordered=True`` a stacked conv kernel's cotangent in the one
+    backward pass of ``statistic="kron"`` is summed from input patches and
+    output cotangents (no kernel-gradient convolution in the scan's
+    backward iterations); gradient and K-FAC sums equal the unordered
+    tape's."""
+    model = _ScannedConvs()
+    x = fisher_testing.normal(jax.random.key(0), (7, 16, 16, 2))
+    params = model.init(jax.random.key(1), x)
+    r = fisher_testing.normal(jax.random.key(2), (7, 3))
+
+    def run(params, x, r, ordered):
+      tape = _taps.record(
+        model.apply, params, x, statistic="kron", ordered=ordered
+      )
+      grad, lg = tape.gradient(r)
+      return grad, lg.statistics("kron")
+
+    programs = [
+      jax.jit(functools.partial(run, ordered=o)).lower(params, x, r).compile()
+      for o in (False, True)
+    ]
+    convs = [p.as_text().count(" convolution(") for p in programs]
+    self.assertEqual(convs[1], convs[0] - 1)
+    want, got = (p(params, x, r) for p in programs)
+    _assert_same_statistic(self, got, want)
+
   def test_reversed_nested_and_rematerialised_scans(self):
     """A reversed scan over a remat body with a nested scan (a leaf sliced
     twice), next to a scan-shared cell and a kernel used twice (both

@@ -1415,10 +1415,12 @@ def _eval(
       if site is None:
         outs = bind(invals)
       elif f is not None and f.ordered is not None:
-        # An unscanned layer: its equation under _ordered_layer.
+        # Its equation under _ordered_layer.
         act = _site_act(plan.sites[site], invals, read)
         layer = _ordered_layer(f.ordered, bind, plan.sites[site].act_index)
         outs = [layer(*invals, act, taps[site])]
+        if f.forward is not None:
+          acts[site] = f.forward(act, lax.stop_gradient(outs[0]))
       elif f is not None:
         # The tap's backward returns no cotangent for act; read through a
         # stop_gradient, a scan would keep it as a second stacked residual.
@@ -1826,7 +1828,11 @@ def record(
       cotangent is written, as in the gradient alone, not held next to it
       for a statistic formed after. A conv (stacked along a scan too) or
       shared dense kernel's cotangent is then the sum of the per-example
-      gradients its diagonal forms (no kernel-gradient product). With
+      gradients its diagonal forms (no kernel-gradient product); with
+      ``statistic="kron"``, a stacked conv kernel's cotangent is that sum
+      too, formed from its input patches and output cotangents (XLA:CPU
+      runs a kernel-gradient convolution inside a scan's backward
+      iterations with a slow generic emitter). With
       ``statistic="gram"``, where every stacked leaf qualifies, the
       backward pass instead forms the per-example gradients ``(B, *leaf)``
       of the conv, dense, scale and shift layers (outside scans or stacked
@@ -1941,6 +1947,15 @@ def record(
       ),
       shared=statistic == "gram",
     )
+    if ordered and statistic == "kron" and site.kind == "conv":
+      # The same for K-FAC's stacked convs: Gamma from dz, the kernel's
+      # cotangent summed from input patches and dz.
+      (leaf,) = users
+      fused[s] = fused[s]._replace(
+        ordered=functools.partial(
+          _ordered_conv_kron, stat_fn, site.eqn, shapes[leaf], batch, chunk_size
+        )
+      )
   for s, users in _by_site(grads_leaves).items():
     site, act = plan.sites[s], act_avals[s]
     lead = out_shapes[s][0]
@@ -2319,6 +2334,30 @@ def _ordered_stat(
       sq, g = _shared_dense_sums(x, d, chunk_size)
       out[leaf], dw = (_kernel_to_shape(site, v, shape) for v in (sq, g))
   return out, dw
+
+
+def _ordered_conv_kron(
+  stat_fn: Callable[..., Any],
+  eqn,
+  kernel: tuple[int, ...],
+  batch: int,
+  chunk_size: int | None,
+  act: Array,
+  delta: Array,
+) -> tuple[Any, Array]:
+  """A conv's K-FAC ``Gamma`` (``stat_fn`` of ``delta``) and its kernel's
+  cotangent, the per-example gradients' sum, for :func:`_ordered_layer`."""
+  dtype = jnp.promote_types(act.dtype, delta.dtype)
+  dw = _sum_over_example_chunks(
+    lambda x, d: jnp.sum(_conv_kernel_grads(eqn, x, d), axis=0),
+    [act, delta],
+    [0, 0],
+    batch,
+    _patch_chunk(eqn, chunk_size),
+    kernel,
+    dtype,
+  )
+  return stat_fn(None, delta), dw
 
 
 def _heads_stat(
