@@ -1956,6 +1956,47 @@ def _assert_same_statistic(test, got, want) -> None:
     np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5 * scale)
 
 
+def _conv_classifier(b: int, side: int, stacked: bool):
+  """``(apply_fn, params, x, y)``: two 3x3 convs (8 and 16 channels, the
+  second strided) with biases and relu on ``(b, side, side, 1)`` inputs,
+  with ``stacked`` two 16-channel convs in a ``lax.scan`` over a
+  ``jax.checkpoint`` body, and a dense head to 10 classes."""
+  dn = ("NHWC", "HWIO", "NHWC")
+  conv = lambda h, k, s=1: jax.lax.conv_general_dilated(
+    h, k, (s, s), "SAME", None, None, dn
+  )
+
+  def apply_fn(p, x):
+    h = jax.nn.relu(conv(x, p["k0"]) + p["b0"])
+    h = jax.nn.relu(conv(h, p["k1"], 2) + p["b1"])
+    if "ks" in p:
+
+      @jax.checkpoint
+      def block(h, k):
+        return jax.nn.relu(conv(h, k)), None
+
+      h, _ = jax.lax.scan(block, h, p["ks"])
+    return h.reshape(h.shape[0], -1) @ p["out"]
+
+  key = jax.random.split(jax.random.key(0), 5)
+  params = {
+    "k0": fisher_testing.normal(key[0], (3, 3, 1, 8)) / 3,
+    "b0": jnp.zeros(8),
+    "k1": fisher_testing.normal(key[1], (3, 3, 8, 16)) / 8,
+    "b1": jnp.zeros(16),
+    "out": fisher_testing.normal(key[3], ((side // 2) ** 2 * 16, 10)) / 50,
+  }
+  if stacked:
+    params["ks"] = fisher_testing.normal(key[2], (2, 3, 3, 16, 16)) / 12
+  x = fisher_testing.normal(key[4], (b, side, side, 1))
+  return apply_fn, params, x, jnp.arange(b) % 10
+
+
+def _convs(program) -> int:
+  """Convolutions in a compiled program's text, loop bodies included."""
+  return program.as_text().count(" convolution(")
+
+
 class FusedStatisticsTest(parameterized.TestCase):
   """``record(statistic=...)``: the scanned layers' statistic in the backward."""
 
@@ -2241,7 +2282,7 @@ class FusedStatisticsTest(parameterized.TestCase):
       jax.jit(functools.partial(run, ordered=o)).lower(params, x, r).compile()
       for o in (False, True)
     ]
-    convs = [p.as_text().count(" convolution(") for p in programs]
+    convs = [_convs(p) for p in programs]
     self.assertEqual(convs[1], convs[0] - 1)
     want, got = (p(params, x, r) for p in programs)
     _assert_same_statistic(self, got, want)
@@ -2419,52 +2460,22 @@ class FusedStatisticsTest(parameterized.TestCase):
     than the estimator with these sums): the backward pass runs no
     kernel-gradient convolution, whose operand XLA:CPU copied to another
     layout in the forward pass while the statistic held the input as
-    recorded. With a
-    scan after the convs (where the peak falls in the forward pass) that
-    copy had cost a whole activation beyond the gradient's memory."""
+    recorded. With a scan after the convs (where the peak falls in the
+    forward pass) that copy had cost a whole activation beyond the
+    gradient's memory."""
     b, side = 512, 28
-    dn = ("NHWC", "HWIO", "NHWC")
-    conv = lambda h, k, s=1: jax.lax.conv_general_dilated(
-      h, k, (s, s), "SAME", None, None, dn
-    )
-
-    def apply_fn(p, x):
-      h = jax.nn.relu(conv(x, p["k0"]) + p["b0"])
-      h = jax.nn.relu(conv(h, p["k1"], 2) + p["b1"])
-
-      @jax.checkpoint
-      def block(h, k):
-        return jax.nn.relu(conv(h, k)), None
-
-      h, _ = jax.lax.scan(block, h, p["ks"])
-      return h.reshape(h.shape[0], -1) @ p["out"]
-
-    key = jax.random.split(jax.random.key(0), 5)
-    params = {
-      "k0": fisher_testing.normal(key[0], (3, 3, 1, 8)) / 3,
-      "b0": jnp.zeros(8),
-      "k1": fisher_testing.normal(key[1], (3, 3, 8, 16)) / 8,
-      "b1": jnp.zeros(16),
-      "ks": fisher_testing.normal(key[2], (2, 3, 3, 16, 16)) / 12,
-      "out": fisher_testing.normal(key[3], ((side // 2) ** 2 * 16, 10)) / 50,
-    }
-    x = fisher_testing.normal(key[4], (b, side, side, 1))
-    y = jnp.arange(b) % 10
-
+    apply_fn, params, x, y = _conv_classifier(b, side, stacked=True)
     grad_fn, diag_fn = _gradient_and_diagonal(apply_fn)
 
     def compiled(fn):
       return jax.jit(fn).lower(params, x, y).compile()
-
-    def convs(program) -> int:  # in the compiled program, scan bodies too
-      return program.as_text().count(" convolution(")
 
     with mock.patch.object(_taps, "_PATCH_CHUNK_ELEMENTS", 4096):
       diag_program = compiled(diag_fn)
     grad_program = compiled(grad_fn)
     # No gradient convolution for either unscanned kernel, nor for the
     # stacked one in the scan's backward iterations.
-    self.assertEqual(convs(diag_program), convs(grad_program) - 3)
+    self.assertEqual(_convs(diag_program), _convs(grad_program) - 3)
     diag = diag_program.memory_analysis().temp_size_in_bytes
     grad = grad_program.memory_analysis().temp_size_in_bytes
     activation = b * side * side * 8 * 4  # the first conv's output
@@ -2491,26 +2502,7 @@ class FusedStatisticsTest(parameterized.TestCase):
     gradient's memory less than half the first conv's output (it held
     nearly two of them with every layer recorded)."""
     b, side = 512, 28
-    dn = ("NHWC", "HWIO", "NHWC")
-    conv = lambda h, k, s=1: jax.lax.conv_general_dilated(
-      h, k, (s, s), "SAME", None, None, dn
-    )
-
-    def apply_fn(p, x):
-      h = jax.nn.relu(conv(x, p["k0"]) + p["b0"])
-      h = jax.nn.relu(conv(h, p["k1"], 2) + p["b1"])
-      return h.reshape(h.shape[0], -1) @ p["out"]
-
-    key = jax.random.split(jax.random.key(0), 4)
-    params = {
-      "k0": fisher_testing.normal(key[0], (3, 3, 1, 8)) / 3,
-      "b0": jnp.zeros(8),
-      "k1": fisher_testing.normal(key[1], (3, 3, 8, 16)) / 8,
-      "b1": jnp.zeros(16),
-      "out": fisher_testing.normal(key[2], ((side // 2) ** 2 * 16, 10)) / 50,
-    }
-    x = fisher_testing.normal(key[3], (b, side, side, 1))
-    y = jnp.arange(b) % 10
+    apply_fn, params, x, y = _conv_classifier(b, side, stacked=False)
     grad_fn, _ = _gradient_and_diagonal(apply_fn)
 
     def low_rank(p, x, y, method="auto"):
@@ -2527,11 +2519,8 @@ class FusedStatisticsTest(parameterized.TestCase):
     def compiled(fn):
       return jax.jit(fn).lower(params, x, y).compile()
 
-    def convs(program) -> int:
-      return program.as_text().count(" convolution(")
-
     lr_program, grad_program = compiled(low_rank), compiled(grad_fn)
-    self.assertEqual(convs(lr_program), convs(grad_program) - 2)
+    self.assertEqual(_convs(lr_program), _convs(grad_program) - 2)
     extra = (
       lr_program.memory_analysis().temp_size_in_bytes
       - grad_program.memory_analysis().temp_size_in_bytes

@@ -2293,8 +2293,9 @@ def _fused_stat(
     elif statistic == "combine":
       w = tap[leaf][0]
       out[leaf] = (jnp.zeros_like(w), _combine_stat(view, role, w, shape))
-    elif site.kind in _ELEMENTWISE:
-      out[leaf] = jnp.sum(view[2][0], axis=1).reshape((batch,) + shape)
+    elif site.kind in _ELEMENTWISE:  # its per-example gradients
+      spec = [(leaf, role, shape)]
+      out[leaf] = _grads_stat(site, spec, batch, chunk_size, act, delta)[leaf]
     elif _kron_ok(site, role):  # A_sum: in the forward pass (_fused_inputs)
       out[leaf] = _kron_gamma(view[2], reduce)
   return out
