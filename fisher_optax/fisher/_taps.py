@@ -1829,10 +1829,10 @@ def record(
       for a statistic formed after. A conv (stacked along a scan too) or
       shared dense kernel's cotangent is then the sum of the per-example
       gradients its diagonal forms (no kernel-gradient product); with
-      ``statistic="kron"``, a stacked conv kernel's cotangent is that sum
-      too, formed from its input patches and output cotangents (XLA:CPU
-      runs a kernel-gradient convolution inside a scan's backward
-      iterations with a slow generic emitter). With
+      ``statistic="kron"`` on XLA:CPU, a stacked conv kernel's cotangent
+      is that sum too, formed from its input patches and output
+      cotangents (XLA:CPU runs a kernel-gradient convolution inside a
+      scan's backward iterations with a slow generic emitter). With
       ``statistic="gram"``, where every stacked leaf qualifies, the
       backward pass instead forms the per-example gradients ``(B, *leaf)``
       of the conv, dense, scale and shift layers (outside scans or stacked
@@ -1947,8 +1947,9 @@ def record(
       ),
       shared=statistic == "gram",
     )
-    if ordered and statistic == "kron" and site.kind == "conv":
-      # The same for K-FAC's stacked convs: Gamma from dz, the kernel's
+    if ordered and statistic == "kron" and site.kind == "conv" and _xla_cpu():
+      # The same for K-FAC's stacked convs, on XLA:CPU (whose loops run the
+      # kernel-gradient convolution slowly): Gamma from dz, the kernel's
       # cotangent summed from input patches and dz.
       (leaf,) = users
       fused[s] = fused[s]._replace(
