@@ -1884,7 +1884,7 @@ def record(
   if ordered and statistic == "gram":
     grads_leaves = _grads_fusable(plan, leaves, act_avals, out_shapes, batch)
     stacked = {
-      k for k in fused_leaves if plan.special.get(k, [(0, 0, ())])[0][2]
+      k for k in fused_leaves if any(u[2] for u in plan.special.get(k, []))
     }
     if stacked <= set(grads_leaves):  # one pass: no Gram-only tap
       fused_leaves = {}
