@@ -1366,6 +1366,47 @@ def _bind_conv(eqn, invals):
   return _bind(eqn.replace(params=params), [x, k])
 
 
+def _bind_loop_conv(eqn, invals):
+  """A conv site inside a loop, on XLA:CPU with its kernel's cotangent
+  summed from input patches and output cotangents, a chunk of examples at a
+  time (a matmul; elsewhere as it is).
+
+  XLA:CPU runs the kernel-gradient convolution autodiff makes inside a
+  loop's body with its generic emitter (as :func:`_bind_conv` says of the
+  input-cotangent one): on the benchmark CNN with two stacked 3x3 convs it
+  was about three quarters of a whole batch gradient. Input and kernel in
+  the equation's layouts, examples leading."""
+  dn = eqn.params["dimension_numbers"]
+  plain = dn.lhs_spec[0] != 0 or dn.out_spec[0] != 0
+  if not _xla_cpu() or plain or eqn.params["batch_group_count"] != 1:
+    return _bind(eqn, invals)
+
+  @jax.custom_vjp
+  def conv(x, w):
+    return _bind(eqn, [x, w])[0]
+
+  def fwd(x, w):
+    return conv(x, w), (x, w)
+
+  def bwd(res, dz):
+    x, w = res
+    dx = jax.vjp(lambda v: _bind(eqn, [v, w])[0], x)[1](dz)[0]
+    dtype = jnp.promote_types(jnp.promote_types(x.dtype, dz.dtype), "float32")
+    dw = _sum_over_example_chunks(
+      lambda xc, dc: jnp.sum(_conv_kernel_grads(eqn, xc, dc), axis=0),
+      [x, dz],
+      [0, 0],
+      x.shape[0],
+      _patch_chunk(eqn, None),
+      w.shape,
+      dtype,
+    )
+    return dx, dw.astype(w.dtype)
+
+  conv.defvjp(fwd, bwd)
+  return [conv(*invals)]
+
+
 # Remat primitives: their bodies are re-run under ``jax.checkpoint`` with
 # the same policy, so a tapped body is still recomputed in the backward pass.
 _REMATS = ("checkpoint", "remat", "remat2")
@@ -1408,9 +1449,14 @@ def _eval(
     elif here in plan.loops:
       outs = _eval_loop(eqn, invals, here, plan, taps, acts, fused)
     else:
-      conv = top and eqn.primitive is lax.conv_general_dilated_p
-      bind = functools.partial(_bind_conv if conv else _bind, eqn)
       site = plan.site_at.get(here)
+      conv = eqn.primitive is lax.conv_general_dilated_p
+      if conv and top:
+        bind = functools.partial(_bind_conv, eqn)
+      elif conv and site in plan.site_loops and plan.sites[site].act_index == 0:
+        bind = functools.partial(_bind_loop_conv, eqn)
+      else:
+        bind = functools.partial(_bind, eqn)
       f = fused.get(site) if site is not None else None
       if site is None:
         outs = bind(invals)
@@ -1419,8 +1465,6 @@ def _eval(
         act = _site_act(plan.sites[site], invals, read)
         layer = _ordered_layer(f.ordered, bind, plan.sites[site].act_index)
         outs = [layer(*invals, act, taps[site])]
-        if f.forward is not None:
-          acts[site] = f.forward(act, lax.stop_gradient(outs[0]))
       elif f is not None:
         # The tap's backward returns no cotangent for act; read through a
         # stop_gradient, a scan would keep it as a second stacked residual.
@@ -1828,11 +1872,7 @@ def record(
       cotangent is written, as in the gradient alone, not held next to it
       for a statistic formed after. A conv (stacked along a scan too) or
       shared dense kernel's cotangent is then the sum of the per-example
-      gradients its diagonal forms (no kernel-gradient product); with
-      ``statistic="kron"`` on XLA:CPU, a stacked conv kernel's cotangent
-      is that sum too, formed from its input patches and output
-      cotangents (XLA:CPU runs a kernel-gradient convolution inside a
-      scan's backward iterations with a slow generic emitter). With
+      gradients its diagonal forms (no kernel-gradient product). With
       ``statistic="gram"``, where every stacked leaf qualifies, the
       backward pass instead forms the per-example gradients ``(B, *leaf)``
       of the conv, dense, scale and shift layers (outside scans or stacked
@@ -1947,16 +1987,6 @@ def record(
       ),
       shared=statistic == "gram",
     )
-    if ordered and statistic == "kron" and site.kind == "conv" and _xla_cpu():
-      # The same for K-FAC's stacked convs, on XLA:CPU (whose loops run the
-      # kernel-gradient convolution slowly): Gamma from dz, the kernel's
-      # cotangent summed from input patches and dz.
-      (leaf,) = users
-      fused[s] = fused[s]._replace(
-        ordered=functools.partial(
-          _ordered_conv_kron, stat_fn, site.eqn, shapes[leaf], batch, chunk_size
-        )
-      )
   for s, users in _by_site(grads_leaves).items():
     site, act = plan.sites[s], act_avals[s]
     lead = out_shapes[s][0]
@@ -2336,30 +2366,6 @@ def _ordered_stat(
       sq, g = _shared_dense_sums(x, d, chunk_size)
       out[leaf], dw = (_kernel_to_shape(site, v, shape) for v in (sq, g))
   return out, dw
-
-
-def _ordered_conv_kron(
-  stat_fn: Callable[..., Any],
-  eqn,
-  kernel: tuple[int, ...],
-  batch: int,
-  chunk_size: int | None,
-  act: Array,
-  delta: Array,
-) -> tuple[Any, Array]:
-  """A conv's K-FAC ``Gamma`` (``stat_fn`` of ``delta``) and its kernel's
-  cotangent, the per-example gradients' sum, for :func:`_ordered_layer`."""
-  dtype = jnp.promote_types(act.dtype, delta.dtype)
-  dw = _sum_over_example_chunks(
-    lambda x, d: jnp.sum(_conv_kernel_grads(eqn, x, d), axis=0),
-    [act, delta],
-    [0, 0],
-    batch,
-    _patch_chunk(eqn, chunk_size),
-    kernel,
-    dtype,
-  )
-  return stat_fn(None, delta), dw
 
 
 def _heads_stat(
