@@ -1390,7 +1390,6 @@ def _bind_loop_conv(eqn, invals):
 
   def bwd(res, dz):
     x, w = res
-    dx = jax.vjp(lambda v: _bind(eqn, [v, w])[0], x)[1](dz)[0]
     dtype = jnp.promote_types(jnp.promote_types(x.dtype, dz.dtype), "float32")
     dw = _sum_over_example_chunks(
       lambda xc, dc: jnp.sum(_conv_kernel_grads(eqn, xc, dc), axis=0),
@@ -1401,6 +1400,9 @@ def _bind_loop_conv(eqn, invals):
       w.shape,
       dtype,
     )
+    # The input's cotangent last (as _ordered_layer): x is freed after dw.
+    w = _after(w, dw)
+    dx = jax.vjp(lambda v: _bind(eqn, [v, w])[0], x)[1](dz)[0]
     return dx, dw.astype(w.dtype)
 
   conv.defvjp(fwd, bwd)
