@@ -1381,15 +1381,7 @@ def _bind_loop_conv(eqn, invals):
   if not _xla_cpu() or plain or eqn.params["batch_group_count"] != 1:
     return _bind(eqn, invals)
 
-  @jax.custom_vjp
-  def conv(x, w):
-    return _bind(eqn, [x, w])[0]
-
-  def fwd(x, w):
-    return conv(x, w), (x, w)
-
-  def bwd(res, dz):
-    x, w = res
+  def kernel_cotangent(x, dz):  # no statistic
     dtype = jnp.promote_types(jnp.promote_types(x.dtype, dz.dtype), "float32")
     dw = _sum_over_example_chunks(
       lambda xc, dc: jnp.sum(_conv_kernel_grads(eqn, xc, dc), axis=0),
@@ -1397,16 +1389,13 @@ def _bind_loop_conv(eqn, invals):
       [0, 0],
       x.shape[0],
       _patch_chunk(eqn, None),
-      w.shape,
+      eqn.invars[1].aval.shape,
       dtype,
     )
-    # The input's cotangent last (as _ordered_layer): x is freed after dw.
-    w = _after(w, dw)
-    dx = jax.vjp(lambda v: _bind(eqn, [v, w])[0], x)[1](dz)[0]
-    return dx, dw.astype(w.dtype)
+    return {}, dw
 
-  conv.defvjp(fwd, bwd)
-  return [conv(*invals)]
+  layer = _ordered_layer(kernel_cotangent, functools.partial(_bind, eqn), 0)
+  return [layer(*invals, invals[0], {})]
 
 
 # Remat primitives: their bodies are re-run under ``jax.checkpoint`` with
@@ -2526,7 +2515,10 @@ def _ordered_layer(stat_fn, bind, act_index: int):
       dw = jax.vjp(lambda w: out(_put(ops, p, w)), ops[p])[1](dz)[0]
     else:
       dw = dw.reshape(ops[p].shape).astype(ops[p].dtype)
-    ops = _put(ops, p, _after(_after(ops[p], dw), stat))
+    kernel = _after(ops[p], dw)
+    ops = _put(
+      ops, p, _after(kernel, stat) if jax.tree.leaves(stat) else kernel
+    )
     x = ops[act_index]
     dx = jax.vjp(lambda x: out(_put(ops, act_index, x)), x)[1](dz)[0]
     return (*_put(_put((None, None), p, dw), act_index, dx), None, stat)
