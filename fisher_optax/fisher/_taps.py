@@ -2162,8 +2162,8 @@ def _fusable(
       out[leaf] = (s, role)
   # Leaves used once outside scans: (leaf, site, role).
   once = []
-  for leaf, r in enumerate(plan.roles):
-    uses = plan.special.get(leaf, [(*r, ())] if r is not None else [])
+  for leaf in range(len(plan.roles)):
+    uses = plan.uses(leaf)
     if len(uses) == 1 and not uses[0][2] and uses[0][0] not in plan.site_loops:
       once.append((leaf, uses[0][0], uses[0][1]))
   if out and statistic in ("gram", "combine"):
@@ -2181,11 +2181,20 @@ def _fusable(
         and kind in ("dense", "conv")
       ):
         out[leaf] = (s, role)
-  needed = set()  # sites that other covered leaves read (a, delta) from
+  return _sole_readers(plan, out)
+
+
+def _sole_readers(
+  plan: _Plan, chosen: dict[int, tuple[int, str]]
+) -> dict[int, tuple[int, str]]:
+  """``chosen`` (leaf -> (site, role)) without the leaves at sites that
+  other covered leaves read ``(a, delta)`` from: a fused site records
+  neither."""
+  needed = set()
   for leaf in range(len(plan.roles)):
-    if leaf not in out:
+    if leaf not in chosen:
       needed.update(u[0] for u in plan.uses(leaf))
-  return {leaf: v for leaf, v in out.items() if v[0] not in needed}
+  return {leaf: v for leaf, v in chosen.items() if v[0] not in needed}
 
 
 def _grads_fusable(
@@ -2201,9 +2210,9 @@ def _grads_fusable(
   and whose ``(B, P)`` gradients (per layer) have fewer elements than what
   the site records (its input and output cotangent; a shift only the
   latter) and, all layers together, fit the chunk budget."""
-  by_site: dict[int, dict[int, str]] = {}
-  for leaf, r in enumerate(plan.roles):
-    uses = plan.special.get(leaf, [(*r, ())] if r is not None else [])
+  chosen: dict[int, tuple[int, str]] = {}
+  for leaf in range(len(plan.roles)):
+    uses = plan.uses(leaf)
     if len(uses) != 1:
       continue
     s, role, modes = uses[0]
@@ -2211,15 +2220,9 @@ def _grads_fusable(
       continue
     if _stacked_only(modes) and role != "derived":
       if plan.sites[s].kind in _GRADS_KINDS:
-        by_site.setdefault(s, {})[leaf] = role
-  needed = set()  # sites that other covered leaves read (a, delta) from
-  for leaf in range(len(plan.roles)):
-    if all(leaf not in users for users in by_site.values()):
-      needed.update(u[0] for u in plan.uses(leaf))
+        chosen[leaf] = (s, role)
   out: dict[int, tuple[int, str]] = {}
-  for s, users in by_site.items():
-    if s in needed:
-      continue
+  for s, users in _by_site(_sole_readers(plan, chosen)).items():
     lead, delta = out_shapes[s]
     held = math.prod(delta.shape)
     if plan.sites[s].kind != "shift":
