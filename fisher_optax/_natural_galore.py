@@ -512,9 +512,9 @@ def _step(
   per_example: list[Any],
   state: NaturalGaLoreState,
 ) -> tuple[PyTree, NaturalGaLoreState]:
-  """One step without a stored window (per-example rows, or GaLore) from
-  finite inputs; ``hyper`` is ``(scale, update_proj_gap, damping)``, the
-  options that may be injected."""
+  """One step with this batch's per-example rows as the window, from finite
+  inputs; ``hyper`` is ``(scale, update_proj_gap, damping)``, the options
+  that may be injected."""
   scale, update_proj_gap, damping = hyper
   leaves, treedef = jax.tree.flatten(updates)
   count = state.count
@@ -577,7 +577,8 @@ def _windowed_update(
   projs: list[_Projection | None],
   state: NaturalGaLoreState,
 ) -> tuple[PyTree, NaturalGaLoreState]:
-  """A step with a window of past gradients, the window updated in place.
+  """A step with a window of past gradients, the window updated in place
+  (or with none: GaLore, ``history_size=0``).
 
   The window is the state's one large array, so it never goes through the
   non-finite policy's cond or its select (either makes XLA copy it whole):
@@ -596,7 +597,7 @@ def _windowed_update(
   ]
   healthy = jnp.isfinite(functools.reduce(jnp.add, sq, jnp.zeros([])))
   refresh = (count % update_proj_gap) == 0
-  slot = count % cfg.history_size
+  slot = count % cfg.history_size if cfg.windowed else 0
   slots = jnp.asarray(slot, jnp.int32)[None]
   new, g2s = _refresh_leaves(cfg, projs, leaves, state, refresh, healthy)
   # Per leaf: (projector, window, its Gram, the Gram with this step's row,
@@ -608,6 +609,9 @@ def _windowed_update(
       continue
     g2 = g2s[i]
     lg = proj.project(p, g2)
+    if not cfg.windowed:  # GaLore: no window to solve against
+      parts.append((p, window, gram, gram, None, lg))
+      continue
     row = lg.astype(window.dtype)[None]
     pushed, _ = linalg.stacked_pending_gram(window, gram, row, slot)
     parts.append((p, window, gram, pushed, row, lg))
@@ -617,7 +621,7 @@ def _windowed_update(
   def step() -> tuple[PyTree, NaturalGaLoreState]:
     """The base optimizer's low-rank updates and the light state."""
     low = [lg for *_, lg in parts]
-    solved = [i for i, proj in enumerate(projs) if proj is not None]
+    solved = [i for i, part in enumerate(parts) if part[4] is not None]
     windows = [parts[i][1] for i in solved]
     grams = [parts[i][3] for i in solved]
     # The pushed row is the gradient itself: G g is the Gram's column of its
@@ -692,7 +696,8 @@ def _update(
   params: PyTree | None,
   per_example_grads: PyTree | None,
 ) -> tuple[PyTree, NaturalGaLoreState]:
-  """:func:`_step` under the non-finite policy, after the shape checks."""
+  """One step under the non-finite policy, after the shape checks: the
+  policy runs on the low-rank updates unless the window is per-example."""
   projs = _check_updates(cfg, updates, state, params)
   per_example: list[Any] = [None] * len(projs)
   if cfg.per_example_window:
@@ -700,7 +705,7 @@ def _update(
       per_example_grads, updates, function="scale_by_natural_galore"
     )
     per_example = jax.tree.leaves(per_example_grads)
-  if cfg.windowed:
+  if not cfg.per_example:
     return _windowed_update(cfg, base_optimizer, hyper, updates, projs, state)
   step = lambda: _step(
     cfg, base_optimizer, hyper, updates, projs, per_example, state

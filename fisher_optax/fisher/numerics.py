@@ -215,15 +215,21 @@ def skip_nonfinite_step(
   """
   out_shape = jax.eval_shape(step)
 
-  def skipped() -> tuple[PyTree, Any]:
+  def checked() -> tuple[PyTree, Any, jax.Array]:
+    new_updates, new_state = step()
+    return new_updates, new_state, tree_all_finite((new_updates, new_state))
+
+  def skipped() -> tuple[PyTree, Any, jax.Array]:
     nan = jax.tree.map(
       lambda s: jnp.full(s.shape, jnp.nan, s.dtype), out_shape[0]
     )
-    return nan, state
+    return nan, state, jnp.asarray(False)
 
   ok_in = tree_all_finite((updates, inputs))
-  new_updates, new_state = jax.lax.cond(ok_in, step, skipped)
-  ok = ok_in & tree_all_finite((new_updates, new_state))
+  # The decision leaves the cond as one value. Formed outside it from a
+  # flag per leaf, XLA:CPU fused that combination into every select below,
+  # each then reading one operand per leaf of the tree.
+  new_updates, new_state, ok = jax.lax.cond(ok_in, checked, skipped)
   new_state = jax.tree.map(lambda a, b: tree_select(ok, a, b), new_state, state)
   fill = jnp.where(tree_all_finite(updates), 0.0, jnp.nan)
   new_updates = jax.tree.map(
