@@ -226,6 +226,25 @@ class ScaleByMFACTest(parameterized.TestCase):
     chex.assert_trees_all_equal(new_state.gram, state.gram)
     self.assertEqual(int(new_state.index), int(state.index))
 
+  def test_evicting_a_gradient_spike_keeps_float32_accuracy(self):
+    # The step that overwrites a row 1e4 times the others: the rows' sum
+    # must not add that row and subtract it again (225% error before).
+    rng = np.random.default_rng(1)
+    m, lam, d = 4, 1e-3, 28
+    seq = [rng.normal(size=d) * s for s in (1, 1e4, 1, 1, 1, 1)]
+    tx = fisher_optax.scale_by_mfac(m, lam)
+    update, state = jax.jit(tx.update), tx.init(jnp.zeros(d))
+    window = np.zeros((m, d))
+    for t, g in enumerate(seq):
+      window[t % m] = g
+      u, state = update(jnp.asarray(g, jnp.float32), state)
+    self.assertEqual(t % m, 1)  # the last step evicted the spike
+    # The same rule in float64, the documented damping floor included.
+    floor = np.finfo(np.float32).eps * np.trace(window @ window.T)
+    dense = max(lam, floor) * np.eye(d) + window.T @ window / m
+    want = np.linalg.solve(dense, seq[-1])
+    np.testing.assert_allclose(np.asarray(u, np.float64), want, rtol=1e-2)
+
   def test_tiny_damping_float32_stays_finite(self):
     tx = fisher_optax.scale_by_mfac(8, 1e-12)
     state = tx.init(jnp.zeros(3))

@@ -170,13 +170,17 @@ def _woodbury_apply(
 ) -> PyTree:
   """``(x - G^T w) / damping`` (without the division when ``normalized``),
   ``w = C^{-1} G x``."""
-  correction = tree_stacked_combine(stacked, w)
-  if pending is not None:
+  if pending is None:
+    correction = tree_stacked_combine(stacked, w)
+  else:
     rows, slots = pending
-    # G_new^T w = G^T w + (rows - G[slots])^T w[slots]: k rows, not m.
-    delta = jax.tree.map(lambda r, s: r - s[slots], rows, stacked)
+    # G_new^T w = G^T w' + rows^T w[slots], w' zero at the slots. Adding
+    # (rows - G[slots])^T w[slots] instead cancels an evicted row that is
+    # large next to the rest (a gradient spike) in float32.
     correction = jax.tree.map(
-      jnp.add, correction, tree_stacked_combine(delta, w[slots])
+      jnp.add,
+      tree_stacked_combine(stacked, w.at[slots].set(0)),
+      tree_stacked_combine(rows, w[slots]),
     )
   out = jax.tree.map(lambda a, b: a - b.astype(a.dtype), x, correction)
   if normalized:
