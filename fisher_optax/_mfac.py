@@ -98,7 +98,7 @@ class _Window(NamedTuple):
 def _init_window(cfg: _Window, params: PyTree) -> tuple[PyTree, PyTree]:
   """Zero window (leading axis ``cfg.size``) and its Gram."""
   wdtype = lambda p: (
-    jnp.dtype(cfg.dtype) if cfg.dtype is not None else numerics.compute_dtype(p)
+    cfg.dtype if cfg.dtype is not None else numerics.compute_dtype(p)
   )
   n = cfg.size
   window = jax.tree.map(
@@ -289,7 +289,13 @@ def _window_step(
   gram, gx = _pending_gram(
     cfg, window, light.gram, stored, slot, updates if with_x else None
   )
-  if exact and not cfg.per_example and k == 1:
+  x = updates
+  if not cfg.per_example and k == 1:
+    if not exact:
+      # A narrower window (bf16) holds the gradient rounded: its rounding
+      # error lies outside the window's span, where the inverse scales by
+      # 1 / damping. The solve takes the row as stored.
+      x = jax.tree.map(lambda r, u: r[0].astype(u.dtype), stored, updates)
     # The gradient is the row pushed: G g is the Gram's column of its slot,
     # so the solve reads the window once more, not twice.
     column = lambda gr: gr[:, slots[0]]
@@ -301,7 +307,7 @@ def _window_step(
   fresh = light._replace(notfinite_count=zero)
   scale = 1.0 / cfg.size if cfg.mean else 1.0
   step = lambda: (
-    _solve(cfg, window, gram, updates, damping, scale, gx, (stored, slots)),
+    _solve(cfg, window, gram, x, damping, scale, gx, (stored, slots)),
     advance(fresh, k)._replace(gram=gram),
   )
   out, new = numerics.skip_nonfinite_step(step, updates, fresh, inputs=inputs)
@@ -370,7 +376,8 @@ def scale_by_woodbury_fisher(
       gradients ``updates``) or ``"per_example"`` (this batch's
       ``per_example_grads``).
     window_dtype: dtype of the stored window (default float32, float64 for
-      float64 params); bfloat16 halves its memory. The Gram is float32+.
+      float64 params); bfloat16 halves its memory, and the gradient is
+      then preconditioned as stored (rounded). The Gram is float32+.
     window_source: deprecated spelling of ``fisher_source`` (``"history"``
       meant ``"batch"``).
 
@@ -420,7 +427,7 @@ def scale_by_woodbury_fisher(
     mean=False,
     damping_floor=False,
     normalized=normalize_output,
-    dtype=window_dtype,
+    dtype=numerics.canonical_float_dtype("window_dtype", window_dtype),
     function="scale_by_woodbury_fisher",
   )
 
@@ -505,8 +512,10 @@ def scale_by_mfac(
       rows of the ``per_example_grads`` extra (``b <= m``) and
       preconditions their mean ``updates``.
     window_dtype: dtype of the stored window (default float32, float64 for
-      float64 params); bfloat16 halves its memory. The Gram and the solve
-      are float32 (or wider) whatever the window's dtype.
+      float64 params); bfloat16 halves its memory, and the gradient is
+      then preconditioned as stored (rounded: its rounding error, outside
+      the window, would be scaled by ``1 / damping``). The Gram and the
+      solve are float32 (or wider) whatever the window's dtype.
     gradients: deprecated spelling of ``fisher_source`` (``"mean"`` meant
       ``"batch"``).
 
@@ -548,7 +557,7 @@ def scale_by_mfac(
     mean=True,
     damping_floor=True,
     normalized=False,
-    dtype=window_dtype,
+    dtype=numerics.canonical_float_dtype("window_dtype", window_dtype),
     function="scale_by_mfac",
   )
 

@@ -451,6 +451,30 @@ class WindowDtypeTest(parameterized.TestCase):
       out[None], out[jnp.bfloat16], rtol=2e-2, atol=1e-3
     )
 
+  @parameterized.parameters(jnp.bfloat16, jnp.float16)
+  def test_narrow_window_keeps_the_direction_at_small_damping(self, dtype):
+    # float32 gradients in a narrower window: the solve takes the rows as
+    # stored, so their rounding is not scaled by 1 / damping (it made the
+    # updates 280-1600x too large, cosine 0.005, before).
+    seq = jax.random.normal(jax.random.key(4), (6, 64))
+    out = {}
+    for window_dtype in (None, dtype):
+      tx = fisher_optax.scale_by_mfac(4, 1e-5, window_dtype=window_dtype)
+      state = tx.init(seq[0])
+      for g in seq:
+        u, state = tx.update(g, state)
+      out[window_dtype] = np.asarray(u, np.float64)
+    a, b = out[None], out[dtype]
+    self.assertGreater(a @ b / np.linalg.norm(a) / np.linalg.norm(b), 0.99)
+    self.assertAlmostEqual(
+      np.linalg.norm(b) / np.linalg.norm(a), 1.0, delta=0.15
+    )
+
+  @parameterized.parameters(jnp.int32, jnp.bool_, "foo")
+  def test_window_dtype_must_be_a_float(self, dtype):
+    with self.assertRaisesRegex(TypeError, "window_dtype must be a float"):
+      fisher_optax.scale_by_mfac(4, window_dtype=dtype)
+
   def test_float16_statistics_do_not_overflow(self):
     # 1e3-sized float16 gradients: squares are far above float16's 65504.
     params = jnp.zeros(4, jnp.float16)
