@@ -555,6 +555,30 @@ def _check_leaf_states(
     )
 
 
+def _check_fallback_state(
+  fallback_tx: optax.GradientTransformation, view: PyTree, built: Any
+) -> None:
+  """The fallback's state must be the one its leaves, as given, would get:
+  a leaf without a FISMO plan carries no state of ours to compare with, and
+  a mis-shaped one would broadcast against the fallback's statistics."""
+  want = jax.eval_shape(fallback_tx.init, view)
+  same = jax.tree.structure(want) == jax.tree.structure(built) and all(
+    jnp.shape(a) == jnp.shape(b)
+    for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(built))
+  )
+  if same:
+    return
+  leaves = [
+    f"updates{jax.tree_util.keystr(path)} {jnp.shape(x)}"
+    for path, x in jax.tree_util.tree_flatten_with_path(view)[0]
+  ]
+  raise ValueError(
+    "updates do not match params (different shapes): the fallback state "
+    "was built for other shapes of the leaves without a FISMO plan (now "
+    f"{', '.join(leaves)}); re-run init on the current params."
+  )
+
+
 def _fismo_step(
   treedef: Any,
   leaf_inputs: tuple[list[Any], list[Any], list[Any], list[Any]],
@@ -878,6 +902,9 @@ def scale_by_fismo(
     pegs = _per_example_leaves(source, per_example_grads, updates, treedef)
     old_states = _leaf_states(state, treedef)
     _check_leaf_states(updates, plan_list, old_states)
+    _check_fallback_state(
+      fallback_tx, _fallback_view(treedef, leaves, plan_list), state.fallback
+    )
 
     def step() -> tuple[optax.Updates, FISMOState]:
       return _fismo_step(

@@ -861,6 +861,13 @@ class FISMONonfiniteShapeAndDtypeTest(parameterized.TestCase):
       tx = fisher_optax.scale_by_fismo()
       with self.assertRaisesRegex(ValueError, "updates do not match params"):
         tx.update(grads, tx.init(params))
+    # A fallback leaf (the bias) carries no FISMO state: without params it
+    # is checked against the fallback's (it broadcast against it before).
+    tx = fisher_optax.scale_by_fismo()
+    for bad in (jnp.ones(()), jnp.ones(1), jnp.ones(4)):
+      with self.subTest(bias=bad.shape):
+        with self.assertRaisesRegex(ValueError, "updates do not match params"):
+          tx.update({"w": jnp.ones((4, 3)), "b": bad}, tx.init(params))
 
   @parameterized.parameters(jnp.float16, jnp.bfloat16)
   def test_half_precision_statistics_do_not_overflow(self, dtype):
