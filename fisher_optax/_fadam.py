@@ -128,8 +128,10 @@ def _checked_hyper(
 ) -> _Hyper:
   validation.check_in_unit_interval("b1", b1)
   validation.check_in_unit_interval("b2", b2)
-  validation.check_positive("eps", eps, allow_zero=True)
-  validation.check_positive("eps2", eps2, allow_zero=True)
+  # Zero would leave a coordinate the gradient never reaches (an unused
+  # embedding row) with d = 0: theta / d overflows and every step is skipped.
+  validation.check_positive("eps", eps)
+  validation.check_positive("eps2", eps2)
   validation.check_positive("clip", clip)
   if p is not None:
     validation.check_positive("p", p)
@@ -187,7 +189,7 @@ def scale_by_fadam(
   Args:
     b1: decay rate of the momentum of the natural gradient.
     b2: decay rate of the Fisher average (debiased as above).
-    eps: upper bound of the adaptive epsilon :math:`\hat\epsilon`.
+    eps: upper bound of the adaptive epsilon :math:`\hat\epsilon` (> 0).
     eps2: factor of :math:`\mathrm{RMS}(g)` in :math:`\hat\epsilon` (unused
       with ``eps_mode="v3"``).
     clip: RMS bound :math:`c` of each leaf's natural gradient and decay
@@ -315,7 +317,7 @@ def fadam(
     learning_rate: a float or an optax schedule.
     b1: decay rate of the momentum.
     b2: decay rate of the Fisher average.
-    eps: upper bound of the adaptive epsilon.
+    eps: upper bound of the adaptive epsilon (> 0).
     eps2: factor of the gradient's RMS in the adaptive epsilon.
     clip: RMS bound of each leaf's natural gradient and decay direction.
     p: power of the Fisher in the preconditioner; ``None``: ``1/2``, static

@@ -388,7 +388,9 @@ class FAdamBehaviourTest(parameterized.TestCase):
   @parameterized.parameters(
     dict(kwargs={"learning_rate": -1.0}, match="learning_rate"),
     dict(kwargs={"eps": -1e-8}, match="eps"),
+    dict(kwargs={"eps": 0.0}, match="eps"),
     dict(kwargs={"eps2": -1.0}, match="eps2"),
+    dict(kwargs={"eps2": 0.0}, match="eps2"),
     dict(kwargs={"b1": 1.0}, match="b1"),
     dict(kwargs={"b1": -0.1}, match="b1"),
     dict(kwargs={"b2": 1.0}, match="b2"),
