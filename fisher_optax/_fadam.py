@@ -302,7 +302,8 @@ def fadam(
   :math:`g / (f^p + \hat\epsilon^{2p})` and :math:`w_t` the clipped,
   Fisher-preconditioned decay direction (see :func:`scale_by_fadam` for the
   full rule and the decisions taken where the sources disagree). A schedule
-  scales both terms. Unlike :func:`optax.adamw`, the first step is
+  scales both terms; a step skipped as non-finite leaves its count
+  unchanged, as the rest of the state. Unlike :func:`optax.adamw`, the first step is
   :math:`(1 - \beta_1)\eta\, n_1` (no momentum bias correction), and
   :math:`\lambda` acts on :math:`\theta / d`, so a good :math:`\lambda` is
   on another scale than AdamW's.
@@ -360,7 +361,7 @@ def fadam(
   fisher_source = validation.check_fisher_source(
     fisher_source, function="fadam", legacy=_LEGACY_SOURCES
   )
-  return optax.chain(
+  chain = optax.chain(
     scale_by_fadam(
       b1=b1,
       b2=b2,
@@ -377,6 +378,8 @@ def fadam(
     ),
     optax.scale_by_learning_rate(learning_rate),
   )
+  # A skipped step leaves the schedule's count where it was, too.
+  return numerics.chain_following(chain, 0)
 
 
 # -- the rule, leaf by leaf ----------------------------------------------------

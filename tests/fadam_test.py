@@ -408,6 +408,16 @@ class FAdamBehaviourTest(parameterized.TestCase):
     with self.assertRaisesRegex(ValueError, match):
       fisher_optax.fadam(**kwargs)
 
+  def test_skipped_step_keeps_the_schedule_count(self):
+    schedule = optax.linear_schedule(1e-2, 0.0, 10)
+    tx = fisher_optax.fadam(schedule)
+    params = {"w": jnp.ones(3)}
+    state = tx.init(params)
+    _, state = tx.update({"w": jnp.ones(3)}, state, params)
+    _, skipped = tx.update({"w": jnp.full(3, jnp.nan)}, state, params)
+    chex.assert_trees_all_equal(skipped[1], state[1])
+    self.assertEqual(int(skipped[0].notfinite_count), 1)
+
   def test_invalid_dtype(self):
     with self.assertRaisesRegex(TypeError, "mu_dtype"):
       fisher_optax.scale_by_fadam(mu_dtype=jnp.int32)
