@@ -64,6 +64,11 @@ def _est_many(apply_fn, params, batch, calls, oracles=None):
   return dict(zip([*calls, *oracles], run(params, batch)))
 
 
+def _mlp_ignoring_empty(params, x):
+  """The MLP of ``params`` without its (zero-size, unused) ``"empty"`` leaf."""
+  return ft.mlp_apply({k: v for k, v in params.items() if k != "empty"}, x)
+
+
 def _stack_flat(stacked, k):
   return jnp.stack(
     [ft.ravel(jax.tree.map(lambda a, j=j: a[j], stacked)) for j in range(k)]
@@ -522,6 +527,60 @@ class LowRankTest(parameterized.TestCase):
         vals, _ = ft.top_eig(block, 2)
         np.testing.assert_allclose(stat.eigvals, vals, rtol=1e-9, atol=1e-12)
 
+  def test_per_leaf_batch_squared_reports_the_example_count(self):
+    with jax.enable_x64(True):
+      apply_fn, params, x, y = _setup("categorical")
+      stats = _est(
+        fisher.low_rank,
+        apply_fn,
+        params,
+        (x, y),
+        likelihood=fisher.Categorical(),
+        kind="batch_squared",
+        rank=1,
+        per_leaf=True,
+      )
+      flat = jax.tree.leaves(
+        stats, is_leaf=lambda s: isinstance(s, fisher.LowRankFisher)
+      )
+      means = jax.tree.leaves(stats["dense_0"]["kernel"].mean_grad)
+      self.assertLen(means, 1)
+      for stat in flat:
+        self.assertEqual(int(stat.count), N)
+        # The leaf's block of mu mu^T has the one eigenvalue |mu_leaf|^2.
+        np.testing.assert_allclose(
+          stat.eigvals, [jnp.sum(jnp.square(stat.mean_grad))], rtol=1e-10
+        )
+
+  def test_zero_size_leaf_gives_empty_directions(self):
+    # A zero-size leaf (here unused by the model) gets (k, 0) directions;
+    # the other leaves are as without it.
+    _, params, x, y = _setup("categorical")
+    apply_fn = _mlp_ignoring_empty
+    with_empty = dict(
+      params, empty=jnp.zeros((0,), params["dense_0"]["bias"].dtype)
+    )
+    kw = dict(likelihood=fisher.Categorical(), kind="empirical", rank=2)
+    calls = {
+      "auto": (fisher.low_rank, kw),
+      "per_example": (fisher.low_rank, dict(kw, method="per_example")),
+      "per_leaf": (fisher.low_rank, dict(kw, per_leaf=True)),
+    }
+    ref = _est_many(apply_fn, params, (x, y), calls)
+    got = _est_many(apply_fn, with_empty, (x, y), calls)
+    for name in ("auto", "per_example"):
+      self.assertEqual(got[name].eigvecs["empty"].shape, (2, 0))
+      np.testing.assert_allclose(
+        got[name].eigvals, ref[name].eigvals, rtol=1e-5, atol=1e-7
+      )
+    self.assertEqual(got["per_leaf"]["empty"].eigvecs.shape, (2, 0))
+    np.testing.assert_array_equal(got["per_leaf"]["empty"].eigvals, 0.0)
+    np.testing.assert_allclose(
+      got["per_leaf"]["dense_1"]["kernel"].eigvals,
+      ref["per_leaf"]["dense_1"]["kernel"].eigvals,
+      rtol=1e-5,
+    )
+
   def test_rank_one(self):
     with jax.enable_x64(True):
       apply_fn, params, x, y = _setup("categorical")
@@ -655,6 +714,79 @@ class KroneckerTest(parameterized.TestCase):
       )
       self.assertLessEqual(
         float(jnp.linalg.norm(block - approx)), float(err_one) + 1e-12
+      )
+
+  def test_batch_squared_honours_num_iters(self):
+    # vec(M) vec(M)^T for the mean gradient M (rank > 1): one step gives
+    # (M M^T, M^T M / tr), num_iters > 0 the nearest Kronecker product.
+    with jax.enable_x64(True):
+      apply_fn, params, x, y = _setup("categorical")
+      kw = dict(likelihood=fisher.Categorical(), kind="batch_squared")
+      out = _est_many(
+        apply_fn,
+        params,
+        (x, y),
+        {
+          "one": (fisher.kronecker, kw),
+          "near": (fisher.kronecker, dict(kw, num_iters=30)),
+        },
+      )
+      one, near = out["one"], out["near"]
+      self.assertEqual((one.estimator, near.estimator), ("shampoo",) * 2)
+      self.assertEqual(int(near.count), N)
+      mat = one.mean_grad["dense_1"]["kernel"]  # (5, 4)
+      m, n = mat.shape
+      sv = jnp.linalg.svd(mat, compute_uv=False)
+      self.assertGreater(float(sv[1] / sv[0]), 1e-3)  # not rank one
+      ggt = mat @ mat.T
+      np.testing.assert_allclose(one.left["dense_1"]["kernel"], ggt, rtol=1e-12)
+      np.testing.assert_allclose(
+        one.right["dense_1"]["kernel"], mat.T @ mat / jnp.trace(ggt), rtol=1e-12
+      )
+      block = jnp.outer(mat.ravel(), mat.ravel())
+      rearranged = (
+        block.reshape(m, n, m, n).transpose(0, 2, 1, 3).reshape(m * m, n * n)
+      )
+      u, s, vt = jnp.linalg.svd(rearranged)
+      best = jnp.kron(s[0] * u[:, 0].reshape(m, m), vt[0].reshape(n, n))
+      approx = jnp.kron(
+        near.left["dense_1"]["kernel"], near.right["dense_1"]["kernel"]
+      )
+      np.testing.assert_allclose(approx, best, atol=1e-8)
+      err_one = jnp.linalg.norm(
+        block
+        - jnp.kron(
+          one.left["dense_1"]["kernel"], one.right["dense_1"]["kernel"]
+        )
+      )
+      self.assertLess(float(jnp.linalg.norm(block - approx)), float(err_one))
+
+  def test_zero_size_leaf_gives_empty_factors(self):
+    # An unused (0,) leaf, a (1, 0) matrix: (1, 1) and (0, 0) factors; the
+    # other leaves are as without it.
+    _, params, x, y = _setup("categorical")
+    apply_fn = _mlp_ignoring_empty
+    with_empty = dict(
+      params, empty=jnp.zeros((0,), params["dense_0"]["bias"].dtype)
+    )
+    kw = dict(likelihood=fisher.Categorical(), kind="empirical")
+    calls = {
+      "auto": (fisher.kronecker, kw),
+      "shampoo": (fisher.kronecker, dict(kw, estimator="shampoo")),
+      "near": (fisher.kronecker, dict(kw, estimator="shampoo", num_iters=2)),
+    }
+    ref = _est_many(apply_fn, params, (x, y), calls)
+    got = _est_many(apply_fn, with_empty, (x, y), calls)
+    for name in calls:
+      stat = got[name]
+      self.assertEqual(stat.left["empty"].shape, (1, 1))
+      self.assertEqual(stat.right["empty"].shape, (0, 0))
+      chex.assert_tree_all_finite((stat.left, stat.right))
+      chex.assert_trees_all_close(
+        (stat.left["dense_1"], stat.right["dense_1"]),
+        (ref[name].left["dense_1"], ref[name].right["dense_1"]),
+        rtol=1e-5,
+        atol=1e-7,
       )
 
   def test_auto_mixes_kfac_and_shampoo(self):
@@ -1000,7 +1132,11 @@ class BadInputTest(absltest.TestCase):
       fisher.Gaussian(-1.0)
 
   def test_apply_fn_output(self):
-    with self.assertRaisesRegex(ValueError, "batch axis first"):
+    # The first example's output: a slice along the examples (it warns).
+    with (
+      self.assertWarns(fisher.FisherMixedExamplesWarning),
+      self.assertRaisesRegex(ValueError, "batch axis first"),
+    ):
       fisher.diagonal(
         lambda p, x: self.apply_fn(p, x)[0],
         self.params,

@@ -1299,6 +1299,12 @@ class MixedExamplesTest(parameterized.TestCase):
       "pairing every two": lambda p, x: (x @ p["w"]) @ (x @ p["w"]).T,
       "contracting": lambda p, x: p["w"].T @ (x.T @ x),
       "cumsum along": lambda p, x: jnp.cumsum(x @ p["w"], axis=0),
+      # the examples reordered or shifted (in-batch negatives)
+      "rev along": lambda p, x: x[::-1] @ p["w"],
+      "slice along": lambda p, x: (lambda h: h * jnp.roll(h, 1, 0))(
+        jnp.tanh(x @ p["w"])
+      ),
+      "concatenate along": lambda p, x: jnp.concatenate([x, 2 * x]) @ p["w"],
       # examples moved off axis 0, then reduced there
       "reduce_max over": lambda p, x: jnp.max(jnp.swapaxes(x, 0, 1), 1),
       # followed through pooling and a split of the features

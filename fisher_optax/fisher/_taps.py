@@ -4434,6 +4434,20 @@ def _mixing(jaxpr, axes: dict, batch: int) -> str | None:
       return f"{name} along the examples' axis"
     if name == "sort" and p["dimension"] in ins:
       return "sort along the examples' axis"
+    # Reordering or shifting the examples (x[::-1], jnp.roll, x[1:]):
+    # output n then reads another example.
+    if name == "rev" and ins[0] in p["dimensions"]:
+      return "rev along the examples' axis"
+    if name == "concatenate" and p["dimension"] in ins:
+      return "concatenate along the examples' axis"
+    if name == "slice" and ins[0] is not None:
+      ax, strides = ins[0], p["strides"]
+      window = (p["start_indices"][ax], p["limit_indices"][ax])
+      if window != (0, batch) or (strides is not None and strides[ax] != 1):
+        return "slice along the examples' axis"
+    if name == "dynamic_slice" and ins[0] is not None:
+      if p["slice_sizes"][ins[0]] != batch:
+        return "dynamic_slice along the examples' axis"
     if name == "dot_general":
       (lc, rc), (lb, rb) = p["dimension_numbers"]
       if ins[0] in lc or ins[1] in rc:
