@@ -13,7 +13,8 @@ training adds the quadratic penalty
 Everything a penalty needs is an :class:`EWCAnchor` of fixed shapes: a
 :class:`DiagonalEWC` (precision and precision-weighted anchor, ``2P`` numbers
 for any number of tasks) and/or a :class:`LowRankEWC` (``K`` slots of one
-direction, one scale and one anchor projection each; ``K P + 2K`` numbers).
+direction, one scale and one anchor projection each, and one constant;
+``K P + 2K + 1`` numbers).
 :func:`consolidate` folds a new task into an anchor at fixed shapes, so the
 jitted training step never retraces when the task changes.
 
@@ -91,7 +92,8 @@ class DiagonalEWC(NamedTuple):
 
 
 class LowRankEWC(NamedTuple):
-  """``K`` rank-one EWC terms ``s_k (u_k . theta - a_k)^2`` (``KP + 2K``).
+  """``K`` rank-one EWC terms ``sum_k s_k (u_k . theta - a_k)^2 + residual``
+  (``KP + 2K + 1`` numbers).
 
   No anchor vector is stored: ``a_k = u_k . theta*`` is all the penalty needs.
 
@@ -99,11 +101,18 @@ class LowRankEWC(NamedTuple):
     vectors: params-shaped leaves with a leading ``K`` axis, ``u_k``.
     scales: ``(K,)`` nonnegative ``s_k``; an empty slot has scale 0.
     anchor_proj: ``(K,)`` ``a_k``.
+    residual: scalar, the constant left when ``low_rank_update="compress"``
+      merges terms with different anchors (the minimum of the merged terms,
+      as :class:`DiagonalEWC`'s ``residual``); it keeps the merged penalty
+      value, not only its gradient, equal to the sum of the separate ones.
+      0 until such a merge, and in online mode. Defaults to ``0.0``, so a
+      ``LowRankEWC`` built from the other three fields still works.
   """
 
   vectors: PyTree
   scales: jax.Array
   anchor_proj: jax.Array
+  residual: jax.Array | float = 0.0
 
 
 class EWCAnchor(NamedTuple):
@@ -263,6 +272,7 @@ def init_ewc_anchor(
       vectors=zeros((rank,)),
       scales=jnp.zeros([rank], sdtype),
       anchor_proj=jnp.zeros([rank], sdtype),
+      residual=jnp.zeros([], sdtype),
     )
   return EWCAnchor(diagonal=diag, low_rank=low)
 
@@ -342,9 +352,16 @@ def _new_directions(
 
 
 def _write_slots(
-  old_vectors: PyTree, scales: jax.Array, proj: jax.Array, new: LowRankEWC
+  old_vectors: PyTree,
+  scales: jax.Array,
+  proj: jax.Array,
+  residual: jax.Array,
+  new: LowRankEWC,
 ) -> LowRankEWC:
-  """Overwrites the weakest slots with ``new``; empty slots (scale 0) first."""
+  """Overwrites the weakest slots with ``new``; empty slots (scale 0) first.
+
+  An overwritten term is dropped whole, so ``residual`` is kept as it is.
+  """
   k_slots, k_new = scales.shape[0], new.scales.shape[0]
   if k_new > k_slots:
     raise ValueError(
@@ -359,18 +376,38 @@ def _write_slots(
     vectors,
     scales.at[slots].set(new.scales),
     proj.at[slots].set(new.anchor_proj),
+    residual,
   )
 
 
 def _compress(
-  old_vectors: PyTree, scales: jax.Array, proj: jax.Array, new: LowRankEWC
+  old_vectors: PyTree,
+  scales: jax.Array,
+  proj: jax.Array,
+  residual: jax.Array,
+  new: LowRankEWC,
 ) -> LowRankEWC:
   """The top-``K`` eigenpairs of the old and new terms together.
 
-  ``M = sum_j s_j u_j u_j^T`` over old and new slots is decomposed through the
-  ``(K + k) x (K + k)`` Gram of the ``sqrt(s_j) u_j``; the linear term
-  ``b = sum_j s_j a_j u_j`` is kept by ``a_i' = v_i . b / l_i`` (exact when
-  nothing is truncated).
+  With ``W`` the ``m = K + k`` rows ``sqrt(s_j) u_j`` of the old and new
+  slots and ``y = sqrt(s) * a``, their sum is ``|W theta - y|^2``.
+  ``M = W^T W = sum_i l_i v_i v_i^T`` is decomposed through the ``m x m``
+  Gram of ``W``, and then, exactly,
+
+  .. math::
+
+    |W \\theta - y|^2 = \\sum_i l_i (v_i \\cdot \\theta - a_i')^2 + r,
+    \\qquad a_i' = v_i \\cdot b / l_i, \\quad
+    r = |y - Q Q^\\top y|^2,
+
+  with ``b = W^T y = sum_j s_j a_j u_j``, ``q_i = W v_i / sqrt(l_i)`` the
+  orthonormal columns of ``Q`` (``q_i . y = sqrt(l_i) a_i'``) and ``r`` the
+  sum's minimum, formed as the square of a difference (not as ``sum_j s_j
+  a_j^2 - sum_i l_i a_i'^2``, whose cancellation loses it when the anchors'
+  projections are large). The ``K`` largest terms are kept and ``r`` is
+  added to the residual; a truncated term is dropped whole, so the result
+  is exact when the sum has rank ``<= K``, and ``0`` in online mode (``y =
+  W theta*``).
   """
   k_slots = scales.shape[0]
   all_vecs = jax.tree.map(
@@ -378,27 +415,33 @@ def _compress(
   )
   all_scales = jnp.concatenate([scales, new.scales])
   all_proj = jnp.concatenate([proj, new.anchor_proj])
+  root_s = jnp.sqrt(all_scales)
   weighted = jax.tree.map(
-    lambda v: (
-      v
-      * jnp.sqrt(all_scales)
-      .astype(v.dtype)
-      .reshape((-1,) + (1,) * (v.ndim - 1))
-    ),
+    lambda v: v * root_s.astype(v.dtype).reshape((-1,) + (1,) * (v.ndim - 1)),
     all_vecs,
   )
-  # The engine's Gram-matrix eigensolver returns eigenpairs of W^T W / m.
+  # The engine's Gram-matrix eigensolver returns eigenpairs of W^T W / m,
+  # in descending order; all m of them, for the residual.
   m = all_scales.shape[0]
-  top = fisher.low_rank_from_grads(weighted, rank=k_slots)  # m > k_slots
-  evals = (m * top.eigvals).astype(all_scales.dtype)
+  eig = fisher.low_rank_from_grads(weighted, rank=m)
+  evals = (m * eig.eigvals).astype(all_scales.dtype)
   linear = linalg.tree_stacked_combine(all_vecs, all_scales * all_proj)
-  vb = linalg.tree_stacked_dot(top.eigvecs, linear).astype(evals.dtype)
-  safe = jnp.where(evals > 0, evals, 1.0)
-  anchor_proj = jnp.where(evals > 0, vb / safe, 0.0)
+  vb = linalg.tree_stacked_dot(eig.eigvecs, linear).astype(evals.dtype)
+  pos = evals > 0
+  inv_root = jnp.where(pos, jax.lax.rsqrt(jnp.where(pos, evals, 1.0)), 0.0)
+  anchor_proj = vb * jnp.square(inv_root)
+  # r = |y - Q (Q^T y)|^2 with Q = W V L^(-1/2), (m, m).
+  cross = linalg.tree_stacked_gram(all_vecs, eig.eigvecs).astype(evals.dtype)
+  q = root_s[:, None] * cross * inv_root[None, :]
+  gap = root_s * all_proj - q @ (vb * inv_root)
+  new_residual = residual + jnp.sum(jnp.square(gap)).astype(residual.dtype)
   return LowRankEWC(
-    jax.tree.map(lambda v, o: v.astype(o.dtype), top.eigvecs, old_vectors),
-    evals.astype(scales.dtype),
-    anchor_proj.astype(scales.dtype),
+    jax.tree.map(
+      lambda v, o: v[:k_slots].astype(o.dtype), eig.eigvecs, old_vectors
+    ),
+    evals[:k_slots].astype(scales.dtype),
+    anchor_proj[:k_slots].astype(scales.dtype),
+    new_residual,
   )
 
 
@@ -416,10 +459,18 @@ def _merge_low_rank(
   new_proj = linalg.tree_stacked_dot(new_vecs, theta).astype(old.scales.dtype)
   new = LowRankEWC(new_vecs, new_scales, new_proj)
   proj = old.anchor_proj
+  residual = (decay * jnp.asarray(old.residual, old.scales.dtype)).astype(
+    old.scales.dtype
+  )
   if mode == "online":
     proj = linalg.tree_stacked_dot(old.vectors, theta).astype(proj.dtype)
   merge = _write_slots if update == "slots" else _compress
-  return merge(old.vectors, decay * old.scales, proj, new)
+  out = merge(old.vectors, decay * old.scales, proj, residual, new)
+  if mode == "online":
+    # Every term is anchored at theta: no constant is left (not even the
+    # round-off of compress's).
+    out = out._replace(residual=jnp.zeros([], old.scales.dtype))
+  return out
 
 
 def consolidate(
@@ -456,7 +507,9 @@ def consolidate(
   the ``k`` weakest slots (empty ones first) and leaves the others untouched,
   so ``K`` slots hold ``K / k`` tasks exactly; ``"compress"`` re-compresses the
   old and new terms to the top ``K`` eigenpairs of their sum (exact while the
-  sum has rank ``<= K``; otherwise the weakest curvature is dropped).
+  sum has rank ``<= K``, the penalty's value included, whose constant goes
+  to :class:`LowRankEWC`'s ``residual``; otherwise the terms along the
+  eigenvectors of the smallest eigenvalues are dropped whole).
 
   All shapes are fixed, so this function can run under ``jit`` and the
   training step that reads the anchor never retraces.
@@ -618,10 +671,12 @@ def ewc_penalty(
   .. math::
 
     R(\\theta) = \\frac{\\lambda}{2} \\Bigl[\\sum_i \\mathrm{Pr}_i
-      (\\theta_i - m_i)^2 + r \\Bigr] + \\frac{\\lambda}{2} \\sum_k s_k
-      (u_k^\\top \\theta - a_k)^2,
+      (\\theta_i - m_i)^2 + r \\Bigr] + \\frac{\\lambda}{2} \\Bigl[\\sum_k
+      s_k (u_k^\\top \\theta - a_k)^2 + r_{\\mathrm{low}} \\Bigr],
 
-  i.e. :math:`\\tfrac{\\lambda}{2} \\sum_k (\\theta - \\theta^*_k)^\\top F_k
+  with ``r`` and ``r_low`` the constants (``residual``) of
+  :class:`DiagonalEWC` and :class:`LowRankEWC`, i.e.
+  :math:`\\tfrac{\\lambda}{2} \\sum_k (\\theta - \\theta^*_k)^\\top F_k
   (\\theta - \\theta^*_k)` with the ``1/2`` convention, so that
   ``jax.grad(ewc_penalty)`` is exactly the increment of
   :func:`add_ewc_gradient`. Avalanche and the reference EWC code omit the
@@ -665,7 +720,8 @@ def ewc_penalty(
     total.append(sum(jax.tree.leaves(sq)) + d.residual)
   if anchor.low_rank is not None:
     lr = anchor.low_rank
-    total.append(jnp.sum(lr.scales * jnp.square(_projection_gap(lr, params))))
+    quad = jnp.sum(lr.scales * jnp.square(_projection_gap(lr, params)))
+    total.append(quad + lr.residual)
   return jnp.asarray(0.5 * strength * sum(total))
 
 
@@ -677,7 +733,7 @@ def add_ewc_gradient(
   anchor: EWCAnchor | None = None,
   *,
   diagonal: bool = True,
-  rank: int = 0,
+  rank: int | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   """Adds the gradient of the EWC penalty, ``lambda F (theta - theta*)``.
 
@@ -718,11 +774,15 @@ def add_ewc_gradient(
   data), so it does not depend on the number of examples the Fisher saw.
 
   Args:
-    strength: ``lambda >= 0`` (injectable).
+    strength: ``lambda >= 0``; the one hyperparameter
+      ``optax.inject_hyperparams`` can inject (the defaults of the others
+      pass through it as they are).
     anchor: an initial :class:`EWCAnchor`; default an empty one built by
       :func:`init_ewc_anchor` with ``diagonal`` and ``rank``.
     diagonal: whether the default anchor has a diagonal part. Static.
-    rank: low-rank slots ``K`` of the default anchor. Static int.
+    rank: low-rank slots ``K`` of the default anchor (``None``: 0, no
+      low-rank part). A static int: under ``optax.inject_hyperparams``, list
+      it in ``static_args`` when you pass it.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``; ``update`` requires params.
@@ -783,7 +843,9 @@ def add_ewc_gradient(
     Das et al, `AlignGuard-LoRA <https://arxiv.org/abs/2508.02079>`_, 2025.
   """
   validation.check_positive("strength", strength, allow_zero=True)
-  rank = validation.check_static_int("rank", rank)
+  # ``None`` (not 0) by default: inject_hyperparams would turn an int default
+  # into an array, which cannot set a shape.
+  rank = validation.check_static_int("rank", 0 if rank is None else rank)
   if anchor is not None and not isinstance(anchor, EWCAnchor):
     raise TypeError(
       f"anchor must be an EWCAnchor, got {type(anchor).__name__}."

@@ -238,6 +238,117 @@ class ConsolidateTest(parameterized.TestCase):
       got = ft.ravel(jax.tree.map(lambda v: v[0], small.low_rank.vectors))
       np.testing.assert_allclose(abs(got @ vecs[0]), 1.0, rtol=1e-10)
 
+  @parameterized.parameters(1.0, 0.6)
+  def test_compress_keeps_penalty_value_within_budget(self, decay):
+    # Three tasks whose directions span a plane (total rank 2 <= K = 2) with
+    # different anchors: the merged penalty's value, constant included, and
+    # its gradient equal the sum of the separate terms.
+    with jax.enable_x64(True):
+      thetas, _ = self._tasks(3)
+      plane = jax.vmap(ft.ravel)(_orthonormal(60, thetas[0], 2))
+      stats = []
+      for angle, s in ((0.3, 5.0), (1.2, 2.0), (2.0, 1.0)):
+        u = jnp.cos(angle) * plane[0] + jnp.sin(angle) * plane[1]
+        stats.append((jnp.array([s]), ft.unravel_like(thetas[0], u[None])))
+      anchor = fisher_optax.init_ewc_anchor(thetas[0], diagonal=False, rank=2)
+      for ts, st in zip(thetas, stats):
+        anchor = fisher_optax.consolidate(
+          anchor, ts, low_rank=st, decay=decay, low_rank_update="compress"
+        )
+
+      def sep(th):
+        out = 0.0
+        for k, (ts, st) in enumerate(zip(thetas, stats)):
+          d = ft.ravel(th) - ft.ravel(ts)
+          out += 0.5 * decay ** (2 - k) * d @ _dense_low_rank(*st) @ d
+        return out
+
+      self.assertGreater(float(anchor.low_rank.residual), 0.0)
+      for theta in (_params(99), thetas[0], thetas[2]):
+        np.testing.assert_allclose(
+          fisher_optax.ewc_penalty(theta, anchor, 1.0), sep(theta), rtol=1e-9
+        )
+      chex.assert_trees_all_close(
+        jax.grad(fisher_optax.ewc_penalty)(_params(99), anchor, 1.0),
+        jax.grad(sep)(_params(99)),
+        rtol=1e-8,
+        atol=1e-10,
+      )
+
+  def test_compress_drops_truncated_terms_whole(self):
+    # Three orthogonal rank-one terms in K = 2 slots: the weakest term goes,
+    # constant and all; the other two are kept exactly.
+    with jax.enable_x64(True):
+      thetas, _ = self._tasks(3)
+      dirs = _orthonormal(70, thetas[0], 3)
+      stats = [
+        (jnp.array([s]), jax.tree.map(lambda v, i=i: v[i : i + 1], dirs))
+        for i, s in enumerate((5.0, 2.0, 1.0))
+      ]
+      anchor = fisher_optax.init_ewc_anchor(thetas[0], diagonal=False, rank=2)
+      for ts, st in zip(thetas, stats):
+        anchor = fisher_optax.consolidate(
+          anchor, ts, low_rank=st, low_rank_update="compress"
+        )
+      theta = _params(99)
+      kept = 0.0
+      for ts, st in zip(thetas[:2], stats[:2]):
+        d = ft.ravel(theta) - ft.ravel(ts)
+        kept += 0.5 * d @ _dense_low_rank(*st) @ d
+      np.testing.assert_allclose(
+        fisher_optax.ewc_penalty(theta, anchor, 1.0), kept, rtol=1e-9
+      )
+
+  def test_compress_same_direction_keeps_constant(self):
+    # (1/2)[(t - 1)^2 + (t - 2)^2] = (t - 1.5)^2 + 0.25: the value at the
+    # merged anchor t = 1.5 is 0.25, not 0.
+    p = {"w": jnp.zeros(2)}
+    u = (jnp.array([1.0]), {"w": jnp.array([[1.0, 0.0]])})
+    anchor = fisher_optax.init_ewc_anchor(p, diagonal=False, rank=1)
+    for a in (1.0, 2.0):
+      anchor = fisher_optax.consolidate(
+        anchor,
+        {"w": jnp.array([a, 0.0])},
+        low_rank=u,
+        low_rank_update="compress",
+      )
+    np.testing.assert_allclose(anchor.low_rank.residual, 0.5, rtol=1e-6)
+    for t, want in ((1.5, 0.25), (0.0, 2.5), (3.5, 4.25)):
+      np.testing.assert_allclose(
+        fisher_optax.ewc_penalty({"w": jnp.array([t, 5.0])}, anchor, 1.0),
+        want,
+        rtol=1e-6,
+      )
+    # Online mode re-anchors every term at the latest parameters: no constant.
+    online = fisher_optax.consolidate(
+      anchor,
+      {"w": jnp.array([2.0, 0.0])},
+      low_rank=u,
+      mode="online",
+      low_rank_update="compress",
+    )
+    self.assertEqual(float(online.low_rank.residual), 0.0)
+
+  def test_three_field_low_rank_anchor_still_works(self):
+    # A LowRankEWC built without ``residual`` (as before it existed).
+    old = fisher_optax.LowRankEWC(
+      vectors={"w": jnp.array([[1.0, 0.0]])},
+      scales=jnp.array([2.0]),
+      anchor_proj=jnp.array([1.0]),
+    )
+    anchor = fisher_optax.EWCAnchor(diagonal=None, low_rank=old)
+    np.testing.assert_allclose(
+      fisher_optax.ewc_penalty({"w": jnp.array([3.0, 0.0])}, anchor, 1.0), 4.0
+    )
+    new = fisher_optax.consolidate(
+      anchor,
+      {"w": jnp.array([2.0, 0.0])},
+      low_rank=(jnp.array([2.0]), old.vectors),
+      low_rank_update="compress",
+    )
+    np.testing.assert_allclose(new.low_rank.residual, 1.0, rtol=1e-6)
+    self.assertEqual(new.low_rank.residual.dtype, jnp.float32)
+
   def test_slots_evict_weakest(self):
     with jax.enable_x64(True):
       theta = _params(0)
@@ -463,6 +574,31 @@ class EWCValidationTest(parameterized.TestCase):
       fisher_optax.add_ewc_gradient(1.0, anchor={"a": 1})
     with self.assertRaisesRegex(ValueError, "diagonal=True or rank"):
       fisher_optax.init_ewc_anchor({"a": jnp.ones(2)}, diagonal=False)
+
+  def test_inject_hyperparams_with_default_rank(self):
+    params = {"w": jnp.ones(3)}
+    tx = optax.inject_hyperparams(fisher_optax.add_ewc_gradient)(strength=1.0)
+    state = tx.init(params)
+    self.assertIsNone(state.inner_state.ewc_anchor.low_rank)
+    anchor = fisher_optax.consolidate(
+      state.inner_state.ewc_anchor,
+      params,
+      diagonal={"w": jnp.array([1.0, 0.0, 2.0])},
+    )
+    state = optax.tree.set(state, ewc_anchor=anchor)
+    state.hyperparams["strength"] = jnp.asarray(3.0)
+    zeros = {"w": jnp.zeros(3)}
+    out, _ = jax.jit(tx.update)(zeros, state, zeros)
+    np.testing.assert_allclose(out["w"], [-3.0, 0.0, -6.0])
+    # An explicit int rank sets shapes: static_args, or a clear error.
+    with self.assertRaisesRegex(TypeError, "rank.*static_args"):
+      optax.inject_hyperparams(fisher_optax.add_ewc_gradient)(1.0, rank=2).init(
+        params
+      )
+    ok = optax.inject_hyperparams(
+      fisher_optax.add_ewc_gradient, static_args="rank"
+    )(1.0, rank=2).init(params)
+    self.assertEqual(ok.inner_state.ewc_anchor.low_rank.scales.shape, (2,))
 
   def test_update_without_params(self):
     tx = fisher_optax.add_ewc_gradient(1.0)

@@ -577,8 +577,11 @@ def _stacked_pseudo_grads(ps: _Pass) -> PyTree:
     ps.size,
     ps.chunk_size,
   )
+  # Explicit row counts: ``-1`` cannot be inferred for a zero-size leaf.
   return jax.tree.map(
-    lambda a: numerics.widen(jnp.moveaxis(a, 1, 0).reshape(-1, *a.shape[2:])),
+    lambda a: numerics.widen(
+      jnp.moveaxis(a, 1, 0).reshape(a.shape[0] * a.shape[1], *a.shape[2:])
+    ),
     g,
   )
 
@@ -701,7 +704,8 @@ def low_rank(
   Returns:
     A :class:`LowRankFisher` (``eigvals (k,)`` descending, ``eigvecs``
     leaves ``(k, *leaf)`` orthonormal over the whole tree), or a tree of
-    them when ``per_leaf``.
+    them when ``per_leaf`` (each with the leaf's ``mean_grad`` and the
+    global example ``count``).
 
   .. note::
     Under ``axis_name`` every device's pseudo-gradients are gathered (``S*B
@@ -739,6 +743,8 @@ def low_rank(
     statistic="gram" if one_sample else None,
   )
   if kind == "batch_squared":
+    # One row, the mean gradient, normalised by 1 (the statistic still
+    # reports ps.count examples).
     stacked = jax.tree.map(lambda m: m[None], ps.mean_grad)
     count = jnp.ones((), jnp.int32)
   else:
@@ -756,12 +762,14 @@ def low_rank(
       if ps.mean_grad is not None
       else jax.tree.map(lambda _: None, stacked)
     )
-    return jax.tree.map(
-      lambda s, mg: _low_rank_from_stacked(s, rank, count, mg, kind),
-      stacked,
-      mean,
-      is_leaf=lambda x: x is None,
-    )
+
+    def one_leaf(s, mg):
+      stat = _low_rank_from_stacked(s, rank, count, mg, kind)
+      return _statistics.LowRankFisher(
+        stat.eigvals, stat.eigvecs, mg, ps.count, kind
+      )
+
+    return jax.tree.map(one_leaf, stacked, mean, is_leaf=lambda x: x is None)
   stat = _low_rank_from_stacked(stacked, rank, count, ps.mean_grad, kind)
   return _statistics.LowRankFisher(
     stat.eigvals, stat.eigvecs, ps.mean_grad, ps.count, kind
@@ -924,8 +932,10 @@ def _kron_pass(
 
   def chunk_sum(g):
     def leaf(gl, e):
+      # (c, S, *leaf) -> (c S, *leaf); explicit for a zero-size leaf.
+      rows = gl.shape[0] * gl.shape[1]
       return contract(
-        _as_matrix(numerics.widen(gl).reshape(-1, *gl.shape[2:])), e
+        _as_matrix(numerics.widen(gl).reshape(rows, *gl.shape[2:])), e
       )
 
     return jax.tree.map(leaf, g, extra)
@@ -1172,9 +1182,15 @@ def kronecker(
     sum_{s,n,t} delta delta^T``; ``"reduce"`` sums them first,
     ``left = (1/N) sum_n abar_n abar_n^T`` (``abar_n = mean_t a_t``),
     ``right = (1/N) sum_{s,n} (sum_t delta)(sum_t delta)^T``. With
-    ``kind="exact"`` and ``T = 1`` both give the exact Fisher block of a
-    dense layer; with ``T > 1`` each is exact for its model class only
-    (Eschenhagen et al, 2023).
+    ``T = 1`` the two coincide; even with ``kind="exact"`` the product
+    ``E[a a^T] ⊗ E[delta delta^T]`` is the exact Fisher block
+    ``E[a a^T ⊗ delta delta^T]`` of a dense layer only when the
+    pre-activation Fisher ``sum_s delta_{s,n} delta_{s,n}^T`` is the same
+    for every example (one example, ``B = 1``; or a dense output layer
+    under a Gaussian likelihood of fixed variance), otherwise an
+    approximation (e.g. a Categorical output layer with ``B > 1``). With
+    ``T > 1`` each convention is exact, under those conditions, for its
+    model class only (Eschenhagen et al, 2023).
   - ``estimator="shampoo"`` (any leaf, from per-example gradients): with
     ``num_iters=0`` one nearest-Kronecker step from the identity,
     ``left = E[G G^T]``, ``right = E[G^T G] / tr E[G G^T]`` (exact for
@@ -1183,6 +1199,14 @@ def kronecker(
     iteration ``L <- E[G R G^T] / |R|_F^2``, ``R <- E[G^T L G] / |L|_F^2``
     (from ``R = I``), converging to the Frobenius-nearest Kronecker product
     (two passes over the per-example gradients per round).
+  - ``kind="batch_squared"`` (any ``estimator``): the Shampoo-style factors
+    above of ``vec(M) vec(M)^T``, ``M`` the leaf's mean gradient as the one
+    "gradient" (``E`` over it alone): with ``num_iters=0``
+    ``left = M M^T``, ``right = M^T M / tr(M M^T)``, which is
+    ``vec(M) vec(M)^T`` exactly only when ``M`` has rank one (generally not
+    for ``B > 1``); with ``num_iters > 0`` the power iteration toward its
+    Frobenius-nearest Kronecker product ``sigma_1^2 u_1 u_1^T ⊗ v_1
+    v_1^T`` (``M``'s top singular triple).
   - ``estimator="auto"``: ``kfac`` for leaves the layer path covers,
     ``shampoo`` for the others (``estimator`` field ``"mixed"``). The
     per-example gradients of elementwise leaves without K-FAC factors (norm
@@ -1203,12 +1227,15 @@ def kronecker(
       The ``A`` factors are formed once per chunk, except those of layers
       stacked by a scan, which every pass forms again.
     estimator: ``"auto" | "kfac" | "shampoo"``.
-    num_iters: nearest-Kronecker rounds for ``shampoo`` (static int ``>= 0``).
+    num_iters: nearest-Kronecker rounds for ``shampoo`` and
+      ``kind="batch_squared"`` (static int ``>= 0``).
     weight_sharing: ``"expand" | "reduce"``, the K-FAC convention for
       weight-shared layers (``kfac`` leaves only).
 
   Returns:
-    A :class:`KroneckerFisher` with float32 factors.
+    A :class:`KroneckerFisher` with float32 factors; its ``estimator`` is
+    ``"kfac"``, ``"mixed"`` or ``"shampoo"`` (``estimator="shampoo"`` and
+    ``kind="batch_squared"``, whatever ``num_iters`` is).
 
   Example:
     >>> import jax.numpy as jnp
@@ -1289,7 +1316,7 @@ def kronecker(
     weight_sharing=weight_sharing,
   )
   if kind == "batch_squared":
-    left, right = _batch_squared_kron(ps.mean_grad, num_iters)
+    left, right = _batch_squared_kron(ps, num_iters)
     estimator_name = "shampoo"
   elif not use_taps:
     left, right = _shampoo_factors(ps, num_iters)
@@ -1307,20 +1334,21 @@ def kronecker(
   )
 
 
-def _batch_squared_kron(mean_grad: PyTree, num_iters: int):
-  """Nearest-Kronecker factors of ``vec(M) vec(M)^T`` per leaf (exact)."""
-  del num_iters  # A rank-one matrix gives the exact product in one step.
+def _batch_squared_kron(ps: _Pass, num_iters: int) -> tuple[PyTree, PyTree]:
+  """Kronecker factors of ``vec(M) vec(M)^T`` per leaf, ``M`` the leaf's
+  (global) mean gradient as a matrix: :func:`_shampoo_factors` of the one
+  "per-example gradient" ``M``.
 
-  def leaf(m):
-    mat = m.reshape(_statistics.matrix_shape(m.shape))
-    l, r = _sum_ggt_gtg(mat[None], None)  # one Shampoo step, one matrix
-    return l, _safe_div(r, jnp.trace(l))
-
-  pairs = jax.tree.map(leaf, mean_grad)
-  return (
-    jax.tree.map(lambda _, p: p[0], mean_grad, pairs),
-    jax.tree.map(lambda _, p: p[1], mean_grad, pairs),
-  )
+  ``num_iters = 0`` gives ``(M M^T, M^T M / tr(M M^T))``, exact only when
+  ``M`` has rank one (then ``vec(M) vec(M)^T`` is a Kronecker product);
+  ``num_iters > 0`` runs the power iteration toward the Frobenius-nearest
+  Kronecker product, ``u_1 u_1^T ⊗ v_1 v_1^T`` times ``sigma_1^2`` for the
+  top singular pair of ``M``.
+  """
+  grads = jax.tree.map(lambda m: m[None], ps.mean_grad)
+  # mean_grad is already global: no all-reduce, and one "example".
+  one = ps._replace(axis_name=None, count=jnp.ones((), jnp.int32))
+  return _shampoo_factors(one, num_iters, grads)
 
 
 # -- from given per-example gradients ------------------------------------------

@@ -258,9 +258,10 @@ class KroneckerFisher:
     mean_grad: params-shaped mean loss gradient (or ``None``).
     count: int32 number of examples.
     kind: the Fisher kind.
-    estimator: ``"kfac"`` (layer statistics), ``"shampoo"`` (one
-      nearest-Kronecker step from the identity) or ``"nearest"`` (several
-      power-iteration steps); a per-leaf mix is reported as ``"mixed"``.
+    estimator: ``"kfac"`` (layer statistics) or ``"shampoo"``
+      (nearest-Kronecker factors of per-example gradients: one step from the
+      identity, or ``num_iters`` power-iteration rounds); a per-leaf mix is
+      reported as ``"mixed"``.
   """
 
   left: PyTree
