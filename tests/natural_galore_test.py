@@ -697,6 +697,36 @@ class NaturalGaLoreDonatedWindowTest(parameterized.TestCase):
     chex.assert_tree_all_finite((u, state))
 
 
+class NaturalGaLorePolicyFanInTest(parameterized.TestCase):
+  """The non-finite policy's decision is formed once per step.
+
+  It combines a flag per leaf of the low-rank updates and state. Formed
+  outside the step's cond, XLA:CPU fused that combination into every
+  select of the state: each read one operand per leaf, so a step's work
+  grew with the square of its leaf count (198 such fusions at 48 leaves).
+  """
+
+  @parameterized.parameters(0, 4)
+  def test_no_fusion_reads_every_leaf(self, history_size):
+    n = 48
+    params = {
+      f"l{i}": jnp.ones((8,)) if i % 2 else jnp.ones((4, 6)) for i in range(n)
+    }
+    tx = fisher_optax.natural_galore(1e-2, rank=2, history_size=history_size)
+    grads = jax.tree.map(lambda x: 0.3 * x, params)
+    hlo = (
+      jax.jit(lambda g, s: tx.update(g, s, params))
+      .lower(grads, tx.init(params))
+      .compile()
+      .as_text()
+    )
+    fan_in = [
+      line.count("%") - 1 for line in hlo.splitlines() if " fusion(" in line
+    ]
+    self.assertNotEmpty(fan_in)
+    self.assertLessEqual(sum(k >= n for k in fan_in), 8)
+
+
 # Trains two small weights with natural_galore, every lane its own learning
 # rate, under jit(vmap(...)) and lane by lane; prints the largest difference.
 # Its own process: on XLA:CPU a batched LAPACK call can deadlock the thread
