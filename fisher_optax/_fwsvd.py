@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.core
 import jax.numpy as jnp
 import numpy as np
 
@@ -51,6 +52,41 @@ def _kernel_diag(fisher_diag: Any) -> Any:
       "kernel's Fisher; pass that kernel's leaf of its .diag."
     )
   return diag
+
+
+def _check_fisher_values(fisher_diag: Any) -> None:
+  """Concrete Fisher entries: finite and non-negative."""
+  if isinstance(fisher_diag, jax.core.Tracer):
+    return
+  arr = np.asarray(fisher_diag, np.float64)
+  if not np.all(np.isfinite(arr)):
+    raise ValueError(
+      f"fisher_diag has {int(np.sum(~np.isfinite(arr)))} non-finite entries."
+    )
+  if np.any(arr < 0):
+    raise ValueError(
+      f"fisher_diag has {int(np.sum(arr < 0))} negative entries; a diagonal "
+      "Fisher is non-negative."
+    )
+
+
+def _check_feature_weights(weights: jax.Array, what: str) -> None:
+  """Concrete summed Fishers (plus eps): finite and positive."""
+  if isinstance(weights, jax.core.Tracer):
+    return
+  arr = np.asarray(weights)
+  if not np.all(np.isfinite(arr)):
+    raise ValueError(
+      f"fisher_diag: the summed Fisher of {what} "
+      f"{np.flatnonzero(~np.isfinite(arr)).tolist()} overflows "
+      f"{arr.dtype}; divide the Fisher by a common factor."
+    )
+  if np.any(arr <= 0):
+    raise ValueError(
+      f"fisher_diag: {what} {np.flatnonzero(arr <= 0).tolist()} have zero "
+      "total Fisher and eps=0: a feature of zero weight leaves its part of "
+      "the factors undetermined; pass eps > 0."
+    )
 
 
 def _truncated(wt: jax.Array, rank: int, split: str):
@@ -100,20 +136,31 @@ def fisher_weighted_svd(
 
   Args:
     w: the kernel, shape ``(n_in, n_out)``.
-    fisher_diag: its diagonal Fisher, same shape, non-negative: an array
-      (e.g. that kernel's leaf of ``fisher_optax.fisher.diagonal(...).diag``)
-      or a :class:`fisher_optax.fisher.DiagonalFisher` of the kernel alone.
+    fisher_diag: its diagonal Fisher, same shape, finite and non-negative
+      (checked when concrete; under ``jit`` the values cannot be
+      inspected): an array (e.g. that kernel's leaf of
+      ``fisher_optax.fisher.diagonal(...).diag``) or a
+      :class:`fisher_optax.fisher.DiagonalFisher` of the kernel alone.
     rank: the target rank, a static int ``<= min(n_in, n_out)``.
     weight_axis: ``"in"`` or ``"out"`` (ignored when ``two_sided``).
     two_sided: weigh both input and output features.
     eps: added to the summed Fisher before the square root, so features
-      with zero Fisher stay invertible.
+      with zero Fisher stay invertible. ``eps=0`` needs a positive total
+      Fisher on every weighted feature: one with zero total Fisher has zero
+      weight in the objective, so its row (column) of ``a @ b`` is not
+      determined; that is refused eagerly, and gives non-finite factors
+      under ``jit``.
     split: ``"left"`` (``a = S^{-1} U Sigma``, ``b = V^T``, the paper's form)
       or ``"balanced"`` (``sqrt(Sigma)`` on each side).
 
   Returns:
     ``(a, b)`` with ``a @ b`` the rank-``rank`` approximation, in ``w``'s
     dtype (computed in float32 or wider).
+
+  Raises:
+    ValueError: for a concrete Fisher with non-finite or negative entries,
+      a weighted feature whose summed Fisher overflows, or ``eps=0`` with a
+      weighted feature of zero total Fisher; and for bad shapes or options.
 
   Example::
 
@@ -144,15 +191,24 @@ def fisher_weighted_svd(
   validation.check_choice("weight_axis", weight_axis, _AXES)
   validation.check_choice("split", split, _SPLITS)
   validation.check_positive("eps", eps, allow_zero=True)
+  _check_fisher_values(fisher_diag)
   dtype = numerics.compute_dtype(w)
   wf = w.astype(dtype)
   fd = jnp.asarray(fisher_diag, dtype)
-  rows = jnp.sqrt(jnp.sum(fd, axis=1) + eps)
-  cols = jnp.sqrt(jnp.sum(fd, axis=0) + eps)
   use_rows = two_sided or weight_axis == "in"
   use_cols = two_sided or weight_axis == "out"
-  rows = rows if use_rows else jnp.ones_like(rows)
-  cols = cols if use_cols else jnp.ones_like(cols)
+  if use_rows:
+    rows = jnp.sum(fd, axis=1) + eps
+    _check_feature_weights(rows, "input features (rows of w)")
+    rows = jnp.sqrt(rows)
+  else:
+    rows = jnp.ones(fd.shape[0], dtype)
+  if use_cols:
+    cols = jnp.sum(fd, axis=0) + eps
+    _check_feature_weights(cols, "output features (columns of w)")
+    cols = jnp.sqrt(cols)
+  else:
+    cols = jnp.ones(fd.shape[1], dtype)
   a, b = _truncated(rows[:, None] * wf * cols[None, :], rank, split)
   return (a / rows[:, None]).astype(w.dtype), (b / cols[None, :]).astype(
     w.dtype

@@ -16,6 +16,7 @@ import jax.core
 import jax.numpy as jnp
 import numpy as np
 
+from fisher_optax import _ewc
 from fisher_optax import fisher as fisher_engine
 from fisher_optax.fisher import numerics
 from fisher_optax.fisher import validation
@@ -38,16 +39,26 @@ def _leaf_names(tree: PyTree) -> list[str]:
   return [jax.tree_util.keystr(p) or "<root>" for p, _ in paths]
 
 
+def _pure(tree: PyTree) -> PyTree:
+  """``tree`` with Flax NNX variables replaced by their arrays (as in EWC).
+
+  ``nnx.state(model)`` holds variables, the engine's statistics (e.g. from
+  ``fisher_optax.flax.nnx_apply_fn``) plain arrays; merging compares the two
+  views leaf by leaf.
+  """
+  return _ewc._pure(tree)  # pylint: disable=protected-access
+
+
 def _unwrap_fisher(fisher: Any) -> PyTree:
   """Accepts a params-shaped tree or an engine ``DiagonalFisher``."""
   if isinstance(fisher, fisher_engine.DiagonalFisher):
-    return fisher.diag
+    return _pure(fisher.diag)
   if isinstance(fisher, fisher_engine.FisherStatistic):
     raise TypeError(
       "Fisher merging needs a diagonal Fisher: a fisher.DiagonalFisher or a "
       f"params-shaped tree, got a {type(fisher).__name__}."
     )
-  return fisher
+  return _pure(fisher)
 
 
 def _check_like(
@@ -79,7 +90,9 @@ def _check_like(
 
 def _merged_leaves(merge_mask: MaskOrFn, params: PyTree) -> list[bool]:
   """Flat list: True where the leaf is merged (floating and not masked out)."""
-  mask = numerics.resolve_mask(merge_mask, params, name="merge_mask")
+  if callable(merge_mask):
+    merge_mask = merge_mask(params)
+  mask = numerics.resolve_mask(_pure(merge_mask), params, name="merge_mask")
   return [
     m and _is_float(x)
     for m, x in zip(jax.tree.leaves(mask), jax.tree.leaves(params))
@@ -94,6 +107,13 @@ def _check_weight(name: str, weight: Any) -> None:
     raise ValueError(f"{name} must be a scalar, got shape {arr.shape}.")
   if not np.isfinite(arr) or arr < 0:
     raise ValueError(f"{name} must be finite and >= 0, got {arr}.")
+
+
+def _check_weight_vector(name: str, weights: Any) -> None:
+  """Concrete merge weights: finite, >= 0 and not all zero."""
+  w = np.asarray(weights, np.float64)
+  if not np.all(np.isfinite(w)) or np.any(w < 0) or not np.any(w > 0):
+    raise ValueError(f"{name} must be finite, >= 0 and not all zero, got {w}.")
 
 
 def check_fisher_leaf(
@@ -184,13 +204,15 @@ def _fold(mean: jax.Array, mass: jax.Array, theta: Any, coeff: jax.Array):
   ratio ``sum c_i theta_i / sum c_i`` in exact arithmetic, but is exact for
   identical models, stays in the convex hull (the clip removes rounding
   excursions) and leaves zero-mass coordinates at the first model's value.
+  Where ``c / (mass + c)`` is exactly 1 (the mass so far is zero, e.g. a
+  zero weight on the target) the result is ``theta`` itself, bit for bit.
   """
   dtype = mean.dtype
   theta = jnp.asarray(theta).astype(dtype)
   coeff = jnp.broadcast_to(coeff.astype(dtype), mean.shape)
   new_mass = mass + coeff
   t = jnp.where(new_mass > 0, coeff / jnp.where(new_mass > 0, new_mass, 1), 0)
-  new_mean = mean + t * (theta - mean)
+  new_mean = jnp.where(t == 1, theta, mean + t * (theta - mean))
   new_mean = jnp.clip(
     new_mean, jnp.minimum(mean, theta), jnp.maximum(mean, theta)
   )
@@ -246,16 +268,25 @@ def _model_coefficients(
   fisher: Any,
   weight: Any,
   is_target: bool,
+  names: tuple[str, str],
 ) -> tuple[list[bool], list[Any]]:
-  """Which leaves merge, and each merged leaf's ``w * max(F, floor)``."""
+  """Which leaves merge, and each merged leaf's ``w * max(F, floor)``.
+
+  ``names`` are how messages call ``(params, fisher)``.
+  """
+  params_name, fisher_name = names
   fisher = _unwrap_fisher(fisher)
   _check_like(
-    params, fisher, what="fisher", reference_name="params", check_dtype=False
+    params,
+    fisher,
+    what=fisher_name,
+    reference_name=params_name,
+    check_dtype=False,
   )
   merged = _merged_leaves(opts.merge_mask, params)
   for name, f, m in zip(_leaf_names(fisher), jax.tree.leaves(fisher), merged):
     if m:
-      check_fisher_leaf(f, name=f"fisher{name}")
+      check_fisher_leaf(f, name=f"{fisher_name}{name}")
   apply_floor = opts.floor_mode == "all" or is_target
   coeffs = _coefficients(
     jax.tree.leaves(fisher),
@@ -269,12 +300,17 @@ def _model_coefficients(
 
 
 def _init_state(
-  opts: _MergeOptions, target_params: PyTree, target_fisher: Any, weight: Any
+  opts: _MergeOptions,
+  target_params: PyTree,
+  target_fisher: Any,
+  weight: Any,
+  names: tuple[str, str] = ("params", "fisher"),
 ) -> FisherMergeState:
-  """The state holding the target alone."""
+  """The state holding the target alone (``names`` as in the messages)."""
   _check_weight("weight", weight)
+  target_params = _pure(target_params)
   merged, coeffs = _model_coefficients(
-    opts, target_params, target_fisher, weight, True
+    opts, target_params, target_fisher, weight, True, names
   )
   leaves, treedef = jax.tree.flatten(target_params)
   means, masses, dtypes = [], [], []
@@ -321,11 +357,15 @@ def _add_model(
   params: PyTree,
   fisher: Any,
   weight: Any,
+  names: tuple[str, str] = ("params", "fisher"),
 ) -> FisherMergeState:
   """Folds one more model into the running merge."""
   _check_weight("weight", weight)
+  params = _pure(params)
   _check_model(state, params)
-  merged, coeffs = _model_coefficients(opts, params, fisher, weight, False)
+  merged, coeffs = _model_coefficients(
+    opts, params, fisher, weight, False, names
+  )
   treedef = jax.tree.structure(params)
   means, masses = [], []
   for x, m, c, mean, mass in zip(
@@ -352,6 +392,18 @@ def _finalize(state: FisherMergeState) -> PyTree:
   return jax.tree.map(lambda x, d: x.astype(d.dtype), state.mean, state.dtypes)
 
 
+def _merge_options(
+  fisher_floor: Any, floor_mode: str, normalize: bool, merge_mask: MaskOrFn
+) -> _MergeOptions:
+  validation.check_choice("floor_mode", floor_mode, _FLOOR_MODES)
+  validation.check_positive("fisher_floor", fisher_floor, allow_zero=True)
+  if not isinstance(normalize, bool):
+    raise TypeError(
+      f"normalize must be a bool, got {type(normalize).__name__}."
+    )
+  return _MergeOptions(fisher_floor, floor_mode, normalize, merge_mask)
+
+
 def fisher_merge_accumulator(
   fisher_floor: float | jax.Array = 1e-6,
   *,
@@ -374,7 +426,9 @@ def fisher_merge_accumulator(
   being added. The first model (given to ``init``) is the target: with
   ``floor_mode="target"`` only its Fisher is floored, leaves that are not
   merged are its, and coordinates whose Fisher mass stays zero keep its
-  value. All three functions are jit-able.
+  value. All three functions are jit-able. Params and Fishers may hold Flax
+  NNX variables (``nnx.state(model)``); the state and ``finalize`` hold
+  plain arrays (``nnx.update(model, merged)`` takes either).
 
   It trades time for memory: each model is a separate pass over the
   buffers. Donate the state to ``add`` (``jax.jit(acc.add,
@@ -416,14 +470,7 @@ def fisher_merge_accumulator(
     Matena et al, `Merging Models with Fisher-Weighted Averaging
     <https://arxiv.org/abs/2111.09832>`_, 2022
   """
-  validation.check_choice("floor_mode", floor_mode, _FLOOR_MODES)
-  validation.check_positive("fisher_floor", fisher_floor, allow_zero=True)
-  if not isinstance(normalize, bool):
-    raise TypeError(
-      f"normalize must be a bool, got {type(normalize).__name__}."
-    )
-
-  opts = _MergeOptions(fisher_floor, floor_mode, normalize, merge_mask)
+  opts = _merge_options(fisher_floor, floor_mode, normalize, merge_mask)
 
   def init_fn(
     target_params: PyTree, target_fisher: Any, weight: Any = 1.0
@@ -485,11 +532,15 @@ def fisher_merge(
 
   Args:
     params_list: ``K >= 1`` pytrees with the same structure, shapes and dtypes
-      (Flax NNX state, Linen params, plain dicts).
+      (Flax NNX state, Linen params, plain dicts). NNX state may hold
+      variables (``nnx.state(model)``) or plain arrays (``nnx.as_pure``, or
+      the ``theta`` of ``fisher_optax.flax.nnx_apply_fn``).
     fishers: ``K`` diagonal Fishers, each params-shaped (or an engine
-      ``DiagonalFisher``), non-negative and finite (checked when called
-      eagerly, with a ``ValueError`` naming the leaf; under ``jit`` the
-      values cannot be inspected); ``None`` for plain averaging.
+      ``DiagonalFisher``; with or without NNX variables whatever the params
+      hold), non-negative and finite (checked when called eagerly, with a
+      ``ValueError`` naming the model and the leaf, e.g.
+      ``fishers[1]['w']``; under ``jit`` the values cannot be inspected);
+      ``None`` for plain averaging.
     weights: ``(K,)`` non-negative weights (traced allowed), default equal.
     fisher_floor: lower bound :math:`\epsilon` on the Fishers (1e-6 in the
       paper).
@@ -502,7 +553,9 @@ def fisher_merge(
     target_index: static index of the target model.
 
   Returns:
-    The merged parameters, with the structure and dtypes of the inputs.
+    The merged parameters, with the structure and dtypes of the target
+    ``params_list[target_index]`` (NNX variables in, NNX variables out,
+    with the target's variable metadata).
 
   Example:
 
@@ -550,6 +603,10 @@ def fisher_merge(
     raise ValueError(
       f"target_index must lie in [0, {num_models}), got {target_index}."
     )
+  # The merge runs on plain arrays; the result goes back into the target's
+  # tree (NNX variables included).
+  out_treedef = jax.tree.structure(params_list[target_index])
+  params_list = [_pure(p) for p in params_list]
   for i, params in enumerate(params_list):
     _check_like(
       params_list[0],
@@ -567,28 +624,29 @@ def fisher_merge(
         f"{jnp.shape(weights)}."
       )
     if not isinstance(weights, jax.core.Tracer):
-      w = np.asarray(weights, np.float64)
-      if not np.all(np.isfinite(w)) or np.any(w < 0) or not np.any(w > 0):
-        raise ValueError(
-          f"weights must be finite, >= 0 and not all zero, got {w}."
-        )
+      _check_weight_vector("weights", weights)
     weights = jnp.asarray(weights)
     if not jnp.issubdtype(weights.dtype, jnp.floating):
       weights = weights.astype(jnp.float32)
 
-  acc = fisher_merge_accumulator(
-    fisher_floor,
-    floor_mode=floor_mode,
-    normalize=normalize,
-    merge_mask=merge_mask,
-  )
-  state = acc.init(
-    params_list[target_index], fishers[target_index], weights[target_index]
+  opts = _merge_options(fisher_floor, floor_mode, normalize, merge_mask)
+
+  def names(i: int) -> tuple[str, str]:
+    return f"params_list[{i}]", f"fishers[{i}]"
+
+  state = _init_state(
+    opts,
+    params_list[target_index],
+    fishers[target_index],
+    weights[target_index],
+    names(target_index),
   )
   for i in range(num_models):
     if i != target_index:
-      state = acc.add(state, params_list[i], fishers[i], weights[i])
-  return acc.finalize(state)
+      state = _add_model(
+        opts, state, params_list[i], fishers[i], weights[i], names(i)
+      )
+  return jax.tree.unflatten(out_treedef, jax.tree.leaves(_finalize(state)))
 
 
 # -- weight search ------------------------------------------------------------
@@ -678,7 +736,9 @@ def search_merge_weights(
     fishers: their Fishers, or ``None`` to tune a plain weighted average.
     num_points: number of candidates (see :func:`merge_weight_candidates`).
     key: PRNG key for the Dirichlet candidates (more than two models).
-    candidates: explicit ``(n, K)`` candidate weights, overriding the above.
+    candidates: explicit ``(n, K)`` candidate weights, overriding the above;
+      every row is checked as :func:`fisher_merge` checks ``weights``
+      (finite, ``>= 0``, not all zero), with a ``ValueError`` naming it.
     **merge_kwargs: passed to :func:`fisher_merge` (``fisher_floor``,
       ``floor_mode``, ``normalize``, ``merge_mask``, ``target_index``).
 
@@ -710,7 +770,10 @@ def search_merge_weights(
     )
   if candidates.shape[0] == 0:
     raise ValueError("candidates must hold at least one row.")
-  # Validate eagerly once; the jitted merge sees traced weights.
+  # The jitted merge sees traced weights: check every row here, and the
+  # models and Fishers with one eager merge.
+  for i, row in enumerate(candidates):
+    _check_weight_vector(f"candidates[{i}]", row)
   fisher_merge(params_list, fishers, candidates[0], **merge_kwargs)
   merge = jax.jit(lambda p, f, w: fisher_merge(p, f, w, **merge_kwargs))
   params_list, fishers = list(params_list), fishers and list(fishers)

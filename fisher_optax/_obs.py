@@ -15,6 +15,7 @@ import functools
 from typing import Any, NamedTuple
 
 import jax
+import jax.core
 import jax.numpy as jnp
 import numpy as np
 
@@ -97,12 +98,19 @@ def group_obs_update(
     params: the weights, same structure and shapes as the Fisher's.
     drop: which weights to remove: a boolean tree shaped like ``params``
       (``True`` = remove; must be concrete) or a 1-D int array of flat
-      indices (``ravel_pytree`` order; may be traced, which makes the
-      function jit-able for a fixed ``|Q|``).
+      indices (``ravel_pytree`` order), unique and in ``[0, d)``. Concrete
+      indices are checked; traced ones (under ``jit``, which makes the
+      function jit-able for a fixed ``|Q|``) cannot be, and then an
+      out-of-range index is clamped or dropped by the gathers and a
+      repeated one makes ``[F^{-1}]_{QQ}`` singular (NaN results).
     fisher: the factored Fisher.
 
   Returns:
     ``(new_params, loss_increase)``; the removed weights are exactly zero.
+
+  Raises:
+    ValueError: for concrete flat indices that are out of range, negative
+      or repeated, or a ``drop`` tree unlike ``params``.
 
   Example::
 
@@ -129,6 +137,8 @@ def group_obs_update(
     and jnp.ndim(drop) == 1
     and (jnp.issubdtype(jnp.result_type(drop), jnp.integer))
   ):
+    if not isinstance(drop, jax.core.Tracer):
+      _check_flat_indices(np.asarray(drop), fisher.dim)
     index = jnp.asarray(drop, jnp.int32)
   else:
     validation.check_same_structure(
@@ -143,6 +153,22 @@ def group_obs_update(
       ) from e
     index = jnp.asarray(np.nonzero(flat)[0], jnp.int32)
   return _group_update(params, index, fisher)
+
+
+def _check_flat_indices(index: np.ndarray, dim: int) -> None:
+  """Concrete flat indices of ``group_obs_update``: unique, in ``[0, dim)``."""
+  bad = index[(index < 0) | (index >= dim)]
+  if bad.size:
+    raise ValueError(
+      f"drop: flat indices must lie in [0, {dim}) (the number of weights), "
+      f"got {bad.tolist()}."
+    )
+  values, counts = np.unique(index, return_counts=True)
+  if np.any(counts > 1):
+    raise ValueError(
+      "drop: flat indices must be unique, got repeated "
+      f"{values[counts > 1].tolist()}."
+    )
 
 
 def _group_update(params, index, fisher, valid=None):
@@ -175,13 +201,19 @@ def _group_update_padded(params, index, valid, fisher):
 
 @jax.jit
 def _independent_update(params, drop, fisher):
-  """Sum of single-weight OBS updates (M-FAC's pruner), one ihvp."""
+  """Sum of single-weight OBS updates (M-FAC's pruner), one ihvp.
+
+  The loss is ``0.5 dw^T F dw`` of the step applied (rounded to the params'
+  dtypes, removed weights set to zero): the sum of the single-weight
+  saliencies ignores the cross terms of correlated weights.
+  """
   w = numerics.ravel(params).astype(fisher.chol.dtype)
   inv_diag = numerics.ravel(fisher.inverse_diag())
   coef = jnp.where(drop, w / inv_diag, 0.0)
   delta = numerics.ravel(fisher.ihvp(_unravel(coef, params)))
-  new = jnp.where(drop, 0.0, w - delta)
-  return _unravel(new, params), 0.5 * jnp.dot(w, coef)
+  new = _unravel(jnp.where(drop, 0.0, w - delta), params)
+  step = numerics.ravel(new).astype(w.dtype) - w
+  return new, 0.5 * fisher.quadratic_form(numerics.unravel(step, params))
 
 
 @jax.jit
@@ -200,7 +232,10 @@ class ObsPruneResult(NamedTuple):
       (e.g. ``optax.masked``-style per leaf, or ``u * mask``) to keep the
       sparsity during fine-tuning.
     predicted_loss_increase: float32 array ``(steps,)``, the quadratic
-      model's loss increase of every step (zeros for magnitude pruning).
+      model's loss increase ``0.5 dw^T F dw`` of the step ``dw`` applied at
+      every step (removal and compensation), with ``F`` that step's damped,
+      blocked Fisher; for ``update="group"`` this is the group OBS value
+      ``0.5 w_Q^T ([F^{-1}]_{QQ})^{-1} w_Q``. Empty for magnitude pruning.
   """
 
   params: PyTree
@@ -240,6 +275,26 @@ def _targets(
   ]
 
 
+def _prunable_leaves(
+  params: PyTree, prunable: Any
+) -> tuple[list[Any], Any, list[bool]]:
+  """``(leaves, treedef, flags)``: flags mark the floating leaves selected.
+
+  Non-floating leaves (step counters, ids, PRNG keys) are never pruned.
+  """
+  leaves, treedef = jax.tree.flatten(params)
+  mask = numerics.resolve_mask(prunable, params, name="prunable")
+  flags = [
+    f and jnp.issubdtype(jnp.result_type(x), jnp.floating)
+    for f, x in zip(jax.tree.leaves(mask), leaves)
+  ]
+  if not any(flags):
+    raise ValueError(
+      "No prunable leaf: prunable selects no floating-point leaf of params."
+    )
+  return leaves, treedef, flags
+
+
 def _check_sparsity(sparsity: Any) -> float:
   if not isinstance(sparsity, (int, float)) or isinstance(sparsity, bool):
     raise TypeError(f"sparsity must be a Python float, got {sparsity!r}.")
@@ -261,11 +316,17 @@ def magnitude_prune(
     sparsity: the fraction of prunable weights to remove, in ``[0, 1)``.
     prunable: which leaves to prune: ``None`` (all), a pytree of bools or a
       callable ``params -> bools`` (the mask forms ``optax.masked`` takes).
+      Only floating-point leaves are pruned: other leaves (step counters,
+      ids) pass through unchanged, with all-``True`` masks.
     scope: ``"global"`` (one threshold over all prunable leaves) or
       ``"per_leaf"`` (every leaf to the same sparsity).
 
   Returns:
     An :class:`ObsPruneResult`.
+
+  Raises:
+    ValueError: if no floating-point leaf is prunable, or for an invalid
+      sparsity or scope.
 
   Example::
 
@@ -276,10 +337,7 @@ def magnitude_prune(
   """
   sparsity = _check_sparsity(sparsity)
   validation.check_choice("scope", scope, _SCOPES)
-  leaves, treedef = jax.tree.flatten(params)
-  flags = jax.tree.leaves(
-    numerics.resolve_mask(prunable, params, name="prunable")
-  )
+  leaves, treedef, flags = _prunable_leaves(params, prunable)
   sel = [x for x, f in zip(leaves, flags) if f]
   scores = [jnp.abs(x).astype(jnp.float32) for x in sel]
   alive = [jnp.ones(x.shape, bool) for x in sel]
@@ -361,7 +419,8 @@ def obs_prune(
       batch. Called ``steps`` times, outside ``jit``.
     sparsity: the final fraction of prunable weights removed, in ``[0, 1)``.
     prunable: ``None`` (all leaves), a pytree of bools or a callable, as in
-      ``optax.masked``.
+      ``optax.masked``. Only floating-point leaves are pruned: other leaves
+      pass through unchanged, with all-``True`` masks, and get no Fisher.
     scope: ``"global"`` or ``"per_leaf"`` sparsity.
     steps: the number of recomputation steps (the paper uses 16), static.
     block_size: the Fisher block size along the flattened prunable weights
@@ -376,7 +435,8 @@ def obs_prune(
     An :class:`ObsPruneResult`.
 
   Raises:
-    ValueError / TypeError: for invalid sparsity, steps, scope, update,
+    ValueError / TypeError: if no floating-point leaf is prunable, for
+      invalid sparsity, steps, scope, update,
       gradients whose structure or shapes do not match ``params``, or a step
       whose gradients give a non-finite Fisher factor (NaN/Inf, or an
       overflowing Gram: no decomposition runs on them).
@@ -405,10 +465,7 @@ def obs_prune(
   validation.check_choice("scope", scope, _SCOPES)
   validation.check_choice("update", update, _UPDATES)
   validation.check_positive("damping", damping)
-  leaves, treedef = jax.tree.flatten(params)
-  flags = jax.tree.leaves(
-    numerics.resolve_mask(prunable, params, name="prunable")
-  )
+  leaves, treedef, flags = _prunable_leaves(params, prunable)
   sel = [x for x, f in zip(leaves, flags) if f]
   alive = [jnp.ones(x.shape, bool) for x in sel]
   sizes = [x.size for x in sel]

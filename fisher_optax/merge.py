@@ -441,15 +441,18 @@ def _stream_merge(
   )
   # Donating the state lets XLA update the two running buffers in place.
   init, add = jax.jit(acc.init), jax.jit(acc.add, donate_argnums=0)
+  # The weights in the precision of the merge (float64 for float64 models;
+  # the caller enables x64 for them).
+  weight_dtype = np.float64 if _needs_x64(target) else np.float32
   state = init(
     *_load_pair(target, ref_name, fishers[target_index], target, ref_name),
-    jnp.float32(w[target_index]),
+    jnp.asarray(w[target_index], weight_dtype),
   )
   for i in range(len(models)):
     if i != target_index:
       params = _checkpoint_io.load_tree(models[i])
       pair = _load_pair(params, models[i], fishers[i], target, ref_name)
-      state = add(state, *pair, jnp.float32(w[i]))
+      state = add(state, *pair, jnp.asarray(w[i], weight_dtype))
       del params, pair  # one model and its Fisher in memory at a time
   return jax.device_get(acc.finalize(state))
 
@@ -708,6 +711,11 @@ def compute_fisher(
   factory = _load_factory(model)
   tree = _checkpoint_io.load_tree(params_path)
   x, y = _load_examples(data, inputs_key, targets_key, kind=kind)
+  if x.ndim == 0 or x.shape[0] == 0:
+    raise ValueError(
+      f"{data!r} holds no examples: its array {inputs_key!r} has shape "
+      f"{x.shape}; the Fisher is a mean over at least one example."
+    )
   idx = _subsample(x.shape[0], max_examples, seed)
   built = _build_model(factory, tree, model, params_path)
   diag = _mean_diagonal(

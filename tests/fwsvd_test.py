@@ -116,6 +116,31 @@ class FWSVDTest(parameterized.TestCase):
     with self.assertRaisesRegex(ValueError, "right must have shape"):
       fisher_optax.generalized_fwsvd(w, jnp.eye(4), jnp.eye(4), 2)
 
+  @parameterized.parameters(
+    (np.nan, 1e-5, {}, "1 non-finite"),
+    (np.inf, 1e-5, {"weight_axis": "out"}, "1 non-finite"),
+    (-1.0, 1e-5, {}, "1 negative"),
+    (0.0, 0.0, {}, r"input features .*\[1\] have zero total Fisher"),
+    (0.0, 0.0, {"two_sided": True}, r"input features .*\[1\]"),
+  )
+  def test_bad_fisher_values_raise(self, value, eps, kw, pattern):
+    w = jax.random.normal(jax.random.key(0), (4, 3))
+    fd = jnp.ones((4, 3)).at[1].set(jnp.array([value, 0.0, 0.0]))
+    with self.assertRaisesRegex(ValueError, f"fisher_diag.*{pattern}"):
+      fisher_optax.fisher_weighted_svd(w, fd, 2, eps=eps, **kw)
+
+  def test_zero_fisher_feature_with_eps_zero(self):
+    w = jax.random.normal(jax.random.key(0), (4, 3))
+    fd = jnp.ones((4, 3)).at[:, 2].set(0.0)
+    with self.assertRaisesRegex(ValueError, r"output features .*\[2\]"):
+      fisher_optax.fisher_weighted_svd(w, fd, 2, eps=0.0, weight_axis="out")
+    # Unweighted features may have zero Fisher, and eps > 0 keeps them finite.
+    for kw in ({"eps": 0.0}, {"eps": 1e-5, "weight_axis": "out"}):
+      a, b = fisher_optax.fisher_weighted_svd(w, fd, 2, **kw)
+      self.assertTrue(bool(jnp.all(jnp.isfinite(a @ b))))
+    # Traced values cannot be checked: no error under jit.
+    jax.jit(lambda f: fisher_optax.fisher_weighted_svd(w, f, 2))(-fd)
+
 
 class GeneralizedFWSVDTest(parameterized.TestCase):
   def test_identity_factors_give_svd(self):

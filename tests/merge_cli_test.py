@@ -599,6 +599,28 @@ class FisherCommandTest(absltest.TestCase):
     self.assertEqual(code, 1)
     self.assertIn("no array 'x'", err)
 
+  def test_data_without_examples_is_a_clear_error(self):
+    ckpt = _save(self.dir / "m.msgpack", _params(0))
+    empty = self.dir / "empty.npz"
+    np.savez(empty, x=np.zeros((0, 4), np.float32), y=np.zeros(0, np.int32))
+    out = self.dir / "f.msgpack"
+    code, err = _run(
+      [
+        "fisher",
+        "--model",
+        f"{__name__}:make_model",
+        "--params",
+        ckpt,
+        "--data",
+        str(empty),
+        "--output",
+        str(out),
+      ]
+    )
+    self.assertEqual(code, 1)
+    self.assertRegex(err, r"empty.npz' holds no examples: .*'x'.*\(0, 4\)")
+    self.assertFalse(out.exists())
+
 
 def _run_out(argv):
   out, err = io.StringIO(), io.StringIO()
@@ -882,6 +904,21 @@ class WriterSafetyTest(parameterized.TestCase):
     self.assertEqual(code, 1)
     self.assertIn("beyond float32", err)
     self.assertFalse((self.dir / "m32.msgpack").exists())
+
+  def test_float64_models_are_merged_with_float64_weights(self):
+    models = [
+      _save(self.dir / "a64.msgpack", {"w": np.array([2.0, 0.1])}),
+      _save(self.dir / "b64.msgpack", {"w": np.array([5.0, 0.7])}),
+    ]
+    ones = _save(self.dir / "f64.msgpack", {"w": np.ones(2)})
+    out = self.dir / "m64.msgpack"
+    merge.merge_checkpoints(models, [ones, ones], str(out), weights=[0.3, 0.7])
+    merged = _checkpoint_io.load_tree(out)["w"]
+    self.assertEqual(merged.dtype, np.float64)
+    # float32 weights would be off by ~1e-8 relative.
+    np.testing.assert_allclose(
+      merged, [0.3 * 2.0 + 0.7 * 5.0, 0.3 * 0.1 + 0.7 * 0.7], rtol=1e-14
+    )
 
   @parameterized.parameters(np.nan, np.inf, -np.inf)
   def test_non_finite_fisher_is_refused_and_nothing_written(self, value):

@@ -260,6 +260,40 @@ class FisherMergeTest(parameterized.TestCase):
     shapes = jax.eval_shape(fisher_optax.fisher_merge, [sa, sb], [fa, fa])
     chex.assert_trees_all_equal_shapes_and_dtypes(shapes, sa)
 
+  def test_nnx_variable_state_with_engine_fishers(self):
+    # nnx.state(model) holds variables; the engine's Fishers (and
+    # nnx_apply_fn's theta) hold plain arrays. Both views merge the same.
+    models = [nnx.Linear(3, 2, rngs=nnx.Rngs(i)) for i in range(2)]
+    states = [nnx.state(m) for m in models]
+    pure = [nnx.as_pure(s) for s in states]
+    fishers = [
+      fisher_optax.fisher.DiagonalFisher(
+        diag=jax.tree.map(lambda x, i=i: jnp.full(x.shape, i + 1.0), p),
+        mean_grad=p,
+        count=jnp.array(1),
+        kind="exact",
+      )
+      for i, p in enumerate(pure)
+    ]
+    merged = fisher_optax.fisher_merge(states, fishers)
+    expected = fisher_optax.fisher_merge(pure, fishers)
+    # Variables in, variables out (the documented "structure of the inputs").
+    self.assertEqual(jax.tree.structure(merged), jax.tree.structure(states[0]))
+    self.assertIsInstance(merged["kernel"], nnx.Param)
+    chex.assert_trees_all_close(nnx.as_pure(merged), expected)
+    chex.assert_trees_all_close(
+      expected, jax.tree.map(lambda a, b: (a + 2 * b) / 3, *pure)
+    )
+    nnx.update(models[0], merged)
+    chex.assert_trees_all_close(nnx.as_pure(nnx.state(models[0])), expected)
+
+  def test_zero_weight_returns_other_model_exactly(self):
+    params, fishers = _models(2, seed=14)
+    merged = fisher_optax.fisher_merge(params, fishers, jnp.array([0.0, 1.0]))
+    chex.assert_trees_all_equal(merged, params[1])
+    merged = fisher_optax.fisher_merge(params, fishers, jnp.array([1.0, 0.0]))
+    chex.assert_trees_all_equal(merged, params[0])
+
   def test_zero_weight_on_target_with_zero_floor_is_not_nan(self):
     params, _ = _models(2, seed=9)
     zero = jax.tree.map(jnp.zeros_like, params[0])
@@ -305,8 +339,26 @@ class FisherMergeErrorsTest(parameterized.TestCase):
   def test_fisher_shape_mismatch(self):
     params, fishers = _models(2)
     bad = dict(fishers[1], head=jnp.ones((2, 4)))
-    with self.assertRaisesRegex(ValueError, r"fisher\['head'\]"):
+    with self.assertRaisesRegex(ValueError, r"fishers\[1\]\['head'\]"):
       fisher_optax.fisher_merge(params, [fishers[0], bad])
+
+  def test_fisher_errors_name_the_model(self):
+    params, fishers = _models(3)
+    bad = dict(fishers[2], head=fishers[2]["head"].at[0, 0].set(jnp.nan))
+    with self.assertRaisesRegex(
+      ValueError, r"^fishers\[2\]\['head'\] .*non-finite"
+    ):
+      fisher_optax.fisher_merge(params, [*fishers[:2], bad])
+    bad = {"other": fishers[1]["head"]}
+    with self.assertRaisesRegex(
+      ValueError, r"^fishers\[1\] .*structure.*params_list\[1\]"
+    ):
+      fisher_optax.fisher_merge(params, [fishers[0], bad, fishers[2]])
+    # The target is validated first, under its own index.
+    with self.assertRaisesRegex(ValueError, r"^fishers\[1\]"):
+      fisher_optax.fisher_merge(
+        params, [fishers[0], bad, fishers[2]], target_index=1
+      )
 
   def test_fisher_count_and_type(self):
     params, fishers = _models(2)
@@ -352,13 +404,15 @@ class FisherMergeErrorsTest(parameterized.TestCase):
   def test_bad_fisher_values_name_leaf(self, value, pattern):
     params, fishers = _models(2)
     bad = dict(fishers[1], head=fishers[1]["head"].at[0, 1].set(value))
-    with self.assertRaisesRegex(ValueError, rf"fisher\['head'\].*{pattern}"):
+    with self.assertRaisesRegex(
+      ValueError, rf"fishers\[1\]\['head'\].*{pattern}"
+    ):
       fisher_optax.fisher_merge(params, [fishers[0], bad])
 
   def test_integer_fisher_on_merged_leaf(self):
     params, fishers = _models(2)
     bad = dict(fishers[1], head=jnp.ones((4, 2), jnp.int32))
-    with self.assertRaisesRegex(TypeError, r"fisher\['head'\].*floating"):
+    with self.assertRaisesRegex(TypeError, r"fishers\[1\]\['head'\].*floating"):
       fisher_optax.fisher_merge(params, [fishers[0], bad])
 
   def test_low_rank_statistic_is_named(self):
@@ -473,6 +527,18 @@ class WeightSearchTest(absltest.TestCase):
     with self.assertRaisesRegex(ValueError, "candidates"):
       fisher_optax.search_merge_weights(
         lambda p: 0.0, params, fishers, candidates=np.ones((3, 3))
+      )
+    with self.assertRaisesRegex(ValueError, r"candidates\[1\].*>= 0"):
+      fisher_optax.search_merge_weights(
+        lambda p: 0.0, params, fishers, candidates=[[1.0, 1.0], [-1.0, 2.0]]
+      )
+    with self.assertRaisesRegex(ValueError, r"candidates\[2\].*not all zero"):
+      fisher_optax.search_merge_weights(
+        lambda p: 0.0, params, fishers, candidates=[[1, 1], [1, 0], [0, 0]]
+      )
+    with self.assertRaisesRegex(ValueError, r"candidates\[1\].*finite"):
+      fisher_optax.search_merge_weights(
+        lambda p: 0.0, params, fishers, candidates=[[1, 1], [np.inf, 1]]
       )
     with self.assertRaisesRegex(ValueError, "no finite score"):
       fisher_optax.search_merge_weights(

@@ -117,6 +117,17 @@ class ObsTest(parameterized.TestCase):
     with self.assertRaisesRegex(TypeError, "concrete"):
       traced_mask(params)
 
+  @parameterized.parameters(
+    ([10], r"in \[0, 10\).*\[10\]"),
+    ([3, -1], r"in \[0, 10\).*\[-1\]"),
+    ([2, 5, 2], r"unique.*\[2\]"),
+  )
+  def test_bad_flat_indices_raise(self, index, pattern):
+    params, f, _ = _setup(dtype=jnp.float32)
+    for as_array in (jnp.asarray, np.asarray):
+      with self.assertRaisesRegex(ValueError, pattern):
+        fisher_optax.group_obs_update(params, as_array(index), f)
+
 
 class ObsPruneTest(parameterized.TestCase):
   def _regression(self, seed=0, n=256, d=12):
@@ -197,6 +208,71 @@ class ObsPruneTest(parameterized.TestCase):
         float(loss(obs.params)),
         rtol=1e-2,
       )
+
+  def test_independent_reports_the_applied_steps_loss(self):
+    # Correlated weights: the sum of single-weight saliencies misses the
+    # cross terms; the reported value is 0.5 dw^T F dw of the applied step.
+    rng = np.random.default_rng(0)
+    g = rng.normal(size=(16, 8))
+    g[:, 1] = g[:, 0] + 0.1 * g[:, 1]
+    with jax.enable_x64(True):
+      w = jnp.asarray(rng.normal(size=8))
+      for block_size in (None, 4):
+        dense = 1e-2 * np.eye(8) + g.T @ g / 16
+        if block_size:
+          dense *= np.kron(np.eye(2), np.ones((4, 4)))
+        for update in ("independent", "group", "none"):
+          res = fisher_optax.obs_prune(
+            {"w": w},
+            lambda p, s: {"w": jnp.asarray(g)},
+            0.5,
+            steps=1,
+            block_size=block_size,
+            damping=1e-2,
+            update=update,
+          )
+          dw = np.asarray(res.params["w"]) - np.asarray(w)
+          np.testing.assert_allclose(
+            res.predicted_loss_increase[0], 0.5 * dw @ dense @ dw, rtol=1e-5
+          )
+
+  def test_non_floating_leaves_pass_through(self):
+    params = {
+      "w": jnp.array([5.0, 6.0, 7.0, 8.0]),
+      "step": jnp.array(1, jnp.int32),
+      "ids": jnp.array([0, 1, 2], jnp.int32),
+    }
+
+    def grad_fn(p, s):
+      return jax.tree.map(
+        lambda x: jax.random.normal(jax.random.key(s), (8, *x.shape)).astype(
+          x.dtype
+        ),
+        p,
+      )
+
+    for res in (
+      fisher_optax.magnitude_prune(params, 0.5),
+      fisher_optax.obs_prune(
+        params, grad_fn, 0.5, steps=1, block_size=None, damping=1e-2
+      ),
+    ):
+      self.assertEqual(int(res.masks["w"].sum()), 2)  # ints are not counted
+      for k in ("step", "ids"):
+        np.testing.assert_array_equal(res.params[k], params[k])
+        self.assertEqual(res.params[k].dtype, jnp.int32)
+        self.assertTrue(bool(jnp.all(res.masks[k])))
+
+  def test_no_prunable_leaf_raises(self):
+    grad_fn = lambda p, s: jax.tree.map(lambda x: jnp.ones((3, *x.shape)), p)
+    for params, prunable in (
+      ({"a": jnp.ones(4), "b": jnp.ones(2)}, {"a": False, "b": False}),
+      ({"step": jnp.array(3)}, None),
+    ):
+      with self.assertRaisesRegex(ValueError, "No prunable leaf"):
+        fisher_optax.magnitude_prune(params, 0.5, prunable=prunable)
+      with self.assertRaisesRegex(ValueError, "No prunable leaf"):
+        fisher_optax.obs_prune(params, grad_fn, 0.5, prunable=prunable)
 
   def test_magnitude_prune_removes_smallest(self):
     res = fisher_optax.magnitude_prune(
