@@ -197,18 +197,17 @@ def fisher_weighted_svd(
   fd = jnp.asarray(fisher_diag, dtype)
   use_rows = two_sided or weight_axis == "in"
   use_cols = two_sided or weight_axis == "out"
-  if use_rows:
-    rows = jnp.sum(fd, axis=1) + eps
-    _check_feature_weights(rows, "input features (rows of w)")
-    rows = jnp.sqrt(rows)
-  else:
-    rows = jnp.ones(fd.shape[0], dtype)
-  if use_cols:
-    cols = jnp.sum(fd, axis=0) + eps
-    _check_feature_weights(cols, "output features (columns of w)")
-    cols = jnp.sqrt(cols)
-  else:
-    cols = jnp.ones(fd.shape[1], dtype)
+
+  def scale(use: bool, axis: int, what: str) -> jax.Array:
+    """The square roots of one side's summed Fisher (ones when unused)."""
+    if not use:
+      return jnp.ones(fd.shape[1 - axis], dtype)
+    sums = jnp.sum(fd, axis=axis) + eps
+    _check_feature_weights(sums, what)
+    return jnp.sqrt(sums)
+
+  rows = scale(use_rows, 1, "input features (rows of w)")
+  cols = scale(use_cols, 0, "output features (columns of w)")
   a, b = _truncated(rows[:, None] * wf * cols[None, :], rank, split)
   return (a / rows[:, None]).astype(w.dtype), (b / cols[None, :]).astype(
     w.dtype
