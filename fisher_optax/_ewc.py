@@ -52,7 +52,6 @@ Decisions:
 
 from __future__ import annotations
 
-import sys
 from typing import Any, NamedTuple
 
 import jax
@@ -143,18 +142,6 @@ class AddEWCGradientState(NamedTuple):
 
 
 # -- helpers -----------------------------------------------------------------
-
-
-def _pure(tree: Any) -> Any:
-  """``tree`` with Flax NNX variables replaced by their arrays.
-
-  An ``nnx.Optimizer`` holds its state as variables and ``nnx.state(model)``
-  returns variables; the EWC functions take either view. NNX is only looked
-  up when the caller already imported it: this module needs no Flax.
-  """
-  nnx = sys.modules.get("flax.nnx")
-  as_pure = getattr(nnx, "as_pure", None)
-  return tree if as_pure is None else as_pure(tree)
 
 
 def _scalar_dtype(params: PyTree) -> Any:
@@ -251,7 +238,7 @@ def init_ewc_anchor(
     0.0
   """
   rank = validation.check_static_int("rank", rank)
-  params = _pure(params)
+  params = numerics.pure_arrays(params)
   if not diagonal and rank == 0:
     raise ValueError("an EWC anchor needs diagonal=True or rank > 0.")
   zeros = lambda shape_prefix: jax.tree.map(
@@ -567,7 +554,7 @@ def consolidate(
   validation.check_choice("mode", mode, _MODES)
   validation.check_choice("low_rank_update", low_rank_update, _LOW_RANK_UPDATES)
   validation.check_in_unit_interval("decay", decay, closed_right=True)
-  anchor, params, diagonal, low_rank = _pure(
+  anchor, params, diagonal, low_rank = numerics.pure_arrays(
     (anchor, params, diagonal, low_rank)
   )
   if not isinstance(anchor, EWCAnchor):
@@ -646,7 +633,7 @@ def ewc_gradient(params: PyTree, anchor: EWCAnchor) -> PyTree:
     >>> fisher_optax.ewc_gradient({"w": jnp.zeros(2)}, anchor)["w"]
     Array([-4., -2.], dtype=float32)
   """
-  params, anchor = _pure((params, anchor))
+  params, anchor = numerics.pure_arrays((params, anchor))
   terms = []
   if anchor.diagonal is not None:
     d = anchor.diagonal
@@ -707,7 +694,7 @@ def ewc_penalty(
     Added to a task loss: ``loss(p, batch) + ewc_penalty(p, anchor, lam)``.
   """
   validation.check_positive("strength", strength, allow_zero=True)
-  params, anchor = _pure((params, anchor))
+  params, anchor = numerics.pure_arrays((params, anchor))
   total = []
   if anchor.diagonal is not None:
     d = anchor.diagonal

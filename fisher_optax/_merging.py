@@ -16,7 +16,6 @@ import jax.core
 import jax.numpy as jnp
 import numpy as np
 
-from fisher_optax import _ewc
 from fisher_optax import fisher as fisher_engine
 from fisher_optax.fisher import numerics
 from fisher_optax.fisher import validation
@@ -39,26 +38,16 @@ def _leaf_names(tree: PyTree) -> list[str]:
   return [jax.tree_util.keystr(p) or "<root>" for p, _ in paths]
 
 
-def _pure(tree: PyTree) -> PyTree:
-  """``tree`` with Flax NNX variables replaced by their arrays (as in EWC).
-
-  ``nnx.state(model)`` holds variables, the engine's statistics (e.g. from
-  ``fisher_optax.flax.nnx_apply_fn``) plain arrays; merging compares the two
-  views leaf by leaf.
-  """
-  return _ewc._pure(tree)  # pylint: disable=protected-access
-
-
 def _unwrap_fisher(fisher: Any) -> PyTree:
   """Accepts a params-shaped tree or an engine ``DiagonalFisher``."""
   if isinstance(fisher, fisher_engine.DiagonalFisher):
-    return _pure(fisher.diag)
+    return numerics.pure_arrays(fisher.diag)
   if isinstance(fisher, fisher_engine.FisherStatistic):
     raise TypeError(
       "Fisher merging needs a diagonal Fisher: a fisher.DiagonalFisher or a "
       f"params-shaped tree, got a {type(fisher).__name__}."
     )
-  return _pure(fisher)
+  return numerics.pure_arrays(fisher)
 
 
 def _check_like(
@@ -92,7 +81,9 @@ def _merged_leaves(merge_mask: MaskOrFn, params: PyTree) -> list[bool]:
   """Flat list: True where the leaf is merged (floating and not masked out)."""
   if callable(merge_mask):
     merge_mask = merge_mask(params)
-  mask = numerics.resolve_mask(_pure(merge_mask), params, name="merge_mask")
+  mask = numerics.resolve_mask(
+    numerics.pure_arrays(merge_mask), params, name="merge_mask"
+  )
   return [
     m and _is_float(x)
     for m, x in zip(jax.tree.leaves(mask), jax.tree.leaves(params))
@@ -308,7 +299,7 @@ def _init_state(
 ) -> FisherMergeState:
   """The state holding the target alone (``names`` as in the messages)."""
   _check_weight("weight", weight)
-  target_params = _pure(target_params)
+  target_params = numerics.pure_arrays(target_params)
   merged, coeffs = _model_coefficients(
     opts, target_params, target_fisher, weight, True, names
   )
@@ -361,7 +352,7 @@ def _add_model(
 ) -> FisherMergeState:
   """Folds one more model into the running merge."""
   _check_weight("weight", weight)
-  params = _pure(params)
+  params = numerics.pure_arrays(params)
   _check_model(state, params)
   merged, coeffs = _model_coefficients(
     opts, params, fisher, weight, False, names
@@ -606,7 +597,7 @@ def fisher_merge(
   # The merge runs on plain arrays; the result goes back into the target's
   # tree (NNX variables included).
   out_treedef = jax.tree.structure(params_list[target_index])
-  params_list = [_pure(p) for p in params_list]
+  params_list = [numerics.pure_arrays(p) for p in params_list]
   for i, params in enumerate(params_list):
     _check_like(
       params_list[0],

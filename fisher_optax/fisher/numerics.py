@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 import functools
+import sys
 from typing import Any, NamedTuple, cast
 
 import jax
@@ -63,6 +64,25 @@ def canonical_float_dtype(name: str, dtype: Any) -> jnp.dtype | None:
   if not jnp.issubdtype(dtype, jnp.floating):
     raise TypeError(f"{name} must be a float dtype, got {dtype}.")
   return dtype
+
+
+def pure_arrays(tree: PyTree) -> PyTree:
+  """``tree`` with Flax NNX variables replaced by their arrays.
+
+  ``nnx.state(model)`` and an ``nnx.Optimizer``'s state hold variables; the
+  methods that take params or statistics (EWC, merging) accept either view.
+  NNX is only looked up when the caller already imported it: no Flax is
+  needed otherwise.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from fisher_optax.fisher import numerics
+    >>> numerics.pure_arrays({"w": jnp.ones(2)})["w"].shape
+    (2,)
+  """
+  nnx = sys.modules.get("flax.nnx")
+  as_pure = getattr(nnx, "as_pure", None)
+  return tree if as_pure is None else as_pure(tree)
 
 
 def tree_all_finite(tree: PyTree) -> jax.Array:
