@@ -54,22 +54,6 @@ def _kernel_diag(fisher_diag: Any) -> Any:
   return diag
 
 
-def _check_fisher_values(fisher_diag: Any) -> None:
-  """Concrete Fisher entries: finite and non-negative."""
-  if isinstance(fisher_diag, jax.core.Tracer):
-    return
-  arr = np.asarray(fisher_diag, np.float64)
-  if not np.all(np.isfinite(arr)):
-    raise ValueError(
-      f"fisher_diag has {int(np.sum(~np.isfinite(arr)))} non-finite entries."
-    )
-  if np.any(arr < 0):
-    raise ValueError(
-      f"fisher_diag has {int(np.sum(arr < 0))} negative entries; a diagonal "
-      "Fisher is non-negative."
-    )
-
-
 def _check_feature_weights(weights: jax.Array, what: str) -> None:
   """Concrete summed Fishers (plus eps): finite and positive."""
   if isinstance(weights, jax.core.Tracer):
@@ -191,7 +175,7 @@ def fisher_weighted_svd(
   validation.check_choice("weight_axis", weight_axis, _AXES)
   validation.check_choice("split", split, _SPLITS)
   validation.check_positive("eps", eps, allow_zero=True)
-  _check_fisher_values(fisher_diag)
+  validation.check_fisher_leaf(fisher_diag, name="fisher_diag")
   dtype = numerics.compute_dtype(w)
   wf = w.astype(dtype)
   fd = jnp.asarray(fisher_diag, dtype)

@@ -100,56 +100,14 @@ def _check_weight(name: str, weight: Any) -> None:
     raise ValueError(f"{name} must be finite and >= 0, got {arr}.")
 
 
+check_fisher_leaf = validation.check_fisher_leaf
+
+
 def _check_weight_vector(name: str, weights: Any) -> None:
   """Concrete merge weights: finite, >= 0 and not all zero."""
   w = np.asarray(weights, np.float64)
   if not np.all(np.isfinite(w)) or np.any(w < 0) or not np.any(w > 0):
     raise ValueError(f"{name} must be finite, >= 0 and not all zero, got {w}.")
-
-
-def check_fisher_leaf(
-  leaf: Any, *, name: str = "fisher", error: type[Exception] | None = None
-) -> None:
-  """Checks one leaf of a diagonal Fisher: floating, finite, non-negative.
-
-  The value checks need concrete values: a traced leaf (under ``jit``)
-  passes them.
-
-  Args:
-    leaf: the Fisher's leaf (a numpy or jax array).
-    name: how messages name the leaf, e.g. ``"fisher['head']"``.
-    error: the exception class raised for every problem; by default a
-      ``TypeError`` for a non-floating dtype and a ``ValueError`` for
-      non-finite or negative values.
-
-  Raises:
-    TypeError: (or ``error``) if the leaf is not floating point.
-    ValueError: (or ``error``) if a value is non-finite or negative.
-
-  Example:
-    >>> import numpy as np
-    >>> from fisher_optax._merging import check_fisher_leaf
-    >>> check_fisher_leaf(np.array([0.0, 2.0]))  # a valid leaf: no error
-    >>> check_fisher_leaf(np.array([1.0, -1.0]), name="fisher['w']")
-    Traceback (most recent call last):
-    ...
-    ValueError: fisher['w'] has 1 negative entries; ...
-  """
-  if not _is_float(leaf):
-    raise (error or TypeError)(
-      f"{name} has dtype {jnp.result_type(leaf)}; a Fisher must be floating "
-      "point."
-    )
-  if isinstance(leaf, jax.core.Tracer):
-    return
-  arr = np.asarray(leaf, np.float32)
-  if not np.all(np.isfinite(arr)):
-    raise (error or ValueError)(f"{name} has non-finite values.")
-  if np.any(arr < 0):
-    raise (error or ValueError)(
-      f"{name} has {int(np.sum(arr < 0))} negative entries; a diagonal "
-      "Fisher is non-negative."
-    )
 
 
 def _fisher_norm(fisher_leaves: list[Any], merged: list[bool]) -> jax.Array:

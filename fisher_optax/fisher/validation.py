@@ -14,7 +14,9 @@ from typing import Any
 import warnings
 
 import jax
+import jax.core
 import jax.numpy as jnp
+import numpy as np
 
 
 def _is_concrete(x: Any) -> bool:
@@ -334,3 +336,53 @@ def check_like(
         f"{jnp.shape(leaf)} where {reference_name}{name} has shape "
         f"{jnp.shape(ref)}."
       )
+
+
+def check_fisher_leaf(
+  leaf: Any, *, name: str = "fisher", error: type[Exception] | None = None
+) -> None:
+  """Checks one leaf of a diagonal Fisher: floating, finite, non-negative.
+
+  The value checks need concrete values: a traced leaf (under ``jit``)
+  passes them.
+
+  Args:
+    leaf: the Fisher's leaf (a numpy or jax array).
+    name: how messages name the leaf, e.g. ``"fisher['head']"``.
+    error: the exception class raised for every problem; by default a
+      ``TypeError`` for a non-floating dtype and a ``ValueError`` for
+      non-finite or negative values.
+
+  Raises:
+    TypeError: (or ``error``) if the leaf is not floating point.
+    ValueError: (or ``error``) if a value is non-finite or negative.
+
+  Example:
+    >>> import numpy as np
+    >>> from fisher_optax.fisher.validation import check_fisher_leaf
+    >>> check_fisher_leaf(np.array([0.0, 2.0]))  # a valid leaf: no error
+    >>> check_fisher_leaf(np.array([1.0, -1.0]), name="fisher['w']")
+    Traceback (most recent call last):
+    ...
+    ValueError: fisher['w'] has 1 negative entries; ...
+  """
+  if not jnp.issubdtype(jnp.result_type(leaf), jnp.floating):
+    raise (error or TypeError)(
+      f"{name} has dtype {jnp.result_type(leaf)}; a Fisher must be floating "
+      "point."
+    )
+  if isinstance(leaf, jax.core.Tracer):
+    return
+  arr = np.asarray(leaf)
+  if arr.dtype != np.float64:  # bf16/f16 through float32
+    arr = arr.astype(np.float32)
+  if not np.all(np.isfinite(arr)):
+    raise (error or ValueError)(
+      f"{name} has non-finite values "
+      f"({int(np.sum(~np.isfinite(arr)))} non-finite entries)."
+    )
+  if np.any(arr < 0):
+    raise (error or ValueError)(
+      f"{name} has {int(np.sum(arr < 0))} negative entries; a diagonal "
+      "Fisher is non-negative."
+    )
