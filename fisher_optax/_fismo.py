@@ -1135,6 +1135,10 @@ def fismo(
     param_labels=param_labels,
     mask_compatible_extra_args=True,
   )
+  # A skip in either partition (or an overflow in FISMO's statistics) undoes
+  # the whole step: the schedules' counts, the weight decay and the other
+  # partition's moments do not move on it.
+  tx = numerics.follow_skips(tx)
 
   def update_fn(updates, state, params=None, **extra_args):
     # Before the labels are computed from the updates' shapes (a scalar

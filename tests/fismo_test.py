@@ -17,7 +17,6 @@ import pytest
 
 import fisher_optax
 from fisher_optax import _matrix_roots
-from fisher_optax.fisher import numerics
 from tests import nonfinite_testing
 
 DN = fisher_optax.FISMODimensionNumbers
@@ -805,20 +804,28 @@ class FISMONonfiniteShapeAndDtypeTest(parameterized.TestCase):
   @pytest.mark.timeout(120)
   def test_fismo_alias_policy_includes_the_adam_leaves(self):
     params, grads = self._problem()
-    tx = fisher_optax.fismo(1e-2, precondition_interval=2)
-    nonfinite_testing.check_policy(
-      self, tx, params, grads, steps_before=(2, 1), partitioned=True
+    # With a schedule and weight decay on both partitions: a bad value in
+    # any leaf undoes the whole step (no half step, no decay, no count).
+    schedule = optax.linear_schedule(1e-2, 1e-3, 10)
+    tx = fisher_optax.fismo(
+      schedule,
+      precondition_interval=2,
+      weight_decay=0.1,
+      adam_weight_decay=0.1,
     )
-    # A NaN in the bias alone: the Adam partition keeps its state.
+    nonfinite_testing.check_policy(self, tx, params, grads, steps_before=(2, 1))
     state = tx.init(params)
     _, state = tx.update(grads, state, params)
-    bad = dict(grads, b=grads["b"].at[0].set(jnp.nan))
-    _, new_state = tx.update(bad, state, params)
-    adam_old = state.inner_states["adam"].inner_state
-    adam_new = new_state.inner_states["adam"].inner_state
-    self.assertIsInstance(adam_new, numerics.SkipNonfiniteState)
-    chex.assert_trees_all_equal(adam_new.inner_state, adam_old.inner_state)
-    self.assertEqual(int(adam_new.notfinite_count), 1)
+    for leaf in ("w", "b"):
+      with self.subTest(bad_leaf=leaf):
+        bad = dict(grads, **{leaf: grads[leaf].at[0].set(jnp.nan)})
+        updates, new_state = tx.update(bad, state, params)
+        counts, rest = nonfinite_testing.split_counts(state)
+        new_counts, new_rest = nonfinite_testing.split_counts(new_state)
+        chex.assert_trees_all_equal(new_rest, rest)
+        self.assertEqual(sum(new_counts), sum(counts) + 1)
+        other = "b" if leaf == "w" else "w"
+        np.testing.assert_array_equal(updates[other], 0.0)
 
   def test_single_dimension_numbers_are_validated(self):
     params = {"w": jnp.zeros((2, 3, 4)), "b": jnp.zeros(3)}

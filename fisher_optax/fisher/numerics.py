@@ -463,6 +463,56 @@ def widen_float16_state(
   )
 
 
+def _is_guarded(node: Any) -> bool:
+  """A state that follows :func:`skip_nonfinite_step` (has the count)."""
+  return isinstance(node, tuple) and "notfinite_count" in getattr(
+    node, "_fields", ()
+  )
+
+
+def _rewind_after_skip(
+  updates: PyTree,
+  old_parts: Sequence[Any],
+  new_parts: Sequence[Any],
+  guarded: Sequence[bool],
+) -> tuple[PyTree, list[Any]]:
+  """Undoes every part of a step that one guarded part skipped.
+
+  A guarded part handles its own skip; it is rewound (keeping its count)
+  only when another guarded part skipped, so with one guarded part its
+  state (a large window) is never selected. Every other part keeps its old
+  state. The updates of a skipped step keep their NaNs (a non-finite
+  gradient, for the user to see) and are zero elsewhere: a weight decay
+  after the skipped part, or a partition that did not skip, must not move
+  the parameters either.
+  """
+  skips = {
+    i: new.notfinite_count != old.notfinite_count
+    for i, (old, new, g) in enumerate(zip(old_parts, new_parts, guarded))
+    if g
+  }
+
+  def any_skip(exclude: int | None = None) -> jax.Array:
+    flags = [s for i, s in skips.items() if i != exclude]
+    return functools.reduce(jnp.logical_or, flags, jnp.asarray(False))
+
+  def kept(i: int, old: Any, new: Any) -> Any:
+    if i not in skips:
+      return tree_select(any_skip(), old, new)
+    if len(skips) == 1:
+      return new
+    rewound = old._replace(notfinite_count=new.notfinite_count)
+    return tree_select(any_skip(exclude=i), rewound, new)
+
+  skipped = any_skip()
+  updates = jax.tree.map(
+    lambda u: jnp.where(skipped & ~jnp.isnan(u), jnp.zeros_like(u), u),
+    updates,
+  )
+  parts = [kept(i, *pair) for i, pair in enumerate(zip(old_parts, new_parts))]
+  return updates, parts
+
+
 def chain_following(
   chain: optax.GradientTransformation,
   index: int | Sequence[int],
@@ -474,9 +524,11 @@ def chain_following(
   The transforms at ``index`` of ``chain`` follow :func:`skip_nonfinite_step`
   (their states have ``notfinite_count``). On a step one of them skipped,
   the chain's other states (momentum, a schedule's count) keep their old
-  value too, as if the step had not happened. A guarded part's own state
-  is selected only when another guarded part skipped, so with one guarded
-  part a large window in it is never copied.
+  value too, as if the step had not happened, and the updates are the
+  skipped part's (NaN for a non-finite gradient, else zero) whatever the
+  parts after it do (a weight decay adds nothing). A guarded part's own
+  state is selected only when another guarded part skipped, so with one
+  guarded part a large window in it is never copied.
 
   Args:
     chain: the alias's ``optax.chain(...)``.
@@ -501,30 +553,71 @@ def chain_following(
       validation.check_like(updates, params, what="updates")
     new_updates, new_state = chain.update(updates, state, params, **extra_args)
     new_state = cast(tuple[Any, ...], new_state)
-    skips = {
-      i: new_state[i].notfinite_count != state[i].notfinite_count
-      for i in guarded
-    }
-
-    def any_skip(exclude: int | None = None) -> jax.Array:
-      flags = [s for i, s in skips.items() if i != exclude]
-      return functools.reduce(jnp.logical_or, flags, jnp.asarray(False))
-
-    def kept(i: int, old: Any, new: Any) -> Any:
-      if i not in skips:
-        return tree_select(any_skip(), old, new)
-      # A guarded part handles its own skips; it is rewound (keeping its
-      # count) only when another guarded part skipped.
-      if len(skips) == 1:
-        return new
-      rewound = old._replace(notfinite_count=new.notfinite_count)
-      return tree_select(any_skip(exclude=i), rewound, new)
-
-    return new_updates, tuple(
-      kept(i, o, n) for i, (o, n) in enumerate(zip(state, new_state))
+    flags = [i in guarded for i in range(len(state))]
+    new_updates, parts = _rewind_after_skip(
+      new_updates, state, new_state, flags
     )
+    return new_updates, tuple(parts)
 
   return optax.GradientTransformationExtraArgs(
     chain.init,
+    update_fn,  # pyright: ignore[reportArgumentType]
+  )
+
+
+def follow_skips(
+  inner: optax.GradientTransformation,
+) -> optax.GradientTransformationExtraArgs:
+  """Any composition (e.g. an :func:`optax.partition`) skips as one step.
+
+  Every state inside ``inner`` that follows :func:`skip_nonfinite_step`
+  (has ``notfinite_count``) is found in the state tree. When any of them
+  skips a step, the whole step is undone as in :func:`chain_following`:
+  the other states keep their old values (the skipping ones count the
+  skip), and the updates are zero but for the NaNs of a non-finite
+  gradient. So an optimizer that sends matrices to one method and the rest
+  to Adam never applies half a step.
+
+  Args:
+    inner: any :class:`optax.GradientTransformation` built from the
+      library's transforms (or :func:`skip_nonfinite`-wrapped ones).
+
+  Returns:
+    A :class:`optax.GradientTransformationExtraArgs` with ``inner``'s state.
+
+  Example:
+    >>> import jax.numpy as jnp, optax
+    >>> from fisher_optax.fisher import numerics
+    >>> adam = numerics.skip_nonfinite(optax.scale_by_adam())
+    >>> tx = numerics.follow_skips(optax.partition(
+    ...     {"a": adam, "b": adam}, {"x": "a", "y": "b"}))
+    >>> params = {"x": jnp.zeros(2), "y": jnp.zeros(2)}
+    >>> state = tx.init(params)
+    >>> grads = {"x": jnp.array([1.0, jnp.nan]), "y": jnp.ones(2)}
+    >>> u, new_state = tx.update(grads, state)
+    >>> u["y"].tolist()  # The step is undone for "y" too.
+    [0.0, 0.0]
+    >>> int(new_state.inner_states["b"].inner_state.inner_state.count)
+    0
+  """
+  inner = optax.with_extra_args_support(inner)
+
+  def update_fn(
+    updates: PyTree,
+    state: Any,
+    params: PyTree | None = None,
+    **extra_args: Any,
+  ) -> tuple[PyTree, Any]:
+    new_updates, new_state = inner.update(updates, state, params, **extra_args)
+    old_parts, treedef = jax.tree.flatten(state, is_leaf=_is_guarded)
+    new_parts = treedef.flatten_up_to(new_state)
+    flags = [_is_guarded(p) for p in old_parts]
+    new_updates, parts = _rewind_after_skip(
+      new_updates, old_parts, new_parts, flags
+    )
+    return new_updates, treedef.unflatten(parts)
+
+  return optax.GradientTransformationExtraArgs(
+    inner.init,
     update_fn,  # pyright: ignore[reportArgumentType]
   )
