@@ -310,6 +310,38 @@ def check_inject_hyperparams(test, case: Case):
   )
 
 
+def check_inject_hyperparams_low_precision(test, case: Case):
+  """bfloat16 params with float32 hyperparameters (``hyperparam_dtype``):
+  the state keeps its dtypes across jitted steps and the updates are finite
+  (float32 hyperparameters used to promote optax's bfloat16 moments, which
+  the non-finite policy's ``lax.cond`` refused)."""
+  injected = optax.inject_hyperparams(
+    case.factory, static_args=case.static_args, hyperparam_dtype=jnp.float32
+  )(**case.factory_kwargs())
+  params = (
+    -jnp.ones((3, 4), jnp.bfloat16),
+    jnp.ones((5,), jnp.bfloat16),
+    jnp.ones((2, 3, 4), jnp.bfloat16),
+  )
+  state = injected.init(params)
+
+  @jax.jit
+  def update(g, state, params):
+    return injected.update(g, state, params, **case.extra_args(g))
+
+  for i in range(2):
+    g = jax.tree.map(
+      lambda x, i=i: jnp.cos(
+        x * (i + 1.0) + jnp.arange(x.size).reshape(x.shape)
+      ),
+      params,
+    )
+    updates, new_state = update(g, state, params)
+    chex.assert_trees_all_equal_shapes_and_dtypes(new_state, state)
+    chex.assert_tree_all_finite(updates)
+    state = new_state
+
+
 @functools.cache
 def _cond_step(case: Case, x64: bool):
   """One jitted program stepping mixed_tensors in several dtypes, each step

@@ -278,6 +278,10 @@ class ConformanceTest(parameterized.TestCase):
     conformance.check_inject_hyperparams(self, case)
 
   @parameterized.named_parameters(*_ROWS)
+  def test_inject_hyperparams_low_precision(self, case):
+    conformance.check_inject_hyperparams_low_precision(self, case)
+
+  @parameterized.named_parameters(*_ROWS)
   def test_preserves_dtype_under_cond(self, case):
     conformance.check_preserves_dtype_under_cond(self, case)
 

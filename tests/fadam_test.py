@@ -407,6 +407,29 @@ class FAdamBehaviourTest(parameterized.TestCase):
     kwargs = {"learning_rate": 1e-3, **kwargs}
     with self.assertRaisesRegex(ValueError, match):
       fisher_optax.fadam(**kwargs)
+    # NumPy and concrete JAX scalars are checked as Python numbers are.
+    for wrap in (np.float32, jnp.asarray):
+      numeric = {
+        k: wrap(v) if isinstance(v, float) else v for k, v in kwargs.items()
+      }
+      with self.subTest(wrap=wrap.__name__):
+        with self.assertRaisesRegex(ValueError, match):
+          fisher_optax.fadam(**numeric)
+
+  def test_bfloat16_hyperparameters_that_round_out_of_range(self):
+    # inject_hyperparams casts b2=0.999 to the params' bfloat16: 1.0, which
+    # would skip every step as non-finite. init says so and how to fix it.
+    params = {"w": jnp.ones((4, 3), jnp.bfloat16)}
+    tx = optax.inject_hyperparams(fisher_optax.fadam)(learning_rate=1e-3)
+    with self.assertRaisesRegex(ValueError, "b2.*hyperparam_dtype"):
+      tx.init(params)
+    tx = optax.inject_hyperparams(
+      fisher_optax.fadam, hyperparam_dtype=jnp.float32
+    )(learning_rate=1e-3)
+    state = tx.init(params)
+    updates, state = jax.jit(tx.update)({"w": jnp.ones((4, 3))}, state, params)
+    self.assertEqual(int(state.inner_state[0].notfinite_count), 0)
+    self.assertTrue(bool(jnp.all(updates["w"] < 0)))
 
   def test_skipped_step_keeps_the_schedule_count(self):
     schedule = optax.linear_schedule(1e-2, 0.0, 10)

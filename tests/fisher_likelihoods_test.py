@@ -74,6 +74,12 @@ class ShapeAndDtypeTest(parameterized.TestCase):
     with self.assertRaisesRegex(ValueError, "exactly like the outputs"):
       _diag((self.x[: shape[0]], jnp.zeros(shape)), fisher.Gaussian())
 
+  def test_gaussian_sigma_must_be_positive(self):
+    for sigma in (0.0, -1.0, np.float32(0.0), jnp.asarray(0.0)):
+      with self.subTest(sigma=repr(sigma)):
+        with self.assertRaisesRegex(ValueError, "sigma"):
+          fisher.Gaussian(sigma=sigma)
+
   def test_gaussian_and_bernoulli_dtypes(self):
     with self.assertRaisesRegex(TypeError, "real-valued"):
       _diag((self.x, jnp.zeros((4, 3), bool)), fisher.Gaussian())

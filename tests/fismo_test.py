@@ -641,6 +641,17 @@ class RoutingTest(parameterized.TestCase):
           fisher_optax.scale_by_fismo(**kw)
     with self.assertRaisesRegex(ValueError, "learning_rate"):
       fisher_optax.fismo(-1.0)
+    for name, value in (
+      ("adam_b1", 1.0),
+      ("adam_b2", -0.5),
+      ("adam_eps_root", -1.0),
+      ("adam_weight_decay", -1e-2),
+      ("damping", np.float32(-1.0)),
+      ("beta", jnp.asarray(1.5)),
+    ):
+      with self.subTest(alias_option=name):
+        with self.assertRaisesRegex(ValueError, name):
+          fisher_optax.fismo(1e-2, **{name: value})
 
 
 class PerExampleTest(parameterized.TestCase):

@@ -177,6 +177,22 @@ def tree_select(pred: jax.Array, on_true: PyTree, on_false: PyTree) -> PyTree:
   return jax.tree.map(select, on_true, on_false)
 
 
+def keep_dtypes(new: PyTree, old: PyTree) -> PyTree:
+  """``new`` with ``old``'s dtypes, leaf by leaf.
+
+  A state keeps the dtypes ``init`` gave it: float32 hyperparameters
+  (``inject_hyperparams(..., hyperparam_dtype=jnp.float32)``) promote optax's
+  bfloat16 moments, which a ``lax.cond``, a ``scan`` carry or a jitted
+  loop's donated buffers would refuse or recompile for.
+  """
+
+  def keep(n: Any, o: Any) -> Any:
+    dtype = jnp.result_type(o)
+    return n if jnp.result_type(n) == dtype else jnp.asarray(n).astype(dtype)
+
+  return jax.tree.map(keep, new, old)
+
+
 def skip_nonfinite_step(
   step: Callable[[], tuple[PyTree, Any]],
   updates: PyTree,
@@ -237,6 +253,7 @@ def skip_nonfinite_step(
 
   def checked() -> tuple[PyTree, Any, jax.Array]:
     new_updates, new_state = step()
+    new_state = keep_dtypes(new_state, state)
     return new_updates, new_state, tree_all_finite((new_updates, new_state))
 
   def skipped() -> tuple[PyTree, Any, jax.Array]:
@@ -509,7 +526,10 @@ def _rewind_after_skip(
     lambda u: jnp.where(skipped & ~jnp.isnan(u), jnp.zeros_like(u), u),
     updates,
   )
-  parts = [kept(i, *pair) for i, pair in enumerate(zip(old_parts, new_parts))]
+  parts = [
+    kept(i, old, keep_dtypes(new, old))
+    for i, (old, new) in enumerate(zip(old_parts, new_parts))
+  ]
   return updates, parts
 
 

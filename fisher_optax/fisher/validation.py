@@ -1,10 +1,11 @@
 # Copyright 2026 The fisher_optax Authors. Licensed under the Apache License 2.0.
 """Hyperparameter and input checks shared by every transform.
 
-Checks run only on concrete Python numbers: under ``optax.inject_hyperparams``
-the factory is re-called with traced arrays, which cannot be validated
-without a host round-trip, so they pass through (optax ``_adding.py`` does
-the same).
+Checks run on values known at call time: Python and NumPy numbers and
+concrete scalar arrays (``optax.inject_hyperparams`` calls the factory with
+them in an eager ``init``). Under ``jit`` the factory is re-called with
+traced arrays, which cannot be validated without a host round-trip, so
+they pass through.
 """
 
 from __future__ import annotations
@@ -19,29 +20,58 @@ import jax.numpy as jnp
 import numpy as np
 
 
-def _is_concrete(x: Any) -> bool:
-  return isinstance(x, (int, float)) and not isinstance(x, bool)
+def _concrete(x: Any) -> float | None:
+  """The value of a real scalar known now, else ``None``.
+
+  Python numbers, NumPy scalars and concrete 0-d arrays (what
+  ``inject_hyperparams`` passes to ``init`` outside ``jit``) are checked;
+  traced values pass through.
+  """
+  if isinstance(x, (bool, np.bool_)) or isinstance(x, jax.core.Tracer):
+    return None
+  if isinstance(x, (int, float, np.number)):
+    return float(x)
+  if isinstance(x, (np.ndarray, jax.Array)) and x.shape == ():
+    if jnp.issubdtype(x.dtype, jnp.integer) or jnp.issubdtype(
+      x.dtype, jnp.floating
+    ):
+      return float(x)
+  return None
+
+
+def _hint(value: Any) -> str:
+  """Why a low-precision hyperparameter may be out of range."""
+  dtype = getattr(value, "dtype", None)
+  if dtype is not None and dtype in (jnp.bfloat16, jnp.float16):
+    return (
+      f" It is {jnp.dtype(dtype).name}, which rounds it (0.999 is 1.0 in"
+      " bfloat16): under inject_hyperparams pass"
+      " hyperparam_dtype=jnp.float32."
+    )
+  return ""
 
 
 def check_positive(name: str, value: Any, *, allow_zero: bool = False) -> None:
   """Raises ``ValueError`` if a concrete ``value`` is negative (or zero)."""
-  if _is_concrete(value):
-    if value != value:  # NaN
+  v = _concrete(value)
+  if v is not None:
+    if v != v:  # NaN
       raise ValueError(f"{name} must be a number, got NaN.")
-    if value < 0 or (value == 0 and not allow_zero):
+    if v < 0 or (v == 0 and not allow_zero):
       bound = ">= 0" if allow_zero else "> 0"
-      raise ValueError(f"{name} must be {bound}, got {value}.")
+      raise ValueError(f"{name} must be {bound}, got {v}.{_hint(value)}")
 
 
 def check_in_unit_interval(
   name: str, value: Any, *, closed_right: bool = False
 ) -> None:
   """Raises ``ValueError`` unless a concrete ``value`` lies in [0, 1)."""
-  if _is_concrete(value):
-    ok = 0 <= value <= 1 if closed_right else 0 <= value < 1
+  v = _concrete(value)
+  if v is not None:
+    ok = 0 <= v <= 1 if closed_right else 0 <= v < 1
     if not ok:
       interval = "[0, 1]" if closed_right else "[0, 1)"
-      raise ValueError(f"{name} must lie in {interval}, got {value}.")
+      raise ValueError(f"{name} must lie in {interval}, got {v}.{_hint(value)}")
 
 
 def check_learning_rate(value: Any) -> None:
