@@ -883,6 +883,61 @@ class KroneckerTest(parameterized.TestCase):
       )
 
 
+class ZeroSizeLayerTest(absltest.TestCase):
+  """Zero-size leaves that layers read (a zero-width layer, a layer on its
+  empty output) get empty statistics; the others are the per-example
+  path's."""
+
+  def test_every_statistic(self):
+    k = jax.random.split(jax.random.key(0), 3)
+    params = {
+      "w0": jnp.zeros((5, 0)),  # a zero-width layer
+      "b0": jnp.zeros((0,)),
+      "w1": jnp.zeros((0, 3)),  # a layer on its empty output
+      "b1": jax.random.normal(k[0], (3,)),
+      "w2": jax.random.normal(k[1], (5, 3)),
+    }
+
+    def apply_fn(p, x):
+      h = x @ p["w0"] + p["b0"]
+      return jnp.concatenate([x, h], -1) @ p["w2"] + (h @ p["w1"] + p["b1"])
+
+    x = jax.random.normal(k[2], (6, 5))
+    y = jnp.arange(6) % 3
+    cov = fisher.coverage(apply_fn, params, x)
+    for name in ("w0", "b0", "w1"):
+      self.assertIn("zero-size", cov[name].reason)
+    self.assertEqual(cov["w2"].path, "layer")
+    L = fisher.Categorical()
+    key = jax.random.key(1)
+    kw = {
+      "diag_emp": (fisher.diagonal, dict(likelihood=L, kind="empirical")),
+      "diag_mc": (fisher.diagonal, dict(likelihood=L, kind="mc", key=key)),
+      "diag_exact": (fisher.diagonal, dict(likelihood=L, kind="exact")),
+      "kron": (fisher.kronecker, dict(likelihood=L, kind="empirical")),
+      "low_rank": (
+        fisher.low_rank,
+        dict(likelihood=L, kind="empirical", rank=2),
+      ),
+    }
+    calls = dict(kw)
+    for name, (fn, a) in kw.items():
+      if name != "kron":  # per-example K-FAC is Shampoo's: no oracle
+        calls[name + "_pe"] = (fn, dict(a, method="per_example"))
+    got = _est_many(apply_fn, params, (x, y), calls)
+    for name in ("diag_emp", "diag_mc", "diag_exact"):
+      self.assertEqual(got[name].diag["w0"].shape, (5, 0))
+      chex.assert_trees_all_close(
+        got[name].diag, got[name + "_pe"].diag, rtol=1e-5, atol=1e-7
+      )
+    np.testing.assert_allclose(
+      got["low_rank"].eigvals, got["low_rank_pe"].eigvals, rtol=1e-5
+    )
+    self.assertEqual(got["low_rank"].eigvecs["w1"].shape, (2, 0, 3))
+    self.assertEqual(got["kron"].right["w1"].shape, (3, 3))
+    chex.assert_tree_all_finite((got["kron"].left, got["kron"].right))
+
+
 class OperationsTest(parameterized.TestCase):
   """matvec / quadratic_form / solve against the dense matrix they stand for."""
 

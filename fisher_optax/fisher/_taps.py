@@ -1253,8 +1253,13 @@ def _match_elementwise(eqn, kinds, here, walk: _Walk) -> bool:
 def _make_plan(closed, num_leaves: int, batch: int) -> _Plan:
   plan = _Plan(sites=[], roles=[None] * num_leaves, site_at={}, inline=set())
   uses: list[list[tuple[str, int, str]]] = [[] for _ in range(num_leaves)]
+  # A zero-size leaf is no site (its views would have zero-size axes to
+  # infer); the per-example path gives its empty statistics, which XLA
+  # computes from nothing.
   env = {
-    v: ("param", i) for i, v in enumerate(closed.jaxpr.invars[:num_leaves])
+    v: ("param", i)
+    for i, v in enumerate(closed.jaxpr.invars[:num_leaves])
+    if math.prod(v.aval.shape)
   }
   walk = _Walk(batch, plan, uses)
   manual = {
@@ -1270,6 +1275,8 @@ def _make_plan(closed, num_leaves: int, batch: int) -> _Plan:
   for leaf, u in enumerate(uses):
     modes = [walk.modes.get((leaf, k), ()) for k in range(len(u))]
     reason = _reason(u, modes)
+    if not math.prod(closed.jaxpr.invars[leaf].aval.shape):
+      reason = "a zero-size leaf (an empty statistic)"
     if u and all(role != "other" for role, _, _ in u):
       conv = any(plan.sites[site].kind in _CHUNKED for _, site, _ in u)
       plan.roles[leaf] = (u[0][1], u[0][0])
