@@ -142,6 +142,26 @@ def _estimate(structure, kind, batch):
   return fisher.kronecker(_linear, _W, batch, likelihood=cat, kind=kind)
 
 
+class SqrtFisherColumnsTest(parameterized.TestCase):
+  """The columns a backward pass asks for equal those of the whole square
+  root, on sequence outputs too."""
+
+  @parameterized.named_parameters(
+    ("categorical", fisher.Categorical(), (3, 4, 5)),
+    ("gaussian", fisher.Gaussian(sigma=0.5), (3, 4)),
+    ("bernoulli", fisher.Bernoulli(), (3, 4)),
+    ("heteroscedastic", fisher.HeteroscedasticGaussian(), (3, 2)),
+  )
+  def test_columns_match(self, likelihood, shape):
+    out = jax.random.normal(jax.random.key(0), shape)
+    full = likelihood.sqrt_fisher(out)
+    self.assertEqual(full.shape, (out.size, *shape))
+    idx = jnp.array([0, 5, out.size - 1, 2])
+    np.testing.assert_allclose(
+      likelihood.sqrt_fisher_columns(out, idx), full[idx], rtol=1e-6
+    )
+
+
 class OutOfRangeLabelTest(parameterized.TestCase):
   """``one_hot`` makes a bad label a zero vector; the engine makes it NaN."""
 

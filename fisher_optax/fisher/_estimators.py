@@ -232,7 +232,10 @@ def _forward(
     else:
       mean_grad = numerics.widen(sums)
   if tape is not None and (kind != "empirical" or layer_grads is None):
-    layer_grads = tape.backward(cot)
+    columns = None
+    if kind == "exact":
+      columns = functools.partial(_exact_columns, likelihood, out)
+    layer_grads = tape.backward(cot, columns=columns)
   return _Pass(
     apply_fn,
     params,
@@ -380,6 +383,17 @@ def _examples_per_pass(
   held, _ = _taps.held_elements(apply_fn, params, inputs, statistic=statistic)
   chunks = -(-held // _taps.PASS_ELEMENTS)
   return -(-size // chunks) if chunks > 1 else None
+
+
+def _exact_columns(
+  likelihood: Any, out: jax.Array, start: jax.Array, n: int
+) -> jax.Array:
+  """Cotangents ``start .. start + n`` of the exact kind, formed where a
+  backward pass takes them: on sequence outputs all ``S = T * C`` of them
+  would be ``T`` times the outputs' size per column, most of it zeros."""
+  return _likelihoods.output_cotangents(
+    likelihood, "exact", out, None, columns=(start, n)
+  )
 
 
 def _chunk_sums(

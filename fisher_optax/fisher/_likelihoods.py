@@ -43,7 +43,9 @@ class Likelihood:
   """Base class: an output distribution ``p(y | f)`` for one example.
 
   Subclasses implement :meth:`nll`, :meth:`sample` and :meth:`sqrt_fisher`;
-  :meth:`grad_out` defaults to autodiff of :meth:`nll`.
+  :meth:`grad_out` defaults to autodiff of :meth:`nll`, and
+  :meth:`sqrt_fisher_columns` to indexing :meth:`sqrt_fisher` (the built-in
+  likelihoods form the columns they are asked for instead).
   """
 
   #: Kinds this likelihood can estimate.
@@ -66,6 +68,15 @@ class Likelihood:
   def sqrt_fisher(self, output: jax.Array) -> jax.Array:
     """Columns of ``S``, ``S S^T = Lambda``: ``(num_columns, *output.shape)``."""
     raise NotImplementedError
+
+  def sqrt_fisher_columns(self, output: jax.Array, idx: jax.Array) -> jax.Array:
+    """Columns ``idx`` (in range) of :meth:`sqrt_fisher`: ``(n, *output.shape)``.
+
+    The exact kind's backward passes take a few columns at a time; on
+    sequence outputs ``num_columns = T * C`` and all of them together
+    would be ``T`` times the outputs' size per column.
+    """
+    return self.sqrt_fisher(output)[idx]
 
   def check(self, outputs: Any, targets: Any = None) -> None:
     """Checks a batch's outputs (and targets) at trace time.
@@ -175,17 +186,22 @@ class Categorical(Likelihood):
     )
 
   def sqrt_fisher(self, output):
+    return self.sqrt_fisher_columns(output, jnp.arange(output.size))
+
+  def sqrt_fisher_columns(self, output, idx):
     c = output.shape[-1]
     lead = output.shape[:-1]
     t = math.prod(lead)
     p = jax.nn.softmax(output, axis=-1).reshape(t, c)
-    eye_c = jnp.eye(c, dtype=output.dtype)
-    # val[t, c, c'] = sqrt(p_tc) (delta_cc' - p_tc'); event positions are
-    # independent, so each (t, c) column is zero away from position t.
-    val = jnp.sqrt(p)[:, :, None] * (eye_c[None] - p[:, None, :])
-    eye_t = jnp.eye(t, dtype=output.dtype)
-    cols = eye_t[:, None, :, None] * val[:, :, None, :]
-    return cols.reshape(t * c, *lead, c)
+    # Column (t, k) = sqrt(p_tk) (e_k - p_t) at position t: event positions
+    # are independent, so it is zero away from t.
+    # One-hot products rather than gathers: n is a few columns per pass.
+    at = jax.nn.one_hot(idx // c, t, dtype=p.dtype)
+    e_k = jax.nn.one_hot(idx % c, c, dtype=p.dtype)
+    p_pos = jnp.matmul(at, p, precision=jax.lax.Precision.HIGHEST)  # no TF32
+    val = jnp.sqrt(jnp.sum(p_pos * e_k, -1, keepdims=True)) * (e_k - p_pos)
+    cols = at[:, :, None] * val[:, None]
+    return cols.reshape(idx.shape[0], *lead, c)
 
 
 class Gaussian(Likelihood):
@@ -220,9 +236,11 @@ class Gaussian(Likelihood):
     return outputs[None] + self.sigma * noise
 
   def sqrt_fisher(self, output):
-    d = output.size
-    eye = jnp.eye(d, dtype=output.dtype) / self.sigma
-    return eye.reshape(d, *output.shape)
+    return self.sqrt_fisher_columns(output, jnp.arange(output.size))
+
+  def sqrt_fisher_columns(self, output, idx):
+    scale = jnp.ones((output.size,), output.dtype) / self.sigma
+    return _diagonal_columns(scale, idx, output.shape)
 
   def __repr__(self) -> str:
     return f"Gaussian(sigma={self.sigma})"
@@ -256,10 +274,17 @@ class Bernoulli(Likelihood):
     )
 
   def sqrt_fisher(self, output):
+    return self.sqrt_fisher_columns(output, jnp.arange(output.size))
+
+  def sqrt_fisher_columns(self, output, idx):
     p = jax.nn.sigmoid(output.ravel())
-    d = output.size
-    cols = jnp.diag(jnp.sqrt(p * (1 - p)))
-    return cols.reshape(d, *output.shape)
+    return _diagonal_columns(jnp.sqrt(p * (1 - p)), idx, output.shape)
+
+
+def _diagonal_columns(scale: jax.Array, idx: jax.Array, shape) -> jax.Array:
+  """Columns ``idx`` of ``diag(scale)``, each shaped ``shape``."""
+  cols = jax.nn.one_hot(idx, scale.shape[0], dtype=scale.dtype) * scale
+  return cols.reshape(idx.shape[0], *shape)
 
 
 def _in_unit_interval(target: jax.Array) -> jax.Array:
@@ -298,6 +323,9 @@ class HeteroscedasticGaussian(Likelihood):
     return mu[None] + jnp.exp(0.5 * logvar)[None] * noise
 
   def sqrt_fisher(self, output):
+    return self.sqrt_fisher_columns(output, jnp.arange(output.size))
+
+  def sqrt_fisher_columns(self, output, idx):
     if output.shape[-1:] != (2,):
       raise ValueError(
         "HeteroscedasticGaussian needs outputs with a last axis of size 2 "
@@ -307,7 +335,7 @@ class HeteroscedasticGaussian(Likelihood):
     d = jnp.stack(
       [jnp.exp(-0.5 * logvar), jnp.full_like(logvar, math.sqrt(0.5))], -1
     )
-    return jnp.diag(d.ravel()).reshape(output.size, *output.shape)
+    return _diagonal_columns(d.ravel(), idx, output.shape)
 
 
 class LossLikelihood(Likelihood):
@@ -365,6 +393,7 @@ def output_cotangents(
   *,
   key: jax.Array | None = None,
   num_samples: int = 1,
+  columns: tuple[jax.Array, int] | None = None,
 ) -> jax.Array:
   """Returns the cotangents ``r`` of shape ``(S, B, *outputs.shape[1:])``.
 
@@ -372,7 +401,8 @@ def output_cotangents(
   squaring of the mean happens in the estimator. Computed in float32 (or
   wider) and cast back to ``outputs.dtype`` so they can be pulled back
   through the model. Outputs and targets are checked first
-  (:meth:`Likelihood.check`).
+  (:meth:`Likelihood.check`). ``columns=(start, n)`` (``exact`` only)
+  returns ``r[start : start + n]``, zero past ``S``, formed alone.
   """
   likelihood.check(outputs, targets)
   dtype = outputs.dtype
@@ -392,8 +422,16 @@ def output_cotangents(
     r = jax.vmap(jax.vmap(likelihood.grad_out), in_axes=(None, 0))(
       work, yhat
     ) / jnp.sqrt(jnp.asarray(num_samples, work.dtype))
-  elif kind == "exact":
+  elif kind == "exact" and columns is None:
     r = jnp.moveaxis(jax.vmap(likelihood.sqrt_fisher)(work), 1, 0)
+  elif kind == "exact" and columns is not None:
+    start, n = columns
+    num = jax.eval_shape(likelihood.sqrt_fisher, work[0]).shape[0]
+    idx = start + jnp.arange(n)
+    pick = jax.vmap(likelihood.sqrt_fisher_columns, in_axes=(0, None))
+    r = jnp.moveaxis(pick(work, jnp.minimum(idx, num - 1)), 1, 0)
+    keep = (idx < num).reshape((n,) + (1,) * (r.ndim - 1))
+    r = jnp.where(keep, r, jnp.zeros((), r.dtype))
   else:
     raise ValueError(f"unknown kind {kind!r}; expected one of {KINDS}.")
   return r.astype(dtype)

@@ -1700,7 +1700,12 @@ class LayerTape:
     ct_leaves = [c.astype(o.dtype) for o, c in zip(out_leaves, ct_leaves)]
     return jax.tree_util.tree_unflatten(ct_def, ct_leaves), num
 
-  def backward(self, cotangents: PyTree) -> LayerGrads:
+  def backward(
+    self,
+    cotangents: PyTree,
+    *,
+    columns: Callable[[Array, int], PyTree] | None = None,
+  ) -> LayerGrads:
     """Pulls ``S`` output cotangents back to the taps.
 
     The backward pass runs when a statistic first needs it: a few samples
@@ -1710,6 +1715,11 @@ class LayerTape:
 
     Args:
       cotangents: like ``outputs`` with an extra leading axis ``S``.
+      columns: ``(start, n) -> cotangents[start : start + n]`` (zero past
+        ``S``), which the passes that take a few samples at a time call
+        instead of slicing ``cotangents``: then ``cotangents`` need never
+        be formed whole (the exact kind's ``S`` can be ``T * C`` for
+        sequence outputs).
 
     Returns:
       A :class:`LayerGrads` of the per-example ``delta`` of every layer.
@@ -1729,7 +1739,10 @@ class LayerTape:
       cts = jax.tree.map(lambda c: _after(c, fusion.weights), cts)
     # Pulled back when first needed: the diagonal sums go through the
     # samples a few at a time instead (LayerGrads.statistics).
-    return LayerGrads(self, None, num, cotangents=cts)
+    if columns is not None:
+      source = columns
+      columns = lambda start, n: self._prepare(source(start, n), 1)[0]
+    return LayerGrads(self, None, num, cotangents=cts, columns=columns)
 
   def _pull(self, cts: PyTree) -> tuple:
     """The taps' ``delta`` of ``S`` cotangents, one vmapped backward. Only
@@ -3347,10 +3360,12 @@ class LayerGrads:
     num_samples: int,
     *,
     cotangents: PyTree = None,
+    columns: Callable[[Array, int], PyTree] | None = None,
   ):
     self._tape = tape
     self._held = deltas
     self._cotangents = cotangents  # (S, ...) not yet pulled back
+    self._columns = columns  # (start, n) -> cotangents[start : start + n]
     self.num_samples = num_samples
 
   @property
@@ -3734,8 +3749,14 @@ class LayerGrads:
         c = jnp.concatenate([c, jnp.zeros((pad,) + c.shape[1:], c.dtype)])
       return c.reshape((passes, per_pass) + c.shape[1:])
 
-    xs = jax.tree.map(group, self._cotangents)
-    one = lambda c: parts(LayerGrads(tape, tape._pull(c), per_pass))
+    columns = self._columns
+    if columns is None:
+      xs = jax.tree.map(group, self._cotangents)
+      cotangents = lambda c: c
+    else:  # each pass forms its own samples' cotangents
+      xs = jnp.arange(passes) * per_pass
+      cotangents = lambda start: columns(start, per_pass)
+    one = lambda c: parts(LayerGrads(tape, tape._pull(cotangents(c)), per_pass))
 
     def body(acc, c):
       sums, rows = one(c)
