@@ -506,6 +506,9 @@ def physguard(
   validation.check_learning_rate(learning_rate)
   validation.check_choice("placement", placement, _PLACEMENTS)
   validation.check_positive("weight_decay", weight_decay, allow_zero=True)
+  validation.check_in_unit_interval("b1", b1)
+  validation.check_in_unit_interval("b2", b2)
+  validation.check_positive("eps", eps, allow_zero=True)
   project = project_out_subspace(
     max_rank, alpha, subspace, basis_dtype=basis_dtype
   )

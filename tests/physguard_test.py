@@ -211,6 +211,16 @@ class ProjectOutSubspaceTest(parameterized.TestCase):
       fisher_optax.project_out_subspace(2, alpha=1.5)
     with self.assertRaisesRegex(ValueError, "placement"):
       fisher_optax.physguard(1e-3, max_rank=2, placement="middle")
+    for name, value in (("b1", 1.0), ("b2", 1.5), ("eps", -1e-8)):
+      with self.assertRaisesRegex(ValueError, name):
+        fisher_optax.physguard(1e-3, max_rank=2, **{name: value})
+    # Over bfloat16 params inject_hyperparams rounds b2=0.999 to 1.0, which
+    # skipped every step as non-finite: init says so.
+    tx = optax.inject_hyperparams(
+      fisher_optax.physguard, static_args=("max_rank",)
+    )(1e-3, max_rank=2)
+    with self.assertRaisesRegex(ValueError, "b2.*hyperparam_dtype"):
+      tx.init({"w": jnp.ones((3, 2), jnp.bfloat16)})
     with self.assertRaisesRegex(TypeError, "ProtectedSubspace"):
       fisher_optax.project_out_subspace(2, subspace={"w": 1})
     tx = fisher_optax.project_out_subspace(2)
