@@ -702,5 +702,19 @@ def save_tree(
   """
   path = pathlib.Path(path)
   fmt = check_destination(path, fmt, overwrite=overwrite)
-  write_atomically(path, _to_plain(tree), fmt=fmt, overwrite=overwrite)
+  plain = _to_plain(tree)
+  if fmt == ORBAX:
+    # Orbax refuses them, and a target-less load could not rebuild them.
+    empty = [
+      jax.tree_util.keystr(p)
+      for p, x in jax.tree_util.tree_flatten_with_path(plain)[0]
+      if np.size(x) == 0
+    ]
+    if empty:
+      raise ValueError(
+        "An orbax checkpoint cannot hold zero-size arrays "
+        f"({', '.join(empty)}); "
+        "write a .msgpack file instead."
+      )
+  write_atomically(path, plain, fmt=fmt, overwrite=overwrite)
   return fmt

@@ -45,12 +45,14 @@ exactly (``tests/checkpoint_test.py`` checks this for every transform).
 
 from __future__ import annotations
 
+import math
 import os
 import pathlib
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from fisher_optax import _checkpoint_io
 
@@ -59,8 +61,66 @@ PyTree = Any
 __all__ = ["restore", "save"]
 
 
+def _empty(x: Any) -> bool:
+  return math.prod(np.shape(x)) == 0  # Python scalars and abstract leaves too
+
+
 def _drop_empty(tree: PyTree) -> PyTree:
-  return jax.tree.map(lambda x: None if x.size == 0 else x, tree)
+  return jax.tree.map(lambda x: None if _empty(x) else x, tree)
+
+
+def _key_name(key: Any) -> str:
+  for attr in ("key", "name", "idx"):
+    if hasattr(key, attr):
+      return str(getattr(key, attr))
+  return str(key)
+
+
+def _path_name(path: tuple) -> str:
+  return "/".join(_key_name(k) for k in path)
+
+
+def _check_against_metadata(
+  metadata: PyTree, target: PyTree, abstract: PyTree
+) -> None:
+  """Refuses a target whose shapes or dtypes differ from the checkpoint's.
+
+  Orbax casts to the target's dtype without a word, and a zero-size target
+  leaf (a placeholder, never read) would throw the saved array away. A
+  Python number in the target (a ``TrainState``'s ``step``) takes the saved
+  dtype's place whatever it is, as a PRNG key takes its key data's.
+  """
+  saved = {
+    _path_name(p): m
+    for p, m in jax.tree_util.tree_flatten_with_path(metadata)[0]
+  }
+  for (p, x), raw in zip(
+    jax.tree_util.tree_flatten_with_path(abstract)[0], jax.tree.leaves(target)
+  ):
+    if isinstance(raw, (int, float, complex)) or jnp.issubdtype(
+      x.dtype, jax.dtypes.prng_key
+    ):
+      continue
+    name = _path_name(p)
+    m = saved.get(name)
+    if m is None:
+      if not _empty(x):
+        raise ValueError(
+          f"The checkpoint has no array at {name!r} (the target's is "
+          f"{x.dtype}{list(x.shape)}): it was saved as a zero-size "
+          "placeholder, or the target's structure differs."
+        )
+      continue
+    shape = tuple(getattr(m, "shape", ()) or ())
+    dtype = getattr(m, "dtype", None)
+    if shape != tuple(x.shape) or (
+      dtype is not None and jnp.dtype(dtype) != jnp.dtype(x.dtype)
+    ):
+      raise ValueError(
+        f"The checkpoint's array at {name!r} is {dtype}{list(shape)}, the "
+        f"target's {x.dtype}{list(x.shape)}: restore into the saved shapes "
+        "and dtypes (cast afterwards if a change is meant)."
+      )
 
 
 def save(
@@ -96,7 +156,9 @@ def restore(path: str | os.PathLike[str], target: PyTree) -> PyTree:
     path: the checkpoint directory.
     target: a tree with the checkpoint's structure, shapes and dtypes:
       abstract (``jax.eval_shape``) or concrete. Its container types
-      (NamedTuples, ``nnx.State``) are what comes back.
+      (NamedTuples, ``nnx.State``) are what comes back, placed with its
+      leaves' shardings where they have one (another mesh than the one
+      saved from works).
 
   Returns:
     The restored tree.
@@ -104,7 +166,8 @@ def restore(path: str | os.PathLike[str], target: PyTree) -> PyTree:
   Raises:
     FileNotFoundError: no checkpoint directory at ``path``.
     ValueError: (``ChecksumError``) a file of the checkpoint differs from
-      its SHA-256 manifest.
+      its SHA-256 manifest; or a target leaf's shape or dtype differs from
+      the saved array's.
   """
   ocp = _checkpoint_io.import_orbax()
   path = pathlib.Path(path).absolute()
@@ -112,12 +175,23 @@ def restore(path: str | os.PathLike[str], target: PyTree) -> PyTree:
     raise FileNotFoundError(f"No checkpoint directory at {str(path)!r}.")
   _checkpoint_io.verify_checksums(path)
   abstract = jax.tree.map(
-    lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), target
+    lambda x: jax.ShapeDtypeStruct(
+      jnp.shape(x),
+      jnp.result_type(x),
+      # Where the target says: a restore onto another mesh or topology.
+      sharding=getattr(x, "sharding", None),
+    ),
+    target,
   )
   with ocp.StandardCheckpointer() as ckptr:
+    _check_against_metadata(
+      ckptr.metadata(path).item_metadata.tree, target, abstract
+    )
     restored = ckptr.restore(path, _drop_empty(abstract))
   return jax.tree.map(
-    lambda s, r: jnp.zeros(s.shape, s.dtype) if s.size == 0 else r,
+    lambda s, r: (
+      jnp.zeros(s.shape, s.dtype, device=s.sharding) if _empty(s) else r
+    ),
     abstract,
     restored,
   )

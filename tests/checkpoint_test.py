@@ -394,6 +394,53 @@ class CheckpointModuleTest(absltest.TestCase):
         checkpoint.restore(path, {"a": jnp.zeros(3)}), {"a": jnp.ones(3)}
       )
 
+  def test_target_shapes_and_dtypes_are_checked(self):
+    saved = {"w": jnp.arange(6.0), "e": jnp.zeros((0, 2))}
+    cases = {
+      "w.*float32\\[6\\].*float32\\[2, 3\\]": {
+        "w": jnp.zeros((2, 3)),
+        "e": jnp.zeros((0, 2)),
+      },
+      "w.*float32\\[6\\].*bfloat16\\[6\\]": {
+        "w": jnp.zeros(6, jnp.bfloat16),
+        "e": jnp.zeros((0, 2)),
+      },
+      # A zero-size target would have thrown the saved values away.
+      "w.*float32\\[6\\].*float32\\[0\\]": {
+        "w": jnp.zeros(0),
+        "e": jnp.zeros((0, 2)),
+      },
+      # Saved as a zero-size placeholder: there is nothing to restore.
+      "no array at 'e'": {"w": jnp.zeros(6), "e": jnp.zeros((3, 2))},
+    }
+    with tempfile.TemporaryDirectory() as tmp:
+      path = pathlib.Path(tmp) / "ckpt"
+      checkpoint.save(path, saved)
+      for match, target in cases.items():
+        with self.subTest(match=match):
+          with self.assertRaisesRegex(ValueError, match):
+            checkpoint.restore(path, jax.eval_shape(lambda t=target: t))
+      chex.assert_trees_all_equal(
+        checkpoint.restore(path, jax.eval_shape(lambda: saved)), saved
+      )
+
+  def test_python_scalar_leaves(self):
+    # A fresh Linen TrainState's step is a Python int.
+    tree = {"step": 0, "f": 0.5, "w": jnp.ones(2)}
+    with tempfile.TemporaryDirectory() as tmp:
+      path = pathlib.Path(tmp) / "ckpt"
+      checkpoint.save(path, tree)
+      restored = checkpoint.restore(path, tree)
+    self.assertEqual(int(restored["step"]), 0)
+    self.assertEqual(float(restored["f"]), 0.5)
+
+  def test_orbax_save_tree_refuses_zero_size_arrays(self):
+    with tempfile.TemporaryDirectory() as tmp:
+      with self.assertRaisesRegex(ValueError, "zero-size.*msgpack"):
+        _checkpoint_io.save_tree(
+          pathlib.Path(tmp) / "out", {"e": np.zeros((0, 3))}, fmt="orbax"
+        )
+
   def test_missing_checkpoint(self):
     with tempfile.TemporaryDirectory() as tmp:
       with self.assertRaises(FileNotFoundError):
