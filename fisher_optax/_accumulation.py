@@ -142,8 +142,7 @@ def accumulate_fisher(
     >>> bool(jnp.all(u["w"] < 0)), int(state.mini_step)
     (True, 0)
   """
-  if isinstance(every_k, bool) or not isinstance(every_k, int) or every_k < 1:
-    raise ValueError(f"every_k must be an int >= 1, got {every_k!r}.")
+  every_k = validation.check_static_int("every_k", every_k, minimum=1)
   inner = optax.with_extra_args_support(inner)
 
   def init_fn(params):
@@ -212,4 +211,9 @@ def _accumulate(
   def skip(state):
     return jax.tree.map(jnp.zeros_like, updates), state
 
-  return jax.lax.cond(state.mini_step >= every_k, emit, skip, state)
+  # Emitting would reset the sums: a micro-batch that overflowed them is
+  # left in, for the policy to see and skip (the window is kept).
+  ready = (state.mini_step >= every_k) & numerics.tree_all_finite(
+    (state.grad_sum, state.sq_sum)
+  )
+  return jax.lax.cond(ready, emit, skip, state)

@@ -12,6 +12,7 @@ from flax import linen as nn
 from flax import nnx
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 import fisher_optax
@@ -250,10 +251,34 @@ class AccumulateFisherTest(absltest.TestCase):
     self.assertEqual(proc.returncode, 0, proc.stderr[-3000:])
     self.assertEqual(proc.stdout.split(), ["[-1.5,", "-2.5,", "-3.5]", "0"])
 
+  def test_overflow_on_the_last_micro_batch_keeps_the_window(self):
+    # Each square (2.25e38) fits float32, two summed do not: the second
+    # micro-batch is skipped (counted) and the first stays folded in, also
+    # when the second would have completed the window.
+    params = {"w": jnp.ones(3)}
+    pex = {"w": jnp.full((1, 3), 1.5e19)}
+    grads = {"w": pex["w"][0]}
+    for every_k in (2, 3):
+      with self.subTest(every_k=every_k):
+        tx = fo_flax.accumulate_fisher(
+          fisher_optax.fadam(0.1, fisher_source="per_example"), every_k
+        )
+        state = tx.init(params)
+        _, state = tx.update(grads, state, params, per_example_grads=pex)
+        _, after = tx.update(grads, state, params, per_example_grads=pex)
+        self.assertEqual(int(after.mini_step), 1)
+        self.assertEqual(int(after.notfinite_count), 1)
+        chex.assert_trees_all_equal(after.sq_sum, state.sq_sum)
+        chex.assert_trees_all_equal(after.inner_state, state.inner_state)
+
   def test_errors(self):
     params, _, _, _ = self._setup()
     with self.assertRaisesRegex(ValueError, "every_k"):
       fo_flax.accumulate_fisher(optax.sgd(1.0), every_k=0)
+    with self.assertRaisesRegex(TypeError, "every_k"):
+      fo_flax.accumulate_fisher(optax.sgd(1.0), every_k=2.0)
+    # NumPy integers are ints (as optax.MultiSteps takes them).
+    fo_flax.accumulate_fisher(optax.sgd(1.0), every_k=np.int64(2))
     tx = fo_flax.accumulate_fisher(optax.sgd(1.0), every_k=2)
     with self.assertRaisesRegex(ValueError, "per_example_grads"):
       tx.update(params, tx.init(params), params)

@@ -83,11 +83,13 @@ def check_learning_rate(value: Any) -> None:
 def _check_int(name: str, value: Any, minimum: int, must: str) -> int:
   """A Python int ``>= minimum`` (``TypeError`` saying what it ``must`` be,
   else ``ValueError``)."""
-  if isinstance(value, bool) or not isinstance(value, int):
+  if isinstance(value, (bool, np.bool_)) or not isinstance(
+    value, (int, np.integer)
+  ):
     raise TypeError(f"{name} {must}, got {type(value).__name__}.")
   if value < minimum:
     raise ValueError(f"{name} must be >= {minimum}, got {value}.")
-  return value
+  return int(value)
 
 
 def check_static_int(name: str, value: Any, *, minimum: int = 0) -> int:
