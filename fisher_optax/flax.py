@@ -98,8 +98,12 @@ __all__ = [
 
 
 def _split(model: nnx.Module, wrt: Filter):
+  """``(graphdef, params, rest)``, ``rest`` as arrays: the module merged from
+  them inside a trace (``jax.grad``, ``jit``, an estimator) may update its
+  own random streams and statistics, which the live model's variables may
+  not be from another trace level; the model is left as it is."""
   graphdef, params, rest = nnx.split(model, wrt, ...)
-  return graphdef, params, rest
+  return graphdef, params, nnx.as_pure(rest)
 
 
 def nnx_per_example_grads(
@@ -165,7 +169,11 @@ def nnx_obj_fn(
   """Returns ``obj_fn(params) = loss_fn(model_with(params), *args, **kwargs)``.
 
   ``params`` is the pure state ``nnx.Optimizer`` passes to ``tx.update`` (not
-  the module), so the closure works as an ``obj_fn=`` extra.
+  the module), so the closure works as an ``obj_fn=`` extra. It works under
+  ``jax.grad`` and ``jit`` whatever mutable state the model holds: random
+  streams (dropout) are read at their current keys, never advanced (the same
+  masks at every call until the model's streams move), and batch-statistics
+  updates are discarded; the model is not modified.
   """
   graphdef, _, rest = _split(model, wrt)
 
@@ -183,7 +191,8 @@ def nnx_apply_fn(
   ``apply_fn(params, inputs)`` merges ``params`` back into the model and calls
   it; ``params`` is the model's pure ``wrt`` state (the optimizer's tree), so
   statistics computed from it plug straight into ``optimizer.update(...,
-  fisher=...)``.
+  fisher=...)``. As with :func:`nnx_obj_fn`, the model's other state
+  (random streams, batch statistics) is read and never modified.
   """
   graphdef, params, rest = _split(model, wrt)
 
