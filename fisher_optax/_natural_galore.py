@@ -775,7 +775,9 @@ def scale_by_natural_galore(
   * Inexact refreshes flip each new basis vector to agree in sign with the
     old one, so kept moments stay meaningful and the result does not depend
     on float noise such as the sharding. The exact SVD keeps LAPACK's signs,
-    as optax does, so ``history_size=0`` stays bit-identical to it.
+    as optax does, so ``history_size=0`` stays bit-identical to it under
+    ``jit`` (eager calls may differ in the last bit: XLA fuses the
+    arithmetic differently op by op).
 
   Non-finite steps follow the library's one policy
   (:func:`fisher_optax.fisher.numerics.skip_nonfinite_step`): a NaN or
@@ -868,7 +870,7 @@ def scale_by_natural_galore(
       "window_at_refresh", window_at_refresh, _REFRESH_POLICIES
     ),
     normalize_output=normalize_output,
-    window_dtype=window_dtype,
+    window_dtype=numerics.canonical_float_dtype("window_dtype", window_dtype),
     svd_method=validation.check_choice("svd_method", svd_method, _SVD_METHODS),
     svd_power_iterations=validation.check_static_int(
       "svd_power_iterations", svd_power_iterations

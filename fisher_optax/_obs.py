@@ -97,8 +97,9 @@ def group_obs_update(
   Args:
     params: the weights, same structure and shapes as the Fisher's.
     drop: which weights to remove: a boolean tree shaped like ``params``
-      (``True`` = remove; must be concrete) or a 1-D int array of flat
-      indices (``ravel_pytree`` order), unique and in ``[0, d)``. Concrete
+      (``True`` = remove; must be concrete) or a 1-D int array (or list)
+      of flat indices (``ravel_pytree`` order), unique and in ``[0, d)``.
+      Concrete
       indices are checked; traced ones (under ``jit``, which makes the
       function jit-able for a fixed ``|Q|``) cannot be, and then an
       out-of-range index is clamped or dropped by the gathers and a
@@ -109,8 +110,9 @@ def group_obs_update(
     ``(new_params, loss_increase)``; the removed weights are exactly zero.
 
   Raises:
-    ValueError: for concrete flat indices that are out of range, negative
-      or repeated, or a ``drop`` tree unlike ``params``.
+    ValueError: for flat indices that are not 1-D, concrete ones that are
+      out of range, negative or repeated, or a ``drop`` tree unlike
+      ``params`` (in structure or leaf shapes).
 
   Example::
 
@@ -132,18 +134,24 @@ def group_obs_update(
     303ed4c69846ab36c2904d3ba8573050-Abstract.html>`_, 1992
   """
   fisher.check_compatible(params, "params")
-  if (
-    isinstance(drop, (jax.Array, np.ndarray))
-    and jnp.ndim(drop) == 1
-    and (jnp.issubdtype(jnp.result_type(drop), jnp.integer))
+  if isinstance(drop, (list, tuple)) and all(
+    isinstance(i, (int, np.integer)) and not isinstance(i, bool) for i in drop
   ):
+    drop = np.asarray(drop, np.int64).reshape(len(drop))  # [0, 2]: indices
+  if isinstance(drop, (jax.Array, np.ndarray)) and jnp.issubdtype(
+    jnp.result_type(drop), jnp.integer
+  ):
+    if jnp.ndim(drop) != 1:
+      raise ValueError(
+        "drop as flat indices must be a 1-D integer array, got shape "
+        f"{jnp.shape(drop)}."
+      )
     if not isinstance(drop, jax.core.Tracer):
       _check_flat_indices(np.asarray(drop), fisher.dim)
     index = jnp.asarray(drop, jnp.int32)
   else:
-    validation.check_same_structure(
-      params, drop, what="drop", reference_name="params"
-    )
+    # Leaf shapes too: a mask of the wrong shape would name other weights.
+    validation.check_like(drop, params, what="drop")
     try:
       flat = np.asarray(numerics.ravel(drop)).astype(bool)
     except jax.errors.TracerArrayConversionError as e:

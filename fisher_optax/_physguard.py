@@ -391,10 +391,20 @@ def project_out_subspace(
     )
   basis_dtype = numerics.canonical_float_dtype("basis_dtype", basis_dtype)
 
+  if subspace is not None:
+    rows = {b.shape[0] for b in jax.tree.leaves(subspace.bases)}
+    if rows - {max_rank}:
+      raise ValueError(
+        f"subspace holds bases of {sorted(rows)} rows per leaf; max_rank is "
+        f"{max_rank}: pass the max_rank it was built with."
+      )
+
   def init_fn(params: PyTree) -> ProjectOutSubspaceState:
     start = subspace
     if start is None:
       start = init_protected_subspace(params, max_rank, basis_dtype=basis_dtype)
+    else:  # Built for other params, it would fail only at the first update.
+      validation.check_like(_bases_like(start), params, what="subspace")
     return ProjectOutSubspaceState(
       count=jnp.zeros([], jnp.int32),
       protected_subspace=start,
@@ -411,13 +421,21 @@ def project_out_subspace(
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
+def _bases_like(subspace: ProtectedSubspace) -> PyTree:
+  """The params the bases were built for, as shapes."""
+  return jax.tree.map(
+    lambda b: jax.ShapeDtypeStruct(b.shape[1:], b.dtype), subspace.bases
+  )
+
+
 def _check_updates(updates: PyTree, state: ProjectOutSubspaceState) -> None:
   """The updates must be shaped like the params the bases were built for."""
-  like = jax.tree.map(
-    lambda b: jax.ShapeDtypeStruct(b.shape[1:], b.dtype),
-    state.protected_subspace.bases,
+  validation.check_like(
+    updates,
+    _bases_like(state.protected_subspace),
+    what="updates",
+    reference_name="subspace",
   )
-  validation.check_like(updates, like, what="updates")
 
 
 def _project(

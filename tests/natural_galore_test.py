@@ -137,6 +137,10 @@ class WoodburyFisherTest(parameterized.TestCase):
   def test_bad_inputs_raise(self):
     with self.assertRaisesRegex(TypeError, "history_size"):
       fisher_optax.scale_by_woodbury_fisher(2.0)
+    # An integer window would truncate every stored gradient.
+    for dtype in (jnp.int32, jnp.bool_):
+      with self.assertRaisesRegex(TypeError, "window_dtype"):
+        fisher_optax.scale_by_natural_galore(window_dtype=dtype)
     with self.assertRaisesRegex(ValueError, "history_size"):
       fisher_optax.scale_by_woodbury_fisher(0)
     with self.assertRaisesRegex(ValueError, "damping"):

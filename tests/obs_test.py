@@ -3,6 +3,7 @@
 
 from absl.testing import absltest
 from absl.testing import parameterized
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -109,6 +110,12 @@ class ObsTest(parameterized.TestCase):
       fisher_optax.obs_saliency({"b": params["b"], "w": params["w"].T}, f)
     with self.assertRaisesRegex(ValueError, "drop"):
       fisher_optax.group_obs_update(params, {"w": params["w"] > 0}, f)
+    # A mask of another shape would name other weights.
+    wrong = {"b": params["b"] > 0, "w": (params["w"] > 0).reshape(-1)}
+    with self.assertRaisesRegex(ValueError, r"drop\['w'\] has shape"):
+      fisher_optax.group_obs_update(params, wrong, f)
+    with self.assertRaisesRegex(ValueError, "1-D integer"):
+      fisher_optax.group_obs_update(params, np.array([[0, 2]]), f)
     traced_mask = jax.jit(
       lambda p: fisher_optax.group_obs_update(
         p, jax.tree.map(lambda x: x > 0, p), f
@@ -116,6 +123,12 @@ class ObsTest(parameterized.TestCase):
     )
     with self.assertRaisesRegex(TypeError, "concrete"):
       traced_mask(params)
+
+  def test_flat_indices_as_a_list(self):
+    params, f, _ = _setup(dtype=jnp.float32)
+    from_list = fisher_optax.group_obs_update(params, [0, 2], f)
+    from_array = fisher_optax.group_obs_update(params, np.array([0, 2]), f)
+    chex.assert_trees_all_equal(from_list, from_array)
 
   @parameterized.parameters(
     ([10], r"in \[0, 10\).*\[10\]"),

@@ -211,6 +211,13 @@ class ProjectOutSubspaceTest(parameterized.TestCase):
       fisher_optax.project_out_subspace(2, alpha=1.5)
     with self.assertRaisesRegex(ValueError, "placement"):
       fisher_optax.physguard(1e-3, max_rank=2, placement="middle")
+    # A subspace built for other params, or with another max_rank.
+    sub = fisher_optax.init_protected_subspace({"w": jnp.zeros((4, 3))}, 2)
+    tx = fisher_optax.project_out_subspace(2, subspace=sub)
+    with self.assertRaisesRegex(ValueError, r"subspace\['w'\] has shape"):
+      tx.init({"w": jnp.zeros((3, 4))})
+    with self.assertRaisesRegex(ValueError, "max_rank"):
+      fisher_optax.physguard(1e-3, max_rank=3, subspace=sub)
     for name, value in (("b1", 1.0), ("b2", 1.5), ("eps", -1e-8)):
       with self.assertRaisesRegex(ValueError, name):
         fisher_optax.physguard(1e-3, max_rank=2, **{name: value})
@@ -289,7 +296,9 @@ class PhysGuardNonfiniteAndDtypeTest(parameterized.TestCase):
     ):
       state = tx.init(params)
       for bad in (jnp.ones(()), jnp.ones((3, 4)), jnp.ones((4, 1))):
-        with self.assertRaisesRegex(ValueError, "updates do not match params"):
+        with self.assertRaisesRegex(
+          ValueError, "updates do not match subspace"
+        ):
           tx.update({"w": bad}, state, params)
 
   def test_bf16_bases_halve_memory(self):
