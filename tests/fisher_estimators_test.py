@@ -1015,6 +1015,49 @@ class OperationsTest(parameterized.TestCase):
           chex.assert_trees_all_close(out, stat)
 
 
+class StatisticInputChecksTest(absltest.TestCase):
+  """Operations refuse inputs they would silently misread."""
+
+  def test_shapes_damping_indices_and_dtypes(self):
+    diag = fisher.DiagonalFisher(
+      {"w": jnp.ones((3, 2))}, None, jnp.asarray(1, jnp.int32)
+    )
+    # A (3, 1) leaf would broadcast to (3, 2).
+    for op in (diag.matvec, diag.quadratic_form, lambda v: diag.solve(v, 1.0)):
+      with self.assertRaisesRegex(ValueError, r"v\['w'\] has shape"):
+        op({"w": jnp.ones((3, 1))})
+    # Factors (3, 3) and (2, 2): a transposed (2, 3) leaf has the size of
+    # a (3, 2) matrix but other rows.
+    kron = fisher.KroneckerFisher(
+      {"w": jnp.eye(3)}, {"w": jnp.eye(2)}, None, jnp.asarray(1, jnp.int32)
+    )
+    for bad in ((2, 3), (6,)):
+      with self.assertRaisesRegex(ValueError, "do not fit"):
+        kron.matvec({"w": jnp.ones(bad)})
+    self.assertEqual(kron.matvec({"w": jnp.ones((3, 2))})["w"].shape, (3, 2))
+    # Low rank: F is singular, damping must be > 0.
+    low = fisher.low_rank_from_grads({"w": jnp.ones((2, 4))}, rank=2)
+    for op in (
+      lambda: low.solve({"w": jnp.ones(4)}, 0.0),
+      lambda: low.inverse_diag(0.0),
+    ):
+      with self.assertRaisesRegex(ValueError, "damping"):
+        op()
+    # Sum of rank one: a zero-size leaf, out-of-range indices, and a
+    # quadratic form summed in float32 for a bfloat16 v.
+    grads = {"a": jnp.ones((3, 0)), "b": jnp.arange(6.0).reshape(3, 2)}
+    r1s = fisher.sum_of_rank_one(grads, 0.1)
+    dense = jnp.linalg.inv(grads["b"].T @ grads["b"] / 3 + 0.1 * jnp.eye(2))
+    np.testing.assert_allclose(r1s.inverse_entry(0, 1), dense[0, 1], rtol=1e-4)
+    with self.assertRaisesRegex(ValueError, r"\[0, 2\)"):
+      r1s.inverse_entry(5, 5)
+    v = {
+      "a": jnp.zeros(0, jnp.bfloat16),
+      "b": jnp.array([3.1, -2.3], jnp.bfloat16),
+    }
+    self.assertEqual(r1s.quadratic_form(v).dtype, jnp.float32)
+
+
 class RankOneSumInterfaceTest(absltest.TestCase):
   """M-FAC's factored statistic under the shared statistic interface."""
 

@@ -199,6 +199,9 @@ class EstimateFisherDiagTest(parameterized.TestCase):
       fisher.estimate_fisher_diag(ft.mlp_apply)
     with self.assertRaisesRegex(ValueError, "interval"):
       fisher.estimate_fisher_diag(interval=0)
+    for interval in (2.5, True):  # 2.5 refreshed every 5 steps
+      with self.assertRaisesRegex(TypeError, "interval"):
+        fisher.estimate_fisher_diag(interval=interval)
     with self.assertRaisesRegex(ValueError, "decay"):
       fisher.estimate_fisher_diag(decay=1.5)
     with self.assertRaisesRegex(ValueError, "probabilistic"):

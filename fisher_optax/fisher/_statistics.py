@@ -22,6 +22,7 @@ import jax.numpy as jnp
 
 from fisher_optax.fisher import linalg
 from fisher_optax.fisher import numerics
+from fisher_optax.fisher import validation
 
 PyTree = Any
 
@@ -88,14 +89,20 @@ class DiagonalFisher:
   count: jax.Array
   kind: str = "empirical"
 
+  def _check(self, v: PyTree) -> None:
+    # An elementwise product would broadcast a leaf of another shape.
+    validation.check_like(v, self.diag, what="v", reference_name="diag")
+
   def matvec(self, v: PyTree) -> PyTree:
     """``F v``, in ``v``'s dtype."""
+    self._check(v)
     return jax.tree.map(
       lambda d, x: (d * numerics.widen(x)).astype(x.dtype), self.diag, v
     )
 
   def quadratic_form(self, v: PyTree) -> jax.Array:
     """``v^T F v`` (a float32 scalar)."""
+    self._check(v)
     terms = jax.tree.leaves(
       jax.tree.map(
         lambda d, x: jnp.sum(d * jnp.square(numerics.widen(x))), self.diag, v
@@ -105,6 +112,7 @@ class DiagonalFisher:
 
   def solve(self, v: PyTree, damping: float | jax.Array) -> PyTree:
     """``(F + damping I)^{-1} v``."""
+    self._check(v)
     return jax.tree.map(
       lambda d, x: (numerics.widen(x) / (d + damping)).astype(x.dtype),
       self.diag,
@@ -172,7 +180,15 @@ class LowRankFisher:
     return jnp.sum(self.eigvals * jnp.square(self.project(v)))
 
   def solve(self, v: PyTree, damping: float | jax.Array) -> PyTree:
-    """``(F + damping I)^{-1} v`` in closed form (``V`` orthonormal)."""
+    """``(F + damping I)^{-1} v`` in closed form (``V`` orthonormal).
+
+    ``damping`` must be > 0: ``F`` has rank ``k`` at most. The closed form
+    ``v / damping - V^T c V v`` loses about ``eps / damping`` of relative
+    accuracy on the span of ``V`` (``eps`` the float32 or float64 machine
+    epsilon), whatever ``F``'s conditioning: keep ``damping`` well above
+    ``eps`` times the eigenvalues, or work in float64.
+    """
+    validation.check_positive("damping", damping)
     coef = self.eigvals / (damping * (self.eigvals + damping))
     corr = linalg.tree_stacked_combine(self.eigvecs, coef * self.project(v))
     return jax.tree.map(
@@ -183,8 +199,9 @@ class LowRankFisher:
     """The diagonal of ``(F + damping I)^{-1}``, params-shaped.
 
     ``1 / damping - sum_j eigvals[j] v_j^2 / (damping (eigvals[j] +
-    damping))``, in ``O(k d)``.
+    damping))``, in ``O(k d)``; ``damping`` > 0 as for :meth:`solve`.
     """
+    validation.check_positive("damping", damping)
     coef = self.eigvals / (damping * (self.eigvals + damping))
     return jax.tree.map(
       lambda u: 1.0 / damping - jnp.tensordot(coef, jnp.square(u), axes=1),
@@ -222,11 +239,14 @@ def _as_factor_matrix(
   layers, as for a leaf stacked along a scan)."""
   lead, m, n = left.shape[:-2], left.shape[-1], right.shape[-1]
   shape = tuple(jnp.shape(x))
-  if (
-    right.shape[:-2] != lead
-    or shape[: len(lead)] != lead
-    or math.prod(lead) * m * n != math.prod(shape)
-  ):
+  rest = shape[len(lead) :]
+  # The rows are whole leading axes: a transposed or flattened leaf of the
+  # same size would be read as another matrix.
+  split = any(
+    math.prod(rest[:i]) == m and math.prod(rest[i:]) == n
+    for i in range(len(rest) + 1)
+  )
+  if right.shape[:-2] != lead or shape[: len(lead)] != lead or not split:
     raise ValueError(
       f"Kronecker factors {tuple(left.shape)} and {tuple(right.shape)} do "
       f"not fit a leaf of shape {shape}."

@@ -78,9 +78,7 @@ def _check_common(apply_fn, likelihood, kind, interval, decay, num_samples):
       "estimate from batch=) or neither (per_example_grads=)."
     )
   validation.check_static_int("num_samples", num_samples, minimum=1)
-  if isinstance(interval, (int, float)) and not isinstance(interval, bool):
-    if interval < 1:
-      raise ValueError(f"interval must be >= 1, got {interval}.")
+  validation.check_count("interval", interval, minimum=1)
   validation.check_in_unit_interval("decay", decay)
   return likelihood
 
