@@ -409,7 +409,7 @@ def _init_leaf(
   # a fresh state can be donated to a jitted step.
   left = lambda: _eye_like(b, m, sd) if plan.left else masked
   right = lambda: _eye_like(b, n, sd) if plan.right else masked
-  mu = jnp.zeros(x.shape, mu_dtype or x.dtype)
+  mu = numerics.zeros_like_stacked(x, dtype=mu_dtype or x.dtype)
   return (mu, left(), right(), left(), right())
 
 

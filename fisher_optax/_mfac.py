@@ -102,7 +102,7 @@ def _init_window(cfg: _Window, params: PyTree) -> tuple[PyTree, PyTree]:
   )
   n = cfg.size
   window = jax.tree.map(
-    lambda p: jnp.zeros((n, *jnp.shape(p)), wdtype(p)), params
+    lambda p: numerics.zeros_like_stacked(p, (n,), wdtype(p)), params
   )
   if cfg.block_diagonal:
     gram = jax.tree.map(

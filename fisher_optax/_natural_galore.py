@@ -302,7 +302,7 @@ def _init_leaf(
       jnp.zeros((0, 0), p.dtype),
       jnp.zeros((0,), numerics.compute_dtype(p)),
       jnp.zeros((0, 0), jnp.float32),
-      jnp.zeros(jnp.shape(p), p.dtype),
+      numerics.zeros_like_stacked(p, dtype=p.dtype),
     )
   n = cfg.history_size if cfg.windowed else 0
   wdtype = (

@@ -118,8 +118,8 @@ def init_protected_subspace(
   max_rank = validation.check_static_int("max_rank", max_rank, minimum=1)
   basis_dtype = numerics.canonical_float_dtype("basis_dtype", basis_dtype)
   bases = jax.tree.map(
-    lambda p: jnp.zeros(
-      (max_rank, *p.shape), basis_dtype or numerics.compute_dtype(p)
+    lambda p: numerics.zeros_like_stacked(
+      p, (max_rank,), basis_dtype or numerics.compute_dtype(p)
     ),
     params,
   )

@@ -140,6 +140,21 @@ def resolve_mask(
   return jax.tree.map(bool, full)
 
 
+def zeros_like_stacked(
+  leaf: Any, lead: tuple[int, ...] = (), dtype: Any = None
+) -> jax.Array:
+  """Zeros shaped ``(*lead, *leaf.shape)``, placed as ``leaf`` is.
+
+  A state leaf shaped like a parameter (a momentum), or a stack of such
+  (a window of gradients), made from a parameter sharded over a mesh keeps
+  its sharding (the new leading axes unsharded), eagerly and under ``jit``
+  with explicit axes; ``jnp.zeros`` would put all of it on one device, or
+  every device.
+  """
+  zeros = jnp.zeros_like(leaf, dtype=dtype)
+  return jnp.broadcast_to(zeros, (*lead, *jnp.shape(leaf))) if lead else zeros
+
+
 def ravel(tree: PyTree, dtype: Any = None) -> jax.Array:
   """Concatenates the leaves of ``tree`` into one vector (optionally cast)."""
   leaves = [jnp.ravel(x) for x in jax.tree.leaves(tree)]
@@ -256,10 +271,18 @@ def skip_nonfinite_step(
     new_state = keep_dtypes(new_state, state)
     return new_updates, new_state, tree_all_finite((new_updates, new_state))
 
+  def nan_like(s: Any, u: Any) -> jax.Array:
+    # Like the incoming leaf where it can: full_like keeps its sharding,
+    # which a branch of the cond must match under explicit mesh axes.
+    if u is not None and jnp.shape(u) == s.shape:
+      return jnp.full_like(u, jnp.nan, dtype=s.dtype)
+    return jnp.full(s.shape, jnp.nan, s.dtype)
+
   def skipped() -> tuple[PyTree, Any, jax.Array]:
-    nan = jax.tree.map(
-      lambda s: jnp.full(s.shape, jnp.nan, s.dtype), out_shape[0]
-    )
+    if jax.tree.structure(out_shape[0]) == jax.tree.structure(updates):
+      nan = jax.tree.map(nan_like, out_shape[0], updates)
+    else:
+      nan = jax.tree.map(lambda s: nan_like(s, None), out_shape[0])
     return nan, state, jnp.asarray(False)
 
   ok_in = tree_all_finite((updates, inputs))

@@ -229,5 +229,46 @@ class FisherMultiDeviceTest(parameterized.TestCase):
     _compare(self, got, want, name)
 
 
+class StatePlacementTest(absltest.TestCase):
+  """States made eagerly from sharded params keep the params' sharding
+  (``numerics.zeros_like_stacked``): an M-FAC window or PhysGuard bases
+  ``(m, *p)`` put on one device hold ``m`` copies of the model there."""
+
+  def test_eager_init_keeps_param_sharding(self):
+    import fisher_optax  # noqa: PLC0415 (the estimators' checks need not)
+
+    mesh = jax.make_mesh((4, 2), ("data", "model"))
+    k = jax.device_put(
+      jnp.ones((64, 32)), NamedSharding(mesh, P(None, "model"))
+    )
+    params = {
+      "k": k,
+      "b": jax.device_put(jnp.ones(32), NamedSharding(mesh, P())),
+    }
+    stacked = fisher.numerics.zeros_like_stacked(k, (3,), jnp.bfloat16)
+    self.assertEqual(stacked.sharding.spec, P(None, None, "model"))
+    # (optimizer, a path fragment of its params-shaped state, leading axes)
+    cases = {
+      "mfac": (fisher_optax.mfac(1e-2, window_size=4), ".grads", (4,)),
+      "physguard": (fisher_optax.physguard(1e-2, max_rank=3), ".bases", (3,)),
+      "fismo": (fisher_optax.fismo(1e-2), ".momentum", ()),
+    }
+    for name, (tx, field, lead) in cases.items():
+      with self.subTest(name):
+        state = tx.init(params)
+        found = [
+          leaf
+          for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]
+          if field in jax.tree_util.keystr(path)
+          and jax.tree_util.keystr(path).endswith("['k']")
+        ]
+        self.assertLen(found, 1)
+        self.assertEqual(found[0].shape, (*lead, 64, 32))
+        spec = tuple(found[0].sharding.spec)
+        self.assertEqual(
+          spec[: len(lead) + 2], (*(None,) * len(lead), None, "model")
+        )
+
+
 if __name__ == "__main__":
   absltest.main()
