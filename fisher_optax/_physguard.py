@@ -49,6 +49,7 @@ import jax.numpy as jnp
 import optax
 
 from fisher_optax import fisher
+from fisher_optax.fisher import linalg
 from fisher_optax.fisher import numerics
 from fisher_optax.fisher import validation
 
@@ -325,12 +326,7 @@ def _project_leaf(u: jax.Array, basis: jax.Array, alpha: Any) -> jax.Array:
   """``u - alpha B^T (B u)`` for one leaf, rows of ``basis`` orthonormal."""
   cd = numerics.compute_dtype(basis)
   uf, basis = u.astype(cd), basis.astype(cd)
-  coeff = jnp.tensordot(
-    basis, uf, axes=uf.ndim, precision=jax.lax.Precision.HIGHEST
-  )
-  back = jnp.tensordot(
-    coeff, basis, axes=1, precision=jax.lax.Precision.HIGHEST
-  )
+  back = linalg.tree_stacked_combine(basis, linalg.tree_stacked_dot(basis, uf))
   return (uf - alpha * back).astype(u.dtype)
 
 

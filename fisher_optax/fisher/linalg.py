@@ -43,7 +43,19 @@ def _leaf_dot(stacked_leaf: jax.Array, x_leaf: jax.Array) -> jax.Array:
     x_leaf,
     axes=(axes, tuple(range(x_leaf.ndim))),
     precision=_HIGHEST,
+    out_sharding=_replicated(),
   )
+
+
+def _replicated() -> Any:
+  """``out_sharding`` of a small statistic (a Gram, coordinates) contracted
+  over sharded parameter axes: replicated under explicit mesh axes, where
+  such a contraction must say (``None``, XLA's choice, otherwise)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  explicit = jax.sharding.AxisType.Explicit
+  if mesh.empty or explicit not in tuple(mesh.axis_types):
+    return None
+  return jax.sharding.PartitionSpec()
 
 
 def tree_stacked_dot(stacked: PyTree, x: PyTree) -> jax.Array:
@@ -78,7 +90,12 @@ def tree_stacked_gram(
   def leaf_gram(x: jax.Array, y: jax.Array) -> jax.Array:
     axes = tuple(range(1, x.ndim))
     out = jnp.tensordot(
-      x, y, axes=(axes, axes), precision=_HIGHEST, preferred_element_type=dtype
+      x,
+      y,
+      axes=(axes, axes),
+      precision=_HIGHEST,
+      preferred_element_type=dtype,
+      out_sharding=_replicated(),
     )
     return out if dtype is None else out.astype(dtype)
 

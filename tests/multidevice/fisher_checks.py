@@ -20,6 +20,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 import numpy as np
 
+import fisher_optax
 from fisher_optax import fisher
 from tests import fisher_testing as ft
 
@@ -235,8 +236,6 @@ class StatePlacementTest(absltest.TestCase):
   ``(m, *p)`` put on one device hold ``m`` copies of the model there."""
 
   def test_eager_init_keeps_param_sharding(self):
-    import fisher_optax  # noqa: PLC0415 (the estimators' checks need not)
-
     mesh = jax.make_mesh((4, 2), ("data", "model"))
     k = jax.device_put(
       jnp.ones((64, 32)), NamedSharding(mesh, P(None, "model"))
@@ -268,6 +267,52 @@ class StatePlacementTest(absltest.TestCase):
         self.assertEqual(
           spec[: len(lead) + 2], (*(None,) * len(lead), None, "model")
         )
+
+
+class ExplicitAxesTest(absltest.TestCase):
+  """Under explicit mesh axes (``jax.set_mesh``) a contraction over sharded
+  parameter axes must name its output's sharding: the library's small
+  statistics (Gram matrices, coordinates) are replicated."""
+
+  def test_window_and_projection_transforms_match_one_device(self):
+    explicit = jax.sharding.AxisType.Explicit
+    mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(explicit,) * 2)
+    rng = np.random.default_rng(0)
+    specs = {"k": P(None, "model"), "w": P("data", "model"), "b": P()}
+    shapes = {"k": (16, 8), "w": (16, 16), "b": (8,)}
+    params = {
+      k: jnp.asarray(rng.normal(size=v), jnp.float32) for k, v in shapes.items()
+    }
+    grads = [
+      {
+        k: jnp.asarray(rng.normal(size=v), jnp.float32)
+        for k, v in shapes.items()
+      }
+      for _ in range(3)
+    ]
+    txs = {
+      "mfac": fisher_optax.mfac(1e-2, window_size=4, damping=0.1),
+      "physguard": fisher_optax.physguard(1e-2, max_rank=2),
+    }
+    for name, tx in txs.items():
+      with self.subTest(name):
+        step = jax.jit(lambda g, s, p, tx=tx: tx.update(g, s, p))
+        state = tx.init(params)
+        want = []
+        for g in grads:
+          u, state = step(g, state, params)
+          want.append(u)
+        with jax.set_mesh(mesh):
+          put = lambda t: {
+            k: jax.device_put(v, NamedSharding(mesh, specs[k]))
+            for k, v in t.items()
+          }
+          sp = put(params)
+          state = jax.jit(tx.init)(sp)
+          for g, w in zip(grads, want):
+            u, state = step(put(g), state, sp)
+            chex.assert_trees_all_close(u, w, rtol=1e-4, atol=1e-6)
+          self.assertEqual(u["k"].sharding.spec, specs["k"])
 
 
 if __name__ == "__main__":
