@@ -202,8 +202,8 @@ def _accumulate(
       **extra_args,
     )
     # Float32 hyperparameters over bfloat16 params promote both.
-    new_updates = numerics.keep_dtypes(new_updates, updates)
-    inner_state = numerics.keep_dtypes(inner_state, state.inner_state)
+    new_updates = numerics.keep_types(new_updates, updates)
+    inner_state = numerics.keep_types(inner_state, state.inner_state)
     return new_updates, _fresh_state(
       state.grad_sum, inner_state, state.notfinite_count
     )

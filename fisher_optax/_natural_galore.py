@@ -168,12 +168,15 @@ def _range_finder_basis(
     sharded ``mat`` is never gathered. NaN if an intermediate overflowed
     (no decomposition sees it).
   """
-  q = _finite_orthonormalize(jnp.matmul(mat, start, precision=_HIGHEST))
+  # Sketch-sized products, replicated under explicit mesh axes.
+  mm = functools.partial(
+    jnp.matmul, precision=_HIGHEST, out_sharding=linalg.replicated_spec()
+  )
+  q = _finite_orthonormalize(mm(mat, start))
   for _ in range(power_iterations):
-    z = jnp.matmul(mat.T, q, precision=_HIGHEST)
-    q = _finite_orthonormalize(jnp.matmul(mat, z, precision=_HIGHEST))
+    q = _finite_orthonormalize(mm(mat, mm(mat.T, q)))
   # Rayleigh-Ritz: rotate range(Q) onto the top singular directions.
-  b = jnp.matmul(q.T, mat, precision=_HIGHEST)
+  b = mm(q.T, mat)
   _, vecs = numerics.finite_or_nan(
     jnp.linalg.eigh, linalg.symmetrize(jnp.matmul(b, b.T, precision=_HIGHEST))
   )
@@ -209,7 +212,7 @@ def _new_projector(
   r = proj.rank
   if method == "exact":
     svd = lambda x: jnp.linalg.svd(x, full_matrices=False)
-    u, _, vh = numerics.finite_or_nan(svd, g32)
+    u, _, vh = numerics.finite_or_nan(svd, linalg.replicated(g32))
     new = u[:, :r] if proj.left else vh[:r, :].T
   else:
     mat = g32 if proj.left else g32.T
@@ -217,7 +220,12 @@ def _new_projector(
     width = min(r + _OVERSAMPLING, p, q)
     start = jax.random.normal(key, (q, width), g32.dtype)
     if method == "subspace":
-      warm = jnp.matmul(mat.T, old.astype(g32.dtype), precision=_HIGHEST)
+      warm = jnp.matmul(
+        mat.T,
+        old.astype(g32.dtype),
+        precision=_HIGHEST,
+        out_sharding=linalg.replicated_spec(),
+      )
       start = start.at[:, :r].set(warm)
     new = _range_finder_basis(mat, start, r, power_iterations)
     new = _align_signs(new, old.astype(new.dtype))
@@ -612,7 +620,7 @@ def _windowed_update(
     if not cfg.windowed:  # GaLore: no window to solve against
       parts.append((p, window, gram, gram, None, lg))
       continue
-    row = lg.astype(window.dtype)[None]
+    row = numerics.keep_types(lg.astype(window.dtype)[None], window[:1])
     pushed, _ = linalg.stacked_pending_gram(window, gram, row, slot)
     parts.append((p, window, gram, pushed, row, lg))
   unflat = lambda xs: jax.tree.unflatten(treedef, list(xs))

@@ -43,11 +43,11 @@ def _leaf_dot(stacked_leaf: jax.Array, x_leaf: jax.Array) -> jax.Array:
     x_leaf,
     axes=(axes, tuple(range(x_leaf.ndim))),
     precision=_HIGHEST,
-    out_sharding=_replicated(),
+    out_sharding=replicated_spec(),
   )
 
 
-def _replicated() -> Any:
+def replicated_spec() -> Any:
   """``out_sharding`` of a small statistic (a Gram, coordinates) contracted
   over sharded parameter axes: replicated under explicit mesh axes, where
   such a contraction must say (``None``, XLA's choice, otherwise)."""
@@ -56,6 +56,13 @@ def _replicated() -> Any:
   if mesh.empty or explicit not in tuple(mesh.axis_types):
     return None
   return jax.sharding.PartitionSpec()
+
+
+def replicated(x: jax.Array) -> jax.Array:
+  """``x`` gathered on every device under explicit mesh axes (a dense
+  decomposition's input must be), else as it is."""
+  spec = replicated_spec()
+  return x if spec is None else jax.sharding.reshard(x, spec)
 
 
 def tree_stacked_dot(stacked: PyTree, x: PyTree) -> jax.Array:
@@ -95,7 +102,7 @@ def tree_stacked_gram(
       axes=(axes, axes),
       precision=_HIGHEST,
       preferred_element_type=dtype,
-      out_sharding=_replicated(),
+      out_sharding=replicated_spec(),
     )
     return out if dtype is None else out.astype(dtype)
 

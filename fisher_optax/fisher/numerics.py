@@ -192,8 +192,9 @@ def tree_select(pred: jax.Array, on_true: PyTree, on_false: PyTree) -> PyTree:
   return jax.tree.map(select, on_true, on_false)
 
 
-def keep_dtypes(new: PyTree, old: PyTree) -> PyTree:
-  """``new`` with ``old``'s dtypes, leaf by leaf.
+def keep_types(new: PyTree, old: PyTree) -> PyTree:
+  """``new`` with ``old``'s dtypes, leaf by leaf (and its shardings, under
+  explicit mesh axes, where they are part of the type).
 
   A state keeps the dtypes ``init`` gave it: float32 hyperparameters
   (``inject_hyperparams(..., hyperparam_dtype=jnp.float32)``) promote optax's
@@ -203,9 +204,23 @@ def keep_dtypes(new: PyTree, old: PyTree) -> PyTree:
 
   def keep(n: Any, o: Any) -> Any:
     dtype = jnp.result_type(o)
-    return n if jnp.result_type(n) == dtype else jnp.asarray(n).astype(dtype)
+    n = n if jnp.result_type(n) == dtype else jnp.asarray(n).astype(dtype)
+    # Under explicit mesh axes the sharding is part of the type too.
+    want = _explicit_sharding(o)
+    if want is not None and _explicit_sharding(n) != want:
+      n = jax.sharding.reshard(n, want)
+    return n
 
   return jax.tree.map(keep, new, old)
+
+
+def _explicit_sharding(x: Any) -> Any:
+  """``x``'s sharding where it is part of its type (explicit mesh axes)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or jax.sharding.AxisType.Explicit not in tuple(mesh.axis_types):
+    return None
+  sharding = getattr(jax.typeof(x), "sharding", None)
+  return None if sharding is None else sharding.spec
 
 
 def skip_nonfinite_step(
@@ -268,7 +283,7 @@ def skip_nonfinite_step(
 
   def checked() -> tuple[PyTree, Any, jax.Array]:
     new_updates, new_state = step()
-    new_state = keep_dtypes(new_state, state)
+    new_state = keep_types(new_state, state)
     return new_updates, new_state, tree_all_finite((new_updates, new_state))
 
   def nan_like(s: Any, u: Any) -> jax.Array:
@@ -276,7 +291,8 @@ def skip_nonfinite_step(
     # which a branch of the cond must match under explicit mesh axes.
     if u is not None and jnp.shape(u) == s.shape:
       return jnp.full_like(u, jnp.nan, dtype=s.dtype)
-    return jnp.full(s.shape, jnp.nan, s.dtype)
+    spec = _explicit_sharding(s)
+    return jnp.full(s.shape, jnp.nan, s.dtype, out_sharding=spec)
 
   def skipped() -> tuple[PyTree, Any, jax.Array]:
     if jax.tree.structure(out_shape[0]) == jax.tree.structure(updates):
@@ -550,7 +566,7 @@ def _rewind_after_skip(
     updates,
   )
   parts = [
-    kept(i, old, keep_dtypes(new, old))
+    kept(i, old, keep_types(new, old))
     for i, (old, new) in enumerate(zip(old_parts, new_parts))
   ]
   return updates, parts

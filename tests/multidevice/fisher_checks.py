@@ -293,6 +293,14 @@ class ExplicitAxesTest(absltest.TestCase):
     txs = {
       "mfac": fisher_optax.mfac(1e-2, window_size=4, damping=0.1),
       "physguard": fisher_optax.physguard(1e-2, max_rank=2),
+      # The exact SVD gathers its matrix (as documented); the sketches
+      # do not.
+      **{
+        f"natural_galore_{m}": fisher_optax.natural_galore(
+          1e-2, rank=2, update_proj_gap=2, damping=0.1, svd_method=m
+        )
+        for m in ("exact", "randomized")
+      },
     }
     for name, tx in txs.items():
       with self.subTest(name):
