@@ -783,7 +783,9 @@ def scale_by_fismo(
       ``ns_steps`` is in its ``static_args``).
     eps: added to the Frobenius norm in Newton-Schulz.
     mu_dtype: momentum dtype (default: the params').
-    nesterov: Muon's Nesterov momentum (not in the paper).
+    nesterov: Muon's Nesterov momentum (not in the paper; default off,
+      where ``optax.contrib.muon``'s is on: identity factors give
+      ``muon()``'s steps with ``nesterov=True``).
     precondition_interval: steps between root refreshes (step 0 refreshes).
     root_method: ``"eigh"``, ``"newton"`` or ``"cholesky"`` (see above).
     factor_norm: ``"pre_ema"`` (scale-invariant) or ``"paper"``.
@@ -1033,7 +1035,8 @@ def fismo(
     weight_decay: decoupled weight decay of the FISMO leaves (times the lr).
     weight_decay_mask: mask (or callable) for ``weight_decay``.
     mu_dtype: momentum dtype.
-    nesterov: Nesterov momentum (also passed to the Adam fallback, as muon()).
+    nesterov: Nesterov momentum (also passed to the Adam fallback, as
+      muon()); off by default, on in ``optax.contrib.muon``.
     precondition_interval: steps between inverse-root refreshes.
     root_method: ``"eigh"``, ``"newton"`` or ``"cholesky"``.
     factor_norm: ``"pre_ema"`` or ``"paper"``.
