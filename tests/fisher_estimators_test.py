@@ -1035,8 +1035,10 @@ class StatisticInputChecksTest(absltest.TestCase):
       with self.assertRaisesRegex(ValueError, "do not fit"):
         kron.matvec({"w": jnp.ones(bad)})
     self.assertEqual(kron.matvec({"w": jnp.ones((3, 2))})["w"].shape, (3, 2))
-    # Low rank: F is singular, damping must be > 0.
+    # Low rank: F is singular, damping must be > 0; v's leaves are checked.
     low = fisher.low_rank_from_grads({"w": jnp.ones((2, 4))}, rank=2)
+    with self.assertRaisesRegex(ValueError, r"v\['w'\] has shape"):
+      low.matvec({"w": jnp.ones((2, 2))})
     for op in (
       lambda: low.solve({"w": jnp.ones(4)}, 0.0),
       lambda: low.inverse_diag(0.0),

@@ -166,6 +166,10 @@ class LowRankFisher:
 
   def project(self, v: PyTree) -> jax.Array:
     """Coordinates ``V v`` of shape ``(k,)``."""
+    like = jax.tree.map(
+      lambda u: jax.ShapeDtypeStruct(u.shape[1:], u.dtype), self.eigvecs
+    )
+    validation.check_like(v, like, what="v", reference_name="eigvecs")
     return linalg.tree_stacked_dot(self.eigvecs, numerics.widen(v))
 
   def matvec(self, v: PyTree) -> PyTree:
