@@ -151,6 +151,13 @@ def _finite_orthonormalize(y: jax.Array) -> jax.Array:
   return numerics.finite_or_nan(_orthonormalize, y)
 
 
+def _sketch_mm(a: jax.Array, b: jax.Array) -> jax.Array:
+  """A sketch-sized product, replicated under explicit mesh axes."""
+  return jnp.matmul(
+    a, b, precision=_HIGHEST, out_sharding=linalg.replicated_spec()
+  )
+
+
 def _range_finder_basis(
   mat: jax.Array, start: jax.Array, rank: int, power_iterations: int
 ) -> jax.Array:
@@ -168,15 +175,11 @@ def _range_finder_basis(
     sharded ``mat`` is never gathered. NaN if an intermediate overflowed
     (no decomposition sees it).
   """
-  # Sketch-sized products, replicated under explicit mesh axes.
-  mm = functools.partial(
-    jnp.matmul, precision=_HIGHEST, out_sharding=linalg.replicated_spec()
-  )
-  q = _finite_orthonormalize(mm(mat, start))
+  q = _finite_orthonormalize(_sketch_mm(mat, start))
   for _ in range(power_iterations):
-    q = _finite_orthonormalize(mm(mat, mm(mat.T, q)))
+    q = _finite_orthonormalize(_sketch_mm(mat, _sketch_mm(mat.T, q)))
   # Rayleigh-Ritz: rotate range(Q) onto the top singular directions.
-  b = mm(q.T, mat)
+  b = _sketch_mm(q.T, mat)
   _, vecs = numerics.finite_or_nan(
     jnp.linalg.eigh, linalg.symmetrize(jnp.matmul(b, b.T, precision=_HIGHEST))
   )
@@ -220,12 +223,7 @@ def _new_projector(
     width = min(r + _OVERSAMPLING, p, q)
     start = jax.random.normal(key, (q, width), g32.dtype)
     if method == "subspace":
-      warm = jnp.matmul(
-        mat.T,
-        old.astype(g32.dtype),
-        precision=_HIGHEST,
-        out_sharding=linalg.replicated_spec(),
-      )
+      warm = _sketch_mm(mat.T, old.astype(g32.dtype))
       start = start.at[:, :r].set(warm)
     new = _range_finder_basis(mat, start, r, power_iterations)
     new = _align_signs(new, old.astype(new.dtype))

@@ -51,11 +51,7 @@ def replicated_spec() -> Any:
   """``out_sharding`` of a small statistic (a Gram, coordinates) contracted
   over sharded parameter axes: replicated under explicit mesh axes, where
   such a contraction must say (``None``, XLA's choice, otherwise)."""
-  mesh = jax.sharding.get_abstract_mesh()
-  explicit = jax.sharding.AxisType.Explicit
-  if mesh.empty or explicit not in tuple(mesh.axis_types):
-    return None
-  return jax.sharding.PartitionSpec()
+  return jax.sharding.PartitionSpec() if numerics.explicit_axes() else None
 
 
 def replicated(x: jax.Array) -> jax.Array:

@@ -214,10 +214,18 @@ def keep_types(new: PyTree, old: PyTree) -> PyTree:
   return jax.tree.map(keep, new, old)
 
 
+def explicit_axes() -> bool:
+  """Whether the current mesh has explicit axes (``jax.set_mesh``), where
+  shardings are part of the types and contractions must name theirs."""
+  mesh = jax.sharding.get_abstract_mesh()
+  return not mesh.empty and jax.sharding.AxisType.Explicit in tuple(
+    mesh.axis_types
+  )
+
+
 def _explicit_sharding(x: Any) -> Any:
   """``x``'s sharding where it is part of its type (explicit mesh axes)."""
-  mesh = jax.sharding.get_abstract_mesh()
-  if mesh.empty or jax.sharding.AxisType.Explicit not in tuple(mesh.axis_types):
+  if not explicit_axes():
     return None
   sharding = getattr(jax.typeof(x), "sharding", None)
   return None if sharding is None else sharding.spec
