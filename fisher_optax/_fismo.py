@@ -130,7 +130,20 @@ def _plans(
 
 # -- per-leaf mathematics ------------------------------------------------------
 
-_mm = lambda a, b: jnp.matmul(a, b, precision=_HIGHEST)
+
+def _mm(
+  a: jax.Array,
+  b: jax.Array,
+  like: jax.Array | None = None,
+  precision: Any = _HIGHEST,
+) -> jax.Array:
+  """``a @ b``. Under explicit mesh axes, a product with a root is sharded
+  like ``like`` (the gradient's matrices); one without, a factor's
+  statistic, is replicated, as the factors are."""
+  out = (
+    linalg.replicated_spec() if like is None else numerics.explicit_spec(like)
+  )
+  return linalg.matmul(a, b, precision=precision, out_sharding=out)
 
 
 class _Options(NamedTuple):
@@ -178,7 +191,13 @@ def _statistic(
     )
     return outer / side_dim
   pattern = "kbmn,kbpn->bmp" if left else "kbmn,kbmp->bnp"
-  outer = jnp.einsum(pattern, per_example, per_example, precision=_HIGHEST)
+  outer = jnp.einsum(
+    pattern,
+    per_example,
+    per_example,
+    precision=_HIGHEST,
+    out_sharding=linalg.replicated_spec(),
+  )
   return outer / (side_dim * per_example.shape[0])
 
 
@@ -294,16 +313,16 @@ def _update_factors(
   p, q, wp, wq = factors
   _, m, n = plan.view.stacked_shape
   if plan.left:
-    y = _mm(gm, wq) if plan.right else gm
-    ype = None if pe is None else (_mm(pe, wq) if plan.right else pe)
+    y = _mm(gm, wq, gm) if plan.right else gm
+    ype = None if pe is None else (_mm(pe, wq, pe) if plan.right else pe)
     stat = _statistic(y, ype, n, True)
     p, wp = _refresh_factor(p, wp, stat, m, refresh, opts)
   if plan.right:
-    z = _mm(jnp.matrix_transpose(wp), gm) if plan.left else gm
+    z = _mm(jnp.matrix_transpose(wp), gm, gm) if plan.left else gm
     zpe = (
       None
       if pe is None
-      else (_mm(jnp.matrix_transpose(wp), pe) if plan.left else pe)
+      else (_mm(jnp.matrix_transpose(wp), pe, pe) if plan.left else pe)
     )
     stat = _statistic(z, zpe, m, False)
     q, wq = _refresh_factor(q, wq, stat, n, refresh, opts)
@@ -329,19 +348,20 @@ def _direction(
   mu_hat: jax.Array, plan: _Plan, wp: Any, wq: Any, opts: _Options
 ) -> jax.Array:
   """``P^{-1/2} Polar(M) Q^{-1/2}`` (optionally grafted to Polar's norm)."""
+  mm = lambda a, b, like: _mm(a, b, like, precision=None)
   if opts.momentum_space == "original":  # Whiten after accumulation.
     if plan.left:
-      mu_hat = jnp.matmul(jnp.matrix_transpose(wp), mu_hat)
+      mu_hat = mm(jnp.matrix_transpose(wp), mu_hat, mu_hat)
     if plan.right:
-      mu_hat = jnp.matmul(mu_hat, wq)
+      mu_hat = mm(mu_hat, wq, mu_hat)
   ortho = _matrix_roots.newton_schulz_polar(
     mu_hat, opts.coeffs, opts.ns_steps, opts.eps
   )
   delta = ortho
   if plan.left:
-    delta = jnp.matmul(wp, delta)
+    delta = mm(wp, delta, mu_hat)
   if plan.right:
-    delta = jnp.matmul(delta, jnp.matrix_transpose(wq))
+    delta = mm(delta, jnp.matrix_transpose(wq), mu_hat)
   if opts.grafting == "muon_norm":
     fro = lambda a: jnp.sqrt(
       jnp.sum(jnp.square(a), axis=(-2, -1), keepdims=True)
@@ -385,9 +405,9 @@ def _leaf_update(
   x = gm
   if opts.momentum_space == "whitened":
     if plan.left:
-      x = _mm(jnp.matrix_transpose(wp), x)
+      x = _mm(jnp.matrix_transpose(wp), x, gm)
     if plan.right:
-      x = jnp.matmul(x, wq)
+      x = _mm(x, wq, gm, precision=None)
   mu_prev = view.to_matrices(mu).astype(sd)
   mu_new, mu_hat = _momentum(x, mu_prev, count, opts)
   delta = _direction(mu_hat, plan, wp, wq, opts)

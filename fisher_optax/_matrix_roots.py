@@ -38,6 +38,7 @@ import jax
 import jax.numpy as jnp
 
 from fisher_optax.fisher import linalg
+from fisher_optax.fisher import numerics
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -116,10 +117,15 @@ def newton_schulz_polar(
   x = x / (norm + eps)
   coeff_arr = coeff_arr.astype(x.dtype)
 
+  # Under explicit mesh axes the Gram is replicated and the iterate keeps
+  # x's sharding; elsewhere both specs are None (XLA's choice).
+  gram_spec = linalg.replicated_spec()
+  x_spec = numerics.explicit_spec(x)
+
   def step(abc: jax.Array, x: jax.Array) -> jax.Array:
-    gram = x @ jnp.matrix_transpose(x)
+    gram = linalg.matmul(x, jnp.matrix_transpose(x), out_sharding=gram_spec)
     poly = abc[1] * gram + abc[2] * gram @ gram  # (c A) A, as optax.
-    return abc[0] * x + poly @ x
+    return abc[0] * x + linalg.matmul(poly, x, out_sharding=x_spec)
 
   if coeff_arr.ndim == 2:
     for i in range(coeff_arr.shape[0]):

@@ -54,6 +54,27 @@ def replicated_spec() -> Any:
   return jax.sharding.PartitionSpec() if numerics.explicit_axes() else None
 
 
+def matmul(
+  a: jax.Array,
+  b: jax.Array,
+  *,
+  precision: Any = None,
+  out_sharding: Any = None,
+) -> jax.Array:
+  """``a @ b`` over leading batch axes that broadcast, with ``out_sharding``.
+
+  ``jnp.matmul`` squeezes size-one batch axes before it applies
+  ``out_sharding``, which then has the wrong rank; an einsum does not.
+  """
+  return jnp.einsum(
+    "...ij,...jk->...ik",
+    a,
+    b,
+    precision=precision,
+    out_sharding=out_sharding,
+  )
+
+
 def replicated(x: jax.Array) -> jax.Array:
   """``x`` gathered on every device under explicit mesh axes (a dense
   decomposition's input must be), else as it is."""

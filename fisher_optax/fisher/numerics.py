@@ -206,8 +206,8 @@ def keep_types(new: PyTree, old: PyTree) -> PyTree:
     dtype = jnp.result_type(o)
     n = n if jnp.result_type(n) == dtype else jnp.asarray(n).astype(dtype)
     # Under explicit mesh axes the sharding is part of the type too.
-    want = _explicit_sharding(o)
-    if want is not None and _explicit_sharding(n) != want:
+    want = explicit_spec(o)
+    if want is not None and explicit_spec(n) != want:
       n = jax.sharding.reshard(n, want)
     return n
 
@@ -223,8 +223,9 @@ def explicit_axes() -> bool:
   )
 
 
-def _explicit_sharding(x: Any) -> Any:
-  """``x``'s sharding where it is part of its type (explicit mesh axes)."""
+def explicit_spec(x: Any) -> Any:
+  """``x``'s ``PartitionSpec`` where it is part of its type (explicit mesh
+  axes), else ``None``: the ``out_sharding`` of a product shaped like ``x``."""
   if not explicit_axes():
     return None
   sharding = getattr(jax.typeof(x), "sharding", None)
@@ -299,7 +300,7 @@ def skip_nonfinite_step(
     # which a branch of the cond must match under explicit mesh axes.
     if u is not None and jnp.shape(u) == s.shape:
       return jnp.full_like(u, jnp.nan, dtype=s.dtype)
-    spec = _explicit_sharding(s)
+    spec = explicit_spec(s)
     return jnp.full(s.shape, jnp.nan, s.dtype, out_sharding=spec)
 
   def skipped() -> tuple[PyTree, Any, jax.Array]:

@@ -62,6 +62,79 @@ class FismoShardedTest(absltest.TestCase):
         chex.assert_trees_all_close(u, ref_u, atol=1e-5, rtol=1e-4)
       chex.assert_tree_all_finite(state)
 
+  def test_explicit_axes_match_single_device(self):
+    # Explicit axes (jax.set_mesh): a contraction over sharded axes must
+    # name its output's sharding. Factors and Gram matrices are replicated,
+    # products with the roots keep the gradient's sharding.
+    explicit = jax.sharding.AxisType.Explicit
+    mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(explicit,) * 2)
+    rng = np.random.default_rng(1)
+    specs = {
+      "w": P("data", "model"),
+      "t": P("model", None),
+      "stack": P(None, "data", "model"),
+      "b": P(),
+    }
+    shapes = {"w": (16, 16), "t": (8, 32), "stack": (2, 8, 6), "b": (8,)}
+    dims = {
+      "w": fisher_optax.FISMODimensionNumbers(),
+      "t": fisher_optax.FISMODimensionNumbers(),
+      "stack": fisher_optax.FISMODimensionNumbers(1, 2),
+      "b": None,
+    }
+    normal = lambda shape: jnp.asarray(rng.normal(size=shape), jnp.float32)
+    params = {k: normal(v) for k, v in shapes.items()}
+    grads_seq = [{k: normal(v) for k, v in shapes.items()} for _ in range(3)]
+    pe_seq = [{k: normal((4, *v)) for k, v in shapes.items()} for _ in range(3)]
+    configs = {
+      "newton": {},
+      "eigh_original": dict(root_method="eigh", momentum_space="original"),
+      "cholesky": dict(root_method="cholesky", momentum_space="original"),
+      "grafted_nesterov": dict(grafting="muon_norm", nesterov=True),
+      "per_example": dict(fisher_source="per_example"),
+    }
+    for name, kw in configs.items():
+      with self.subTest(name):
+        tx = fisher_optax.fismo(
+          1e-2,
+          precondition_interval=2,
+          fismo_weight_dimension_numbers=dims,
+          **kw,
+        )
+        extra = lambda i, put: (
+          {"per_example_grads": put(pe_seq[i], True)}
+          if kw.get("fisher_source") == "per_example"
+          else {}
+        )
+        step = jax.jit(lambda g, s, p, e, tx=tx: tx.update(g, s, p, **e))
+        state, want = tx.init(params), []
+        for i, g in enumerate(grads_seq):
+          u, state = step(g, state, params, extra(i, lambda t, _: t))
+          want.append(u)
+
+        def put(tree, stacked=False):
+          return {
+            k: jax.device_put(
+              v,
+              NamedSharding(mesh, P(None, *specs[k]) if stacked else specs[k]),
+            )
+            for k, v in tree.items()
+          }
+
+        with jax.set_mesh(mesh):
+          sharded = put(params)
+          state = tx.init(sharded)
+          for i, (g, w) in enumerate(zip(grads_seq, want)):
+            u, state = step(put(g), state, sharded, extra(i, put))
+            chex.assert_trees_all_close(u, w, rtol=1e-4, atol=1e-5)
+          for k, spec in specs.items():
+            self.assertTrue(
+              u[k].sharding.is_equivalent_to(
+                NamedSharding(mesh, spec), u[k].ndim
+              ),
+              (k, u[k].sharding),
+            )
+
 
 if __name__ == "__main__":
   absltest.main()
