@@ -58,6 +58,7 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
+import jax.core
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -112,8 +113,9 @@ class _LeafPlan(NamedTuple):
   b2_hat: jax.Array
   eps_term: jax.Array
   coef_n: jax.Array  # (1 - b1) / max(1, RMS(n) / c).
-  coef_w: jax.Array | None  # lambda / max(1, RMS(w) / c); None: no decay.
-  mean_squares: tuple[jax.Array, ...]  # ms(g), ms(g / d) [, ms(theta / d)].
+  # lambda / max(s, RMS(theta s / d) / c), s = eps_term; None: no decay.
+  coef_w: jax.Array | None
+  mean_squares: tuple[jax.Array, ...]  # ms(g), ms(g / d) [, ms(theta s / d)].
 
 
 def _checked_hyper(
@@ -239,7 +241,9 @@ def scale_by_fadam(
   fim_dtype = numerics.canonical_float_dtype("fim_dtype", fim_dtype)
   # Python branches on floats only when they are concrete (inject_hyperparams
   # passes arrays).
-  no_decay = isinstance(weight_decay, (int, float)) and weight_decay == 0
+  # Known zero (a number, or a concrete injected value): params are not
+  # needed.
+  no_decay = validation.concrete_value(weight_decay) == 0
 
   def init_fn(params: optax.Params) -> FAdamState:
     return _init_state(params, mu_dtype, fim_dtype)
@@ -440,6 +444,11 @@ def _denominator(f: jax.Array, eps_term: jax.Array, hp: _Hyper) -> jax.Array:
   return power + eps_term
 
 
+def _floor_over(eps_term: jax.Array, d: jax.Array) -> jax.Array:
+  """``s / d`` in (0, 1], with ``s`` the denominator's floor ``eps_term``."""
+  return eps_term / d
+
+
 def _fresh(xs: Any, after: Any) -> Any:
   """``xs`` unchanged, but a value XLA cannot merge with other uses of them.
 
@@ -483,18 +492,26 @@ def _leaf_plan(
   eps_term = _eps_term(ms_g, cd, hp)
 
   def ms_over_d(x: jax.Array | None, after: Any) -> jax.Array:
-    """ms(x / d), x = g when None, from fresh inputs (see :func:`_fresh`)."""
+    """ms(g / d) (x None) or ms(x s / d), from fresh inputs (see
+    :func:`_fresh`)."""
     g_, f_, sq_, x, bh_, eps_ = _fresh((g, f_old, sq, x, bh, eps_term), after)
     g32, f = _new_fisher(g_, f_, sq_, bh_, cd)
-    x = g32 if x is None else jnp.asarray(x, cd)
-    return _mean_square(x / _denominator(f, eps_, hp))
+    d = _denominator(f, eps_, hp)
+    if x is None:  # |g / d| <= 1 / sqrt(1 - b2): no overflow
+      return _mean_square(g32 / d)
+    return _mean_square(jnp.asarray(x, cd) * _floor_over(eps_, d))
 
   ms_n = ms_over_d(None, ms_g)
   coef_n = (1.0 - hp.b1) / jnp.maximum(1.0, jnp.sqrt(ms_n) / hp.clip)
   coef_w, mean_squares = None, (ms_g, ms_n)
   if decay:
+    # theta / d overflows float32 where d is near its floor s (a leaf whose
+    # gradient is tiny: s follows its RMS), though the clip bounds the term;
+    # the step was then skipped, every step. theta s / d cannot overflow,
+    # and lambda (theta / d) / max(1, RMS(theta / d) / c) equals
+    # lambda (theta s / d) / max(s, RMS(theta s / d) / c).
     ms_w = ms_over_d(theta, ms_n)
-    coef_w = hp.weight_decay / jnp.maximum(1.0, jnp.sqrt(ms_w) / hp.clip)
+    coef_w = hp.weight_decay / jnp.maximum(eps_term, jnp.sqrt(ms_w) / hp.clip)
     mean_squares += (ms_w,)
   return _LeafPlan(cd, bh, eps_term, coef_n, coef_w, mean_squares)
 
@@ -532,7 +549,7 @@ def _leaf_step(
   if plan.coef_w is not None:
     f_w, eps_w = _fresh((f_d, plan.eps_term), m_new)
     d_w = _denominator(f_w, eps_w, hp)
-    out = out + plan.coef_w * (jnp.asarray(theta, cd) / d_w)
+    out = out + plan.coef_w * (jnp.asarray(theta, cd) * _floor_over(eps_w, d_w))
   out = jnp.where(ok, out, fill.astype(cd))
   return out.astype(jnp.result_type(g)), m_new, f_new
 
@@ -561,7 +578,7 @@ def _fadam_update(
   finiteness checks of the results and select of the old state would cost
   several more passes over the state, and a copy of it when it is donated.
   The policy's decision is known after pass 1: the pass-1 mean squares are
-  finite exactly when ``g``, ``g / d`` and ``theta / d`` are (or overflow
+  finite exactly when ``g``, ``g / d`` and ``theta s / d`` are (or overflow
   when squared), and then the new Fisher (a convex combination of finite
   values), momentum and output are finite; so pass 2 selects the old state
   in the same sweep. Only statistics stored narrower than they are computed
@@ -663,7 +680,8 @@ def _decay_mask(
     raise ValueError(
       "scale_by_fadam applies a Fisher-preconditioned weight decay and "
       "needs the current params: call update(updates, state, params), or "
-      "set weight_decay=0."
+      "set weight_decay=0 (under inject_hyperparams inside jit, also list "
+      "it in static_args)."
     )
   return decay
 
@@ -693,7 +711,16 @@ def _fisher_statistic(
   if stat is not None:
     # A fisher.DiagonalFisher (or any object with .diag) or the tree itself.
     diag = getattr(stat, "diag", stat)
-    return _flatten_like(diag, updates, "fisher.diag")
+    leaves = _flatten_like(diag, updates, "fisher.diag")
+    for path, leaf in jax.tree_util.tree_leaves_with_path(diag):
+      # A negative Fisher makes the step non-finite, so every step would be
+      # skipped; a non-finite one is left to the non-finite policy.
+      if not isinstance(leaf, jax.core.Tracer) and np.any(np.asarray(leaf) < 0):
+        raise ValueError(
+          f"fisher{jax.tree_util.keystr(path)} has negative entries: a "
+          "diagonal Fisher is non-negative."
+        )
+    return leaves
   raise ValueError(
     "fisher_source='per_example' needs a per_example_grads=... (the "
     "updates' tree with a leading batch axis) or fisher=... (a "

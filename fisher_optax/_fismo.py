@@ -1109,12 +1109,14 @@ def fismo(
     adam_learning_rate = learning_rate
   else:
     validation.check_learning_rate(adam_learning_rate)
-  validation.check_positive("weight_decay", weight_decay, allow_zero=True)
+  validation.check_positive(
+    "weight_decay", weight_decay, allow_zero=True, schedule=True
+  )
   validation.check_in_unit_interval("adam_b1", adam_b1)
   validation.check_in_unit_interval("adam_b2", adam_b2)
   validation.check_positive("adam_eps_root", adam_eps_root, allow_zero=True)
   validation.check_positive(
-    "adam_weight_decay", adam_weight_decay, allow_zero=True
+    "adam_weight_decay", adam_weight_decay, allow_zero=True, schedule=True
   )
   dims_spec = fismo_weight_dimension_numbers
   name = "fismo_weight_dimension_numbers"

@@ -43,7 +43,8 @@ class WoodburyFisherState(NamedTuple):
   """State of :func:`scale_by_woodbury_fisher`.
 
   Attributes:
-    count: number of updates so far (int32).
+    count: number of steps taken so far, int32 (a step skipped as
+      non-finite is not counted).
     window: ring buffer of the last ``history_size`` gradients, leaves
       ``(history_size, *shape)`` (zero-size leaves with per-example windows).
     gram: cached Gram matrix of the window in float32 (or wider): one
@@ -62,7 +63,8 @@ class MFACState(NamedTuple):
   """State of :func:`scale_by_mfac`.
 
   Attributes:
-    count: number of ``update`` calls, int32.
+    count: number of steps taken so far, int32 (a step skipped as
+      non-finite is not counted).
     index: the ring-buffer slot the next gradient overwrites, int32.
     grads: the window ``G``, a tree shaped like the params with a leading axis
       ``window_size`` (oldest rows are overwritten first; starts at zero).
@@ -177,12 +179,16 @@ def _solve(
   scale: float,
   gx: PyTree = None,
   pending: tuple[PyTree, jax.Array] | None = None,
+  coords: jax.Array | None = None,
+  remainder: bool = True,
 ) -> PyTree:
   """``F^{-1} g`` for a window and its Gram, per leaf if block-diagonal.
 
   ``gx`` is ``G g`` (per leaf if block-diagonal) when already known, else
   None; ``pending=(rows, slots)`` are rows not yet written into the window
-  (see :func:`fisher_optax.fisher.linalg.stacked_pending_gram`). A Gram that
+  (see :func:`fisher_optax.fisher.linalg.stacked_pending_gram`); ``coords``
+  and ``remainder`` say which part of ``g`` they span (see
+  :func:`fisher_optax.fisher.linalg.woodbury_window_solve`). A Gram that
   overflowed from finite rows (1e30 gradients) never reaches the Cholesky:
   the solve runs on a zero Gram and its output is NaN, so the non-finite
   policy skips the step.
@@ -200,6 +206,8 @@ def _solve(
         normalized=cfg.normalized,
         gx=gx,
         pending=None if pending is None else (rows, pending[1]),
+        coords=coords,
+        remainder=remainder,
       )
 
     return numerics.finite_or_nan(factor_and_solve, gr, gx)
@@ -289,17 +297,15 @@ def _window_step(
   gram, gx = _pending_gram(
     cfg, window, light.gram, stored, slot, updates if with_x else None
   )
-  x = updates
-  if not cfg.per_example and k == 1:
-    if not exact:
-      # A narrower window (bf16) holds the gradient rounded: its rounding
-      # error lies outside the window's span, where the inverse scales by
-      # 1 / damping. The solve takes the row as stored.
-      x = jax.tree.map(lambda r, u: r[0].astype(u.dtype), stored, updates)
-    # The gradient is the row pushed: G g is the Gram's column of its slot,
-    # so the solve reads the window once more, not twice.
-    column = lambda gr: gr[:, slots[0]]
-    gx = jax.tree.map(column, gram) if cfg.block_diagonal else column(gram)
+  # The gradient is the row pushed (the per-example rows' mean): it lies in
+  # the window's span, where the solve needs no G g and has no cancellation
+  # (see linalg.woodbury_window_solve's coords). A narrower window (bf16)
+  # holds the rows rounded: that rounding lies outside the span, where the
+  # inverse scales by 1 / damping, so the solve takes the rows as stored.
+  # An exact window keeps the rest of per-example updates (their mean's
+  # rounding, or terms added to the gradient) as the remainder.
+  coords = jnp.full((k,), 1.0 / k, jnp.float32)
+  remainder = exact and cfg.per_example
 
   # The policy counts from zero, so a skip is seen even once the count
   # saturates.
@@ -307,7 +313,18 @@ def _window_step(
   fresh = light._replace(notfinite_count=zero)
   scale = 1.0 / cfg.size if cfg.mean else 1.0
   step = lambda: (
-    _solve(cfg, window, gram, x, damping, scale, gx, (stored, slots)),
+    _solve(
+      cfg,
+      window,
+      gram,
+      updates,
+      damping,
+      scale,
+      gx,
+      (stored, slots),
+      coords,
+      remainder,
+    ),
     advance(fresh, k)._replace(gram=gram),
   )
   out, new = numerics.skip_nonfinite_step(step, updates, fresh, inputs=inputs)
@@ -681,7 +698,9 @@ def mfac(
     "mfac", fisher_source, "gradients", gradients, _LEGACY_SOURCES
   )
   validation.check_learning_rate(learning_rate)
-  validation.check_positive("weight_decay", weight_decay, allow_zero=True)
+  validation.check_positive(
+    "weight_decay", weight_decay, allow_zero=True, schedule=True
+  )
   if momentum is not None:
     validation.check_in_unit_interval("momentum", momentum)
     ema = optax.ema(momentum, debias=False)

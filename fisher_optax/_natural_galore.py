@@ -1005,7 +1005,9 @@ def natural_galore(
     _LEGACY_SOURCES,
   )
   validation.check_learning_rate(learning_rate)
-  validation.check_positive("weight_decay", weight_decay, allow_zero=True)
+  validation.check_positive(
+    "weight_decay", weight_decay, allow_zero=True, schedule=True
+  )
   chain = optax.chain(
     scale_by_natural_galore(
       rank=rank,

@@ -519,7 +519,9 @@ def physguard(
   """
   validation.check_learning_rate(learning_rate)
   validation.check_choice("placement", placement, _PLACEMENTS)
-  validation.check_positive("weight_decay", weight_decay, allow_zero=True)
+  validation.check_positive(
+    "weight_decay", weight_decay, allow_zero=True, schedule=True
+  )
   validation.check_in_unit_interval("b1", b1)
   validation.check_in_unit_interval("b2", b2)
   validation.check_positive("eps", eps, allow_zero=True)

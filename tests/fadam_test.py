@@ -371,6 +371,13 @@ class FAdamPerExampleTest(parameterized.TestCase):
         params,
         fisher={"a": jnp.ones((3, 2)), "b": jnp.ones((5,))},
       )
+    with self.assertRaisesRegex(ValueError, r"fisher\['b'\] has negative"):
+      tx.update(
+        params,
+        state,
+        params,
+        fisher={"a": jnp.ones((3, 2)), "b": -jnp.ones((4,))},
+      )
     with self.assertRaisesRegex(ValueError, "only one"):
       tx.update(
         params,
@@ -453,6 +460,43 @@ class FAdamBehaviourTest(parameterized.TestCase):
     tx = fisher_optax.fadam(1e-2, weight_decay=0.0)
     updates, _ = tx.update(params, tx.init(params))  # No params needed.
     chex.assert_tree_all_finite(updates)
+
+  def test_injected_zero_decay_needs_no_params(self):
+    params = jnp.ones(3)
+    tx = optax.inject_hyperparams(fisher_optax.fadam)(1e-2, weight_decay=0.0)
+    updates, _ = tx.update(params, tx.init(params))  # concrete: no params
+    chex.assert_tree_all_finite(updates)
+
+  def test_tiny_gradient_leaf_is_not_skipped(self):
+    # eps_hat follows the leaf's tiny RMS, so theta / d (about 1e19 here)
+    # overflowed float32 when squared and every step was skipped, though
+    # the weight decay's clip bounds the term.
+    theta = [np.ones(100), np.linspace(-1.0, 1.0, 8)]
+    rng = np.random.default_rng(0)
+    grads_seq = [[np.zeros(100), rng.normal(size=8)] for _ in range(3)]
+    for g in grads_seq:
+      g[0][0] = 1e-16
+    hp = dict(_HPARAMS, eps=1e-8)
+    want, _ = numpy_fadam(theta, grads_seq, p=0.5, clip=1.0, **hp)
+    tx = fisher_optax.fadam(
+      hp["lr"],
+      b1=hp["b1"],
+      b2=hp["b2"],
+      eps=hp["eps"],
+      eps2=hp["eps2"],
+      weight_decay=hp["weight_decay"],
+    )
+    got, state = _run_fadam(tx, theta, grads_seq, jnp.float32)
+    self.assertEqual(int(state[0].notfinite_count), 0)
+    for g_step, w_step in zip(got, want):
+      for a, b in zip(g_step, w_step):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+  def test_schedules_where_numbers_are_needed(self):
+    with self.assertRaisesRegex(TypeError, "weight_decay takes a number"):
+      fisher_optax.fadam(1e-2, weight_decay=optax.constant_schedule(0.1))
+    with self.assertRaisesRegex(TypeError, "b1 takes a number"):
+      fisher_optax.fadam(1e-2, b1=optax.constant_schedule(0.9))
 
   def test_weight_decay_mask(self):
     params = {"w": jnp.full((2, 3), 2.0), "b": jnp.full((3,), -1.0)}

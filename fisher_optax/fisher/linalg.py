@@ -171,7 +171,7 @@ def _tri_solve(chol: jax.Array, b: jax.Array, *, transpose: bool) -> jax.Array:
 def woodbury_solve(
   stacked: PyTree,
   factor: WoodburyFactor,
-  x: PyTree,
+  x: PyTree | None,
   *,
   normalized: bool = False,
   gx: jax.Array | None = None,
@@ -186,8 +186,15 @@ def woodbury_solve(
   ``pending=(rows, slots)`` solves with the window whose rows ``slots``
   (int32, shape ``(k,)``) are replaced by the stacked ``rows``, without
   writing them: see :func:`stacked_pending_gram`.
+
+  More generally it returns ``(x - G^T C^{-1} gx) / damping`` for any
+  ``gx``; ``x=None`` reads as zeros there (``gx`` is then required), which
+  :func:`woodbury_window_solve` uses to solve inside the window's span.
   """
-  if gx is None:
+  if x is None:
+    if gx is None:
+      raise ValueError("woodbury_solve needs gx when x is None.")
+  elif gx is None:
     gx = tree_stacked_dot(stacked, x)
     if pending is not None:
       gx = gx.at[pending[1]].set(tree_stacked_dot(pending[0], x))
@@ -203,7 +210,7 @@ def woodbury_solve(
 def _woodbury_apply(
   stacked: PyTree,
   w: jax.Array,
-  x: PyTree,
+  x: PyTree | None,
   damping: jax.Array,
   *,
   normalized: bool,
@@ -223,7 +230,10 @@ def _woodbury_apply(
       tree_stacked_combine(stacked, w.at[slots].set(0)),
       tree_stacked_combine(rows, w[slots]),
     )
-  out = jax.tree.map(lambda a, b: a - b.astype(a.dtype), x, correction)
+  if x is None:
+    out = jax.tree.map(lambda b: -b, correction)
+  else:
+    out = jax.tree.map(lambda a, b: a - b.astype(a.dtype), x, correction)
   if normalized:
     return out
   return jax.tree.map(lambda a: a / damping.astype(a.dtype), out)
@@ -414,7 +424,10 @@ def stacked_pending_gram(
     ``(gram, gx)``: the new ``(m, m)`` Gram and ``G x`` of shape ``(m,)``
     (None without ``x``).
   """
-  k = {r.shape[0] for r in jax.tree.leaves(rows)}.pop()
+  sizes = {r.shape[0] for r in jax.tree.leaves(rows)}
+  if not sizes:  # a tree without leaves: nothing pending, G x is empty
+    return gram, None if x is None else jnp.zeros(gram.shape[0], gram.dtype)
+  k = sizes.pop()
   m = gram.shape[0]
   slots = (jnp.asarray(index, jnp.int32) + jnp.arange(k, dtype=jnp.int32)) % m
   new = jax.tree.map(lambda s, r: r.astype(s.dtype), stacked, rows)
@@ -466,6 +479,8 @@ def woodbury_window_solve(
   normalized: bool = False,
   gx: jax.Array | None = None,
   pending: tuple[PyTree, jax.Array] | None = None,
+  coords: jax.Array | None = None,
+  remainder: bool = True,
 ) -> PyTree:
   """``(damping I + scale G^T G)^{-1} x`` for a window ``G`` and its Gram.
 
@@ -488,6 +503,15 @@ def woodbury_window_solve(
     pending: ``(rows, slots)``, rows that replace the window's rows
       ``slots`` for this solve without being written (``gram`` is then the
       Gram with them, from :func:`stacked_pending_gram`).
+    coords: ``(k,)`` coefficients ``a`` of the pending rows with
+      ``x = rows^T a + r`` (e.g. one for the gradient just pushed, ``1/k``
+      for the mean of ``k`` per-example rows). The part in the window's span
+      is then solved as ``G^T (scale G G^T + damping I)^{-1} a``, which has
+      no cancellation: ``(x - G^T w) / damping`` loses float32 digits in
+      proportion to ``scale |x|^2 / damping`` when ``x`` lies in the span.
+    remainder: with ``coords``, whether ``r = x - rows^T a`` is solved too
+      (by the formula above, with ``G r = G x - gram a``); False takes ``x``
+      as exactly ``rows^T a``, e.g. the rows as stored in a narrower window.
 
   Returns:
     ``F^{-1} x`` in ``x``'s dtypes; ``x`` itself for a tree without leaves.
@@ -504,16 +528,33 @@ def woodbury_window_solve(
     return x
   dtype = numerics.compute_dtype(jnp.result_type(gram, *leaves))
   wide = jax.tree.map(lambda s: s.astype(dtype), stacked)
-  factor = woodbury_factor(gram.astype(dtype), damping, scale)
-  out = woodbury_solve(
-    wide,
-    factor,
-    jax.tree.map(lambda v: v.astype(dtype), x),
-    normalized=normalized,
-    gx=gx,
-    pending=None
+  gram = gram.astype(dtype)
+  factor = woodbury_factor(gram, damping, scale)
+  pending = (
+    None
     if pending is None
-    else (jax.tree.map(lambda r: r.astype(dtype), pending[0]), pending[1]),
+    else (jax.tree.map(lambda r: r.astype(dtype), pending[0]), pending[1])
+  )
+  xw: PyTree | None = jax.tree.map(lambda v: v.astype(dtype), x)
+  if coords is not None:
+    if pending is None:
+      raise ValueError("coords are coefficients of pending rows.")
+    rows, slots = pending
+    a = jnp.zeros(gram.shape[0], dtype).at[slots].set(coords.astype(dtype))
+    shifted = factor.damping / jnp.asarray(scale, dtype) * a
+    if remainder:
+      # x = G^T a + r: F^{-1} x = (r - G^T C^{-1} (G r - shift a)) / damping.
+      if gx is None:
+        gx = tree_stacked_dot(wide, xw)
+        gx = gx.at[slots].set(tree_stacked_dot(rows, xw))
+      in_span = tree_stacked_combine(rows, coords.astype(dtype))
+      xw = jax.tree.map(jnp.subtract, xw, in_span)
+      ga = jnp.matmul(gram, a, precision=_HIGHEST)
+      gx = gx.astype(dtype) - ga - shifted
+    else:
+      xw, gx = None, -shifted
+  out = woodbury_solve(
+    wide, factor, xw, normalized=normalized, gx=gx, pending=pending
   )
   return jax.tree.map(lambda o, v: o.astype(v.dtype), out, x)
 

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 
-def _concrete(x: Any) -> float | None:
+def concrete_value(x: Any) -> float | None:
   """The value of a real scalar known now, else ``None``.
 
   Python numbers, NumPy scalars and concrete 0-d arrays (what
@@ -51,9 +51,30 @@ def _hint(value: Any) -> str:
   return ""
 
 
-def check_positive(name: str, value: Any, *, allow_zero: bool = False) -> None:
-  """Raises ``ValueError`` if a concrete ``value`` is negative (or zero)."""
-  v = _concrete(value)
+def _not_a_schedule(name: str, value: Any, schedule: bool) -> bool:
+  """Whether ``value`` is a number to check; a schedule only if allowed."""
+  if not callable(value):
+    return True
+  if schedule:
+    return False
+  raise TypeError(
+    f"{name} takes a number, not a schedule ({value!r}); to schedule it, "
+    "wrap the optimizer in optax.inject_hyperparams and pass the schedule "
+    "there."
+  )
+
+
+def check_positive(
+  name: str, value: Any, *, allow_zero: bool = False, schedule: bool = False
+) -> None:
+  """Raises ``ValueError`` if a concrete ``value`` is negative (or zero).
+
+  A callable is a ``TypeError`` unless ``schedule`` (the value then goes to
+  an optax transform that accepts schedules).
+  """
+  if not _not_a_schedule(name, value, schedule):
+    return
+  v = concrete_value(value)
   if v is not None:
     if v != v:  # NaN
       raise ValueError(f"{name} must be a number, got NaN.")
@@ -66,7 +87,8 @@ def check_in_unit_interval(
   name: str, value: Any, *, closed_right: bool = False
 ) -> None:
   """Raises ``ValueError`` unless a concrete ``value`` lies in [0, 1)."""
-  v = _concrete(value)
+  _not_a_schedule(name, value, False)
+  v = concrete_value(value)
   if v is not None:
     ok = 0 <= v <= 1 if closed_right else 0 <= v < 1
     if not ok:
@@ -76,8 +98,7 @@ def check_in_unit_interval(
 
 def check_learning_rate(value: Any) -> None:
   """A float learning rate must be >= 0; callables are schedules."""
-  if not callable(value):
-    check_positive("learning_rate", value, allow_zero=True)
+  check_positive("learning_rate", value, allow_zero=True, schedule=True)
 
 
 def _check_int(name: str, value: Any, minimum: int, must: str) -> int:
