@@ -67,6 +67,7 @@ PyTree = Any
 
 _MODES = ("separate", "online")
 _LOW_RANK_UPDATES = ("slots", "compress")
+_HIGHEST = jax.lax.Precision.HIGHEST
 
 
 class DiagonalEWC(NamedTuple):
@@ -95,6 +96,15 @@ class LowRankEWC(NamedTuple):
   (``KP + 2K + 1`` numbers).
 
   No anchor vector is stored: ``a_k = u_k . theta*`` is all the penalty needs.
+
+  Precision: the penalty forms ``u_k . theta - a_k`` from two numbers of
+  magnitude about ``|u_k . theta*|``, so a move ``theta - theta*`` is
+  resolved only down to the float rounding of ``|u_k . theta*|`` (about
+  ``1e-7`` times it in float32); smaller moves are lost to cancellation
+  and the penalty is too large there. Far from the anchor this does not
+  matter. Enabling x64 (``jax.config.update("jax_enable_x64", True)``
+  with float64 params) avoids that floor, and so does the diagonal part,
+  which stores ``theta*`` itself.
 
   Attributes:
     vectors: params-shaped leaves with a leading ``K`` axis, ``u_k``.
@@ -186,6 +196,23 @@ def _low_rank_pair(stat: Any) -> tuple[jax.Array, PyTree]:
   raise TypeError(
     "low_rank must be a fisher.LowRankFisher (with .eigvals and .eigvecs) or "
     f"an (eigvals, eigvecs) pair, got a {type(stat).__name__}{hint}."
+  )
+
+
+def _check_scalar(name: str, value: Any) -> None:
+  # Static, so traced values are checked too: a vector would broadcast.
+  if jnp.ndim(value) != 0:
+    raise ValueError(f"{name} must be a scalar, got shape {jnp.shape(value)}.")
+
+
+def _params_like(anchor: EWCAnchor) -> PyTree:
+  """The params' shapes the anchor was built for (no leaf is read)."""
+  if anchor.diagonal is not None:
+    return anchor.diagonal.precision
+  assert anchor.low_rank is not None  # EWCAnchor holds at least one part.
+  return jax.tree.map(
+    lambda v: jax.ShapeDtypeStruct(v.shape[1:], v.dtype),
+    anchor.low_rank.vectors,
   )
 
 
@@ -377,24 +404,28 @@ def _compress(
   """The top-``K`` eigenpairs of the old and new terms together.
 
   With ``W`` the ``m = K + k`` rows ``sqrt(s_j) u_j`` of the old and new
-  slots and ``y = sqrt(s) * a``, their sum is ``|W theta - y|^2``.
-  ``M = W^T W = sum_i l_i v_i v_i^T`` is decomposed through the ``m x m``
-  Gram of ``W``, and then, exactly,
+  slots and ``y = sqrt(s) * a``, their sum is ``|W theta - y|^2``. With
+  ``V`` the orthonormal eigenvectors of the ``m x m`` Gram ``W W^T`` and
+  ``r_i = W^T v_i`` it is, exactly, a sum of ``m`` terms
 
   .. math::
 
-    |W \\theta - y|^2 = \\sum_i l_i (v_i \\cdot \\theta - a_i')^2 + r,
-    \\qquad a_i' = v_i \\cdot b / l_i, \\quad
-    r = |y - Q Q^\\top y|^2,
+    |W \\theta - y|^2 = \\sum_i (r_i \\cdot \\theta - v_i \\cdot y)^2
+      = \\sum_i l_i (u_i \\cdot \\theta - a_i)^2, \\quad
+    l_i = |r_i|^2, \\ u_i = r_i / \\sqrt{l_i}, \\
+    a_i = v_i \\cdot y / \\sqrt{l_i},
 
-  with ``b = W^T y = sum_j s_j a_j u_j``, ``q_i = W v_i / sqrt(l_i)`` the
-  orthonormal columns of ``Q`` (``q_i . y = sqrt(l_i) a_i'``) and ``r`` the
-  sum's minimum, formed as the square of a difference (not as ``sum_j s_j
-  a_j^2 - sum_i l_i a_i'^2``, whose cancellation loses it when the anchors'
-  projections are large). The ``K`` largest terms are kept and ``r`` is
-  added to the residual; a truncated term is dropped whole, so the result
-  is exact when the sum has rank ``<= K``, and ``0`` in online mode (``y =
-  W theta*``).
+  where the ``u_i`` are the eigenvectors of ``W^T W`` and the ``l_i`` its
+  eigenvalues. ``l_i`` is taken as ``|r_i|^2`` rather than the Gram's
+  eigenvalue: the Gram squares ``W``, so its small eigenvalues carry an
+  absolute error of the float rounding of its largest, while ``|r_i|^2``
+  resolves them to about ``eps^2`` times the largest. The ``K`` largest
+  terms are kept (any ``l_i`` above ``eps^1.5`` times the largest; each is
+  exact whatever ``l_i``); a term with ``l_i`` below ``eps`` times the
+  largest is the constant ``(v_i . y)^2`` and goes to the residual (the
+  sum's minimum, never formed as a difference of large numbers); any other
+  truncated term is dropped whole. The result is exact when the sum has
+  rank ``<= K``, and the residual ``0`` in online mode (``y = W theta*``).
   """
   k_slots = scales.shape[0]
   all_vecs = jax.tree.map(
@@ -402,33 +433,58 @@ def _compress(
   )
   all_scales = jnp.concatenate([scales, new.scales])
   all_proj = jnp.concatenate([proj, new.anchor_proj])
+  dtype = all_scales.dtype
   root_s = jnp.sqrt(all_scales)
   weighted = jax.tree.map(
     lambda v: v * root_s.astype(v.dtype).reshape((-1,) + (1,) * (v.ndim - 1)),
     all_vecs,
   )
-  # The engine's Gram-matrix eigensolver returns eigenpairs of W^T W / m,
-  # in descending order; all m of them, for the residual.
-  m = all_scales.shape[0]
-  eig = fisher.low_rank_from_grads(weighted, rank=m)
-  evals = (m * eig.eigvals).astype(all_scales.dtype)
-  linear = linalg.tree_stacked_combine(all_vecs, all_scales * all_proj)
-  vb = linalg.tree_stacked_dot(eig.eigvecs, linear).astype(evals.dtype)
-  pos = evals > 0
-  inv_root = jnp.where(pos, jax.lax.rsqrt(jnp.where(pos, evals, 1.0)), 0.0)
-  anchor_proj = vb * jnp.square(inv_root)
-  # r = |y - Q (Q^T y)|^2 with Q = W V L^(-1/2), (m, m).
-  cross = linalg.tree_stacked_gram(all_vecs, eig.eigvecs).astype(evals.dtype)
-  q = root_s[:, None] * cross * inv_root[None, :]
-  gap = root_s * all_proj - q @ (vb * inv_root)
-  new_residual = residual + jnp.sum(jnp.square(gap)).astype(residual.dtype)
-  return LowRankEWC(
-    jax.tree.map(
-      lambda v, o: v[:k_slots].astype(o.dtype), eig.eigvecs, old_vectors
+  gram = linalg.symmetrize(linalg.tree_stacked_gram(weighted)).astype(dtype)
+  # A non-finite Gram (overflowing scales) gives NaN without reaching LAPACK.
+  v = numerics.finite_or_nan(jnp.linalg.eigh, gram)[1]
+  rows = _stacked_mix(weighted, v)  # r_i = W^T v_i
+  sq = jnp.asarray(
+    sum(
+      jnp.sum(jnp.square(r), axis=tuple(range(1, r.ndim))).astype(dtype)
+      for r in jax.tree.leaves(rows)
     ),
-    evals[:k_slots].astype(scales.dtype),
-    anchor_proj[:k_slots].astype(scales.dtype),
-    new_residual,
+    dtype,
+  )
+  order = jnp.argsort(-sq, stable=True)
+  sq, v = sq[order], v[:, order]
+  eps = jnp.finfo(dtype).eps
+  top = jnp.maximum(sq[0], 0.0)
+  keep = (jnp.arange(sq.shape[0]) < k_slots) & (
+    sq > jnp.maximum(eps**1.5 * top, jnp.finfo(dtype).tiny)
+  )
+  null = ~keep & (sq <= eps * top)
+  inv_root = jnp.where(keep, jax.lax.rsqrt(jnp.where(keep, sq, 1.0)), 0.0)
+  vy = jnp.matmul(v.T, root_s * all_proj, precision=_HIGHEST)
+  top_k = order[:k_slots]
+  vectors = jax.tree.map(
+    lambda r, o: (
+      r[top_k]
+      * inv_root[:k_slots].astype(r.dtype).reshape((-1,) + (1,) * (r.ndim - 1))
+    ).astype(o.dtype),
+    rows,
+    old_vectors,
+  )
+  new_residual = residual + jnp.sum(jnp.where(null, jnp.square(vy), 0.0))
+  return LowRankEWC(
+    vectors,
+    jnp.where(keep, sq, 0.0)[:k_slots].astype(scales.dtype),
+    (vy * inv_root)[:k_slots].astype(scales.dtype),
+    new_residual.astype(residual.dtype),
+  )
+
+
+def _stacked_mix(stacked: PyTree, v: jax.Array) -> PyTree:
+  """``out[i] = sum_j v[j, i] stacked[j]``, a stacked tree."""
+  return jax.tree.map(
+    lambda s: jnp.tensordot(
+      v.T.astype(s.dtype), s, axes=(1, 0), precision=_HIGHEST
+    ),
+    stacked,
   )
 
 
@@ -495,8 +551,10 @@ def consolidate(
   so ``K`` slots hold ``K / k`` tasks exactly; ``"compress"`` re-compresses the
   old and new terms to the top ``K`` eigenpairs of their sum (exact while the
   sum has rank ``<= K``, the penalty's value included, whose constant goes
-  to :class:`LowRankEWC`'s ``residual``; otherwise the terms along the
-  eigenvectors of the smallest eigenvalues are dropped whole).
+  to :class:`LowRankEWC`'s ``residual``, for eigenvalues down to about
+  ``eps^1.5`` times the largest, e.g. scale ratios of ``1e-7`` in float32;
+  otherwise the terms along the eigenvectors of the smallest eigenvalues
+  are dropped whole).
 
   All shapes are fixed, so this function can run under ``jit`` and the
   training step that reads the anchor never retraces.
@@ -517,7 +575,7 @@ def consolidate(
       ``.eigvecs``), e.g. from ``fisher.rank_one`` or ``fisher.low_rank``, or
       an ``(eigvals, eigvecs)`` pair; required iff the anchor has low-rank
       slots.
-    decay: ``gamma`` in [0, 1] applied to the old terms.
+    decay: ``gamma`` in [0, 1] applied to the old terms, a scalar.
     mode: ``"separate"`` or ``"online"``.
     low_rank_update: ``"slots"`` or ``"compress"``.
 
@@ -553,6 +611,7 @@ def consolidate(
   """
   validation.check_choice("mode", mode, _MODES)
   validation.check_choice("low_rank_update", low_rank_update, _LOW_RANK_UPDATES)
+  _check_scalar("decay", decay)
   validation.check_in_unit_interval("decay", decay, closed_right=True)
   anchor, params, diagonal, low_rank = numerics.pure_arrays(
     (anchor, params, diagonal, low_rank)
@@ -573,11 +632,7 @@ def consolidate(
     )
   diag = None if diagonal is None else _diagonal_entries(diagonal)
   low = None if low_rank is None else _low_rank_pair(low_rank)
-  if anchor.diagonal is not None:
-    like = anchor.diagonal.precision
-  else:
-    assert anchor.low_rank is not None  # EWCAnchor holds at least one part.
-    like = jax.tree.map(lambda v: v[0], anchor.low_rank.vectors)
+  like = _params_like(anchor)
   _check_params(params, like, "params")
   if diag is not None:
     _check_params(diag, like, "diagonal Fisher")
@@ -634,10 +689,10 @@ def ewc_gradient(params: PyTree, anchor: EWCAnchor) -> PyTree:
     Array([-4., -2.], dtype=float32)
   """
   params, anchor = numerics.pure_arrays((params, anchor))
+  _check_params(params, _params_like(anchor), "params")
   terms = []
   if anchor.diagonal is not None:
     d = anchor.diagonal
-    _check_params(params, d.precision, "params")
     terms.append(
       jax.tree.map(jnp.multiply, d.precision, _diagonal_gap(d, params))
     )
@@ -669,10 +724,14 @@ def ewc_penalty(
   :func:`add_ewc_gradient`. Avalanche and the reference EWC code omit the
   ``1/2``: ``lambda_ours = 2 lambda_theirs``.
 
+  The low-rank terms resolve moves from the anchor only down to about the
+  float rounding of ``|u_k . theta*|`` (``1e-7`` times it in float32; see
+  :class:`LowRankEWC`); x64 or the diagonal part avoids that floor.
+
   Args:
     params: current parameters ``theta``.
     anchor: an :class:`EWCAnchor`.
-    strength: ``lambda >= 0``.
+    strength: ``lambda >= 0``, a scalar.
 
   Returns:
     A scalar in the anchor's dtype.
@@ -693,12 +752,13 @@ def ewc_penalty(
 
     Added to a task loss: ``loss(p, batch) + ewc_penalty(p, anchor, lam)``.
   """
+  _check_scalar("strength", strength)
   validation.check_positive("strength", strength, allow_zero=True)
   params, anchor = numerics.pure_arrays((params, anchor))
+  _check_params(params, _params_like(anchor), "params")
   total = []
   if anchor.diagonal is not None:
     d = anchor.diagonal
-    _check_params(params, d.precision, "params")
     sq = jax.tree.map(
       lambda pr, g: jnp.sum(pr * jnp.square(g)),
       d.precision,
@@ -829,6 +889,7 @@ def add_ewc_gradient(
     <https://arxiv.org/abs/2509.23593>`_, 2025.
     Das et al, `AlignGuard-LoRA <https://arxiv.org/abs/2508.02079>`_, 2025.
   """
+  _check_scalar("strength", strength)
   validation.check_positive("strength", strength, allow_zero=True)
   # ``None`` (not 0) by default: inject_hyperparams would turn an int default
   # into an array, which cannot set a shape.
@@ -851,6 +912,7 @@ def add_ewc_gradient(
       raise ValueError(
         "add_ewc_gradient needs params: call update(updates, state, params)."
       )
+    validation.check_like(updates, numerics.pure_arrays(params), what="updates")
     grad = ewc_gradient(params, state.ewc_anchor)
     updates = jax.tree.map(
       lambda u, g: (u.astype(g.dtype) + strength * g).astype(u.dtype),

@@ -41,6 +41,12 @@ def _check_rank(rank: Any, w: jax.Array) -> int:
   return rank
 
 
+def _check_scalar(name: str, x: Any) -> None:
+  # Static, so traced values are checked too: a vector would broadcast.
+  if jnp.ndim(x) != 0:
+    raise ValueError(f"{name} must be a scalar, got shape {jnp.shape(x)}.")
+
+
 def _kernel_diag(fisher_diag: Any) -> Any:
   """The kernel's Fisher diagonal from an array or a ``DiagonalFisher``."""
   if not isinstance(fisher_diag, fisher.DiagonalFisher):
@@ -100,12 +106,13 @@ def fisher_weighted_svd(
 
   .. math::
 
-    S = \\operatorname{diag}(\\sqrt{r + \\epsilon}), \\quad
+    S = \\operatorname{diag}(\\sqrt{r + \\epsilon \\bar r}), \\quad
     S W = U \\Sigma V^\\top, \\quad
     W \\approx \\underbrace{S^{-1} U_r \\Sigma_r}_{a}\\,
                \\underbrace{V_r^\\top}_{b},
 
-  the exact minimiser of ``sum_ij r_i (W - a b)_ij^2`` over rank-``r``
+  with ``r_bar`` the mean of ``r`` (``eps`` is relative), the exact
+  minimiser of ``sum_ij (r_i + eps r_bar) (W - a b)_ij^2`` over rank-``r``
   factors. ``weight_axis="out"`` weighs output features,
   ``c_j = sum_i F_ij``, and rescales columns instead; ``two_sided=True``
   uses both (``sqrt(r) W sqrt(c)``), which is the diagonal-factor case of
@@ -128,12 +135,16 @@ def fisher_weighted_svd(
     rank: the target rank, a static int ``<= min(n_in, n_out)``.
     weight_axis: ``"in"`` or ``"out"`` (ignored when ``two_sided``).
     two_sided: weigh both input and output features.
-    eps: added to the summed Fisher before the square root, so features
-      with zero Fisher stay invertible. ``eps=0`` needs a positive total
-      Fisher on every weighted feature: one with zero total Fisher has zero
-      weight in the objective, so its row (column) of ``a @ b`` is not
-      determined; that is refused eagerly, and gives non-finite factors
-      under ``jit``.
+    eps: relative regularisation: ``eps`` times the mean summed Fisher
+      ``r_bar`` of the weighted side is added to each summed Fisher before
+      the square root, so features with zero Fisher stay invertible and the
+      result does not depend on the Fisher's scale (a Fisher ``c F`` gives
+      the factors of ``F`` for any ``c > 0``). For an all-zero Fisher
+      (``r_bar = 0``) ``eps`` itself is added: equal weights, a plain SVD.
+      ``eps=0`` needs a positive total Fisher on every weighted feature:
+      one with zero total Fisher has zero weight in the objective, so its
+      row (column) of ``a @ b`` is not determined; that is refused eagerly,
+      and gives non-finite factors under ``jit``.
     split: ``"left"`` (``a = S^{-1} U Sigma``, ``b = V^T``, the paper's form)
       or ``"balanced"`` (``sqrt(Sigma)`` on each side).
 
@@ -174,6 +185,7 @@ def fisher_weighted_svd(
   rank = _check_rank(rank, w)
   validation.check_choice("weight_axis", weight_axis, _AXES)
   validation.check_choice("split", split, _SPLITS)
+  _check_scalar("eps", eps)
   validation.check_positive("eps", eps, allow_zero=True)
   validation.check_fisher_leaf(fisher_diag, name="fisher_diag")
   dtype = numerics.compute_dtype(w)
@@ -186,7 +198,12 @@ def fisher_weighted_svd(
     """The square roots of one side's summed Fisher (ones when unused)."""
     if not use:
       return jnp.ones(fd.shape[1 - axis], dtype)
-    sums = jnp.sum(fd, axis=axis) + eps
+    sums = jnp.sum(fd, axis=axis)
+    # eps relative to the mean, so the result is invariant to the Fisher's
+    # scale; an all-zero Fisher falls back to the absolute eps (equal
+    # weights). Dividing before summing keeps the mean from overflowing.
+    mean = jnp.sum(sums / sums.shape[0])
+    sums = sums + eps * jnp.where(mean > 0, mean, 1.0)
     _check_feature_weights(sums, what)
     return jnp.sqrt(sums)
 
@@ -198,13 +215,33 @@ def fisher_weighted_svd(
   )
 
 
-def _damped_cholesky(x: jax.Array, damping: Any) -> jax.Array:
+def _damped_cholesky(x: jax.Array, damping: Any, name: str) -> jax.Array:
+  """The Cholesky factor of ``x + damping * mean(eigenvalues) * I``.
+
+  Concrete factors are checked (non-finite entries, or a factor whose
+  Cholesky fails); traced ones cannot be, and give NaN.
+  """
+  if not isinstance(x, jax.core.Tracer) and not bool(jnp.all(jnp.isfinite(x))):
+    raise ValueError(f"{name} has non-finite entries.")
   x = 0.5 * (x + x.T)
-  # Damping relative to the mean eigenvalue, so it is scale-free.
-  shift = damping * jnp.maximum(
-    jnp.trace(x) / x.shape[0], jnp.finfo(x.dtype).tiny
-  )
-  return jnp.linalg.cholesky(x + shift * jnp.eye(x.shape[0], dtype=x.dtype))
+  n = x.shape[0]
+  # Damping relative to the mean eigenvalue, so it is scale-free. A factor
+  # without a positive mean (all zero) gets damping * I: uniform weights on
+  # that side, i.e. a plain SVD there.
+  mean = jnp.sum(jnp.diagonal(x) / n)
+  shift = damping * jnp.where(mean > 0, mean, 1.0)
+  chol = jnp.linalg.cholesky(x + shift * jnp.eye(n, dtype=x.dtype))
+  # Checked on the factor itself: a traced damping makes it traced too.
+  if not isinstance(chol, jax.core.Tracer) and not bool(
+    jnp.all(jnp.isfinite(chol))
+  ):
+    raise ValueError(
+      f"{name} is not positive semi-definite, or is singular with "
+      f"damping={damping}, or overflows {x.dtype}: its damped Cholesky "
+      f"factor is not finite. Pass a PSD {name} and, for a singular one, "
+      "damping > 0."
+    )
+  return chol
 
 
 def generalized_fwsvd(
@@ -247,11 +284,21 @@ def generalized_fwsvd(
     rank: the target rank, a static int ``<= min(n_in, n_out)``.
     damping: each factor gets ``damping * mean(eigenvalues)`` added to its
       diagonal before the Cholesky (relative, so factor scale is
-      irrelevant).
+      irrelevant). A factor whose mean eigenvalue is not positive (an
+      all-zero one) gets ``damping`` itself: that side is weighed
+      uniformly, a plain SVD on that side. ``damping=0`` needs
+      positive-definite factors.
     split: ``"left"`` (singular values in ``a``) or ``"balanced"``.
 
   Returns:
     ``(a, b)`` with ``a @ b = W_hat``, in ``w``'s dtype.
+
+  Raises:
+    ValueError: for concrete factors with non-finite entries, or whose
+      damped Cholesky factor is not finite (a factor that is not positive
+      semi-definite, or a singular one with ``damping=0``); and for bad
+      shapes or options. Under ``jit`` the values cannot be checked and
+      such factors give NaN results.
 
   Example::
 
@@ -274,11 +321,12 @@ def generalized_fwsvd(
   _check_matrix("left", left, (n_in, n_in))
   _check_matrix("right", right, (n_out, n_out))
   rank = _check_rank(rank, w)
+  _check_scalar("damping", damping)
   validation.check_positive("damping", damping, allow_zero=True)
   validation.check_choice("split", split, _SPLITS)
   dtype = numerics.compute_dtype(w)
-  la = _damped_cholesky(jnp.asarray(left, dtype), damping)
-  lb = _damped_cholesky(jnp.asarray(right, dtype), damping)
+  la = _damped_cholesky(jnp.asarray(left, dtype), damping, "left")
+  lb = _damped_cholesky(jnp.asarray(right, dtype), damping, "right")
   wt = jnp.matmul(
     jnp.matmul(la.T, w.astype(dtype), precision=_HIGHEST),
     lb,

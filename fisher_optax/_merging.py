@@ -9,6 +9,7 @@ merge maximises the weighted joint density, coordinate by coordinate.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -90,12 +91,17 @@ def _merged_leaves(merge_mask: MaskOrFn, params: PyTree) -> list[bool]:
   ]
 
 
+def _check_scalar(name: str, value: Any) -> None:
+  # Static, so traced values are checked too: a vector would broadcast.
+  if jnp.ndim(value) != 0:
+    raise ValueError(f"{name} must be a scalar, got shape {jnp.shape(value)}.")
+
+
 def _check_weight(name: str, weight: Any) -> None:
+  _check_scalar(name, weight)
   if isinstance(weight, jax.core.Tracer):
     return
   arr = np.asarray(weight)
-  if arr.shape != ():
-    raise ValueError(f"{name} must be a scalar, got shape {arr.shape}.")
   if not np.isfinite(arr) or arr < 0:
     raise ValueError(f"{name} must be finite and >= 0, got {arr}.")
 
@@ -110,15 +116,45 @@ def _check_weight_vector(name: str, weights: Any) -> None:
     raise ValueError(f"{name} must be finite, >= 0 and not all zero, got {w}.")
 
 
-def _fisher_norm(fisher_leaves: list[Any], merged: list[bool]) -> jax.Array:
-  sq = [
-    jnp.sum(jnp.square(f.astype(numerics.compute_dtype(f))))
-    for f, m in zip(fisher_leaves, merged)
-    if m
-  ]
-  if not sq:
-    return jnp.ones((), jnp.float32)
-  return jnp.sqrt(sum(sq))
+def _scale_pow2(x: Any, e: jax.Array) -> jax.Array:
+  """``x * 2**-e``, exactly, for an int32 scalar ``e``.
+
+  Two power-of-two factors, neither of them subnormal: a division by a
+  number above ``2**126`` (or a multiplication by its reciprocal) flushes
+  to 0 on XLA:CPU.
+  """
+  x = jnp.asarray(x)
+  half = e // 2
+  one = jnp.ones((), x.dtype)
+  return x * jnp.ldexp(one, -half) * jnp.ldexp(one, half - e)
+
+
+def _exponent(x: jax.Array) -> jax.Array:
+  """``e`` with ``x = m 2**e``, ``0.5 <= m < 1`` (0 for ``x = 0``)."""
+  return jnp.frexp(x)[1]
+
+
+def _fisher_norm(
+  fisher_leaves: list[Any], merged: list[bool]
+) -> tuple[jax.Array, jax.Array]:
+  """The global L2 norm over the merged leaves as ``(e, root)``.
+
+  ``norm = 2**e * root``, with ``2**e`` just above the largest ``|F|`` and
+  ``root = sqrt(sum (F 2**-e)^2)``: squaring ``F`` itself would underflow
+  for tiny Fishers and overflow for huge ones. ``(0, 1)`` for an all-zero
+  Fisher (no scale to remove) and when nothing is merged.
+  """
+  leaves = [jnp.asarray(f) for f, m in zip(fisher_leaves, merged) if m]
+  if not leaves:
+    return jnp.zeros((), jnp.int32), jnp.ones((), jnp.float32)
+  dtype = numerics.compute_dtype(jnp.result_type(*leaves))
+  leaves = [f.astype(dtype) for f in leaves]
+  amax = functools.reduce(
+    jnp.maximum, [jnp.max(jnp.abs(f), initial=0.0) for f in leaves]
+  )
+  e = _exponent(amax)
+  root = jnp.sqrt(sum(jnp.sum(jnp.square(_scale_pow2(f, e))) for f in leaves))
+  return e, jnp.where(root > 0, root, 1.0)
 
 
 def _coefficients(
@@ -129,11 +165,12 @@ def _coefficients(
   apply_floor: bool,
   normalize: bool,
 ) -> list[Any]:
-  """Per-leaf ``w * max(F, floor)`` (``None`` for leaves not merged)."""
-  if normalize:
-    norm = _fisher_norm(fisher_leaves, merged)
-    # An all-zero Fisher has no scale to remove; keep its weight.
-    weight = weight / jnp.where(norm > 0, norm, 1.0)
+  """Per-leaf ``w * max(F, floor)`` (``None`` for leaves not merged).
+
+  With ``normalize``, ``w * max(F, floor) / |F|``, divided in two steps
+  (see :func:`_fisher_norm`) so that ``1 / |F|`` is never formed.
+  """
+  norm = _fisher_norm(fisher_leaves, merged) if normalize else None
   out = []
   for f, m in zip(fisher_leaves, merged):
     if not m:
@@ -142,6 +179,9 @@ def _coefficients(
     f = jnp.asarray(f)
     if apply_floor:
       f = jnp.maximum(f, floor)
+    if norm is not None:
+      e, root = norm
+      f = _scale_pow2(f.astype(root.dtype), e) / root
     out.append(weight * f)
   return out
 
@@ -160,7 +200,11 @@ def _fold(mean: jax.Array, mass: jax.Array, theta: Any, coeff: jax.Array):
   theta = jnp.asarray(theta).astype(dtype)
   coeff = jnp.broadcast_to(coeff.astype(dtype), mean.shape)
   new_mass = mass + coeff
-  t = jnp.where(new_mass > 0, coeff / jnp.where(new_mass > 0, new_mass, 1), 0)
+  # Scale large masses down first (exactly): XLA:CPU flushes a division by
+  # a number above 2**126 to 0.
+  down = jnp.where(new_mass > 2.0**64, 2.0**-64, 1.0).astype(dtype)
+  pos = new_mass > 0
+  t = jnp.where(pos, coeff * down / jnp.where(pos, new_mass * down, 1), 0)
   new_mean = jnp.where(t == 1, theta, mean + t * (theta - mean))
   new_mean = jnp.clip(
     new_mean, jnp.minimum(mean, theta), jnp.maximum(mean, theta)
@@ -273,11 +317,34 @@ def _init_state(
     dtype = numerics.compute_dtype(x)
     means.append(x.astype(dtype))
     masses.append(jnp.broadcast_to(c.astype(dtype), x.shape))
+  _check_mass(masses, _leaf_names(target_params), names)
   return FisherMergeState(
     count=jnp.ones((), jnp.int32),
     mean=treedef.unflatten(means),
     mass=treedef.unflatten(masses),
     dtypes=treedef.unflatten(dtypes),
+  )
+
+
+def _check_mass(
+  masses: list[Any], names: list[str], what: tuple[str, str]
+) -> None:
+  """Concrete Fisher masses are finite: ``sum_i w_i F_i`` did not overflow.
+
+  Traced masses cannot be checked: under ``jit`` an overflow gives a wrong
+  (or NaN) merge of those coordinates.
+  """
+  if any(isinstance(m, jax.core.Tracer) for m in masses):
+    return
+  if bool(numerics.tree_all_finite(masses)):
+    return
+  bad = next(n for n, m in zip(names, masses) if not np.all(np.isfinite(m)))
+  params_name, fisher_name = what
+  raise ValueError(
+    f"the Fisher mass sum_i w_i * max(F_i, floor) of {params_name}{bad} "
+    f"overflows its dtype after adding {fisher_name}; divide the weights "
+    "(or the Fishers and fisher_floor) by a common factor, which leaves the "
+    "merge unchanged."
   )
 
 
@@ -328,6 +395,7 @@ def _add_model(
       mean, mass = _fold(mean, mass, x, c)
     means.append(mean)
     masses.append(mass)
+  _check_mass(masses, _leaf_names(params), names)
   return FisherMergeState(
     count=state.count + 1,
     mean=treedef.unflatten(means),
@@ -345,6 +413,7 @@ def _merge_options(
   fisher_floor: Any, floor_mode: str, normalize: bool, merge_mask: MaskOrFn
 ) -> _MergeOptions:
   validation.check_choice("floor_mode", floor_mode, _FLOOR_MODES)
+  _check_scalar("fisher_floor", fisher_floor)
   validation.check_positive("fisher_floor", fisher_floor, allow_zero=True)
   if not isinstance(normalize, bool):
     raise TypeError(
@@ -379,6 +448,13 @@ def fisher_merge_accumulator(
   NNX variables (``nnx.state(model)``); the state and ``finalize`` hold
   plain arrays (``nnx.update(model, merged)`` takes either).
 
+  Unlike :func:`fisher_merge`, which rescales all the weights together,
+  it sees one weight at a time and uses the weights as given: the running
+  mass ``sum_i w_i max(F_i, floor)`` must fit the statistics' dtype. An
+  overflow raises a ``ValueError`` when called eagerly (divide the weights
+  by a common factor, which leaves the merge unchanged); under ``jit`` it
+  cannot be checked and gives wrong values on those coordinates.
+
   It trades time for memory: each model is a separate pass over the
   buffers. Donate the state to ``add`` (``jax.jit(acc.add,
   donate_argnums=0)``) so XLA updates the buffers in place.
@@ -390,7 +466,8 @@ def fisher_merge_accumulator(
       ``favor_target_model``).
     normalize: divide each model's weight by the global L2 norm of its raw
       Fisher over the merged leaves (the released code's
-      ``normalize_fishers``).
+      ``normalize_fishers``), computed without underflow or overflow for
+      Fishers of any scale.
     merge_mask: pytree of bools (or a prefix of one, or a callable of the
       params returning one); ``False`` leaves are taken from the target.
       Non-floating leaves (step counters, keys) always come from the target.
@@ -460,8 +537,10 @@ def fisher_merge(
       {\sum_i w_i \hat F_{ij}}, \qquad \hat F_{ij} = \max(F_{ij}, \epsilon).
 
   With every :math:`F_i = 1` (``fishers=None``) this is the plain weighted
-  average. The result is invariant to scaling all weights, and each
-  coordinate lies between the models' values (it is a convex combination).
+  average. The result is invariant to scaling all weights (they are
+  rescaled so that the largest is of order 1 before use, so weights of any
+  magnitude give the same merge), and each coordinate lies between the
+  models' values (it is a convex combination).
 
   The paper floors every Fisher (``floor_mode="all"``, the default here);
   the released code floors only the target (``floor_mode="target"``), so a
@@ -495,7 +574,8 @@ def fisher_merge(
       paper).
     floor_mode: ``"all"`` or ``"target"`` (see above).
     normalize: divide each weight by the global L2 norm of its Fisher over
-      the merged leaves (an all-zero Fisher keeps its weight).
+      the merged leaves (an all-zero Fisher keeps its weight), computed
+      without underflow or overflow for Fishers of any scale.
     merge_mask: pytree of bools (or a prefix of one, or a callable of the
       params returning one); ``False`` leaves come from the target unmerged.
       Non-floating leaves always come from the target.
@@ -577,6 +657,12 @@ def fisher_merge(
     weights = jnp.asarray(weights)
     if not jnp.issubdtype(weights.dtype, jnp.floating):
       weights = weights.astype(jnp.float32)
+    # The merge is invariant to scaling all weights: scaling the largest to
+    # [0.5, 1) keeps w_i F_i from overflowing. A power of two is exact, and
+    # as f(w / c) = f(w) for any c > 0, treating it as a constant keeps the
+    # gradient exact.
+    e = jax.lax.stop_gradient(_exponent(jnp.max(weights)))
+    weights = _scale_pow2(weights, e)
 
   opts = _merge_options(fisher_floor, floor_mode, normalize, merge_mask)
 

@@ -275,6 +275,85 @@ class ConsolidateTest(parameterized.TestCase):
         atol=1e-10,
       )
 
+  @parameterized.parameters("axes", "rotated")
+  def test_compress_keeps_small_scales_within_budget(self, basis):
+    # float32, rank 2 <= K = 2, scales 1 and 1e-7: both terms are kept, as
+    # "slots" keeps them (the engine's eigensolver cutoff would drop the
+    # second).
+    n = 6
+    if basis == "axes":
+      dirs = np.eye(n)[:2]
+    else:
+      dirs = np.linalg.qr(np.random.default_rng(0).normal(size=(n, 2)))[0].T
+    rng = np.random.default_rng(1)
+    thetas = [rng.normal(size=n), rng.normal(size=n)]
+    anchors = {}
+    for update in ("slots", "compress"):
+      a = fisher_optax.init_ewc_anchor(
+        {"w": jnp.zeros(n)}, diagonal=False, rank=2
+      )
+      for t, u, s in zip(thetas, dirs, (1.0, 1e-7)):
+        a = fisher_optax.consolidate(
+          a,
+          {"w": jnp.asarray(t, jnp.float32)},
+          low_rank=(jnp.array([s]), {"w": jnp.asarray(u[None], jnp.float32)}),
+          low_rank_update=update,
+        )
+      anchors[update] = a
+    low = anchors["compress"].low_rank
+    np.testing.assert_allclose(low.scales, [1.0, 1e-7], rtol=1e-4)
+    # Each slot holds one task's term: its direction (up to sign) and the
+    # projection of that task's anchor on it.
+    got = np.asarray(low.vectors["w"], np.float64)
+    sign = np.sign(np.sum(got * dirs, axis=1))
+    np.testing.assert_allclose(sign[:, None] * got, dirs, atol=1e-4)
+    np.testing.assert_allclose(
+      sign * low.anchor_proj,
+      [d @ t for d, t in zip(dirs, thetas)],
+      rtol=1e-4,
+      atol=1e-5,
+    )
+    theta = {"w": jnp.asarray(rng.normal(size=n), jnp.float32)}
+    np.testing.assert_allclose(
+      fisher_optax.ewc_penalty(theta, anchors["compress"], 1.0),
+      fisher_optax.ewc_penalty(theta, anchors["slots"], 1.0),
+      rtol=1e-5,
+    )
+    if basis == "axes":
+      # Along the weak direction the gradient is 1e-7 (u_2 . (theta - t_2)),
+      # exactly resolved on its own coordinate.
+      g = fisher_optax.ewc_gradient(theta, anchors["compress"])["w"]
+      want = 1e-7 * (theta["w"][1] - thetas[1][1])
+      np.testing.assert_allclose(g[1], want, rtol=1e-4)
+
+  def test_compress_is_exact_within_budget_for_long_vectors(self):
+    # float32, 20000 parameters, the same two directions again with new
+    # anchors (rank 2 <= K = 2): the Gram's rounding must not hide the
+    # constant of the merged terms.
+    rng = np.random.default_rng(0)
+    n = 20_000
+    base = rng.normal(size=(2, n))
+    base /= np.linalg.norm(base, axis=1, keepdims=True)
+    f32 = lambda x: np.asarray(x, np.float32)
+    tasks = [
+      (f32(rng.normal(size=n)), f32(base[:k]), f32(rng.uniform(0.5, 2, k)))
+      for k in (2, 1, 2)
+    ]
+    theta = f32(rng.normal(size=n))
+    anchor = fisher_optax.init_ewc_anchor(
+      {"w": jnp.zeros(n)}, diagonal=False, rank=2
+    )
+    want = 0.0
+    for t, u, s in tasks:
+      anchor = fisher_optax.consolidate(
+        anchor, {"w": t}, low_rank=(s, {"w": u}), low_rank_update="compress"
+      )
+      d = theta.astype(np.float64) - t
+      want += 0.5 * np.sum(s * (u.astype(np.float64) @ d) ** 2)
+      np.testing.assert_allclose(
+        fisher_optax.ewc_penalty({"w": theta}, anchor, 1.0), want, rtol=1e-4
+      )
+
   def test_compress_drops_truncated_terms_whole(self):
     # Three orthogonal rank-one terms in K = 2 slots: the weakest term goes,
     # constant and all; the other two are kept exactly.
@@ -632,6 +711,54 @@ class EWCValidationTest(parameterized.TestCase):
     tx = fisher_optax.add_ewc_gradient(1.0)
     with self.assertRaisesRegex(ValueError, "tree structure"):
       tx.update(p, tx.init(p), {"a": p["a"]})
+
+  def test_non_scalar_hyperparameters_raise(self):
+    p = {"w": jnp.ones(3)}
+    anchor = fisher_optax.consolidate(
+      fisher_optax.init_ewc_anchor(p), p, diagonal=p
+    )
+    vec = jnp.array([0.5, 0.5, 0.5])
+    consolidate = lambda d: fisher_optax.consolidate(
+      anchor, p, diagonal=p, decay=d
+    )
+    penalty = lambda s: fisher_optax.ewc_penalty(p, anchor, s)
+    # Eagerly and under jit: the shape is static.
+    for fn in (consolidate, jax.jit(consolidate)):
+      with self.assertRaisesRegex(ValueError, r"decay must be a scalar.*\(3,"):
+        fn(vec)
+    for fn in (penalty, jax.jit(penalty)):
+      with self.assertRaisesRegex(ValueError, "strength must be a scalar"):
+        fn(jnp.array([1.0, 2.0]))
+    with self.assertRaisesRegex(ValueError, "strength must be a scalar"):
+      fisher_optax.add_ewc_gradient(vec)
+
+  def test_update_checks_updates_against_params(self):
+    p = {"w": jnp.zeros(3)}
+    tx = fisher_optax.add_ewc_gradient(1.0)
+    state = tx.init(p)
+    for bad in (jnp.zeros(()), jnp.zeros((1, 3))):
+      with self.assertRaisesRegex(
+        ValueError, r"updates do not match params.*updates\['w'\]"
+      ):
+        tx.update({"w": bad}, state, p)
+
+  def test_low_rank_only_anchor_checks_params(self):
+    p = {"v": jnp.zeros(2), "w": jnp.zeros(3)}
+    anchor = fisher_optax.init_ewc_anchor(p, diagonal=False, rank=1)
+    tx = fisher_optax.add_ewc_gradient(1.0, anchor)
+    state = tx.init(p)
+    calls = (
+      fisher_optax.ewc_gradient,
+      lambda q, a: fisher_optax.ewc_penalty(q, a, 1.0),
+      lambda q, a: tx.update(q, state, q),
+    )
+    for call in calls:
+      with self.assertRaisesRegex(ValueError, "tree structure"):
+        call({"a": jnp.zeros(2), "b": jnp.zeros(3)}, anchor)
+      with self.assertRaisesRegex(ValueError, r"leaf shape \(3, 1\)"):
+        call({"v": jnp.zeros(2), "w": jnp.zeros((3, 1))}, anchor)
+      with self.assertRaisesRegex(ValueError, "leaf shape"):
+        call({"v": jnp.zeros(3), "w": jnp.zeros(2)}, anchor)
 
   def test_wrong_statistic_type_is_named(self):
     p = {"a": jnp.ones(2), "b": jnp.ones((2, 3))}

@@ -60,8 +60,9 @@ class FWSVDTest(parameterized.TestCase):
       )
       np.testing.assert_allclose(a @ b, w, atol=1e-10)
       # Rank 2: the closed-form weighted optimum, built here from scratch.
-      r = np.sqrt(np.asarray(fd).sum(1) + 1e-5)
-      c = np.sqrt(np.asarray(fd).sum(0) + 1e-5)
+      rs, cs = np.asarray(fd).sum(1), np.asarray(fd).sum(0)
+      r = np.sqrt(rs + 1e-5 * rs.mean())  # eps is relative to the mean
+      c = np.sqrt(cs + 1e-5 * cs.mean())
       r = r if (two_sided or axis == "in") else np.ones_like(r)
       c = c if (two_sided or axis == "out") else np.ones_like(c)
       expected = _svd_r(r[:, None] * np.asarray(w) * c, 2) / r[:, None] / c
@@ -78,6 +79,30 @@ class FWSVDTest(parameterized.TestCase):
       ab1 = fisher_optax.fisher_weighted_svd(w, fd, 3, eps=0.0)
       ab2 = fisher_optax.fisher_weighted_svd(w, 1e4 * fd, 3, eps=0.0)
       np.testing.assert_allclose(ab1[0] @ ab1[1], ab2[0] @ ab2[1], atol=1e-10)
+
+  @parameterized.parameters(
+    ("in", False), ("out", False), ("in", True), ("out", True)
+  )
+  def test_default_eps_is_invariant_to_fisher_scale(self, axis, two_sided):
+    # float32, and a Fisher far from uniform, so that an absolute eps
+    # would drown the weighting at small scales (a plain SVD).
+    w = jax.random.normal(jax.random.key(0), (8, 5))
+    fd = jnp.exp(2.0 * jax.random.normal(jax.random.key(1), (8, 5)))
+    fd = fd.at[0].mul(100.0).at[:, 1].mul(100.0)
+    kw = {"weight_axis": axis, "two_sided": two_sided}
+    prod = lambda ab: np.asarray(ab[0] @ ab[1])
+    want = prod(fisher_optax.fisher_weighted_svd(w, fd, 2, eps=0.0, **kw))
+    for scale in (1.0, 1e-8, 1e8):
+      got = prod(fisher_optax.fisher_weighted_svd(w, scale * fd, 2, **kw))
+      np.testing.assert_allclose(got, want, atol=2e-4, err_msg=f"{scale}")
+    plain = _svd_r(w, 2)
+    self.assertGreater(np.abs(want - plain).max(), 0.1)
+
+  def test_all_zero_fisher_is_plain_svd(self):
+    w = jax.random.normal(jax.random.key(0), (6, 4))
+    for kw in ({}, {"weight_axis": "out"}, {"two_sided": True}):
+      a, b = fisher_optax.fisher_weighted_svd(w, jnp.zeros_like(w), 2, **kw)
+      np.testing.assert_allclose(a @ b, _svd_r(w, 2), atol=1e-5)
 
   def test_bfloat16_kernel_keeps_dtype(self):
     w = jnp.ones((4, 3), jnp.bfloat16)
@@ -115,6 +140,12 @@ class FWSVDTest(parameterized.TestCase):
       fisher_optax.generalized_fwsvd(w, jnp.eye(3), jnp.eye(3), 2)
     with self.assertRaisesRegex(ValueError, "right must have shape"):
       fisher_optax.generalized_fwsvd(w, jnp.eye(4), jnp.eye(4), 2)
+    with self.assertRaisesRegex(ValueError, "eps must be a scalar"):
+      fisher_optax.fisher_weighted_svd(w, w, 2, eps=jnp.full(4, 1e-5))
+    with self.assertRaisesRegex(ValueError, "damping must be a scalar"):
+      fisher_optax.generalized_fwsvd(
+        w, jnp.eye(4), jnp.eye(3), 2, damping=jnp.full(3, 1e-6)
+      )
 
   @parameterized.parameters(
     (np.nan, 1e-5, {}, "1 non-finite"),
@@ -192,6 +223,52 @@ class GeneralizedFWSVDTest(parameterized.TestCase):
         w,
         atol=1e-9,
       )
+
+  def test_zero_factor_weighs_that_side_uniformly(self):
+    with jax.enable_x64(True):
+      problem = _problem(8)
+    w, _, fa, fb = (jnp.asarray(np.asarray(x), jnp.float32) for x in problem)
+    n_in, n_out = jnp.eye(N_IN), jnp.eye(N_OUT)
+    prod = lambda ab: np.asarray(ab[0] @ ab[1])
+    for left, right, want_left, want_right in (
+      (jnp.zeros_like(fa), fb, n_in, fb),
+      (fa, jnp.zeros_like(fb), fa, n_out),
+      (jnp.zeros_like(fa), jnp.zeros_like(fb), n_in, n_out),
+    ):
+      got = prod(fisher_optax.generalized_fwsvd(w, left, right, 2))
+      self.assertTrue(np.all(np.isfinite(got)))
+      want = prod(fisher_optax.generalized_fwsvd(w, want_left, want_right, 2))
+      np.testing.assert_allclose(got, want, atol=1e-5)
+    np.testing.assert_allclose(
+      prod(fisher_optax.generalized_fwsvd(w, 0 * fa, 0 * fb, 2)),
+      _svd_r(w, 2),
+      atol=1e-5,
+    )
+
+  @parameterized.parameters(
+    ("nan", 1e-6, "left has non-finite entries"),
+    ("negative", 1e-6, "left is not positive semi-definite"),
+    ("zero", 0.0, "left is not positive semi-definite.*damping > 0"),
+    ("singular", 0.0, "left is not positive semi-definite.*damping > 0"),
+  )
+  def test_bad_factors_raise(self, kind, damping, pattern):
+    w = jax.random.normal(jax.random.key(0), (6, 4))
+    x = jax.random.normal(jax.random.key(1), (2, 6))
+    left = {
+      "nan": jnp.full((6, 6), jnp.nan),
+      "negative": -jnp.eye(6),
+      "zero": jnp.zeros((6, 6)),
+      "singular": x.T @ x,  # rank 2
+    }[kind]
+    with self.assertRaisesRegex(ValueError, pattern):
+      fisher_optax.generalized_fwsvd(w, left, jnp.eye(4), 2, damping=damping)
+    with self.assertRaisesRegex(ValueError, pattern.replace("left", "right")):
+      fisher_optax.generalized_fwsvd(w.T, jnp.eye(4), left, 2, damping=damping)
+    # Traced values cannot be checked: NaN under jit, as documented.
+    a, b = jax.jit(
+      lambda f: fisher_optax.generalized_fwsvd(w, f, jnp.eye(4), 2, damping=0.0)
+    )(left)
+    self.assertTrue(bool(jnp.any(jnp.isnan(a @ b))))
 
   def test_accepts_engine_kronecker_factors(self):
     with jax.enable_x64(True):

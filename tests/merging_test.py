@@ -96,6 +96,38 @@ class FisherMergeTest(parameterized.TestCase):
       atol=1e-6,
     )
 
+  def test_extreme_weights_and_fishers_give_the_same_merge(self):
+    models = [{"w": jnp.zeros(2)}, {"w": jnp.ones(2)}]
+    fishers = [{"w": jnp.array([1.0, 1.0])}, {"w": jnp.array([3.0, 1.0])}]
+    want = np.array([0.75, 0.5])
+    merge = fisher_optax.fisher_merge
+    for w in (2e38, 1e20, 1e-30):
+      weights = jnp.array([w, w])
+      np.testing.assert_allclose(merge(models, fishers, weights)["w"], want)
+      np.testing.assert_allclose(
+        jax.jit(merge)(models, fishers, weights)["w"], want
+      )
+    # w_i F_i = 1e40 would overflow float32.
+    big = [jax.tree.map(lambda f: 1e20 * f, f) for f in fishers]
+    np.testing.assert_allclose(
+      merge(models, big, jnp.array([1e20, 1e20]))["w"], want
+    )
+
+  def test_weight_gradient_is_exact_at_any_scale(self):
+    models = [{"w": jnp.array([0.0, 2.0])}, {"w": jnp.array([1.0, 0.0])}]
+    fishers = [{"w": jnp.array([1.0, 2.0])}, {"w": jnp.array([3.0, 1.0])}]
+    f = np.array([[1.0, 2.0], [3.0, 1.0]])
+    theta = np.array([[0.0, 2.0], [1.0, 0.0]])
+    for scale in (1.0, 1e30):
+      w = scale * np.array([0.4, 0.6])
+      jac = jax.jacobian(
+        lambda w: fisher_optax.fisher_merge(models, fishers, w)["w"]
+      )(jnp.asarray(w, jnp.float32))
+      den = w @ f
+      merged = (w[:, None] * f * theta).sum(0) / den
+      want = (f * (theta - merged) / den).T  # d merged_j / d w_i
+      np.testing.assert_allclose(jac, want, rtol=1e-5)
+
   @parameterized.parameters("all", "target")
   def test_all_zero_fisher_coordinate_follows_floor_mode(self, floor_mode):
     params, fishers = _models(2, seed=1)
@@ -190,6 +222,19 @@ class FisherMergeTest(parameterized.TestCase):
       params, scaled, normalize=True, fisher_floor=0.0
     )
     chex.assert_trees_all_close(a, b, rtol=1e-5, atol=1e-6)
+
+  @parameterized.parameters(1e-30, 1e-20, 1e30)
+  def test_normalize_handles_tiny_and_huge_fishers(self, scale):
+    # The squared norm of these Fishers under- or overflows float32.
+    models = [{"w": jnp.zeros(4)}, {"w": jnp.ones(4)}]
+    f = jnp.array([1.0, 2.0, 3.0, 4.0])
+    merged = fisher_optax.fisher_merge(
+      models, [{"w": scale * f}, {"w": f}], normalize=True, fisher_floor=0.0
+    )
+    np.testing.assert_allclose(merged["w"], np.full(4, 0.5), rtol=1e-6)
+    acc = fisher_optax.fisher_merge_accumulator(0.0, normalize=True)
+    state = acc.add(acc.init(models[0], {"w": scale * f}), models[1], {"w": f})
+    np.testing.assert_allclose(acc.finalize(state)["w"], merged["w"])
 
   def test_merge_mask_and_integer_leaves_come_from_target(self):
     params, fishers = _models(2, seed=6)
@@ -383,6 +428,8 @@ class FisherMergeErrorsTest(parameterized.TestCase):
       fisher_optax.fisher_merge(params, fishers, floor_mode="none")
     with self.assertRaisesRegex(ValueError, "fisher_floor"):
       fisher_optax.fisher_merge(params, fishers, fisher_floor=-1.0)
+    with self.assertRaisesRegex(ValueError, "fisher_floor must be a scalar"):
+      fisher_optax.fisher_merge(params, fishers, fisher_floor=jnp.ones(2))
     with self.assertRaisesRegex(ValueError, "target_index"):
       fisher_optax.fisher_merge(params, fishers, target_index=2)
     with self.assertRaisesRegex(TypeError, "target_index"):
@@ -487,6 +534,31 @@ class AccumulatorTest(parameterized.TestCase):
       acc.add(state, params[1], fishers[1], -1.0)
     with self.assertRaisesRegex(TypeError, "normalize"):
       fisher_optax.fisher_merge_accumulator(normalize=1)
+
+  def test_non_scalar_weight_raises_also_under_jit(self):
+    params, fishers = _models(2)
+    acc = fisher_optax.fisher_merge_accumulator()
+    state = acc.init(params[0], fishers[0])
+    for add in (acc.add, jax.jit(acc.add)):
+      with self.assertRaisesRegex(ValueError, r"weight must be a scalar.*\(2,"):
+        add(state, params[1], fishers[1], jnp.ones(2))
+    with self.assertRaisesRegex(ValueError, "weight must be a scalar"):
+      jax.jit(acc.init)(params[0], fishers[0], jnp.ones(1))
+
+  def test_large_weights_are_exact_or_raise(self):
+    models = [{"w": jnp.zeros(2)}, {"w": jnp.ones(2)}]
+    fishers = [{"w": jnp.array([1.0, 1.0])}, {"w": jnp.array([3.0, 1.0])}]
+    acc = fisher_optax.fisher_merge_accumulator()
+    # Masses up to 2e38: above 2**126, where a plain division flushes to 0.
+    for add in (acc.add, jax.jit(acc.add)):
+      state = acc.init(models[0], fishers[0], 5e37)
+      state = add(state, models[1], fishers[1], 5e37)
+      np.testing.assert_allclose(acc.finalize(state)["w"], [0.75, 0.5])
+    # The accumulator cannot rescale weights it has not seen: the mass
+    # overflows, which is refused eagerly.
+    state = acc.init(models[0], fishers[0], 2e38)
+    with self.assertRaisesRegex(ValueError, r"params\['w'\] overflows"):
+      acc.add(state, models[1], fishers[1], 2e38)
 
 
 class WeightSearchTest(absltest.TestCase):
