@@ -55,8 +55,8 @@ _DAMPINGS = flags.DEFINE_list(
 _CONFIGS = flags.DEFINE_list(
   "configs",
   [],
-  "Configurations as grafting/momentum_space/interval, e.g. "
-  "muon_norm/whitened/10 (default: CONFIGS).",
+  "Configurations as grafting/momentum_space/interval[/root_method], e.g. "
+  "muon_norm/whitened/10/eigh (default: CONFIGS; root_method newton).",
 )
 _NAME = flags.DEFINE_string("name", "fismo_defaults", "Results file name.")
 
@@ -65,10 +65,11 @@ SMALL_LR_GRID = (1e-3, 1e-2)
 DAMPINGS = (1e-3, 1e-2, 1e-1, 1.0)
 GRAFTINGS = ("none", "muon_norm")
 MOMENTUM_SPACES = ("whitened", "original")
-# (grafting, momentum_space, precondition_interval): a factorial subset.
-CONFIGS = tuple(itertools.product(GRAFTINGS, MOMENTUM_SPACES, (10,))) + tuple(
-  itertools.product(GRAFTINGS, ("whitened",), (1, 50))
-)
+# (grafting, momentum_space, precondition_interval, root_method): a
+# factorial subset, with the Newton roots the stored table was made with.
+CONFIGS = tuple(
+  itertools.product(GRAFTINGS, MOMENTUM_SPACES, (10,), ("newton",))
+) + tuple(itertools.product(GRAFTINGS, ("whitened",), (1, 50), ("newton",)))
 SIZES = (64, 96, 96, 10)
 BATCH = 64
 SPLIT_SEED = 7
@@ -90,7 +91,7 @@ def make_tx(arm: tuple[Any, ...], dims: Any) -> optax.GradientTransformation:
       adam_learning_rate=ADAM_LR,
       muon_weight_dimension_numbers=dims,
     )
-  _, grafting, space, interval = arm
+  _, grafting, space, interval, root = arm
   return optax.inject_hyperparams(
     fisher_optax.fismo,
     static_args=("ns_steps", "max_precond_dim", "max_aspect_ratio"),
@@ -101,6 +102,7 @@ def make_tx(arm: tuple[Any, ...], dims: Any) -> optax.GradientTransformation:
     grafting=grafting,
     momentum_space=space,
     precondition_interval=interval,
+    root_method=root,
     fismo_weight_dimension_numbers=dims,
   )
 
@@ -209,8 +211,9 @@ def run_arm(apply_fn, arm, dims, data, steps, grid, dampings, seeds, extra_lr):
 def arm_name(arm: tuple[Any, ...], damping: float | None) -> str:
   if arm[0] != "fismo":
     return arm[0]
-  _, grafting, space, interval = arm
-  return f"fismo g={grafting} d={damping:g} m={space} k={interval}"
+  _, grafting, space, interval, root = arm
+  name = f"fismo g={grafting} d={damping:g} m={space} k={interval}"
+  return name if root == "newton" else f"{name} r={root}"
 
 
 def main(argv: Any) -> None:
@@ -225,7 +228,8 @@ def main(argv: Any) -> None:
     dampings = tuple(float(d) for d in _DAMPINGS.value)
   if _CONFIGS.value:
     configs = tuple(
-      (g, m, int(k)) for g, m, k in (c.split("/") for c in _CONFIGS.value)
+      (g, m, int(k), *(r or ["newton"]))
+      for g, m, k, *r in (c.split("/") for c in _CONFIGS.value)
     )
   t0 = time.perf_counter()
   data = datasets.load_digits(seed=SPLIT_SEED)
@@ -240,13 +244,13 @@ def main(argv: Any) -> None:
       f"{base[0]}: lr={r['best_lr']} test={fmt(r['test_loss'])}", flush=True
     )
   muon_lr = results[1]["best_lr"]
-  for g, m, k in configs:
-    arm = ("fismo", g, m, k)
+  for g, m, k, root in configs:
+    arm = ("fismo", g, m, k, root)
     for r in run_arm(
       apply_fn, arm, dims, data, steps, grid, dampings, seeds, muon_lr
     ):
       r.update(arm=arm_name(arm, r["damping"]), grafting=g)
-      r.update(momentum_space=m, precondition_interval=k)
+      r.update(momentum_space=m, precondition_interval=k, root_method=root)
       results.append(r)
       print(
         f"{r['arm']}: lr={r['best_lr']} test={fmt(r['test_loss'])} "
@@ -277,8 +281,9 @@ def main(argv: Any) -> None:
     f"validation loss (one tuning seed) from {list(grid)}, the same grid "
     f"for every arm; test loss/accuracy mean ± se over {seeds} fresh seeds "
     "at that lr. `g` grafting, `d` damping, `m` momentum space, `k` "
-    "precondition interval; other options at their defaults (Newton roots, "
-    "pre_ema factor norm, beta = gamma = 0.95). Hidden matrices to "
+    "precondition interval, `r` the root method where not Newton's; other "
+    "options at their defaults (pre_ema factor norm, beta = gamma = 0.95). "
+    "Hidden matrices to "
     f"Muon/FISMO, head and biases to AdamW at lr {ADAM_LR:g}. "
     f"'@ Muon's lr' is FISMO's test loss at Muon's best lr ({muon_lr:g}). "
     "Sorted by test loss.",

@@ -231,6 +231,16 @@ def _ema_factor(
   return jnp.where(keep, old, linalg.symmetrize(new).astype(old.dtype))
 
 
+# LAPACK's decompositions one factor at a time (stacked factors, vmap lanes):
+# batched, two of them at once deadlocked XLA:CPU's thread pool.
+_eigh_roots = numerics.matrix_by_matrix(
+  lambda f, floor: _matrix_roots.matrix_inverse_root_eigh(f, 2, floor=floor)
+)
+_cholesky_roots = numerics.matrix_by_matrix(
+  lambda f, floor: _matrix_roots.cholesky_whitening(f, floor=floor)
+)
+
+
 def _inverse_root(
   factor: jax.Array, old_root: jax.Array, opts: _Options
 ) -> jax.Array:
@@ -244,10 +254,7 @@ def _inverse_root(
   """
   floor = opts.eigenvalue_floor
   if opts.root_method == "eigh":
-    root = numerics.finite_or_nan(
-      lambda f: _matrix_roots.matrix_inverse_root_eigh(f, 2, floor=floor),
-      factor,
-    )
+    root = numerics.finite_or_nan(_eigh_roots, factor, jnp.asarray(floor))
     ok = jnp.ones(factor.shape[:-2], bool)
   elif opts.root_method == "newton":
     res = numerics.finite_or_nan(
@@ -265,9 +272,7 @@ def _inverse_root(
     root = res.root
     ok = res.error < _NEWTON_MAX_ERROR
   else:
-    root = numerics.finite_or_nan(
-      lambda f: _matrix_roots.cholesky_whitening(f, floor=floor), factor
-    )
+    root = numerics.finite_or_nan(_cholesky_roots, factor, jnp.asarray(floor))
     ok = jnp.ones(factor.shape[:-2], bool)
   ok &= jnp.all(jnp.isfinite(root), axis=(-2, -1))
   return jnp.where(ok[..., None, None], root.astype(old_root.dtype), old_root)
@@ -760,7 +765,12 @@ def scale_by_fismo(
     1.61x with Newton, for 1024-row leaves).
     ``"cholesky"``: :math:`W = L^{-\top}`; a triangular whitening, valid only
     with ``momentum_space="original"`` (checked), where the step depends on
-    :math:`P` alone and not on which whitening is used.
+    :math:`P` alone and not on which whitening is used. Both LAPACK methods
+    decompose one factor per call, also for stacked factors and under
+    ``jax.vmap``: jaxlib's CPU kernels split a batch over XLA:CPU's thread
+    pool and block a pool thread meanwhile, and two batched calls at once
+    deadlocked it (10 vmapped lanes on 2 cores hung within 100 steps).
+    Newton stays the default: matmuls only, fast on accelerators.
   * Newton-Schulz: Muon's quintic coefficients, 5 steps (optax's defaults).
   * ``grafting``: ``"muon_norm"`` (default) rescales :math:`\Delta` to the
     Frobenius norm of :math:`\mathrm{Polar}(M)`, Muon's step, so that the

@@ -549,6 +549,64 @@ class RootsTest(parameterized.TestCase):
       self.assertGreater(_cos(a, b), 0.999)
 
 
+def _decomposition_operands(jaxpr, names=("eigh", "cholesky")):
+  """Operand shapes of every LAPACK decomposition in ``jaxpr``, nested too."""
+  out = []
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name in names:
+      out.append(tuple(eqn.invars[0].aval.shape))
+    for value in eqn.params.values():
+      for sub in value if isinstance(value, (tuple, list)) else (value,):
+        sub = getattr(sub, "jaxpr", sub)
+        if hasattr(sub, "eqns"):
+          out.extend(_decomposition_operands(sub, names))
+  return out
+
+
+class DecompositionBatchTest(parameterized.TestCase):
+  """The eigh and Cholesky roots decompose one factor per LAPACK call.
+
+  Batched (stacked factors, or lanes under ``jax.vmap``), two such calls at
+  once deadlocked XLA:CPU's thread pool: ``fismo_defaults`` with
+  ``root_method="eigh"`` over 10 vmapped lanes hung at 0% CPU within 100
+  steps, every run. A hang cannot be a test; the program's structure can.
+  """
+
+  @parameterized.parameters(("eigh", "whitened"), ("cholesky", "original"))
+  def test_vmapped_stacked_factors_one_at_a_time(self, root_method, space):
+    params = {"stack": jnp.ones((2, 8, 6)), "w": jnp.ones((8, 8))}
+    dims = {
+      "stack": fisher_optax.FISMODimensionNumbers(1, 2),
+      "w": fisher_optax.FISMODimensionNumbers(),
+    }
+    tx = fisher_optax.fismo(
+      1e-2,
+      root_method=root_method,
+      momentum_space=space,
+      precondition_interval=1,
+      fismo_weight_dimension_numbers=dims,
+    )
+    rng = np.random.default_rng(0)
+    lanes = jax.tree.map(
+      lambda x: jnp.asarray(rng.normal(size=(3, *x.shape)), jnp.float32),
+      params,
+    )
+
+    def step(p):
+      return tx.update(p, tx.init(p), p)[0]
+
+    jaxpr = jax.make_jaxpr(jax.vmap(step))(lanes).jaxpr
+    shapes = _decomposition_operands(jaxpr)
+    self.assertNotEmpty(shapes)
+    self.assertTrue(all(len(s) == 2 for s in shapes), shapes)
+    batched = jax.jit(jax.vmap(step))(lanes)
+    for i in range(3):
+      lane = jax.jit(step)(jax.tree.map(lambda x, i=i: x[i], lanes))
+      chex.assert_trees_all_close(
+        jax.tree.map(lambda x, i=i: x[i], batched), lane, rtol=1e-5, atol=1e-6
+      )
+
+
 class RoutingTest(parameterized.TestCase):
   """Muon-style routing: reshapes, one-sided leaves, fallback, errors."""
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 import functools
+import math
 import sys
 from typing import Any, NamedTuple, cast
 
@@ -403,6 +404,38 @@ def lane_by_lane(fn: Callable[..., PyTree]) -> Callable[..., PyTree]:
     return out, jax.tree.map(lambda _: True, out)
 
   return wrapped
+
+
+def matrix_by_matrix(fn: Callable[..., PyTree]) -> Callable[..., PyTree]:
+  """``fn(a, *args)`` on ``(..., n, n)`` matrices, one matrix per call.
+
+  Stacked matrices (``a``'s leading axes: a scanned stack's factors) go
+  through :func:`jax.lax.map`, and so do :func:`jax.vmap` lanes
+  (:func:`lane_by_lane`): no LAPACK decomposition inside ``fn`` sees a batch
+  axis, so none can block XLA:CPU's thread pool (see :func:`lane_by_lane`).
+  ``args`` (e.g. a floor) are the same for every matrix. Not
+  differentiable.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from fisher_optax.fisher import numerics
+    >>> vals = numerics.matrix_by_matrix(lambda a: jnp.linalg.eigh(a)[0])
+    >>> jax.vmap(vals)(jnp.ones((2, 3, 4, 4))).shape
+    (2, 3, 4)
+  """
+
+  def run(a: jax.Array, *args: Any) -> PyTree:
+    lead = a.shape[:-2]
+    if not lead or math.prod(lead) == 0:
+      return fn(a, *args)
+    flat = a.reshape((-1, *a.shape[-2:]))
+    if flat.shape[0] == 1:
+      out = jax.tree.map(lambda o: o[None], fn(flat[0], *args))
+    else:
+      out = jax.lax.map(lambda x: fn(x, *args), flat)
+    return jax.tree.map(lambda o: o.reshape(lead + o.shape[1:]), out)
+
+  return lane_by_lane(run)
 
 
 class SkipNonfiniteState(NamedTuple):
