@@ -630,14 +630,9 @@ def _windowed_update(
     solved = [i for i, part in enumerate(parts) if part[4] is not None]
     windows = [parts[i][1] for i in solved]
     grams = [parts[i][3] for i in solved]
-    # The pushed row is the gradient itself: G g is the Gram's column of its
-    # slot, unless the window is narrower than the gradient.
-    gxs = [
-      gram[:, slot]
-      if jnp.promote_types(low[i].dtype, w.dtype) == w.dtype
-      else None
-      for i, w, gram in zip(solved, windows, grams)
-    ]
+    # The pushed row is the gradient itself: solved inside the window's
+    # span, with no cancellation and no G g (a narrower window's rounding
+    # of it lies outside the span, where 1 / damping would scale it).
     # One batched s x s factorisation and solve for all leaves.
     outs = linalg.woodbury_window_solves(
       windows,
@@ -645,8 +640,8 @@ def _windowed_update(
       [low[i] for i in solved],
       damping,
       normalized=cfg.normalize_output,
-      gxs=gxs,
       pendings=[(parts[i][4], slots) for i in solved],
+      pushed=[True] * len(solved),
     )
     for i, out in zip(solved, outs):
       low[i] = out

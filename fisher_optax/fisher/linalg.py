@@ -568,6 +568,7 @@ def woodbury_window_solves(
   normalized: bool = False,
   gxs: Sequence[jax.Array | None] | None = None,
   pendings: Sequence[tuple[PyTree, jax.Array] | None] | None = None,
+  pushed: Sequence[bool] | None = None,
 ) -> list[PyTree]:
   """:func:`woodbury_window_solve` (``scale = 1``) of several windows at once.
 
@@ -587,6 +588,11 @@ def woodbury_window_solves(
     gxs: ``G_i x_i`` where known, else ``None`` entries.
     pendings: ``(rows, slots)`` per window or ``None`` entries, as in
       :func:`woodbury_window_solve`.
+    pushed: per window, whether ``x_i`` is its one pending row (the
+      gradient just pushed), taken as stored: it is then solved inside the
+      window's span, ``G^T (G G^T + damping I)^{-1} e_slot``, without the
+      float32 cancellation of ``(x - G^T w) / damping`` (see
+      :func:`woodbury_window_solve`'s ``coords``); ``x_i`` is not read.
 
   Returns:
     The list of ``F_i^{-1} x_i`` in the dtypes of ``x_i``.
@@ -603,16 +609,26 @@ def woodbury_window_solves(
   n = len(xs)
   gxs = [None] * n if gxs is None else list(gxs)
   pendings = [None] * n if pendings is None else list(pendings)
+  pushed = [False] * n if pushed is None else list(pushed)
   if not n:
     return []
   dtype = numerics.compute_dtype(jnp.result_type(*grams, *jax.tree.leaves(xs)))
+  damping = jnp.asarray(damping, dtype)
   wides, xws, products = [], [], []
-  for g, x, gx, pend in zip(windows, xs, gxs, pendings):
+  for g, gram_i, x, gx, pend, in_span in zip(
+    windows, grams, xs, gxs, pendings, pushed
+  ):
     wide = jax.tree.map(lambda s: s.astype(dtype), g)
     xw = jax.tree.map(lambda v: v.astype(dtype), x)
     if pend is not None:
       pend = (jax.tree.map(lambda r: r.astype(dtype), pend[0]), pend[1])
-    if gx is None:
+    if in_span:
+      if pend is None:
+        raise ValueError("pushed needs the pending row.")
+      # x = G^T e_slot: F^{-1} x = (0 - G^T C^{-1} (-damping e_slot)) / damping.
+      e = jnp.zeros(gram_i.shape[-1], dtype).at[pend[1]].set(1.0)
+      gx, xw = -damping * e, None
+    elif gx is None:
       gx = tree_stacked_dot(wide, xw)
       if pend is not None:
         gx = gx.at[pend[1]].set(tree_stacked_dot(pend[0], xw))
@@ -626,7 +642,6 @@ def woodbury_window_solves(
   )
   gram = jnp.where(ok[:, None, None], symmetrize(gram), 0.0)
   gx = jnp.where(ok[:, None], gx, 0.0)
-  damping = jnp.asarray(damping, dtype)
   eye = jnp.eye(gram.shape[-1], dtype=dtype)
   chol = jnp.linalg.cholesky(gram + damping * eye)
   w = jax.scipy.linalg.solve_triangular(chol, gx[..., None], lower=True)
