@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import glob
 import hashlib
 import os
 import pathlib
@@ -660,6 +661,10 @@ def write_atomically(
     for p in (tmp, sidecar):
       if p is not None:
         _remove(p)
+    # orbax writes through its own sibling (``<tmp>.orbax-checkpoint-tmp``),
+    # which a failed save can leave behind; the uuid makes the prefix ours.
+    for p in tmp.parent.glob(glob.escape(tmp.name) + ".*"):
+      _remove(p)
 
 
 def save_tree(

@@ -556,7 +556,7 @@ def woodbury_window_solve(
   out = woodbury_solve(
     wide, factor, xw, normalized=normalized, gx=gx, pending=pending
   )
-  return jax.tree.map(lambda o, v: o.astype(v.dtype), out, x)
+  return numerics.keep_types(out, x)  # x's dtypes and explicit sharding
 
 
 def woodbury_window_solves(
@@ -652,7 +652,9 @@ def woodbury_window_solves(
     o = _woodbury_apply(
       wide, w[i], xw, damping, normalized=normalized, pending=pend
     )
-    out.append(jax.tree.map(lambda a, v: a.astype(v.dtype), o, x))
+    # x's dtypes, and its sharding under explicit mesh axes (a solve in the
+    # span, G^T w, would take the window's).
+    out.append(numerics.keep_types(o, x))
   return out
 
 
