@@ -1614,5 +1614,58 @@ class KroneckerMemoryTest(absltest.TestCase):
     self.assertLess(stats.temp_size_in_bytes, 0.75 * rows)
 
 
+class InputChecksTest(absltest.TestCase):
+  """Inputs that used to give unrelated errors or meaningless numbers."""
+
+  def setUp(self):
+    super().setUp()
+    self.apply_fn = lambda p, x: jnp.tanh(x @ p["w"]) @ p["u"]
+    keys = jax.random.split(jax.random.key(0), 3)
+    self.params = {
+      "w": jax.random.normal(keys[0], (3, 4)),
+      "u": jax.random.normal(keys[1], (4, 2)),
+    }
+    self.batch = (jax.random.normal(keys[2], (5, 3)), jnp.arange(5) % 2)
+
+  def test_integer_leaf_is_named(self):
+    params = {**self.params, "step": jnp.int32(0)}
+    with self.assertRaisesRegex(TypeError, r"params\['step'\] has dtype int32"):
+      fisher.diagonal(
+        self.apply_fn,
+        params,
+        self.batch,
+        likelihood=fisher.Categorical(),
+        kind="exact",
+      )
+
+  def test_negative_damping_is_refused(self):
+    lik = fisher.Categorical()
+    diag = fisher.diagonal(
+      self.apply_fn, self.params, self.batch, likelihood=lik, kind="exact"
+    )
+    kron = fisher.kronecker(
+      self.apply_fn, self.params, self.batch, likelihood=lik, kind="exact"
+    )
+    for solve in (
+      lambda: diag.solve(self.params, -0.5),
+      lambda: diag.inverse_diag(-0.5),
+      lambda: kron.solve(self.params, -0.5),
+      lambda: kron.inverse_diag(-0.5),
+    ):
+      with self.assertRaisesRegex(ValueError, "damping must be >= 0"):
+        solve()
+
+  def test_diag_transform_keeps_float64(self):
+    with jax.enable_x64(True):
+      params = jax.tree.map(lambda p: p.astype(jnp.float64), self.params)
+      tx = fisher.estimate_fisher_diag(
+        self.apply_fn, fisher.Categorical(), kind="exact"
+      )
+      state = tx.init(params)
+      _, state = tx.update(params, state, params, batch=self.batch)
+      got = fisher.get_fisher_diag(state)
+      self.assertEqual(got["w"].dtype, jnp.float64)
+
+
 if __name__ == "__main__":
   absltest.main()

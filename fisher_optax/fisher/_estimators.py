@@ -150,6 +150,13 @@ def _check_arguments(
         f"params{jax.tree_util.keystr(path)} must be an array, "
         f"got {type(leaf).__name__}."
       )
+    if not jnp.issubdtype(leaf.dtype, jnp.inexact):
+      raise TypeError(
+        f"params{jax.tree_util.keystr(path)} has dtype {leaf.dtype}: a Fisher "
+        "is over floating parameters. Pass only those (with Flax NNX, "
+        "nnx.split(model, nnx.Param, ...) keeps RNG keys and counters "
+        "apart)."
+      )
   return likelihood, inputs, targets, size
 
 

@@ -111,8 +111,10 @@ class DiagonalFisher:
     return sum(terms, jnp.zeros((), jnp.float32))
 
   def solve(self, v: PyTree, damping: float | jax.Array) -> PyTree:
-    """``(F + damping I)^{-1} v``."""
+    """``(F + damping I)^{-1} v``; ``damping >= 0`` (a negative one gives
+    meaningless finite numbers)."""
     self._check(v)
+    validation.check_positive("damping", damping, allow_zero=True)
     return jax.tree.map(
       lambda d, x: (numerics.widen(x) / (d + damping)).astype(x.dtype),
       self.diag,
@@ -121,6 +123,7 @@ class DiagonalFisher:
 
   def inverse_diag(self, damping: float | jax.Array) -> PyTree:
     """The diagonal of ``(F + damping I)^{-1}``, params-shaped."""
+    validation.check_positive("damping", damping, allow_zero=True)
     return jax.tree.map(lambda d: 1.0 / (d + damping), self.diag)
 
   def is_finite(self) -> jax.Array:
@@ -320,8 +323,10 @@ class KroneckerFisher:
     """``(left ⊗ right + damping I)^{-1} v`` exactly, by two ``eigh``.
 
     With ``left = Q_a diag(a) Q_a^T`` and ``right = Q_b diag(b) Q_b^T``:
-    ``X = Q_a [(Q_a^T V Q_b) / (a b^T + damping)] Q_b^T``.
+    ``X = Q_a [(Q_a^T V Q_b) / (a b^T + damping)] Q_b^T``; ``damping >=
+    0``.
     """
+    validation.check_positive("damping", damping, allow_zero=True)
 
     def leaf(l, r, x):
       m = _as_factor_matrix(l, r, x)
@@ -341,6 +346,7 @@ class KroneckerFisher:
     Entry ``(p, q)`` is ``sum_ij Q_a[p,i]^2 Q_b[q,j]^2 / (a_i b_j +
     damping)``. Shaped like ``like`` as in :meth:`diagonal`.
     """
+    validation.check_positive("damping", damping, allow_zero=True)
 
     def leaf(l, r):
       (qa, qb), denom = _kron_eigen(l, r, damping)

@@ -353,6 +353,9 @@ class _Site:
   # the operand is a value computed from parameters (WeightNorm, softplus,
   # a mask): the index of its program in _Plan.derived
   derived: int | None = None
+  # the operand is the leaf itself, not a transposed or scaled view of it:
+  # only then is the leaf's gradient the operand's cotangent
+  direct: bool = True
 
 
 @dataclasses.dataclass
@@ -1085,6 +1088,7 @@ def _match_dense(eqn, kinds, env, here, walk: _Walk, counts) -> bool:
       act_index=act,
       factor=factor,
       derived=derived,
+      direct=w_kind[0] == "param",
       **layout,
     )
     index = walk.add_site(site, "kernel", what)
@@ -1132,7 +1136,15 @@ def _match_conv(eqn, kinds, here, walk: _Walk) -> bool:
       return True
     factor = None
   kernel = -1 if derived is not None else w_k[1]
-  site = _Site("conv", here, kernel, eqn=eqn, factor=factor, derived=derived)
+  site = _Site(
+    "conv",
+    here,
+    kernel,
+    eqn=eqn,
+    factor=factor,
+    derived=derived,
+    direct=w_k[0] == "param",
+  )
   walk.add_site(site, "kernel", what)
   return True
 
@@ -2018,7 +2030,7 @@ def record(
       # A kernel's cotangent is its gradients' sum (no kernel-gradient
       # product), its input's pulled back after them (_ordered_layer).
       ordered=functools.partial(_ordered_grads, grads_fn, kernel[0])
-      if kernel and site.kind in ("conv", "dense")
+      if kernel and site.kind in ("conv", "dense") and site.direct
       else None,
     )
   # "gram": every fused site adds its (B, B) to one tap that no scan slices,
@@ -2366,7 +2378,9 @@ def _ordered_stat(
   shared = site.kind == "conv" or (
     site.kind == "dense" and view[1] is not None and view[1].shape[1] > 1
   )
-  kernel = [u for u in users if shared and u[1] == "kernel"]
+  # The kernel's gradients' sum is its operand's cotangent only when the
+  # operand is the leaf itself (a transposed or scaled view differs).
+  kernel = [u for u in users if shared and site.direct and u[1] == "kernel"]
   rest = [u for u in users if u not in kernel]
   out = _fused_stat(site, rest, batch, "diag", chunk_size, False, act, delta)
   dw = None

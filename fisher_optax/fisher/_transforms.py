@@ -286,7 +286,10 @@ def estimate_fisher_diag(
   )
 
   def init_fn(params):
-    zeros = jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), jnp.float32), params)
+    # The estimators' dtype: float32, or float64 for float64 params (x64).
+    zeros = jax.tree.map(
+      lambda p: jnp.zeros(jnp.shape(p), numerics.compute_dtype(p)), params
+    )
     # A fresh array per counter: a donated state must not share buffers.
     z = lambda: jnp.zeros((), jnp.int32)
     return EstimateFisherDiagState(z(), zeros, z(), _make_key(key), z())
