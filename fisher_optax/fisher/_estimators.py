@@ -297,10 +297,20 @@ def _warn_fallback(ps: _Pass, method: str, structure: str = "diag") -> None:
 
 
 def _check_covered(covered: PyTree, method: str) -> None:
-  if method != "taps":
+  """Raises for leaves ``method="taps"`` (or ``"kfac"``: K-FAC factors)
+  cannot compute."""
+  if method not in ("taps", "kfac"):
     return
   flat = jax.tree_util.tree_flatten_with_path(covered)[0]
   missing = [jax.tree_util.keystr(p) for p, c in flat if not c]
+  if missing and method == "kfac":
+    raise ValueError(
+      f"estimator='kfac' has no K-FAC factors for these leaves: {missing} "
+      "(K-FAC factors exist for dense, attention and embedding kernels and "
+      "their biases, and for conv kernels of one feature group; "
+      "fisher.coverage says which path each leaf takes). Use "
+      "estimator='auto' for Shampoo factors of per-example gradients there."
+    )
   if missing:
     raise ValueError(
       "method='taps' cannot compute these leaves from layer statistics "
@@ -1301,7 +1311,7 @@ def kronecker(
 
     def sums_fn(ps: _Pass) -> list:
       ps = ps._replace(covered=ps.layers.tape.covered_for("kron"))
-      _check_covered(ps.covered, "taps" if estimator == "kfac" else method)
+      _check_covered(ps.covered, "kfac" if estimator == "kfac" else method)
       _warn_fallback(ps, method, "kron")
       sums, kfac = _kfac_sums(ps, weight_sharing)
       flags.append(kfac)
@@ -1346,7 +1356,7 @@ def kronecker(
     # Leaves without K-FAC factors (elementwise parameters, leaves with
     # several uses) take Shampoo factors.
     ps = ps._replace(covered=ps.layers.tape.covered_for("kron"))
-    _check_covered(ps.covered, "taps" if estimator == "kfac" else method)
+    _check_covered(ps.covered, "kfac" if estimator == "kfac" else method)
     _warn_fallback(ps, method, "kron")
     left, right, mixed = _kfac_factors(ps, num_iters, weight_sharing)
     estimator_name = "mixed" if mixed else "kfac"
