@@ -199,12 +199,6 @@ def _low_rank_pair(stat: Any) -> tuple[jax.Array, PyTree]:
   )
 
 
-def _check_scalar(name: str, value: Any) -> None:
-  # Static, so traced values are checked too: a vector would broadcast.
-  if jnp.ndim(value) != 0:
-    raise ValueError(f"{name} must be a scalar, got shape {jnp.shape(value)}.")
-
-
 def _params_like(anchor: EWCAnchor) -> PyTree:
   """The params' shapes the anchor was built for (no leaf is read)."""
   if anchor.diagonal is not None:
@@ -611,7 +605,7 @@ def consolidate(
   """
   validation.check_choice("mode", mode, _MODES)
   validation.check_choice("low_rank_update", low_rank_update, _LOW_RANK_UPDATES)
-  _check_scalar("decay", decay)
+  validation.check_scalar("decay", decay)
   validation.check_in_unit_interval("decay", decay, closed_right=True)
   anchor, params, diagonal, low_rank = numerics.pure_arrays(
     (anchor, params, diagonal, low_rank)
@@ -752,7 +746,7 @@ def ewc_penalty(
 
     Added to a task loss: ``loss(p, batch) + ewc_penalty(p, anchor, lam)``.
   """
-  _check_scalar("strength", strength)
+  validation.check_scalar("strength", strength)
   validation.check_positive("strength", strength, allow_zero=True)
   params, anchor = numerics.pure_arrays((params, anchor))
   _check_params(params, _params_like(anchor), "params")
@@ -889,7 +883,7 @@ def add_ewc_gradient(
     <https://arxiv.org/abs/2509.23593>`_, 2025.
     Das et al, `AlignGuard-LoRA <https://arxiv.org/abs/2508.02079>`_, 2025.
   """
-  _check_scalar("strength", strength)
+  validation.check_scalar("strength", strength)
   validation.check_positive("strength", strength, allow_zero=True)
   # ``None`` (not 0) by default: inject_hyperparams would turn an int default
   # into an array, which cannot set a shape.

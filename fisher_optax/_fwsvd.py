@@ -41,12 +41,6 @@ def _check_rank(rank: Any, w: jax.Array) -> int:
   return rank
 
 
-def _check_scalar(name: str, x: Any) -> None:
-  # Static, so traced values are checked too: a vector would broadcast.
-  if jnp.ndim(x) != 0:
-    raise ValueError(f"{name} must be a scalar, got shape {jnp.shape(x)}.")
-
-
 def _kernel_diag(fisher_diag: Any) -> Any:
   """The kernel's Fisher diagonal from an array or a ``DiagonalFisher``."""
   if not isinstance(fisher_diag, fisher.DiagonalFisher):
@@ -185,7 +179,7 @@ def fisher_weighted_svd(
   rank = _check_rank(rank, w)
   validation.check_choice("weight_axis", weight_axis, _AXES)
   validation.check_choice("split", split, _SPLITS)
-  _check_scalar("eps", eps)
+  validation.check_scalar("eps", eps)
   validation.check_positive("eps", eps, allow_zero=True)
   validation.check_fisher_leaf(fisher_diag, name="fisher_diag")
   dtype = numerics.compute_dtype(w)
@@ -321,7 +315,7 @@ def generalized_fwsvd(
   _check_matrix("left", left, (n_in, n_in))
   _check_matrix("right", right, (n_out, n_out))
   rank = _check_rank(rank, w)
-  _check_scalar("damping", damping)
+  validation.check_scalar("damping", damping)
   validation.check_positive("damping", damping, allow_zero=True)
   validation.check_choice("split", split, _SPLITS)
   dtype = numerics.compute_dtype(w)

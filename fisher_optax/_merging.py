@@ -91,14 +91,8 @@ def _merged_leaves(merge_mask: MaskOrFn, params: PyTree) -> list[bool]:
   ]
 
 
-def _check_scalar(name: str, value: Any) -> None:
-  # Static, so traced values are checked too: a vector would broadcast.
-  if jnp.ndim(value) != 0:
-    raise ValueError(f"{name} must be a scalar, got shape {jnp.shape(value)}.")
-
-
 def _check_weight(name: str, weight: Any) -> None:
-  _check_scalar(name, weight)
+  validation.check_scalar(name, weight)
   if isinstance(weight, jax.core.Tracer):
     return
   arr = np.asarray(weight)
@@ -413,7 +407,7 @@ def _merge_options(
   fisher_floor: Any, floor_mode: str, normalize: bool, merge_mask: MaskOrFn
 ) -> _MergeOptions:
   validation.check_choice("floor_mode", floor_mode, _FLOOR_MODES)
-  _check_scalar("fisher_floor", fisher_floor)
+  validation.check_scalar("fisher_floor", fisher_floor)
   validation.check_positive("fisher_floor", fisher_floor, allow_zero=True)
   if not isinstance(normalize, bool):
     raise TypeError(

@@ -469,6 +469,12 @@ def tril_inverse(chol: jax.Array) -> jax.Array:
 # Natural GaLore's projected window) ------------------------------------------
 
 
+def _pending_coords(m: int, slots: jax.Array, coords: Any, dtype: Any):
+  """``a`` of length ``m`` with ``x = G^T a``: ``coords`` at the pending
+  rows' ``slots``, zero elsewhere (a solve inside the window's span)."""
+  return jnp.zeros(m, dtype).at[slots].set(jnp.asarray(coords, dtype))
+
+
 def woodbury_window_solve(
   stacked: PyTree,
   gram: jax.Array,
@@ -540,7 +546,7 @@ def woodbury_window_solve(
     if pending is None:
       raise ValueError("coords are coefficients of pending rows.")
     rows, slots = pending
-    a = jnp.zeros(gram.shape[0], dtype).at[slots].set(coords.astype(dtype))
+    a = _pending_coords(gram.shape[0], slots, coords, dtype)
     shifted = factor.damping / jnp.asarray(scale, dtype) * a
     if remainder:
       # x = G^T a + r: F^{-1} x = (r - G^T C^{-1} (G r - shift a)) / damping.
@@ -626,7 +632,7 @@ def woodbury_window_solves(
       if pend is None:
         raise ValueError("pushed needs the pending row.")
       # x = G^T e_slot: F^{-1} x = (0 - G^T C^{-1} (-damping e_slot)) / damping.
-      e = jnp.zeros(gram_i.shape[-1], dtype).at[pend[1]].set(1.0)
+      e = _pending_coords(gram_i.shape[-1], pend[1], 1.0, dtype)
       gx, xw = -damping * e, None
     elif gx is None:
       gx = tree_stacked_dot(wide, xw)

@@ -64,6 +64,13 @@ def _not_a_schedule(name: str, value: Any, schedule: bool) -> bool:
   )
 
 
+def check_scalar(name: str, value: Any) -> None:
+  """Raises ``ValueError`` unless ``value`` is 0-d (a shape is static, so
+  traced values are checked too: a vector would broadcast silently)."""
+  if jnp.ndim(value) != 0:
+    raise ValueError(f"{name} must be a scalar, got shape {jnp.shape(value)}.")
+
+
 def check_positive(
   name: str, value: Any, *, allow_zero: bool = False, schedule: bool = False
 ) -> None:
