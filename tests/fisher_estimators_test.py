@@ -810,7 +810,9 @@ class KroneckerTest(parameterized.TestCase):
       self.assertEqual(stat.estimator, "mixed")
       np.testing.assert_allclose(stat.left["scale"], ref.left["scale"])
       np.testing.assert_allclose(stat.right["scale"], ref.right["scale"])
-      with self.assertRaisesRegex(ValueError, "no K-FAC factors for these leaves"):
+      with self.assertRaisesRegex(
+        ValueError, "no K-FAC factors for these leaves"
+      ):
         _est(
           fisher.kronecker,
           _scaled_mlp,
