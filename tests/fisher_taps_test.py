@@ -2650,41 +2650,45 @@ class KernelViewGradientTest(parameterized.TestCase):
   The layer path takes a shared kernel's cotangent from its per-example
   gradients' sum, in the leaf's layout and times the view's constant; used
   as the view's cotangent, a transposed kernel got its gradient reshaped
-  (relative error 1.6) and a scaled one the constant twice.
+  (relative error 1.6) and a scaled one the constant twice. (Every leaf is
+  used: a fallback warning is given once per process and leaf names.)
   """
 
   @parameterized.named_parameters(
     (
       "transposed",
-      lambda p, x: jnp.tanh(x @ p["w"]) @ p["u"].T,
-      (2, 5),
+      lambda p, x: jnp.tanh(x @ p["view_w"]) @ p["view_u"].T,
+      {"view_w": (3, 5), "view_u": (2, 5)},
     ),
-    ("scaled", lambda p, x: jnp.tanh(x @ p["w"]) @ (p["u"] * 0.5), (5, 2)),
+    (
+      "scaled",
+      lambda p, x: jnp.tanh(x @ p["view_w"]) @ (p["view_u"] * 0.5),
+      {"view_w": (3, 5), "view_u": (5, 2)},
+    ),
     (
       "conv_scaled",
       lambda p, x: (
         jnp.tanh(
           jax.lax.conv_general_dilated(
             x,
-            p["k"] * 0.5,
+            p["view_k"] * 0.5,
             (1,),
             "SAME",
             dimension_numbers=("NWC", "WIO", "NWC"),
           )
         )
-        @ p["u"]
+        @ p["view_u"]
       ),
-      (4, 2),
+      {"view_k": (3, 3, 4), "view_u": (4, 2)},
     ),
   )
-  def test_mean_grad_is_the_gradient(self, apply_fn, u_shape):
-    keys = jax.random.split(jax.random.key(0), 5)
+  def test_mean_grad_is_the_gradient(self, apply_fn, shapes):
+    keys = jax.random.split(jax.random.key(0), 2 + len(shapes))
     x = jax.random.normal(keys[0], (3, 4, 3))
     y = jax.random.randint(keys[1], (3, 4), 0, 2)
     params = {
-      "w": jax.random.normal(keys[2], (3, 5)),
-      "k": jax.random.normal(keys[3], (3, 3, 4)),
-      "u": jax.random.normal(keys[4], u_shape),
+      name: jax.random.normal(k, shape)
+      for k, (name, shape) in zip(keys[2:], sorted(shapes.items()))
     }
     lik = fisher.Categorical()
     want = jax.grad(lambda p: jnp.mean(jax.vmap(lik.nll)(apply_fn(p, x), y)))(
@@ -2692,9 +2696,11 @@ class KernelViewGradientTest(parameterized.TestCase):
     )
     for name in ("diagonal", "low_rank"):
       kw = {"rank": 2} if name == "low_rank" else {}
-      got = getattr(fisher, name)(
-        apply_fn, params, (x, y), likelihood=lik, kind="empirical", **kw
-      ).mean_grad
+      with warnings.catch_warnings():
+        warnings.simplefilter("error", fisher.FisherFallbackWarning)
+        got = getattr(fisher, name)(
+          apply_fn, params, (x, y), likelihood=lik, kind="empirical", **kw
+        ).mean_grad
       chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-6)
 
 
