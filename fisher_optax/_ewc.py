@@ -436,7 +436,7 @@ def _compress(
   gram = linalg.symmetrize(linalg.tree_stacked_gram(weighted)).astype(dtype)
   # A non-finite Gram (overflowing scales) gives NaN without reaching LAPACK.
   v = numerics.finite_or_nan(jnp.linalg.eigh, gram)[1]
-  rows = _stacked_mix(weighted, v)  # r_i = W^T v_i
+  rows = linalg.tree_stacked_combine(weighted, v)  # r_i = W^T v_i
   sq = jnp.asarray(
     sum(
       jnp.sum(jnp.square(r), axis=tuple(range(1, r.ndim))).astype(dtype)
@@ -469,16 +469,6 @@ def _compress(
     jnp.where(keep, sq, 0.0)[:k_slots].astype(scales.dtype),
     (vy * inv_root)[:k_slots].astype(scales.dtype),
     new_residual.astype(residual.dtype),
-  )
-
-
-def _stacked_mix(stacked: PyTree, v: jax.Array) -> PyTree:
-  """``out[i] = sum_j v[j, i] stacked[j]``, a stacked tree."""
-  return jax.tree.map(
-    lambda s: jnp.tensordot(
-      v.T.astype(s.dtype), s, axes=(1, 0), precision=_HIGHEST
-    ),
-    stacked,
   )
 
 

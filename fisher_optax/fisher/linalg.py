@@ -92,7 +92,8 @@ def tree_stacked_dot(stacked: PyTree, x: PyTree) -> jax.Array:
 
 
 def tree_stacked_combine(stacked: PyTree, z: jax.Array) -> PyTree:
-  """Returns ``G^T z``: the tree ``sum_k z[k] * G[k]``."""
+  """Returns ``G^T z``: the tree ``sum_k z[k] * G[k]``; for ``z`` of shape
+  ``(m, n)`` the stacked tree of its ``n`` columns' combinations."""
   return jax.tree.map(
     lambda s: jnp.tensordot(
       z.astype(s.dtype), s, axes=(0, 0), precision=_HIGHEST
