@@ -248,6 +248,29 @@ class EstimateFisherLowRankTest(absltest.TestCase):
     )(state, params, (x, y))
     np.testing.assert_allclose(state.eigvals, ref.eigvals, rtol=1e-5)
 
+  def test_keeps_float64_under_x64(self):
+    with jax.enable_x64(True):
+      rng = np.random.default_rng(0)
+      g = {"a": rng.normal(size=(5, 4, 3)), "b": rng.normal(size=(5, 2))}
+      params = jax.tree.map(lambda a: jnp.zeros(a.shape[1:]), g)
+      tx = fisher.estimate_fisher_low_rank(rank=2)
+      state = tx.init(params)
+      chex.assert_trees_all_equal_dtypes(
+        state.eigvecs, jax.tree.map(lambda p: p[None], params)
+      )
+      upd = jax.tree.map(lambda a: jnp.mean(a, 0), g)
+      _, state = tx.update(upd, state, per_example_grads=g)
+      # Float64 oracle: eigenpairs of the empirical Fisher (1/N) G^T G.
+      flat = np.concatenate([g["a"].reshape(5, -1), g["b"]], axis=1)
+      vals, vecs = np.linalg.eigh(flat.T @ flat / 5)
+      self.assertEqual(state.eigvals.dtype, jnp.float64)
+      np.testing.assert_allclose(state.eigvals, vals[::-1][:2], rtol=1e-12)
+      got = np.concatenate(
+        [state.eigvecs["a"].reshape(2, -1), state.eigvecs["b"]], axis=1
+      )
+      overlap = np.abs(np.sum(got * vecs[:, ::-1][:, :2].T, axis=1))
+      np.testing.assert_allclose(overlap, 1.0, rtol=1e-12)
+
 
 if __name__ == "__main__":
   absltest.main()

@@ -346,8 +346,10 @@ class EstimateFisherLowRankState(NamedTuple):
 
   Attributes:
     count: int32 number of ``update`` calls.
-    eigvals: ``(rank,)`` float32, descending.
-    eigvecs: params-shaped float32 tree with a leading ``rank`` axis.
+    eigvals: ``(rank,)``, descending; float32, or float64 when a parameter
+      is float64 (x64).
+    eigvecs: params-shaped tree with a leading ``rank`` axis, each leaf in
+      its parameter's compute dtype (float32, or float64 for float64).
     num_refreshes: int32 accepted refreshes.
     key: raw PRNG key data (uint32) for ``kind="mc"``.
     notfinite_count: int32 skipped (non-finite) steps, as in
@@ -411,12 +413,17 @@ def estimate_fisher_low_rank(
   )
 
   def init_fn(params):
+    # As the estimators: float32, or float64 for float64 params (x64).
     vecs = jax.tree.map(
-      lambda p: jnp.zeros((rank, *jnp.shape(p)), jnp.float32), params
+      lambda p: jnp.zeros((rank, *jnp.shape(p)), numerics.compute_dtype(p)),
+      params,
+    )
+    vals_dtype = numerics.compute_dtype(
+      jnp.result_type(jnp.float32, *jax.tree.leaves(vecs))
     )
     z = lambda: jnp.zeros((), jnp.int32)
     return EstimateFisherLowRankState(
-      z(), jnp.zeros((rank,), jnp.float32), vecs, z(), _make_key(key), z()
+      z(), jnp.zeros((rank,), vals_dtype), vecs, z(), _make_key(key), z()
     )
 
   model_kwargs = dict(
@@ -449,8 +456,10 @@ def estimate_fisher_low_rank(
         ),
       )
       new = (
-        stat.eigvals.astype(jnp.float32),
-        jax.tree.map(lambda v: v.astype(jnp.float32), stat.eigvecs),
+        stat.eigvals.astype(state.eigvals.dtype),
+        jax.tree.map(
+          lambda v, s: v.astype(s.dtype), stat.eigvecs, state.eigvecs
+        ),
       )
       return _poison(new, stat.is_finite())
 
