@@ -848,9 +848,22 @@ def _norm(tree: PyTree) -> jax.Array:
   return jnp.sqrt(sum(jnp.sum(jnp.square(x)) for x in jax.tree.leaves(tree)))
 
 
+def _tangent_for(t: jax.Array, p: jax.Array) -> jax.Array:
+  """``t`` in ``p``'s dtype, varying over the mesh axes ``p`` varies over:
+  under ``shard_map`` the direction is all-reduced (invariant) while the
+  params are made varying, and some JVP rules (``conv_general_dilated``)
+  refuse operands that differ there."""
+  t = t.astype(p.dtype)
+  have = numerics.varying_axes(jax.typeof(t))
+  missing = tuple(
+    a for a in numerics.varying_axes(jax.typeof(p)) if a not in have
+  )
+  return jax.lax.pcast(t, missing, to="varying") if missing else t
+
+
 def _quadratic_form_jvp(ps: _Pass, v: PyTree) -> jax.Array:
   """``v^T F v = (1/N) sum_{s,n} <r_{s,n}, (J v)_n>^2``, one jvp."""
-  tangent = jax.tree.map(lambda t, p: t.astype(p.dtype), v, ps.params)
+  tangent = jax.tree.map(_tangent_for, v, ps.params)
   _, jv = jax.jvp(lambda p: ps.apply_fn(p, ps.inputs), (ps.params,), (tangent,))
   dots = jnp.sum(
     numerics.widen(ps.cotangents) * numerics.widen(jv)[None],

@@ -1275,10 +1275,12 @@ def _make_plan(closed, num_leaves: int, batch: int) -> _Plan:
   }
   walk = _Walk(batch, plan, uses)
   manual = {
-    a for v in closed.jaxpr.invars[num_leaves:] for a in _varying_axes(v.aval)
+    a
+    for v in closed.jaxpr.invars[num_leaves:]
+    for a in numerics.varying_axes(v.aval)
   }
   walk.manual = any(
-    not manual <= set(_varying_axes(v.aval))
+    not manual <= set(numerics.varying_axes(v.aval))
     for v in closed.jaxpr.invars[:num_leaves]
   )
   out_kinds = _scan(closed.jaxpr, env, (), walk)
@@ -1783,14 +1785,6 @@ class LayerTape:
     return grad, LayerGrads(self, deltas, 1)
 
 
-def _varying_axes(aval) -> tuple[str, ...]:
-  """Manual mesh axes a value varies over (``shard_map``), any jax version."""
-  vma = getattr(aval, "vma", None)
-  if vma is None:
-    vma = getattr(getattr(aval, "manual_axis_type", None), "varying", ())
-  return tuple(sorted(vma or ()))
-
-
 def _site_avals(plan: _Plan, closed) -> tuple[dict, dict]:
   """Per site: ``(lead, output aval)`` (``lead`` the lengths of the scans
   around it, a tap per iteration) and the activation's aval."""
@@ -2041,7 +2035,9 @@ def record(
     dtype = jnp.result_type(*(stat_avals[s].dtype for s in gram_fns))
     gram = jnp.zeros((batch, batch), dtype)
     vma = tuple(
-      sorted({a for s in gram_fns for a in _varying_axes(out_shapes[s][1])})
+      sorted(
+        {a for s in gram_fns for a in numerics.varying_axes(out_shapes[s][1])}
+      )
     )
     if axis_name is not None and axis_name not in vma:
       vma = vma + (axis_name,)
@@ -2067,7 +2063,7 @@ def record(
       t = jnp.zeros(lead + aval.shape, aval.dtype)
     # Under shard_map a tap must vary like its layer output: an invariant tap
     # would have its cotangent summed over devices, mixing examples.
-    vma = _varying_axes(aval)
+    vma = numerics.varying_axes(aval)
     if axis_name is not None and axis_name not in vma:
       vma = vma + (axis_name,)
     if vma:
@@ -4303,7 +4299,9 @@ def _zeros_varying(shape, dtype, like: Any) -> Array:
       a
       for x in jax.tree.leaves(like)
       if isinstance(x, (jax.Array, jax.ShapeDtypeStruct))
-      for a in _varying_axes(jax.typeof(x) if isinstance(x, jax.Array) else x)
+      for a in numerics.varying_axes(
+        jax.typeof(x) if isinstance(x, jax.Array) else x
+      )
     }
   )
   return lax.pcast(zeros, tuple(vma), to="varying") if vma else zeros

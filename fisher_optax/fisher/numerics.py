@@ -224,6 +224,21 @@ def explicit_axes() -> bool:
   )
 
 
+def varying_axes(aval: Any) -> tuple[str, ...]:
+  """Manual mesh axes a value varies over (``shard_map``), any jax version.
+
+  Args:
+    aval: an abstract value (``jax.typeof(x)``) or a ``ShapeDtypeStruct``.
+
+  Returns:
+    The sorted axis names; ``()`` outside ``shard_map``.
+  """
+  vma = getattr(aval, "vma", None)
+  if vma is None:
+    vma = getattr(getattr(aval, "manual_axis_type", None), "varying", ())
+  return tuple(sorted(vma or ()))
+
+
 def explicit_spec(x: Any) -> Any:
   """``x``'s ``PartitionSpec`` where it is part of its type (explicit mesh
   axes), else ``None``: the ``out_sharding`` of a product shaped like ``x``."""

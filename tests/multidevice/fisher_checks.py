@@ -207,6 +207,45 @@ class FisherMultiDeviceTest(parameterized.TestCase):
     )(params, x, y)
     chex.assert_trees_all_close(from_loss, want, **TOL)
 
+  @parameterized.parameters("auto", "per_example")
+  def test_shard_map_rank_one_optimal_on_conv(self, method):
+    # The JVP of the optimal scale takes the (all-reduced, invariant)
+    # direction as the tangent of varying params; conv's JVP rule refuses
+    # operands that differ in how they vary.
+    def apply_fn(p, x):
+      dn = ("NHWC", "HWIO", "NHWC")
+      h = jax.lax.conv_general_dilated(
+        x, p["k"], (1, 1), "SAME", None, None, dn
+      )
+      h = jnp.tanh(h + p["b"])
+      return h.reshape(h.shape[0], -1) @ p["w"]
+
+    k = jax.random.split(jax.random.key(0), 3)
+    params = {
+      "k": 0.3 * jax.random.normal(k[0], (3, 3, 2, 4)),
+      "b": jnp.zeros(4),
+      "w": 0.1 * jax.random.normal(k[1], (64, 3)),
+    }
+    x, y = jax.random.normal(k[2], (B, 4, 4, 2)), jnp.arange(B) % 3
+    est = functools.partial(
+      fisher.rank_one,
+      apply_fn,
+      likelihood=fisher.Categorical(),
+      kind="exact",
+      scale="optimal",
+      method=method,
+    )
+    want = jax.jit(est)(params, (x, y))
+    got = jax.jit(
+      jax.shard_map(
+        lambda p, x, y: est(p, (x, y), axis_name="data"),
+        mesh=_auto_mesh(),
+        in_specs=(P(), P("data"), P("data")),
+        out_specs=P(),
+      )
+    )(params, x, y)
+    _compare(self, got, want, "rank_one")
+
   @parameterized.parameters(
     *[(name, "auto") for name in ESTIMATORS],
     *[
