@@ -267,11 +267,13 @@ def protected_subspace(
       raise ValueError(
         f"existing bases have {sorted(rows)} rows but max_rank={max_rank}."
       )
-  validation.check_leading_axis(
+  num = validation.check_leading_axis(
     per_example_grads,
     jax.tree.map(lambda b: b[0], existing.bases),
     what="per_example_grads",
   )
+  if num == 0 and jax.tree.leaves(per_example_grads):
+    raise ValueError("per_example_grads has an empty batch axis.")
   subspace, ok = _extend(per_example_grads, existing, tau)
   _raise_if_not_finite(per_example_grads, ok)
   return subspace
@@ -396,11 +398,12 @@ def project_out_subspace(
       )
 
   def init_fn(params: PyTree) -> ProjectOutSubspaceState:
-    start = subspace
-    if start is None:
+    if subspace is None:
       start = init_protected_subspace(params, max_rank, basis_dtype=basis_dtype)
     else:  # Built for other params, it would fail only at the first update.
-      validation.check_like(_bases_like(start), params, what="subspace")
+      validation.check_like(_bases_like(subspace), params, what="subspace")
+      # Fresh buffers: a donated state must not delete the user's subspace.
+      start = jax.tree.map(jnp.copy, subspace)
     return ProjectOutSubspaceState(
       count=jnp.zeros([], jnp.int32),
       protected_subspace=start,

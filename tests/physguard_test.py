@@ -118,6 +118,10 @@ class ProtectedSubspaceTest(parameterized.TestCase):
       fisher_optax.protected_subspace(g, max_rank=5, existing=sub)
     with self.assertRaisesRegex(ValueError, "tree structure"):
       fisher_optax.protected_subspace({"w": g["w"]}, max_rank=4, existing=sub)
+    with self.assertRaisesRegex(ValueError, "empty batch axis"):
+      fisher_optax.protected_subspace(
+        jax.tree.map(lambda x: x[:0], g), max_rank=4
+      )
 
 
 class ProjectOutSubspaceTest(parameterized.TestCase):
@@ -188,6 +192,15 @@ class ProjectOutSubspaceTest(parameterized.TestCase):
     else:  # Adam's per-coordinate scaling re-mixes the projected gradient
       self.assertGreater(leak, 1e-3)
 
+  def test_donated_state_keeps_the_users_subspace(self):
+    sub, params, u = self._setup()
+    want = jax.tree.map(np.asarray, sub.bases)
+    tx = fisher_optax.physguard(1e-2, max_rank=6, subspace=sub)
+    step = jax.jit(tx.update, donate_argnums=1)
+    step(u, tx.init(params), params)
+    step(u, tx.init(params), params)  # A second init reads it again.
+    chex.assert_trees_all_equal(jax.tree.map(np.asarray, sub.bases), want)
+
   def test_swap_does_not_retrace(self):
     sub, params, u = self._setup()
     tx = fisher_optax.physguard(1e-2, max_rank=6)
@@ -209,6 +222,11 @@ class ProjectOutSubspaceTest(parameterized.TestCase):
       fisher_optax.project_out_subspace(2.0)
     with self.assertRaisesRegex(ValueError, "alpha"):
       fisher_optax.project_out_subspace(2, alpha=1.5)
+    # A vector would broadcast past the range check (and over-project).
+    with self.assertRaisesRegex(ValueError, "alpha must be a scalar"):
+      fisher_optax.project_out_subspace(2, alpha=jnp.array([1.5]))
+    with self.assertRaisesRegex(ValueError, "b1 must be a scalar"):
+      fisher_optax.physguard(1e-3, max_rank=2, b1=jnp.array([0.9, 2.0]))
     with self.assertRaisesRegex(ValueError, "placement"):
       fisher_optax.physguard(1e-3, max_rank=2, placement="middle")
     # A subspace built for other params, or with another max_rank.

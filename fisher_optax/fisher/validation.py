@@ -74,13 +74,15 @@ def check_scalar(name: str, value: Any) -> None:
 def check_positive(
   name: str, value: Any, *, allow_zero: bool = False, schedule: bool = False
 ) -> None:
-  """Raises ``ValueError`` if a concrete ``value`` is negative (or zero).
+  """Raises ``ValueError`` if ``value`` is not a scalar, or a concrete one is
+  negative (or zero).
 
   A callable is a ``TypeError`` unless ``schedule`` (the value then goes to
   an optax transform that accepts schedules).
   """
   if not _not_a_schedule(name, value, schedule):
     return
+  check_scalar(name, value)
   v = concrete_value(value)
   if v is not None:
     if v != v:  # NaN
@@ -93,8 +95,10 @@ def check_positive(
 def check_in_unit_interval(
   name: str, value: Any, *, closed_right: bool = False
 ) -> None:
-  """Raises ``ValueError`` unless a concrete ``value`` lies in [0, 1)."""
+  """Raises ``ValueError`` unless ``value`` is a scalar and, when concrete,
+  lies in [0, 1) (``[0, 1]`` with ``closed_right``)."""
   _not_a_schedule(name, value, False)
+  check_scalar(name, value)
   v = concrete_value(value)
   if v is not None:
     ok = 0 <= v <= 1 if closed_right else 0 <= v < 1
