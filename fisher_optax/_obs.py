@@ -179,9 +179,15 @@ def _check_flat_indices(index: np.ndarray, dim: int) -> None:
     )
 
 
+def _work_dtype(params: PyTree, fisher: RankOneSumFisher) -> jnp.dtype:
+  """The Fisher's dtype, or the params' where wider (float64 weights keep
+  their digits under a float32 Fisher)."""
+  return jnp.result_type(fisher.chol.dtype, *jax.tree.leaves(params))
+
+
 def _group_update(params, index, fisher, valid=None):
   """Exact group OBS; ``valid`` masks padding entries of ``index``."""
-  w = numerics.ravel(params).astype(fisher.chol.dtype)
+  w = numerics.ravel(params).astype(_work_dtype(params, fisher))
   if index.shape[0] == 0:
     return params, jnp.zeros([], w.dtype)
   valid = jnp.ones(index.shape, bool) if valid is None else valid
@@ -197,8 +203,9 @@ def _group_update(params, index, fisher, valid=None):
   # .add/.max: padding repeats an index with zero weight.
   sparse = jnp.zeros_like(w).at[index].add(coef)
   drop = jnp.zeros(w.shape, bool).at[index].max(valid)
-  delta = numerics.ravel(fisher.ihvp(_unravel(sparse, params)))
-  new = jnp.where(drop, 0.0, w - delta)
+  # In the working dtype: 1/damping overflows a float16 product.
+  delta = numerics.ravel(fisher.ihvp(numerics.unravel(sparse, params)))
+  new = jnp.where(drop, 0.0, w - delta.astype(w.dtype))
   return _unravel(new, params), 0.5 * jnp.dot(wq, coef)
 
 
@@ -215,11 +222,11 @@ def _independent_update(params, drop, fisher):
   dtypes, removed weights set to zero): the sum of the single-weight
   saliencies ignores the cross terms of correlated weights.
   """
-  w = numerics.ravel(params).astype(fisher.chol.dtype)
+  w = numerics.ravel(params).astype(_work_dtype(params, fisher))
   inv_diag = numerics.ravel(fisher.inverse_diag())
   coef = jnp.where(drop, w / inv_diag, 0.0)
-  delta = numerics.ravel(fisher.ihvp(_unravel(coef, params)))
-  new = _unravel(jnp.where(drop, 0.0, w - delta), params)
+  delta = numerics.ravel(fisher.ihvp(numerics.unravel(coef, params)))
+  new = _unravel(jnp.where(drop, 0.0, w - delta.astype(w.dtype)), params)
   step = numerics.ravel(new).astype(w.dtype) - w
   return new, 0.5 * fisher.quadratic_form(numerics.unravel(step, params))
 

@@ -14,8 +14,11 @@ from fisher_optax import fisher
 M = 7
 
 
-def _setup(seed=0, block_size=None, damping=1e-2, dtype=jnp.float64):
-  """Stacked grads, weights and the dense float64 Fisher (call under x64)."""
+def _setup(
+  seed=0, block_size=None, damping=1e-2, dtype=jnp.float64, fisher_dtype=None
+):
+  """Stacked grads, weights and the dense float64 Fisher (call under x64);
+  the factor from the grads cast to ``fisher_dtype`` when given."""
   k1, k2, k3 = jax.random.split(jax.random.key(seed), 3)
   grads = {
     "b": jax.random.normal(k1, (M, 4), dtype),
@@ -34,6 +37,8 @@ def _setup(seed=0, block_size=None, damping=1e-2, dtype=jnp.float64):
     for s in range(0, 10, block_size):
       mask[s : s + block_size, s : s + block_size] = 1.0
     dense = dense * mask
+  if fisher_dtype is not None:
+    grads = jax.tree.map(lambda x: x.astype(fisher_dtype), grads)
   f = fisher.sum_of_rank_one(grads, damping, block_size=block_size)
   return params, f, dense
 
@@ -70,6 +75,36 @@ class ObsTest(parameterized.TestCase):
       rho = w[q] ** 2 / (2 * inv[q, q])
       np.testing.assert_allclose(0.5 * dw @ dense @ dw, rho, rtol=1e-9)
       np.testing.assert_allclose(dl, rho, rtol=1e-9)
+
+  @parameterized.parameters(
+    *[(u, None, jnp.float16, 1e-5) for u in ("group", "independent")],
+    *[(u, 4, jnp.float64, 1e-2) for u in ("group", "independent")],
+  )
+  def test_params_dtype_narrower_or_wider_than_the_fishers(
+    self, update, block_size, dtype, damping
+  ):
+    # float16 weights: 1/damping overflows float16, so the products must run
+    # in the Fisher's dtype. float64 weights under a float32 Fisher: the
+    # blocks the removed weight does not touch keep every digit.
+    with jax.enable_x64(True):
+      params, f32, dense = _setup(
+        2, block_size, damping, fisher_dtype=jnp.float32
+      )
+      params = jax.tree.map(lambda w: (w + 1e-12).astype(dtype), params)
+      drop = jnp.array([0])
+      if update == "group":
+        new, _ = fisher_optax.group_obs_update(params, drop, f32)
+      else:
+        mask = jnp.zeros(10, bool).at[drop].set(True)
+        new, _ = fisher_optax._obs._independent_update(params, mask, f32)
+      jax.tree.map(lambda n, p: self.assertEqual(n.dtype, p.dtype), new, params)
+      new, w = _flat(new).astype(np.float64), _flat(params).astype(np.float64)
+      self.assertTrue(np.all(np.isfinite(new)))
+      inv = np.linalg.inv(dense)
+      want = w - w[0] / inv[0, 0] * inv[:, 0]
+      np.testing.assert_allclose(new, want, rtol=1e-2, atol=1e-2)
+      if block_size is not None:
+        np.testing.assert_array_equal(new[block_size:], w[block_size:])
 
   @parameterized.parameters(None, 3)
   def test_group_beats_independent_beats_zeroing(self, block_size):
