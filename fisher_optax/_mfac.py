@@ -177,51 +177,52 @@ def _solve(
   g: PyTree,
   damping: Any,
   scale: float,
-  gx: PyTree = None,
+  gr: PyTree = None,
   pending: tuple[PyTree, jax.Array] | None = None,
   coords: jax.Array | None = None,
   remainder: bool = True,
 ) -> PyTree:
   """``F^{-1} g`` for a window and its Gram, per leaf if block-diagonal.
 
-  ``gx`` is ``G g`` (per leaf if block-diagonal) when already known, else
-  None; ``pending=(rows, slots)`` are rows not yet written into the window
+  ``pending=(rows, slots)`` are rows not yet written into the window
   (see :func:`fisher_optax.fisher.linalg.stacked_pending_gram`); ``coords``
-  and ``remainder`` say which part of ``g`` they span (see
-  :func:`fisher_optax.fisher.linalg.woodbury_window_solve`). A Gram that
+  and ``remainder`` say which part of ``g`` they span (of the pending rows,
+  or of the window's own without ``pending``), and ``gr`` is ``G r`` of the
+  remainder (per leaf if block-diagonal) when already known, else None
+  (see :func:`fisher_optax.fisher.linalg.woodbury_window_solve`). A Gram that
   overflowed from finite rows (1e30 gradients) never reaches the Cholesky:
   the solve runs on a zero Gram and its output is NaN, so the non-finite
   policy skips the step.
   """
 
-  def solve(w: PyTree, gr: jax.Array, x: PyTree, gx: Any, rows: Any) -> PyTree:
-    def factor_and_solve(gr: jax.Array, gx: Any) -> PyTree:
-      lam = _floored_damping(gr, damping) if cfg.damping_floor else damping
+  def solve(w: PyTree, c: jax.Array, x: PyTree, gr: Any, rows: Any) -> PyTree:
+    def factor_and_solve(c: jax.Array, gr: Any) -> PyTree:
+      lam = _floored_damping(c, damping) if cfg.damping_floor else damping
       return linalg.woodbury_window_solve(
         w,
-        gr,
+        c,
         x,
         lam,
         scale=scale,
         normalized=cfg.normalized,
-        gx=gx,
         pending=None if pending is None else (rows, pending[1]),
         coords=coords,
         remainder=remainder,
+        gr=gr,
       )
 
-    return numerics.finite_or_nan(factor_and_solve, gr, gx)
+    return numerics.finite_or_nan(factor_and_solve, c, gr)
 
   rows = None if pending is None else pending[0]
   if not cfg.block_diagonal:
-    return solve(window, gram, g, gx, rows)
+    return solve(window, gram, g, gr, rows)
   none = jax.tree.map(lambda _: None, gram)
   return jax.tree.map(
     solve,
     window,
     gram,
     g,
-    none if gx is None else gx,
+    none if gr is None else gr,
     none if rows is None else rows,
     is_leaf=lambda x: x is None,
   )
@@ -246,7 +247,9 @@ def _rows_solve(
   b = jax.tree.leaves(rows)[0].shape[0] if jax.tree.leaves(rows) else 1
   if gram is None:
     return updates
-  return _solve(cfg, wide, gram, updates, damping, 1.0 / b)
+  # The updates are (about) the rows' mean: solved in their span.
+  coords = jnp.full((b,), 1.0 / b, jnp.float32)
+  return _solve(cfg, wide, gram, updates, damping, 1.0 / b, coords=coords)
 
 
 def _window_step(
@@ -293,10 +296,6 @@ def _window_step(
     jnp.promote_types(u.dtype, w.dtype) == w.dtype
     for u, w in zip(jax.tree.leaves(updates), jax.tree.leaves(window))
   )
-  with_x = exact and cfg.per_example
-  gram, gx = _pending_gram(
-    cfg, window, light.gram, stored, slot, updates if with_x else None
-  )
   # The gradient is the row pushed (the per-example rows' mean): it lies in
   # the window's span, where the solve needs no G g and has no cancellation
   # (see linalg.woodbury_window_solve's coords). A narrower window (bf16)
@@ -306,7 +305,15 @@ def _window_step(
   # rounding, or terms added to the gradient) as the remainder.
   coords = jnp.full((k,), 1.0 / k, jnp.float32)
   remainder = exact and cfg.per_example
-
+  # G r of the remainder comes from the Gram's pass over the window (from
+  # r itself: G g - Gram a would cancel).
+  rest = None
+  if remainder:
+    dtype = numerics.compute_dtype(
+      jnp.result_type(*jax.tree.leaves(light.gram), *jax.tree.leaves(updates))
+    )
+    rest = linalg.remainder_of(updates, stored, coords, dtype)
+  gram, gr = _pending_gram(cfg, window, light.gram, stored, slot, rest)
   # The policy counts from zero, so a skip is seen even once the count
   # saturates.
   zero = jnp.zeros([], jnp.int32)
@@ -320,7 +327,7 @@ def _window_step(
       updates,
       damping,
       scale,
-      gx,
+      gr,
       (stored, slots),
       coords,
       remainder,

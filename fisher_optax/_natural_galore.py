@@ -459,10 +459,19 @@ def _per_example_solve(
   )(per_example)
   rows = rows.astype(numerics.compute_dtype(rows))
   scale = 1.0 / rows.shape[0]
+  # The gradient is (about) the rows' mean: its part in their span is solved
+  # there, without float32 cancellation; only the rest by (g - G^T w) / lambda.
+  coords = jnp.full((rows.shape[0],), scale, rows.dtype)
 
   def solve(gram: jax.Array) -> jax.Array:
     return linalg.woodbury_window_solve(
-      rows, gram, lg, damping, scale=scale, normalized=cfg.normalize_output
+      rows,
+      gram,
+      lg,
+      damping,
+      scale=scale,
+      normalized=cfg.normalize_output,
+      coords=coords,
     )
 
   return numerics.finite_or_nan(solve, linalg.tree_stacked_gram(rows))

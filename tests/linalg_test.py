@@ -209,6 +209,77 @@ class WoodburyTest(parameterized.TestCase):
     )
 
 
+class WoodburySpanTest(parameterized.TestCase):
+  """Solves of the rows' mean inside their span (``coords``), float32
+  against a float64 oracle where ``scale |x|^2 / damping`` is near 1e8."""
+
+  def _rows(self):
+    rng = np.random.default_rng(4)
+    rows = {
+      "a": jnp.asarray(rng.normal(size=(4, 8, 16)), jnp.float32),
+      "b": jnp.asarray(rng.normal(size=(4, 32)), jnp.float32),
+    }
+    flat = np.concatenate(
+      [np.asarray(rows["a"], np.float64).reshape(4, -1), rows["b"]], axis=1
+    )
+    return rows, flat
+
+  @staticmethod
+  def _flat(tree):
+    return np.concatenate(
+      [np.asarray(tree["a"], np.float64).ravel(), np.asarray(tree["b"])]
+    )
+
+  @parameterized.parameters(0.0, 1.0)
+  def test_window_own_rows_and_rows_solve(self, extra):
+    rows, flat = self._rows()
+    damping, coords = 1e-5, jnp.full((4,), 0.25)
+    # The mean as the solve forms it, plus (or not) a part outside the span.
+    x = linalg.tree_stacked_combine(rows, coords)
+    x = {"a": x["a"] + extra, "b": x["b"]}
+    fisher_matrix = damping * np.eye(flat.shape[1]) + flat.T @ flat / 4
+    # The oracle takes the rows' exact mean: x's own float32 rounding lies
+    # outside the span, where F^{-1} scales it by 1 / damping (15% here).
+    exact = flat.mean(0) + extra * (np.arange(flat.shape[1]) < 128)
+    want = np.linalg.solve(fisher_matrix, exact)
+    gram = linalg.tree_stacked_gram(rows)
+    got = {
+      "window": linalg.woodbury_window_solve(
+        rows, gram, x, damping, scale=0.25, coords=coords
+      ),
+      "rows": linalg.woodbury_rows_solve(rows, x, damping, mean=True),
+      "pending": linalg.woodbury_window_solve(
+        rows,
+        gram,
+        x,
+        damping,
+        scale=0.25,
+        pending=(rows, jnp.arange(4)),
+        coords=coords,
+      ),
+    }
+    for name, out in got.items():
+      err = np.linalg.norm(self._flat(out) - want) / np.linalg.norm(want)
+      self.assertLess(err, 1e-4, msg=name)
+    if not extra:  # Without the span: cancellation, far off.
+      plain = linalg.woodbury_rows_solve(rows, x, damping)
+      err = np.linalg.norm(self._flat(plain) - want) / np.linalg.norm(want)
+      self.assertGreater(err, 1e-2)
+
+  def test_g_x_with_a_remainder_is_refused(self):
+    rows, _ = self._rows()
+    x = jax.tree.map(lambda r: r[0], rows)
+    with self.assertRaisesRegex(ValueError, "gr"):
+      linalg.woodbury_window_solve(
+        rows,
+        linalg.tree_stacked_gram(rows),
+        x,
+        1e-3,
+        gx=linalg.tree_stacked_dot(rows, x),
+        coords=jnp.full((4,), 0.25),
+      )
+
+
 class WoodburyWindowSolvesTest(parameterized.TestCase):
   @parameterized.parameters(False, True)
   def test_equals_one_solve_per_window_and_isolates_nan(self, normalized):

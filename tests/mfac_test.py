@@ -539,6 +539,33 @@ class Float32AccuracyTest(parameterized.TestCase):
     tol = 1e-4 if window_dtype == jnp.bfloat16 else 5e-3
     self.assertLess(err / np.linalg.norm(want), tol)
 
+  @parameterized.parameters("mfac", "woodbury", "woodbury_tree")
+  def test_per_example_exact_mean_is_solved_in_span(self, kind):
+    # The updates are the rows' mean as the solve forms it (so in the rows'
+    # span, to the bit): only cancellation could make the solve miss. G r
+    # came from G g - Gram a (a window of 16), or g was solved by (g - G^T w)
+    # / damping (this batch's rows as the window), both cancelling.
+    rng = np.random.default_rng(3)
+    pe = jnp.asarray(rng.normal(size=(4, 256)), jnp.float32)
+    mean = fisher.linalg.tree_stacked_combine(pe, jnp.full((4,), 0.25))
+    damping = 1e-5
+    if kind == "mfac":
+      tx = fisher_optax.scale_by_mfac(16, damping, fisher_source="per_example")
+      scale = 1.0 / 16
+    else:
+      tx = fisher_optax.scale_by_woodbury_fisher(
+        damping=damping,
+        fisher_source="per_example",
+        block_diagonal=kind == "woodbury",
+      )
+      scale = 1.0 / 4
+    u, _ = tx.update(mean, tx.init(jnp.zeros(256)), per_example_grads=pe)
+    rows = np.asarray(pe, np.float64)
+    fisher_matrix = damping * np.eye(256) + scale * rows.T @ rows
+    want = np.linalg.solve(fisher_matrix, rows.mean(0))
+    err = np.linalg.norm(np.asarray(u, np.float64) - want)
+    self.assertLess(err / np.linalg.norm(want), 1e-4)
+
   def test_per_example_keeps_terms_added_to_the_mean(self):
     # An exact window solves the part of the updates outside the rows' span.
     rng = np.random.default_rng(2)

@@ -476,6 +476,23 @@ def _pending_coords(m: int, slots: jax.Array, coords: Any, dtype: Any):
   return jnp.zeros(m, dtype).at[slots].set(jnp.asarray(coords, dtype))
 
 
+def remainder_of(
+  x: PyTree, rows: PyTree, coords: jax.Array, dtype: Any = None
+) -> PyTree:
+  """``r = x - rows^T a`` (``a = coords``), in ``dtype`` (default ``x``'s).
+
+  The part of ``x`` outside the span of ``rows`` that
+  :func:`woodbury_window_solve` solves with ``coords`` and ``remainder``;
+  a caller that forms ``G r`` in its own pass over the window computes
+  ``r`` here, as the solve does.
+  """
+  if dtype is not None:
+    x = jax.tree.map(lambda v: v.astype(dtype), x)
+    rows = jax.tree.map(lambda v: v.astype(dtype), rows)
+  in_span = tree_stacked_combine(rows, jnp.asarray(coords))
+  return jax.tree.map(lambda v, s: v - s.astype(v.dtype), x, in_span)
+
+
 def woodbury_window_solve(
   stacked: PyTree,
   gram: jax.Array,
@@ -488,6 +505,7 @@ def woodbury_window_solve(
   pending: tuple[PyTree, jax.Array] | None = None,
   coords: jax.Array | None = None,
   remainder: bool = True,
+  gr: jax.Array | None = None,
 ) -> PyTree:
   """``(damping I + scale G^T G)^{-1} x`` for a window ``G`` and its Gram.
 
@@ -512,13 +530,19 @@ def woodbury_window_solve(
       Gram with them, from :func:`stacked_pending_gram`).
     coords: ``(k,)`` coefficients ``a`` of the pending rows with
       ``x = rows^T a + r`` (e.g. one for the gradient just pushed, ``1/k``
-      for the mean of ``k`` per-example rows). The part in the window's span
+      for the mean of ``k`` per-example rows); without ``pending``,
+      ``(m,)`` coefficients of the window's own rows. The part in the window's span
       is then solved as ``G^T (scale G G^T + damping I)^{-1} a``, which has
       no cancellation: ``(x - G^T w) / damping`` loses float32 digits in
       proportion to ``scale |x|^2 / damping`` when ``x`` lies in the span.
     remainder: with ``coords``, whether ``r = x - rows^T a`` is solved too
-      (by the formula above, with ``G r = G x - gram a``); False takes ``x``
-      as exactly ``rows^T a``, e.g. the rows as stored in a narrower window.
+      (by the formula above); False takes ``x`` as exactly ``rows^T a``,
+      e.g. the rows as stored in a narrower window. ``G r`` is formed from
+      ``r`` itself (``G x - gram a`` would cancel as above), so ``gx`` is
+      refused here; pass ``gr`` instead where it is already known.
+    gr: with ``coords`` and ``remainder``, ``G r`` of shape ``(m,)`` if
+      already known (e.g. from the pass that forms the Gram, given the same
+      ``r = x - rows^T a``).
 
   Returns:
     ``F^{-1} x`` in ``x``'s dtypes; ``x`` itself for a tree without leaves.
@@ -544,20 +568,26 @@ def woodbury_window_solve(
   )
   xw: PyTree | None = jax.tree.map(lambda v: v.astype(dtype), x)
   if coords is not None:
-    if pending is None:
-      raise ValueError("coords are coefficients of pending rows.")
-    rows, slots = pending
-    a = _pending_coords(gram.shape[0], slots, coords, dtype)
+    if pending is None:  # Coefficients of the window's own rows.
+      rows, slots = wide, None
+      a = jnp.asarray(coords, dtype)
+    else:
+      rows, slots = pending
+      a = _pending_coords(gram.shape[0], slots, coords, dtype)
     shifted = factor.damping / jnp.asarray(scale, dtype) * a
     if remainder:
       # x = G^T a + r: F^{-1} x = (r - G^T C^{-1} (G r - shift a)) / damping.
-      if gx is None:
-        gx = tree_stacked_dot(wide, xw)
-        gx = gx.at[slots].set(tree_stacked_dot(rows, xw))
-      in_span = tree_stacked_combine(rows, coords.astype(dtype))
-      xw = jax.tree.map(jnp.subtract, xw, in_span)
-      ga = jnp.matmul(gram, a, precision=_HIGHEST)
-      gx = gx.astype(dtype) - ga - shifted
+      if gx is not None:
+        raise ValueError(
+          "with coords and remainder, pass G r as gr, not G x as gx "
+          "(G x - gram a cancels)."
+        )
+      xw = remainder_of(xw, rows, coords, dtype)
+      if gr is None:
+        gr = tree_stacked_dot(wide, xw)
+        if slots is not None:
+          gr = gr.at[slots].set(tree_stacked_dot(rows, xw))
+      gx = gr.astype(dtype) - shifted
     else:
       xw, gx = None, -shifted
   out = woodbury_solve(
@@ -671,6 +701,7 @@ def woodbury_rows_solve(
   damping: jax.Array | float,
   *,
   normalized: bool = False,
+  mean: bool = False,
 ) -> PyTree:
   """``(damping I + (1/B) R^T R)^{-1} x`` for ``B`` stacked rows ``R``.
 
@@ -683,6 +714,10 @@ def woodbury_rows_solve(
     x: a tree shaped like one row.
     damping: ``lambda > 0``.
     normalized: return ``damping * F^{-1} x`` instead.
+    mean: ``x`` is (about) the rows' mean, e.g. the batch gradient of these
+      per-example gradients: its part in their span is solved there,
+      without float32 cancellation, and only ``x - mean(R)`` by the
+      general formula (``coords = 1/B`` in :func:`woodbury_window_solve`).
 
   Returns:
     ``F^{-1} x`` in ``x``'s dtypes.
@@ -690,12 +725,14 @@ def woodbury_rows_solve(
   leaves = jax.tree.leaves(rows)
   if not leaves:
     return x
+  b = leaves[0].shape[0]
   wide = numerics.widen(rows)
   return woodbury_window_solve(
     wide,
     tree_stacked_gram(wide),
     x,
     damping,
-    scale=1.0 / leaves[0].shape[0],
+    scale=1.0 / b,
     normalized=normalized,
+    coords=jnp.full((b,), 1.0 / b, jnp.float32) if mean else None,
   )
