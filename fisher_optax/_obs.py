@@ -499,6 +499,15 @@ def obs_prune(
         "returned NaN/Inf gradients, or gradients whose Gram overflows); "
         "nothing was pruned at this step."
       )
+    bad = sum(int(np.sum(~(np.asarray(x) >= 0))) for x in saliency)
+    if bad:  # Scores that would prune the wrong weights first (or never).
+      raise ValueError(
+        f"obs_prune: step {s}: {bad} weights have negative or NaN scores: "
+        "a NaN weight, or an inverse-Fisher diagonal lost to rounding "
+        "(damping tiny next to the squared gradients; raise damping, use "
+        "block_size <= the number of gradients, or float64). Nothing was "
+        "pruned at this step."
+      )
     density = (1.0 - sparsity) ** (s / steps)
     n_prune = _targets(sizes, [int(a.sum()) for a in alive], density, scope)
     index = _select(saliency, alive, n_prune)

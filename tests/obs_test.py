@@ -322,6 +322,15 @@ class ObsPruneTest(parameterized.TestCase):
       with self.assertRaisesRegex(ValueError, "No prunable leaf"):
         fisher_optax.obs_prune(params, grad_fn, 0.5, prunable=prunable)
 
+  def test_negative_or_nan_scores_raise(self):
+    # A NaN weight scored NaN, which the selection put last: never pruned.
+    grad_fn = lambda p, s: jax.tree.map(
+      lambda x: jnp.arange(3.0 * x.size).reshape(3, *x.shape), p
+    )
+    params = {"w": jnp.array([1.0, jnp.nan, 2.0, 3.0])}
+    with self.assertRaisesRegex(ValueError, "1 weights have negative or NaN"):
+      fisher_optax.obs_prune(params, grad_fn, 0.5)
+
   def test_magnitude_prune_removes_smallest(self):
     res = fisher_optax.magnitude_prune(
       {"a": jnp.array([3.0, -0.5, 2.0]), "b": jnp.array([-0.1, 4.0])}, 0.4

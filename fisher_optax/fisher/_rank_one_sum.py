@@ -51,7 +51,11 @@ class RankOneSumFisher:
   ``F^{-1} = (I - Z^T Z) / damping``. With ``block_size`` set, ``F`` is the
   block-diagonal part of that matrix over consecutive blocks of the
   flattened parameters (``jax.flatten_util.ravel_pytree`` order), and every
-  block has its own ``m x m`` factor.
+  block has its own factor: ``m x m`` as above while ``m < block_size``;
+  otherwise (``direct``) the block's gradients span it, and it keeps
+  ``W = sqrt(m) L^{-1}`` with ``L L^T = G^T G + m * damping * I``
+  (``B x B``), so that ``F^{-1} = W^T W``: a sum of squares, without the
+  float32 cancellation of ``I - Z^T Z`` where ``|g|^2 / damping`` is large.
 
   A :class:`~fisher_optax.fisher.FisherStatistic` whose damping is built in:
   ``solve(v)`` (= :meth:`ihvp`) and ``inverse_diag()`` take ``damping=None``;
@@ -60,13 +64,13 @@ class RankOneSumFisher:
   :meth:`check_compatible`.
 
   Attributes:
-    whitened: ``Z``; a stacked tree (leading axis ``m``) shaped like the
-      gradients, or ``(num_blocks, r, block_size)`` when blocked, with
-      ``r = min(m, block_size)``.
+    whitened: ``Z`` (or ``W``); a stacked tree (leading axis ``m``) shaped
+      like the gradients, or ``(num_blocks, r, block_size)`` when blocked,
+      with ``r = min(m, block_size)``.
     chol: ``L``, shape ``(m, m)`` or ``(num_blocks, r, r)``.
-    damping: the damping of the stored form, a scalar array: ``lambda``, or
-      ``lambda / 2`` for compressed blocks (``m > block_size``).
+    damping: ``lambda``, a scalar array.
     block_size: ``None`` or the static block size.
+    direct: whether the blocks keep ``W`` (``m >= block_size``).
   """
 
   def __init__(
@@ -78,11 +82,13 @@ class RankOneSumFisher:
     treedef: Any,
     shapes: tuple[tuple[int, ...], ...],
     num_grads: int,
+    direct: bool = False,
   ):
     self.whitened = whitened
     self.chol = chol
     self.damping = damping
     self.block_size = block_size
+    self.direct = direct
     self._treedef = treedef
     self._shapes = shapes
     self._num_grads = num_grads
@@ -90,7 +96,13 @@ class RankOneSumFisher:
   def tree_flatten(self):
     return (
       (self.whitened, self.chol, self.damping),
-      (self.block_size, self._treedef, self._shapes, self._num_grads),
+      (
+        self.block_size,
+        self._treedef,
+        self._shapes,
+        self._num_grads,
+        self.direct,
+      ),
     )
 
   @classmethod
@@ -155,35 +167,45 @@ class RankOneSumFisher:
     return _flat_blocks(v, self.block_size, self.chol.shape[0], ())
 
   def _from_blocks(self, x: jax.Array, like: PyTree) -> PyTree:
-    out = numerics.unravel(x.reshape(-1)[: self.dim], like)
-    return jax.tree.map(lambda o, l: o.astype(jnp.result_type(l)), out, like)
+    return self._like(numerics.unravel(x.reshape(-1)[: self.dim], like), like)
 
   # -- products ------------------------------------------------------------------
 
-  def ihvp(self, v: PyTree) -> PyTree:
-    """Returns ``F^{-1} v`` in ``O(d m)``, in ``v``'s dtypes."""
-    self.check_compatible(v, "v")
-    lam = self.damping
-    if self.block_size is None:
-      zv = linalg.tree_stacked_dot(self.whitened, v)
-      corr = linalg.tree_stacked_combine(self.whitened, zv)
-      return jax.tree.map(
-        lambda a, c: ((a - c.astype(a.dtype)) / lam.astype(a.dtype)).astype(
-          a.dtype
-        ),
-        v,
-        corr,
-      )
-    x = self._to_blocks(v).astype(self.whitened.dtype)
-    zx = jnp.einsum(
-      "bmk,bk->bm", self.whitened, x, precision=jax.lax.Precision.HIGHEST
+  def _inverse(self, eye: Any, cross: jax.Array) -> jax.Array:
+    """``[F^{-1}]`` from ``eye`` (``I``'s entries) and ``cross`` (``Z^T Z``'s)."""
+    if self.direct:
+      return cross
+    return (eye - cross) / self.damping.astype(cross.dtype)
+
+  def _wide(self, v: PyTree) -> PyTree:
+    """``v`` in the factor's dtype or wider (bfloat16 and integer ``v``)."""
+    dtype = self.chol.dtype
+    return jax.tree.map(
+      lambda a: jnp.asarray(a, jnp.promote_types(jnp.result_type(a), dtype)),
+      v,
     )
-    out = (
-      x
-      - jnp.einsum(
-        "bmk,bm->bk", self.whitened, zx, precision=jax.lax.Precision.HIGHEST
+
+  def _like(self, out: PyTree, v: PyTree) -> PyTree:
+    """``out`` in ``v``'s float dtypes (integer ``v``: the factor's)."""
+    return jax.tree.map(lambda o, a: o.astype(_float_dtype(a, o)), out, v)
+
+  def ihvp(self, v: PyTree) -> PyTree:
+    """Returns ``F^{-1} v`` in ``O(d m)``, in ``v``'s (float) dtypes."""
+    self.check_compatible(v, "v")
+    if self.block_size is None:
+      x = self._wide(v)
+      zv = linalg.tree_stacked_dot(self.whitened, x)
+      corr = linalg.tree_stacked_combine(self.whitened, zv)
+      out = jax.tree.map(
+        lambda a, c: self._inverse(a, c.astype(a.dtype)), x, corr
       )
-    ) / lam
+      return self._like(out, v)
+    x = self._to_blocks(self._wide(v))
+    hi = jax.lax.Precision.HIGHEST
+    zx = jnp.einsum("bmk,bk->bm", self.whitened, x, precision=hi)
+    out = self._inverse(
+      x, jnp.einsum("bmk,bm->bk", self.whitened, zx, precision=hi)
+    )
     return self._from_blocks(out, v)
 
   def solve(self, v: PyTree, damping: None = None) -> PyTree:
@@ -203,15 +225,21 @@ class RankOneSumFisher:
     lam, m = self.damping, self.num_grads
     hi = jax.lax.Precision.HIGHEST
     if self.block_size is None:
-      zv = linalg.tree_stacked_dot(self.whitened, v)
+      x = self._wide(v)
+      zv = linalg.tree_stacked_dot(self.whitened, x)
       llz = jnp.matmul(
         self.chol.T, jnp.matmul(self.chol, zv, precision=hi), precision=hi
       )
       corr = linalg.tree_stacked_combine(self.whitened, llz / m)
-      return jax.tree.map(
-        lambda a, c: (lam * a + c.astype(a.dtype)).astype(a.dtype), v, corr
+      out = jax.tree.map(
+        lambda a, c: lam.astype(a.dtype) * a + c.astype(a.dtype), x, corr
       )
-    x = self._to_blocks(v).astype(self.whitened.dtype)
+      return self._like(out, v)
+    x = self._to_blocks(self._wide(v))
+    if self.direct:  # F = L L^T / m
+      lx = jnp.einsum("bji,bj->bi", self.chol, x, precision=hi)
+      out = jnp.einsum("bij,bj->bi", self.chol, lx, precision=hi) / m
+      return self._from_blocks(out, v)
     zx = jnp.einsum(
       "bmk,bk->bm", self.whitened, x, precision=jax.lax.Precision.HIGHEST
     )
@@ -247,13 +275,12 @@ class RankOneSumFisher:
     ``damping`` must be ``None`` (the factor's own), as in :meth:`solve`.
     """
     _check_own_damping(damping, "inverse_diag")
-    lam = self.damping
     if self.block_size is None:
       return jax.tree.map(
-        lambda z: (1.0 - jnp.sum(jnp.square(z), axis=0)) / lam.astype(z.dtype),
+        lambda z: self._inverse(1.0, jnp.sum(jnp.square(z), axis=0)),
         self.whitened,
       )
-    out = (1.0 - jnp.sum(jnp.square(self.whitened), axis=1)) / lam
+    out = self._inverse(1.0, jnp.sum(jnp.square(self.whitened), axis=1))
     like = jax.tree.unflatten(
       self._treedef,
       [jax.ShapeDtypeStruct(s, self.whitened.dtype) for s in self._shapes],
@@ -306,7 +333,7 @@ class RankOneSumFisher:
     zi, bi = self.whitened_columns(i)
     zj, bj = self.whitened_columns(j)
     cross = jnp.where(bi == bj, jnp.sum(zi * zj, axis=-1), 0.0)
-    return ((i == j).astype(cross.dtype) - cross) / self.damping
+    return self._inverse((i == j).astype(cross.dtype), cross)
 
   def inverse_submatrix(self, index: jax.Array) -> jax.Array:
     """Returns ``[F^{-1}]_{QQ}`` for a 1-D array of flat indices ``Q``."""
@@ -317,8 +344,13 @@ class RankOneSumFisher:
       jnp.matmul(zq, zq.T, precision=jax.lax.Precision.HIGHEST),
       0.0,
     )
-    eye = jnp.eye(index.shape[0], dtype=cross.dtype)
-    return (eye - cross) / self.damping
+    return self._inverse(jnp.eye(index.shape[0], dtype=cross.dtype), cross)
+
+
+def _float_dtype(v: Any, out: jax.Array) -> Any:
+  """``v``'s dtype if it is a float, else ``out``'s."""
+  dtype = jnp.result_type(v)
+  return dtype if jnp.issubdtype(dtype, jnp.floating) else out.dtype
 
 
 def _check_own_damping(damping: Any, method: str) -> None:
@@ -369,11 +401,12 @@ def sum_of_rank_one(
     block_size: if set (a static int), ``F`` is restricted to its diagonal
       blocks of this many consecutive entries of the flattened parameters
       (the last block is zero-padded) and each block is factored on its own,
-      as in M-FAC's pruner. When ``m > block_size`` each block's gradients
-      are first compressed to ``B`` rows ``R`` (a Cholesky factor of
-      ``G^T G + (m lambda / 2) I``, paired with damping ``lambda / 2``, which
-      gives the same ``F``), so a block costs ``O(m B^2 + B^3)`` and stores
-      ``B x B`` numbers.
+      as in M-FAC's pruner. When ``m >= block_size`` a block is factored
+      directly: the Cholesky factor ``L`` of ``G^T G + m lambda I`` and
+      ``W = sqrt(m) L^{-1}``, so a block costs ``O(m B^2 + B^3)``, stores
+      ``B x B`` numbers, and its inverse is ``W^T W``, free of the float32
+      cancellation of ``(I - Z^T Z) / lambda`` (which lost all digits of
+      ``inverse_diag`` there at small damping).
 
   Returns:
     A :class:`RankOneSumFisher` with ``ihvp`` (also ``solve``),
@@ -428,20 +461,20 @@ def sum_of_rank_one(
   nb = -(-d // block_size)
   blocks = jnp.swapaxes(_flat_blocks(grads, block_size, nb, (m,)), 0, 1)
 
-  compress = m > block_size
-  # Compressed blocks keep B rows R with R^T R = G^T G + (m lam / 2) I (a
-  # Cholesky, well conditioned), so that lam/2 I + R^T R / m is exactly F.
-  form_lam = lam / 2 if compress else lam
+  # The block's gradients span it: F = (G^T G + m lam I) / m = L L^T / m
+  # and F^{-1} = W^T W with W = sqrt(m) L^{-1}, a sum of squares.
+  direct = m >= block_size
 
   def one_block(g):
-    if compress:
-      h = jnp.matmul(g.T, g, precision=jax.lax.Precision.HIGHEST)
+    if direct:
+      h = linalg.symmetrize(
+        jnp.matmul(g.T, g, precision=jax.lax.Precision.HIGHEST)
+      )
       eye = jnp.eye(block_size, dtype=dtype)
-      g = numerics.finite_or_nan(
-        jnp.linalg.cholesky, 0.5 * (h + h.T) + (m * lam / 2) * eye
-      ).T
-    chol = _chol(linalg.tree_stacked_gram(g), form_lam, m)
+      chol = numerics.finite_or_nan(jnp.linalg.cholesky, h + (m * lam) * eye)
+      return math.sqrt(m) * linalg.tril_inverse(chol), chol
+    chol = _chol(linalg.tree_stacked_gram(g), lam, m)
     return _whiten(g, chol), chol
 
   z, chol = jax.vmap(one_block)(blocks)
-  return RankOneSumFisher(z, chol, form_lam, block_size, treedef, shapes, m)
+  return RankOneSumFisher(z, chol, lam, block_size, treedef, shapes, m, direct)
