@@ -307,6 +307,19 @@ def _prunable_leaves(
     raise ValueError(
       "No prunable leaf: prunable selects no floating-point leaf of params."
     )
+  # A NaN weight sorts last by magnitude or score, so it would never be
+  # pruned; say so instead (concrete params only: a host-side check).
+  bad = [
+    jax.tree_util.keystr(path)
+    for (path, x), f in zip(
+      jax.tree_util.tree_flatten_with_path(params)[0], flags
+    )
+    if f
+    and not isinstance(x, jax.core.Tracer)
+    and not np.all(np.isfinite(np.asarray(x, np.float32)))
+  ]
+  if bad:
+    raise ValueError(f"params{', params'.join(bad)} hold NaN or Inf weights.")
   return leaves, treedef, flags
 
 

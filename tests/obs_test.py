@@ -322,14 +322,26 @@ class ObsPruneTest(parameterized.TestCase):
       with self.assertRaisesRegex(ValueError, "No prunable leaf"):
         fisher_optax.obs_prune(params, grad_fn, 0.5, prunable=prunable)
 
-  def test_negative_or_nan_scores_raise(self):
-    # A NaN weight scored NaN, which the selection put last: never pruned.
-    grad_fn = lambda p, s: jax.tree.map(
-      lambda x: jnp.arange(3.0 * x.size).reshape(3, *x.shape), p
-    )
+  def test_negative_scores_and_nan_weights_raise(self):
+    # Unblocked, as many gradients as weights: float32 rounding makes some
+    # of the inverse diagonal negative, and those weights were pruned first.
+    g = 10.0 * np.random.default_rng(0).normal(size=(16, 16))
+    grad_fn = lambda p, s: {"w": jnp.asarray(g, jnp.float32)}
+    params = {"w": jnp.ones(16)}
+    with self.assertRaisesRegex(ValueError, "weights have negative or NaN"):
+      fisher_optax.obs_prune(
+        params, grad_fn, 0.5, block_size=None, damping=1e-6
+      )
+    # A NaN weight sorts last by magnitude or score: it was never pruned.
     params = {"w": jnp.array([1.0, jnp.nan, 2.0, 3.0])}
-    with self.assertRaisesRegex(ValueError, "1 weights have negative or NaN"):
-      fisher_optax.obs_prune(params, grad_fn, 0.5)
+    for prune in (
+      lambda: fisher_optax.magnitude_prune(params, 0.5),
+      lambda: fisher_optax.obs_prune(
+        params, lambda p, s: {"w": g[:3, :4]}, 0.5
+      ),
+    ):
+      with self.assertRaisesRegex(ValueError, r"params\['w'\] hold NaN"):
+        prune()
 
   def test_magnitude_prune_removes_smallest(self):
     res = fisher_optax.magnitude_prune(
