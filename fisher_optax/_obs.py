@@ -53,7 +53,8 @@ def obs_saliency(params: PyTree, fisher: RankOneSumFisher) -> PyTree:
     fisher: the factored Fisher.
 
   Returns:
-    A tree of float32 saliencies shaped like ``params``.
+    A tree of saliencies shaped like ``params``, in the factor's dtype
+    (float32, or float64 for a float64 factor).
 
   Example::
 
