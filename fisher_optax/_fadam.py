@@ -134,7 +134,7 @@ def _checked_hyper(
   # embedding row) with d = 0: theta / d overflows and every step is skipped.
   validation.check_positive("eps", eps)
   validation.check_positive("eps2", eps2)
-  validation.check_positive("clip", clip)
+  validation.check_positive("clip", clip, allow_inf=True)
   if p is not None:
     validation.check_positive("p", p)
   validation.check_positive("weight_decay", weight_decay, allow_zero=True)

@@ -219,6 +219,14 @@ class SumOfRankOneTest(parameterized.TestCase):
     grads = _grads(0, dtype=jnp.float32)
     with self.assertRaisesRegex(ValueError, "damping"):
       fisher.sum_of_rank_one(grads, 0.0)
+    # An infinite damping only gives a non-finite factor; a vector one would
+    # broadcast past the range check.
+    with self.assertRaisesRegex(ValueError, "damping must be finite"):
+      fisher.sum_of_rank_one(grads, float("inf"))
+    with self.assertRaisesRegex(ValueError, "damping must be a scalar"):
+      fisher.sum_of_rank_one(grads, jnp.array([1e-2, 1e-3]))
+    with self.assertRaisesRegex(ValueError, "damping must be finite"):
+      fisher_optax.mfac(1e-3, window_size=4, damping=float("inf"))
     with self.assertRaisesRegex(TypeError, "block_size"):
       fisher.sum_of_rank_one(grads, 1.0, block_size=2.5)
     with self.assertRaisesRegex(ValueError, "leading"):

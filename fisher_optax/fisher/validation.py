@@ -11,6 +11,7 @@ they pass through.
 from __future__ import annotations
 
 from collections.abc import Mapping
+import math
 from typing import Any
 import warnings
 
@@ -72,10 +73,16 @@ def check_scalar(name: str, value: Any) -> None:
 
 
 def check_positive(
-  name: str, value: Any, *, allow_zero: bool = False, schedule: bool = False
+  name: str,
+  value: Any,
+  *,
+  allow_zero: bool = False,
+  schedule: bool = False,
+  allow_inf: bool = False,
 ) -> None:
   """Raises ``ValueError`` if ``value`` is not a scalar, or a concrete one is
-  negative (or zero).
+  negative (or zero), or infinite unless ``allow_inf`` (an infinite damping
+  or step size only ever gives NaN or zero updates).
 
   A callable is a ``TypeError`` unless ``schedule`` (the value then goes to
   an optax transform that accepts schedules).
@@ -90,6 +97,8 @@ def check_positive(
     if v < 0 or (v == 0 and not allow_zero):
       bound = ">= 0" if allow_zero else "> 0"
       raise ValueError(f"{name} must be {bound}, got {v}.{_hint(value)}")
+    if v == math.inf and not allow_inf:
+      raise ValueError(f"{name} must be finite, got {v}.")
 
 
 def check_in_unit_interval(
