@@ -28,8 +28,9 @@ Resolution rules (those of :func:`optax.contrib.muon`):
 * a tree with the structure of the params (or a prefix of it) holding
   dimension numbers or ``None``, or a callable ``params -> such a tree``.
 
-Invalid numbers raise ``ValueError`` naming the leaf: an axis out of range
-for the leaf's rank, an empty, repeated or overlapping reduction/output
+Axes are Python or NumPy integers. Invalid numbers raise ``ValueError``
+naming the leaf: an axis that is not an integer or is out of range for the
+leaf's rank, an empty, repeated or overlapping reduction/output
 axis, a leaf of rank < 2 given numbers, and (for ``batch_axes=False``) any
 axis left over as a batch axis. Axes are never wrapped modulo the rank.
 
@@ -57,6 +58,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from optax.contrib import GaLoreDimensionNumbers
 from optax.contrib import MuonDimensionNumbers
 
@@ -163,8 +165,22 @@ class LeafPlan(NamedTuple):
     return jnp.transpose(jnp.reshape(y, permuted), inverse)
 
 
-def _as_tuple(axes: Sequence[int] | int) -> tuple[int, ...]:
-  return (axes,) if isinstance(axes, int) else tuple(axes)
+def _as_tuple(axes: Any) -> tuple[Any, ...]:
+  """``axes`` as a tuple: a lone axis (a Python or NumPy integer, or
+  anything else that is not iterable, refused later) is wrapped."""
+  if isinstance(axes, (int, np.integer)):
+    return (axes,)
+  try:
+    return tuple(axes)
+  except TypeError:
+    return (axes,)
+
+
+def _is_axis(a: Any) -> bool:
+  """Whether ``a`` is an integer axis: Python or NumPy, not a bool."""
+  return isinstance(a, (int, np.integer)) and not isinstance(
+    a, (bool, np.bool_)
+  )
 
 
 def plan(
@@ -188,8 +204,9 @@ def plan(
     The leaf's :class:`LeafPlan`.
 
   Raises:
-    ValueError: if the leaf has rank < 2, or an axis is out of range,
-      repeated, shared by both sides, or (``batch_axes=False``) unused.
+    ValueError: if the leaf has rank < 2, or an axis is not an integer,
+      out of range, repeated, shared by both sides, or
+      (``batch_axes=False``) unused.
   """
   shape = tuple(int(d) for d in shape)
   ndim = len(shape)
@@ -206,16 +223,20 @@ def plan(
     )
   red = _as_tuple(dims.reduction_axis)
   out = _as_tuple(dims.output_axis)
-  if any(
-    isinstance(a, bool) or not isinstance(a, int) or not -ndim <= a < ndim
-    for a in red + out
-  ):
+  bad = [a for a in red + out if not _is_axis(a)]
+  if bad:
+    raise ValueError(
+      f"dimension numbers {dims} for {leaf} name non-integer axes {bad}: "
+      "axes must be Python or NumPy ints."
+    )
+  if any(not -ndim <= a < ndim for a in red + out):
     raise ValueError(
       f"dimension numbers {dims} for {leaf} are out of range: axes must be "
       f"ints in [-{ndim}, {ndim})."
     )
-  red = tuple(a % ndim for a in red)
-  out = tuple(a % ndim for a in out)
+  # Python ints: the plan is static (hashed as a jit cache key).
+  red = tuple(int(a) % ndim for a in red)
+  out = tuple(int(a) % ndim for a in out)
   if (
     not red
     or not out

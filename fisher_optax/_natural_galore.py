@@ -43,6 +43,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from optax.contrib import GaLoreDimensionNumbers
 
@@ -210,9 +211,11 @@ def _new_projector(
 ) -> jax.Array:
   """Refreshed projector; keeps ``old`` for a zero gradient or a non-finite
   basis (an intermediate that overflowed)."""
+  r = proj.rank
+  if r == 0:  # an empty leaf (min(m, n) == 0): no vector to find
+    return old
   dtype = old.dtype
   g32 = g2.astype(numerics.compute_dtype(g2))
-  r = proj.rank
   if method == "exact":
     svd = lambda x: jnp.linalg.svd(x, full_matrices=False)
     u, _, vh = numerics.finite_or_nan(svd, linalg.replicated(g32))
@@ -256,6 +259,10 @@ class NaturalGaLoreState(NamedTuple):
       gradients (full shape for unprojected leaves).
     notfinite_count: int32 number of steps skipped as non-finite (as in
       :func:`optax.apply_if_finite`'s state).
+    leaf_shapes: per leaf, a zero-size ``(*leaf_shape, 0)`` array of the
+      params' dtype: the shapes ``init`` saw, against which ``update``
+      checks the updates (no memory, no work per step). ``None`` in a state
+      built by hand without it: only the projected shapes are checked then.
   """
 
   count: jax.Array
@@ -264,6 +271,7 @@ class NaturalGaLoreState(NamedTuple):
   window_gram: PyTree
   base_optimizer_state: optax.OptState
   notfinite_count: jax.Array
+  leaf_shapes: PyTree = None
 
 
 # -- the leaf update -----------------------------------------------------------
@@ -301,14 +309,18 @@ class _Config(NamedTuple):
 
 def _init_leaf(
   cfg: _Config, p: jax.Array, proj: _Projection | None
-) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-  """``(projector, window, window_gram, base optimizer proxy)`` of a leaf."""
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
+  """``(projector, window, window_gram, base optimizer proxy, shape
+  placeholder)`` of a leaf."""
+  # The leaf's axes first: a sharding spec written for the leaf fits it.
+  like = jnp.zeros((*p.shape, 0), p.dtype)
   if proj is None:  # placeholders; the base optimizer sees the leaf as is
     return (
       jnp.zeros((0, 0), p.dtype),
       jnp.zeros((0,), numerics.compute_dtype(p)),
       jnp.zeros((0, 0), jnp.float32),
       numerics.zeros_like_stacked(p, dtype=p.dtype),
+      like,
     )
   n = cfg.history_size if cfg.windowed else 0
   wdtype = (
@@ -321,6 +333,7 @@ def _init_leaf(
     jnp.zeros((n, *proj.low_rank_shape), wdtype),
     jnp.zeros((n, n), numerics.compute_dtype(wdtype)),
     jnp.zeros(proj.low_rank_shape, p.dtype),
+    like,
   )
 
 
@@ -333,16 +346,28 @@ def _init(
   count, notfinite = jnp.zeros([], jnp.int32), jnp.zeros([], jnp.int32)
   if not leaves:  # e.g. optax.tree.map_params' placeholder
     return NaturalGaLoreState(
-      count, params, params, params, base_optimizer.init(params), notfinite
+      count,
+      params,
+      params,
+      params,
+      base_optimizer.init(params),
+      notfinite,
+      params,
     )
   parts = [
     _init_leaf(cfg, p, proj) for p, proj in zip(leaves, cfg.projections(params))
   ]
-  projector, window, gram, proxy = (
+  projector, window, gram, proxy, shapes = (
     jax.tree.unflatten(treedef, list(column)) for column in zip(*parts)
   )
   return NaturalGaLoreState(
-    count, projector, window, gram, base_optimizer.init(proxy), notfinite
+    count,
+    projector,
+    window,
+    gram,
+    base_optimizer.init(proxy),
+    notfinite,
+    shapes,
   )
 
 
@@ -487,7 +512,10 @@ def _check_updates(
 
   Against ``params`` when given, and always against the state ``init``
   built, so a scalar or transposed gradient is refused before it can
-  broadcast (or reach an einsum).
+  broadcast (or reach an einsum): its projector and window shapes, and the
+  full shapes in ``leaf_shapes``, which alone catch an unprojected leaf and
+  a transposed one at ``rank >= min(m, n)`` (same projected shapes). Only
+  shapes are read, at trace time.
   """
   validation.check_same_structure(
     updates, state.projector, what="state.projector"
@@ -497,18 +525,27 @@ def _check_updates(
   projs = cfg.projections(updates)
   paths = jax.tree_util.tree_flatten_with_path(updates)[0]
   built = zip(jax.tree.leaves(state.projector), jax.tree.leaves(state.window))
-  for (path, g), proj, (p, w) in zip(paths, projs, built):
+  likes: list[Any] = [None] * len(projs)
+  if state.leaf_shapes is not None:  # None: a state built without the field
+    validation.check_same_structure(
+      updates, state.leaf_shapes, what="state.leaf_shapes"
+    )
+    likes = jax.tree.leaves(state.leaf_shapes)
+  for (path, g), proj, (p, w), like in zip(paths, projs, built, likes):
     # Unprojected leaves hold a (0,) window, projected ones (s, r, n).
     was = None if w.ndim == 1 else (tuple(p.shape), tuple(w.shape[1:]))
     now = None if proj is None else (proj.projector_shape, proj.low_rank_shape)
-    if was == now:
+    if was != now:
+      what = (
+        "an unprojected leaf"
+        if was is None
+        else f"a projector of shape {was[0]} and low-rank gradients of "
+        f"shape {was[1]}"
+      )
+    elif like is not None and jnp.shape(g) != like.shape[:-1]:
+      what = f"a leaf of shape {like.shape[:-1]}"
+    else:
       continue
-    what = (
-      "an unprojected leaf"
-      if was is None
-      else f"a projector of shape {was[0]} and low-rank gradients of shape "
-      f"{was[1]}"
-    )
     raise ValueError(
       "updates do not match params (different shapes): updates"
       f"{jax.tree_util.keystr(path)} has shape {jnp.shape(g)} where the "
@@ -724,6 +761,51 @@ def _update(
   return numerics.skip_nonfinite_step(step, updates, state, inputs=inputs)
 
 
+def _check_update_proj_gap(value: Any) -> Any:
+  """The refresh period ``T`` to use, validated when it is known now.
+
+  ``T`` enters only ``count % T == 0``, where ``0`` would refresh on every
+  step and a negative value acts as its absolute value, so every concrete
+  value below 1 is refused: Python and NumPy numbers and concrete scalar
+  arrays (what ``optax.inject_hyperparams`` passes to ``init``). An
+  integral float is accepted (Python and NumPy numbers become ints, keeping
+  the modulo in integers); traced values pass unchecked.
+
+  Args:
+    value: the ``update_proj_gap`` argument.
+
+  Returns:
+    ``value``, as a Python int when it is a Python or NumPy number.
+
+  Raises:
+    TypeError: if it is a bool, a schedule or not a real number.
+    ValueError: if it is not a scalar, or a concrete value is not an
+      integer >= 1.
+  """
+  name = "update_proj_gap"
+  if isinstance(value, (bool, np.bool_, int, np.integer)):
+    return validation.check_count(name, value)
+  if isinstance(value, (np.ndarray, jax.Array)):
+    numeric = jnp.issubdtype(value.dtype, jnp.integer) or jnp.issubdtype(
+      value.dtype, jnp.floating
+    )
+  else:
+    numeric = isinstance(value, (float, np.floating))
+  if not numeric:
+    raise TypeError(
+      f"{name} must be an integer (or an integral float), got "
+      f"{type(value).__name__}; to schedule it, wrap the optimizer in "
+      "optax.inject_hyperparams."
+    )
+  validation.check_scalar(name, value)
+  v = validation.concrete_value(value)
+  if v is None:  # traced
+    return value
+  if not (v >= 1 and v.is_integer()):
+    raise ValueError(f"{name} must be an integer >= 1, got {value}.")
+  return value if isinstance(value, (np.ndarray, jax.Array)) else int(v)
+
+
 def scale_by_natural_galore(
   rank: int = 128,
   update_proj_gap: int = 200,
@@ -808,7 +890,8 @@ def scale_by_natural_galore(
 
   Args:
     rank: projection rank ``r`` (static), clipped to ``min(m, n)``.
-    update_proj_gap: refresh period ``T``.
+    update_proj_gap: refresh period ``T``, an integer >= 1 (an integral
+      float is accepted); may be injected.
     scale: :math:`\alpha`, multiplies projected leaves' updates.
     base_optimizer: gradient-only transform applied in the low-rank space
       (called with ``params=None``); default ``optax.scale_by_adam()``
@@ -834,6 +917,13 @@ def scale_by_natural_galore(
   Returns:
     An :class:`optax.GradientTransformationExtraArgs` with state
     :class:`NaturalGaLoreState`.
+
+  Raises:
+    TypeError: if ``rank``, ``history_size`` or ``svd_power_iterations`` is
+      not a static integer, or ``update_proj_gap`` is not a number.
+    ValueError: if a hyperparameter known now is out of range (e.g. an
+      ``update_proj_gap`` that is not an integer >= 1) or an option is not
+      one of its choices.
 
   Example::
 
@@ -887,13 +977,7 @@ def scale_by_natural_galore(
     ),
     weight_dimension_numbers=weight_dimension_numbers,
   )
-  if isinstance(update_proj_gap, bool) or (
-    isinstance(update_proj_gap, (int, float))
-    and (update_proj_gap < 1 or update_proj_gap != int(update_proj_gap))
-  ):
-    raise ValueError(
-      f"update_proj_gap must be a positive integer, got {update_proj_gap}."
-    )
+  update_proj_gap = _check_update_proj_gap(update_proj_gap)
   validation.check_positive("damping", damping)
 
   def update_fn(

@@ -114,6 +114,37 @@ class LeafPlanTest(parameterized.TestCase):
     out = jax.vmap(p.to_matrices)(x)
     np.testing.assert_array_equal(out[:, 0], jnp.swapaxes(x, 1, 2))
 
+  def test_numpy_integer_axes_are_ints(self):
+    for dims, want in (
+      (GaLoreDimensionNumbers(np.int64(0), np.int32(1)), ((0,), (1,))),
+      (DN((np.int64(0), np.int8(1)), np.int64(-1)), ((0, 1), (2,))),
+    ):
+      with self.subTest(dims=str(dims)):
+        shape = (4, 3) if len(want[0]) == 1 else (2, 4, 3)
+        p = matrix_view.plan(shape, dims)
+        self.assertEqual((p.reduction_axes, p.output_axes), want)
+        for a in p.reduction_axes + p.output_axes:
+          self.assertIs(type(a), int)
+        hash(p)
+    tree = {"w": jnp.zeros((4, 3))}
+    plan = matrix_view.plans({"w": DN(np.int64(1), np.uint8(0))}, tree)[0]
+    assert plan is not None
+    self.assertEqual(plan.matrix_shape, (3, 4))
+
+  def test_non_integer_axes_name_the_leaf(self):
+    tree = {"w": jnp.zeros((4, 3))}
+    for dims in (
+      DN(0.0, 1),
+      DN(np.float32(0), 1),
+      DN((0, 1.5), 1),
+      DN(None, 1),
+      DN(True, 0),
+      DN(np.bool_(True), 0),
+    ):
+      with self.subTest(dims=str(dims)):
+        with self.assertRaisesRegex(ValueError, r"\['w'\].*non-integer"):
+          matrix_view.resolve({"w": dims}, tree)
+
   def test_plans(self):
     tree = {"w": jnp.zeros((4, 3)), "b": jnp.zeros((3,))}
     b_plan, w_plan = matrix_view.plans(None, tree)

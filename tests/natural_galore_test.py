@@ -337,6 +337,36 @@ class NaturalGaLoreTest(parameterized.TestCase):
     exact = u[:, :4]
     chex.assert_trees_all_close(p @ p.T, exact @ exact.T, atol=1e-4)
 
+  def test_zero_size_leaf_every_svd_method(self):
+    # min(m, n) == 0 gives rank 0: nothing to decompose, at every refresh.
+    params = {
+      "w": jnp.zeros((0, 5)),
+      "u": jnp.zeros((4, 0)),
+      "v": jnp.ones((6, 4)),
+    }
+    grads = [dict(params, v=g["w0"]) for g in _grads([(6, 4)], 3)]
+    for method in ("exact", "randomized", "subspace"):
+      for side in ("larger", "smaller"):
+        with self.subTest(method=method, side=side):
+          tx = fisher_optax.scale_by_natural_galore(
+            rank=2,
+            update_proj_gap=1,
+            history_size=2,
+            svd_method=method,
+            projection_side=side,
+          )
+          updates, states = _run(tx, grads)
+          chex.assert_trees_all_equal_shapes(updates[-1], params)
+          chex.assert_tree_all_finite((updates, states[-1]))
+          self.assertEqual(states[-1].projector["w"].shape[1], 0)
+          self.assertEqual(states[-1].projector["u"].shape[1], 0)
+          # The empty leaves leave the others alone (up to the rounding of
+          # another random sketch: the key depends on the leaf's index).
+          alone, _ = _run(tx, [{"v": g["v"]} for g in grads])
+          chex.assert_trees_all_close(
+            updates[-1]["v"], alone[-1]["v"], rtol=1e-4, atol=1e-6
+          )
+
   def test_shapes_tall_wide_square_and_rank_above_min(self):
     params = {
       "tall": jnp.ones((9, 4)),
@@ -529,6 +559,62 @@ class NaturalGaLoreTest(parameterized.TestCase):
     tx = ng(rank=2, fisher_source="per_example")
     with self.assertRaisesRegex(ValueError, "per_example_grads"):
       tx.update(params, tx.init(params))
+
+  def test_update_proj_gap_below_one_or_fractional_is_refused(self):
+    ng = fisher_optax.scale_by_natural_galore
+    for gap in (
+      0,
+      np.int64(0),
+      np.int32(-3),
+      jnp.array(0),
+      np.array(-1),
+      0.5,
+      2.5,
+      np.float32(0.0),
+      jnp.array(2.5),
+      float("nan"),
+      float("inf"),
+    ):
+      with self.subTest(gap=repr(gap)):
+        with self.assertRaisesRegex(ValueError, "update_proj_gap"):
+          ng(rank=2, history_size=2, update_proj_gap=gap)
+    with self.assertRaisesRegex(ValueError, "update_proj_gap.*scalar"):
+      ng(update_proj_gap=jnp.array([2, 2]))
+    for gap in (True, "2", lambda count: 2):
+      with self.subTest(gap=repr(gap)):
+        with self.assertRaisesRegex(TypeError, "update_proj_gap"):
+          ng(update_proj_gap=gap)
+    # The other counts are static: NumPy values are checked as ints are.
+    for name, value in (
+      ("rank", np.int64(0)),
+      ("history_size", np.int32(-1)),
+      ("svd_power_iterations", np.int64(-1)),
+    ):
+      with self.subTest(name=name):
+        with self.assertRaisesRegex(ValueError, name):
+          ng(**{name: value})
+    factory = optax.inject_hyperparams(
+      fisher_optax.natural_galore,
+      static_args=("rank", "history_size", "svd_power_iterations"),
+    )
+    params = {"w": jnp.ones((6, 4))}
+    with self.assertRaisesRegex(ValueError, "update_proj_gap"):
+      factory(1e-2, rank=2, history_size=2, update_proj_gap=0).init(params)
+    tx = factory(1e-2, rank=2, history_size=2, update_proj_gap=2)
+    state = tx.init(params)
+    state.hyperparams["update_proj_gap"] = jnp.asarray(-2)
+    with self.assertRaisesRegex(ValueError, "update_proj_gap"):
+      tx.update(params, state, params)  # concrete: checked
+    jax.jit(tx.update)(params, state, params)  # traced: passes
+    # Integers of any kind and integral floats give the same schedule.
+    grads = [{"w": g["w0"]} for g in _grads([(6, 4)], 3)]
+    run = lambda gap: _run(
+      ng(rank=2, history_size=2, update_proj_gap=gap), grads
+    )
+    ref = run(2)
+    for gap in (np.int64(2), 2.0, jnp.array(2.0)):
+      with self.subTest(gap=repr(gap)):
+        chex.assert_trees_all_close(run(gap), ref, rtol=1e-6)
 
   @parameterized.parameters(
     ("history", "batch"), ("per_example", "per_example")
@@ -723,6 +809,50 @@ class NaturalGaLoreNonfiniteTest(parameterized.TestCase):
               ValueError, r"updates do not match params.*updates\['w'\]"
             ):
               tx.update(g, state, *args)
+
+  def test_every_leaf_shape_is_checked_without_params(self):
+    # A transposed leaf at rank >= min(m, n) flips the projected side and
+    # gives the same projector and low-rank shapes; an unprojected leaf
+    # would broadcast through Adam.
+    params = {"w": jnp.ones((8, 6)), "b": jnp.ones((6,))}
+    cases = [(rank, dict(params, w=jnp.ones((6, 8)))) for rank in (6, 100)]
+    cases += [(2, dict(params, b=b)) for b in (jnp.ones(()), jnp.ones((1,)))]
+    for rank, g in cases:
+      bad = "w" if g["w"].shape != params["w"].shape else "b"
+      for name, tx in (
+        ("scale_by", fisher_optax.scale_by_natural_galore(rank=rank)),
+        (
+          "chain",
+          optax.chain(
+            fisher_optax.scale_by_natural_galore(rank=rank), optax.scale(-1.0)
+          ),
+        ),
+      ):
+        # init and update traced apart, and the state restored from its
+        # leaves against an abstract target (as a checkpoint restore does).
+        state = jax.jit(tx.init)(params)
+        target = jax.eval_shape(tx.init, params)
+        restored = jax.tree.unflatten(
+          jax.tree.structure(target),
+          [np.asarray(x) for x in jax.tree.leaves(state)],
+        )
+        for st in (state, restored):
+          with self.subTest(rank=rank, leaf=bad, tx=name):
+            with self.assertRaisesRegex(
+              ValueError, rf"updates do not match params.*updates\['{bad}'\]"
+            ):
+              jax.jit(tx.update)(g, st)
+            u, _ = jax.jit(tx.update)(params, st)
+            chex.assert_trees_all_equal_shapes(u, params)
+
+  def test_state_without_leaf_shapes_checks_projected_shapes(self):
+    # A state built by hand without the field: the projected shapes only.
+    params = {"w": jnp.ones((8, 6)), "b": jnp.ones((6,))}
+    tx = fisher_optax.scale_by_natural_galore(rank=2)
+    state = tx.init(params)._replace(leaf_shapes=None)
+    tx.update(params, state)
+    with self.assertRaisesRegex(ValueError, r"updates\['w'\]"):
+      tx.update(dict(params, w=jnp.ones((6, 8))), state)
 
 
 def fisher_optax_dims():
