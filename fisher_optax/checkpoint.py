@@ -80,47 +80,63 @@ def _path_name(path: tuple) -> str:
   return "/".join(_key_name(k) for k in path)
 
 
-def _check_against_metadata(
+def _saved_dtype(m: Any) -> Any:
+  """The saved dtype as JAX holds it (float64 is float32 without x64)."""
+  dtype = getattr(m, "dtype", None)
+  return None if dtype is None else jax.dtypes.canonicalize_dtype(dtype)
+
+
+def _checked_abstract(
   metadata: PyTree, target: PyTree, abstract: PyTree
-) -> None:
-  """Refuses a target whose shapes or dtypes differ from the checkpoint's.
+) -> PyTree:
+  """``abstract``, refused where its shapes or dtypes differ from the
+  checkpoint's, with Python-number leaves given the saved dtype.
 
   Orbax casts to the target's dtype without a word, and a zero-size target
   leaf (a placeholder, never read) would throw the saved array away. A
-  Python number in the target (a ``TrainState``'s ``step``) takes the saved
-  dtype's place whatever it is, as a PRNG key takes its key data's.
+  Python number in the target (a ``TrainState``'s ``step``) stands for a
+  saved scalar of any dtype: it is restored in that dtype (an ``int`` target
+  does not truncate a saved 2.7). A PRNG key is saved as its key data,
+  checked against the target key's.
   """
   saved = {
     _path_name(p): m
     for p, m in jax.tree_util.tree_flatten_with_path(metadata)[0]
   }
-  for (p, x), raw in zip(
-    jax.tree_util.tree_flatten_with_path(abstract)[0], jax.tree.leaves(target)
-  ):
-    if isinstance(raw, (int, float, complex)) or jnp.issubdtype(
-      x.dtype, jax.dtypes.prng_key
-    ):
-      continue
+  out = []
+  flat, treedef = jax.tree_util.tree_flatten_with_path(abstract)
+  for (p, x), raw in zip(flat, jax.tree.leaves(target)):
     name = _path_name(p)
     m = saved.get(name)
+    number = isinstance(raw, (bool, int, float, complex))
+    key = jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
     if m is None:
-      if not _empty(x):
+      if not _empty(x) or number:
         raise ValueError(
           f"The checkpoint has no array at {name!r} (the target's is "
           f"{x.dtype}{list(x.shape)}): it was saved as a zero-size "
           "placeholder, or the target's structure differs."
         )
+      out.append(x)
       continue
     shape = tuple(getattr(m, "shape", ()) or ())
-    dtype = getattr(m, "dtype", None)
-    if shape != tuple(x.shape) or (
-      dtype is not None and jnp.dtype(dtype) != jnp.dtype(x.dtype)
+    dtype = _saved_dtype(m)
+    if number and shape == () and dtype is not None:
+      out.append(jax.ShapeDtypeStruct((), dtype, sharding=x.sharding))
+      continue
+    # A key's data: (*shape, words of its implementation), uint32.
+    want = jax.eval_shape(jax.random.key_data, x) if key else x
+    if shape != tuple(want.shape) or (
+      dtype is not None and dtype != jnp.dtype(want.dtype)
     ):
+      what = "key data " if key else ""
       raise ValueError(
         f"The checkpoint's array at {name!r} is {dtype}{list(shape)}, the "
-        f"target's {x.dtype}{list(x.shape)}: restore into the saved shapes "
-        "and dtypes (cast afterwards if a change is meant)."
+        f"target's {what}{want.dtype}{list(want.shape)}: restore into the "
+        "saved shapes and dtypes (cast afterwards if a change is meant)."
       )
+    out.append(x)
+  return jax.tree.unflatten(treedef, out)
 
 
 def save(
@@ -184,14 +200,31 @@ def restore(path: str | os.PathLike[str], target: PyTree) -> PyTree:
     target,
   )
   with ocp.StandardCheckpointer() as ckptr:
-    _check_against_metadata(
+    abstract = _checked_abstract(
       ckptr.metadata(path).item_metadata.tree, target, abstract
     )
     restored = ckptr.restore(path, _drop_empty(abstract))
-  return jax.tree.map(
-    lambda s, r: (
-      jnp.zeros(s.shape, s.dtype, device=s.sharding) if _empty(s) else r
-    ),
-    abstract,
-    restored,
-  )
+  return jax.tree.map(_as_target, abstract, restored)
+
+
+def _as_target(s: jax.ShapeDtypeStruct, r: Any) -> Any:
+  """A restored leaf as its target asks: a zero-size placeholder refilled,
+  key data as a key of the target's implementation (and a key as its data
+  for a ``uint32`` target)."""
+  if _empty(s):
+    return jnp.zeros(s.shape, s.dtype, device=s.sharding)
+  key = jnp.issubdtype(s.dtype, jax.dtypes.prng_key)
+  if key == jnp.issubdtype(r.dtype, jax.dtypes.prng_key):
+    if key and jax.random.key_impl(r) != _key_impl(s):
+      raise ValueError(
+        f"The checkpoint holds a {r.dtype} key where the target has a "
+        f"{s.dtype} one."
+      )
+    return r
+  if key:
+    return jax.random.wrap_key_data(r, impl=_key_impl(s))
+  return jax.random.key_data(r)
+
+
+def _key_impl(s: jax.ShapeDtypeStruct) -> Any:
+  return jax.random.key_impl(jnp.zeros((), s.dtype))

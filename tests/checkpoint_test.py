@@ -434,6 +434,61 @@ class CheckpointModuleTest(absltest.TestCase):
     self.assertEqual(int(restored["step"]), 0)
     self.assertEqual(float(restored["f"]), 0.5)
 
+  def test_python_number_targets_take_the_saved_dtype(self):
+    # An int target truncated a saved 2.7 to 2 (orbax casts to the target).
+    with tempfile.TemporaryDirectory() as tmp:
+      path = pathlib.Path(tmp) / "ckpt"
+      checkpoint.save(path, {"s": jnp.float32(2.7), "t": 0.5})
+      for target in ({"s": 0, "t": 1}, {"s": True, "t": 0.5}):
+        restored = checkpoint.restore(path, target)
+        np.testing.assert_allclose(restored["s"], 2.7, rtol=1e-7)
+        np.testing.assert_allclose(restored["t"], 0.5)
+
+  def test_numpy_float64_leaves_round_trip(self):
+    # Saved as float64, compared with the target as JAX holds it (float32
+    # without x64): no target could be restored into.
+    tree = {"w": np.arange(3.0), "i": np.arange(3)}
+    with tempfile.TemporaryDirectory() as tmp:
+      path = pathlib.Path(tmp) / "ckpt"
+      checkpoint.save(path, tree)
+      restored = checkpoint.restore(path, tree)
+    np.testing.assert_array_equal(restored["w"], tree["w"])
+    np.testing.assert_array_equal(restored["i"], tree["i"])
+
+  def test_prng_key_targets_are_checked(self):
+    key = jax.random.key(3)
+    with tempfile.TemporaryDirectory() as tmp:
+      path = pathlib.Path(tmp) / "ckpt"
+      checkpoint.save(path, {"k": jax.random.split(key, 3), "f": jnp.ones(2)})
+      bad = {
+        # Key data (3, 2) restored into one key, or a float into a key.
+        "key data uint32\\[2\\]": {"k": key, "f": jnp.ones(2)},
+        "uint32\\[3, 4\\]": {
+          "k": jax.random.split(jax.random.key(0, impl="rbg"), 3),
+          "f": jnp.ones(2),
+        },
+        "'f' is float32\\[2\\].*key data": {
+          "k": jax.random.split(key, 3),
+          "f": key,
+        },
+      }
+      for match, target in bad.items():
+        with self.subTest(match=match):
+          with self.assertRaisesRegex(ValueError, match):
+            checkpoint.restore(path, jax.eval_shape(lambda t=target: t))
+      restored = checkpoint.restore(
+        path, {"k": jax.random.split(key, 3), "f": jnp.ones(2)}
+      )
+      chex.assert_trees_all_equal(
+        jax.random.key_data(restored["k"]),
+        jax.random.key_data(jax.random.split(key, 3)),
+      )
+      # A uint32 target takes the keys' data.
+      data = checkpoint.restore(
+        path, {"k": jnp.zeros((3, 2), jnp.uint32), "f": jnp.ones(2)}
+      )
+      self.assertEqual(data["k"].dtype, jnp.uint32)
+
   def test_orbax_save_tree_refuses_zero_size_arrays(self):
     with tempfile.TemporaryDirectory() as tmp:
       with self.assertRaisesRegex(ValueError, "zero-size.*msgpack"):
