@@ -66,6 +66,7 @@ from typing import Any
 
 import flax
 from flax import nnx
+from flax.linen.fp8_ops import OVERWRITE_WITH_GRADIENT
 from flax.training import train_state
 import jax
 import jax.numpy as jnp
@@ -246,11 +247,25 @@ def apply_gradients(
 
   Returns:
     The new state with ``step + 1``, updated ``params`` and ``opt_state``.
+    As in flax, gradients under ``"_overwrite_with_gradient"`` (fp8 scales)
+    replace those params instead of going through ``tx``, which then sees
+    ``params["params"]`` only (and ``per_example_grads["params"]``).
   """
+  owg = OVERWRITE_WITH_GRADIENT in grads
+  params = state.params["params"] if owg else state.params
+  if owg:
+    extra = tx_kwargs.get("per_example_grads")
+    if extra is not None and OVERWRITE_WITH_GRADIENT in extra:
+      tx_kwargs = {**tx_kwargs, "per_example_grads": extra["params"]}
   updates, opt_state = state.tx.update(
-    grads, state.opt_state, state.params, **tx_kwargs
+    grads["params"] if owg else grads, state.opt_state, params, **tx_kwargs
   )
-  params = optax.apply_updates(state.params, updates)
+  params = optax.apply_updates(params, updates)
+  if owg:
+    params = {
+      "params": params,
+      OVERWRITE_WITH_GRADIENT: grads[OVERWRITE_WITH_GRADIENT],
+    }
   return state.replace(step=state.step + 1, params=params, opt_state=opt_state)
 
 

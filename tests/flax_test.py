@@ -184,6 +184,43 @@ class LinenAdaptersTest(absltest.TestCase):
     with self.assertRaisesRegex(ValueError, "per_example_grads"):
       plain.apply_gradients(grads=grads)
 
+  def test_overwrite_with_gradient_params_are_replaced(self):
+    # fp8 scales: flax replaces them by their gradients and runs tx on
+    # params["params"] only; we took an optimizer step on the scale (SGD)
+    # or failed on the tree (FAdam, initialised on params["params"]).
+    from flax.training import train_state  # pylint: disable=g-import-not-at-top
+
+    params = {
+      "params": {"w": jnp.ones(2)},
+      "_overwrite_with_gradient": {"scale": jnp.ones(())},
+    }
+    grads = {
+      "params": {"w": jnp.full(2, 0.5)},
+      "_overwrite_with_gradient": {"scale": jnp.full((), 5.0)},
+    }
+    pex = {
+      "params": {"w": jnp.stack([jnp.full(2, 0.25), jnp.full(2, 0.75)])},
+      "_overwrite_with_gradient": {"scale": jnp.full((2,), 5.0)},
+    }
+    for tx, extra in (
+      (optax.sgd(0.1), {}),
+      (fisher_optax.fadam(1e-2), {}),
+      (
+        fisher_optax.fadam(1e-2, fisher_source="per_example"),
+        {"per_example_grads": pex},
+      ),
+    ):
+      ours = fo_flax.TrainState.create(apply_fn=None, params=params, tx=tx)
+      new = ours.apply_gradients(grads=grads, tx_kwargs=extra)
+      self.assertEqual(
+        float(new.params["_overwrite_with_gradient"]["scale"]), 5.0
+      )
+      if not extra:  # Flax's own, where it can run the transform.
+        flax_new = train_state.TrainState.create(
+          apply_fn=None, params=params, tx=tx
+        ).apply_gradients(grads=grads)
+        chex.assert_trees_all_close(new.params, flax_new.params)
+
 
 class AccumulateFisherTest(absltest.TestCase):
   def _setup(self):
