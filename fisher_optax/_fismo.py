@@ -257,20 +257,28 @@ def _inverse_root(
     root = numerics.finite_or_nan(_eigh_roots, factor, jnp.asarray(floor))
     ok = jnp.ones(factor.shape[:-2], bool)
   elif opts.root_method == "newton":
-    res = numerics.finite_or_nan(
-      lambda f, init: _matrix_roots.matrix_inverse_root_newton(
-        f,
-        2,
-        init=init,
-        floor=floor,
-        max_iters=_NEWTON_MAX_ITERS,
-        tol=_NEWTON_TOL,
-      ),
-      factor,
-      linalg.symmetrize(old_root),
+    newton = lambda f, init: _matrix_roots.matrix_inverse_root_newton(
+      f,
+      2,
+      init=init,
+      floor=floor,
+      max_iters=_NEWTON_MAX_ITERS,
+      tol=_NEWTON_TOL,
     )
-    root = res.root
-    ok = res.error < _NEWTON_MAX_ERROR
+    warm = numerics.finite_or_nan(newton, factor, linalg.symmetrize(old_root))
+    ok = warm.error < _NEWTON_MAX_ERROR
+
+    # A factor that moved far from the cached root's (a jump in the
+    # gradients' scale, a nearly singular factor) can defeat the warm start,
+    # and keeping the old root would defeat every later one too (a cold
+    # Newton start fails on such factors in float32 as well): those take
+    # eigh's root. Only a refresh that needs it decomposes.
+    def fallback() -> tuple[jax.Array, jax.Array]:
+      exact = numerics.finite_or_nan(_eigh_roots, factor, jnp.asarray(floor))
+      root = jnp.where(ok[..., None, None], warm.root, exact)
+      return root, jnp.ones_like(ok)
+
+    root, ok = jax.lax.cond(jnp.all(ok), lambda: (warm.root, ok), fallback)
   else:
     root = numerics.finite_or_nan(_cholesky_roots, factor, jnp.asarray(floor))
     ok = jnp.ones(factor.shape[:-2], bool)
@@ -288,10 +296,13 @@ def _refresh_factor(
 ) -> tuple[jax.Array, jax.Array]:
   """EMA of one factor, then (on refresh steps) its inverse root."""
   new = _ema_factor(old, stat, d, opts)
-  root = jax.lax.cond(
-    refresh, lambda: _inverse_root(new, old_root, opts), lambda: old_root
-  )
-  return new, root
+
+  # Lane by lane under vmap: a batched predicate would turn the conds into
+  # selects, computing every lane's roots (and eigh fallbacks) every step.
+  def refreshed(refresh: jax.Array, f: jax.Array, r: jax.Array) -> jax.Array:
+    return jax.lax.cond(refresh, lambda: _inverse_root(f, r, opts), lambda: r)
+
+  return new, numerics.lane_by_lane(refreshed)(refresh, new, old_root)
 
 
 def _update_factors(
@@ -502,13 +513,8 @@ def _per_example_leaves(
   """The ``per_example_grads`` leaves (``None`` each for batch statistics)."""
   if fisher_source == "batch":
     return [None] * treedef.num_leaves
-  if per_example_grads is None:
-    raise ValueError(
-      'fisher_source="per_example" needs the per_example_grads extra '
-      "argument (updates' tree with a leading batch axis)."
-    )
-  validation.check_leading_axis(
-    per_example_grads, updates, what="per_example_grads"
+  validation.check_per_example_grads(
+    per_example_grads, updates, function="scale_by_fismo"
   )
   return treedef.flatten_up_to(per_example_grads)
 

@@ -82,7 +82,8 @@ def newton_schulz_polar(
       :data:`CUBIC_NS_COEFFS` (classical, exact in the limit).
     steps: number of iterations: an int, or an integer scalar array (then
       the iterations run as a loop of that many trips).
-    eps: added to the Frobenius norm before dividing.
+    eps: added to the Frobenius norm before dividing (a zero matrix gives
+      zeros, whatever ``eps``).
 
   Returns:
     The (approximate) polar factor, shaped and typed like ``x``.
@@ -114,7 +115,9 @@ def newton_schulz_polar(
   if transposed:
     x = jnp.matrix_transpose(x)
   norm = jnp.linalg.norm(x, ord="fro", axis=(-2, -1), keepdims=True)
-  x = x / (norm + eps)
+  # A zero matrix stays zero, also with eps = 0 (an injected float16 1e-8
+  # rounds to it): 0/0 would skip every step of a model with such a leaf.
+  x = jnp.where(norm > 0, x / jnp.where(norm > 0, norm + eps, 1), 0)
   coeff_arr = coeff_arr.astype(x.dtype)
 
   # Under explicit mesh axes the Gram is replicated and the iterate keeps
@@ -214,11 +217,11 @@ class NewtonRootResult(NamedTuple):
 
   Attributes:
     root: ``H`` with ``H^T A H ~= I`` (p=2) or ``H ~= A^{-1/p}``.
-    error: ``max |M - I|`` at exit, per matrix, for the iteration's ``M``
-      (``H^T A H`` for p=2 in exact arithmetic). In floating point ``M``
-      drifts from ``H^T A H`` for nearly singular ``A`` (a residual of 1.25
-      was reported as 1e-7 for a rank-2 64 x 64 matrix in float32), so
-      recompute the residual where an accurate root matters.
+    error: per matrix, for p=2 the true residual ``max |H^T A H - I|``
+      (``A`` with its ridge), recomputed from ``H`` at exit; for other
+      ``p`` the iteration's ``max |M - I|``, which in floating point drifts
+      from the residual for nearly singular ``A`` (a residual of 1.25 read
+      as 1e-7 for a rank-2 64 x 64 matrix in float32).
     iterations: iterations taken (the batch runs until all converge).
   """
 
@@ -322,7 +325,9 @@ def matrix_inverse_root_newton(
   h0 = h0 * c ** (-1.0 / p)
 
   def error(m):
-    return jnp.max(jnp.abs(m - eye), axis=(-2, -1))
+    # Infinite where m is not finite (XLA:CPU's max of NaNs can read -inf).
+    finite = jnp.all(jnp.isfinite(m), axis=(-2, -1))
+    return jnp.where(finite, jnp.max(jnp.abs(m - eye), axis=(-2, -1)), jnp.inf)
 
   def cond(carry):
     i, _, _, err = carry
@@ -347,6 +352,8 @@ def matrix_inverse_root_newton(
   del m
   if init is None:
     h = linalg.symmetrize(h)
+  if p == 2:  # M drifts from H^T A H: the residual itself, two matmuls.
+    err = error(mm(jnp.matrix_transpose(h), mm(a, h)))
   return NewtonRootResult(root=h, error=err, iterations=i)
 
 

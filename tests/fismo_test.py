@@ -508,6 +508,28 @@ class RootsTest(parameterized.TestCase):
     (u_tx, _), (u_every, _) = _run_many([tx, every], params, [grads, grads])
     chex.assert_trees_all_close(u_tx, u_every)
 
+  def test_vmapped_refresh_stays_a_cond(self):
+    # Under vmap the count is batched and a cond on it becomes a select:
+    # every lane computed its Newton roots (and eigh fallbacks) every step,
+    # 2.5x the step time on 10 lanes. The refresh runs lane by lane instead.
+    def loops_outside_cond(jaxpr, inside=False):
+      found = 0
+      for eqn in jaxpr.eqns:
+        name = eqn.primitive.name
+        found += name == "while" and not inside
+        for value in eqn.params.values():
+          for sub in value if isinstance(value, (tuple, list)) else (value,):
+            sub = getattr(sub, "jaxpr", sub)
+            if hasattr(sub, "eqns"):
+              found += loops_outside_cond(sub, inside or name == "cond")
+      return found
+
+    params = {"w": jnp.zeros((3, 4, 3))}  # three lanes
+    tx = fisher_optax.scale_by_fismo(precondition_interval=5)
+    step = jax.vmap(lambda g, s: tx.update(g, s, g))
+    jaxpr = jax.make_jaxpr(step)(params, jax.vmap(tx.init)(params))
+    self.assertEqual(loops_outside_cond(jaxpr.jaxpr), 0)
+
   def test_root_methods_agree_in_original_space(self):
     """The whitening/un-whitening round trip is root-independent."""
     params = jnp.zeros((5, 4))
@@ -547,6 +569,35 @@ class RootsTest(parameterized.TestCase):
     )
     for a, b in zip(ups, ref):
       self.assertGreater(_cos(a, b), 0.999)
+
+  def test_newton_recovers_after_the_factor_moves_far(self):
+    # The gradients' scale jumps 1000x with a small damping: the warm start
+    # from the cached root failed on every refresh, the stale root was kept
+    # (and warm-started the next refresh, which failed again): 80 of 120
+    # updates pointed elsewhere than eigh's (cosine < 0.9, down to -0.06).
+    rng = np.random.default_rng(3)
+    scale = np.where(np.arange(120) < 30, 1.0, 1e3)[:, None, None]
+    grads = jnp.asarray(rng.normal(size=(120, 6, 4)) * scale, jnp.float32)
+    kw = dict(
+      factor_norm="paper",
+      damping=1e-3,
+      precondition_interval=10,
+      momentum_space="original",
+    )
+
+    def run(root_method):
+      tx = fisher_optax.scale_by_fismo(root_method=root_method, **kw)
+      p = jnp.zeros((6, 4))
+
+      def body(s, g):
+        u, s = tx.update(g, s, p)
+        return s, u
+
+      return jax.lax.scan(body, tx.init(p), grads)[1]
+
+    ref, got = jax.jit(lambda: (run("eigh"), run("newton")))()
+    for a, b in zip(ref, got):
+      self.assertGreater(_cos(a, b), 0.9)
 
 
 def _decomposition_operands(jaxpr, names=("eigh", "cholesky")):
@@ -683,6 +734,10 @@ class RoutingTest(parameterized.TestCase):
       (TypeError, "ns_steps", dict(ns_steps=2.5)),
       (TypeError, "ns_steps", dict(ns_steps=jnp.asarray(2.0))),
       (ValueError, "ns_steps", dict(ns_steps=0)),
+      # Concrete arrays (what inject_hyperparams passes) are checked too.
+      (ValueError, "ns_steps", dict(ns_steps=jnp.asarray(-1))),
+      (ValueError, "interval", dict(precondition_interval=jnp.asarray(0))),
+      (ValueError, "interval", dict(precondition_interval=np.array(-3))),
       (TypeError, "max_precond_dim", dict(max_precond_dim=1e3)),
       (ValueError, "precondition_interval", dict(precondition_interval=0)),
       (TypeError, "precondition_interval", dict(precondition_interval=2.0)),
@@ -752,6 +807,15 @@ class PerExampleTest(parameterized.TestCase):
         params,
         state,
         per_example_grads={"w": jnp.zeros((2, 4, 3)), "b": jnp.zeros((3, 3))},
+      )
+    # An empty batch gave a NaN statistic and a silently skipped step.
+    with self.assertRaisesRegex(ValueError, "empty batch axis"):
+      tx.update(
+        params,
+        state,
+        per_example_grads=jax.tree.map(
+          lambda x: jnp.zeros((0, *x.shape)), params
+        ),
       )
     alias = fisher_optax.fismo(1e-2, fisher_source="per_example")
     peg = jax.tree.map(lambda x: jnp.ones((5,) + x.shape), params)
@@ -911,6 +975,31 @@ class FISMONonfiniteShapeAndDtypeTest(parameterized.TestCase):
           fisher_optax.scale_by_fismo(weight_dimension_numbers=dims).init(
             params
           )
+
+  def test_zero_gradient_leaf_with_eps_zero(self):
+    # Newton-Schulz divided 0 by 0 (eps = 0, or an injected float16 1e-8):
+    # the NaN skipped every step, the Adam leaves' too, forever.
+    params = {"w1": jnp.ones((4, 3)), "w2": jnp.ones((3, 2)), "b": jnp.ones(2)}
+    grads = {"w1": jnp.zeros((4, 3)), "w2": jnp.ones((3, 2)), "b": jnp.ones(2)}
+    for tx, dtype in (
+      (fisher_optax.fismo(1e-2, eps=0.0), jnp.float32),
+      (
+        optax.inject_hyperparams(fisher_optax.fismo)(learning_rate=1e-2),
+        jnp.float16,
+      ),
+    ):
+      p = jax.tree.map(lambda x, d=dtype: x.astype(d), params)
+      g = jax.tree.map(lambda x, d=dtype: x.astype(d), grads)
+      u, state = jax.jit(tx.update)(g, tx.init(p), p)
+      chex.assert_tree_all_finite(u)
+      np.testing.assert_array_equal(u["w1"], 0.0)
+      self.assertGreater(float(jnp.abs(u["w2"]).max()), 0.0)
+      counts = [
+        int(c)
+        for path, c in jax.tree_util.tree_flatten_with_path(state)[0]
+        if "notfinite_count" in jax.tree_util.keystr(path)
+      ]
+      self.assertEqual(sum(counts), 0)
 
   def test_zero_size_leaf(self):
     params = {"w": jnp.ones((4, 3)), "e": jnp.zeros((0, 3))}

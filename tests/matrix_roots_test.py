@@ -142,6 +142,30 @@ class MatrixRootsAndPolarTest(parameterized.TestCase):
     with self.assertRaisesRegex(ValueError, "p=2"):
       _matrix_roots.matrix_inverse_root_newton(b, 4, init=old)
 
+  def test_newton_error_is_the_true_residual_at_p2(self):
+    # The iteration's M drifts from H^T A H for nearly singular A; a caller
+    # that keeps a root only when its error is small (FISMO) needs the
+    # residual itself, and a diverged root must not read as converged.
+    rng = np.random.default_rng(0)
+    v = rng.normal(size=(32, 8))
+    for floor in (1e-3, 1e-6):  # the second diverges in float32
+      a = jnp.asarray(v @ v.T, jnp.float32)
+      for init in (None, jnp.eye(32)):
+        with self.subTest(floor=floor, warm=init is not None):
+          res = _matrix_roots.matrix_inverse_root_newton(
+            a, 2, init=init, floor=floor
+          )
+          h = np.asarray(res.root, np.float64)
+          mean = np.trace(np.asarray(a, np.float64)) / 32
+          ridged = np.asarray(a, np.float64) + floor * mean * np.eye(32)
+          if np.all(np.isfinite(h)):
+            residual = np.abs(h.T @ ridged @ h - np.eye(32)).max()
+            np.testing.assert_allclose(
+              float(res.error), residual, rtol=0.25, atol=1e-4
+            )
+          else:
+            self.assertEqual(float(res.error), np.inf)
+
   def test_cholesky_whitening(self):
     with jax.enable_x64(True):
       a = jnp.asarray(self._spd(7, 5, batch=(2,)))

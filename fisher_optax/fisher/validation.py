@@ -147,11 +147,14 @@ def check_static_int(name: str, value: Any, *, minimum: int = 0) -> int:
 def check_count(name: str, value: Any, *, minimum: int = 1) -> Any:
   """A count that need not set shapes (an iteration count, an interval): a
   Python int ``>= minimum``, or an integer scalar array, which is what
-  ``inject_hyperparams`` passes (arrays pass unchecked, as every traced
-  hyperparameter does)."""
-  if isinstance(value, jax.Array) and value.ndim == 0:
+  ``inject_hyperparams`` passes (checked when concrete; traced ones pass,
+  as every traced hyperparameter does)."""
+  if isinstance(value, (jax.Array, np.ndarray)) and value.ndim == 0:
     if not jnp.issubdtype(value.dtype, jnp.integer):
       raise TypeError(f"{name} must be an integer, got {value.dtype}.")
+    v = concrete_value(value)
+    if v is not None and v < minimum:
+      raise ValueError(f"{name} must be >= {minimum}, got {int(v)}.")
     return value
   return _check_int(
     name, value, minimum, "must be an int or an integer scalar array"
