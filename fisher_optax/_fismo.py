@@ -47,7 +47,8 @@ _GRAFTINGS = ("none", "muon_norm")
 _MAX_PRECOND_DIM = 4096
 _MAX_ASPECT_RATIO = 2
 # A warm-started Newton root that ends with max|H^T F H - I| above this is
-# discarded and the previous root kept (as Distributed Shampoo does).
+# discarded for eigh's (Distributed Shampoo keeps the previous root, which
+# can then defeat every later warm start).
 _NEWTON_MAX_ERROR = 0.1
 _NEWTON_TOL = 1e-4
 _NEWTON_MAX_ITERS = 30
@@ -757,8 +758,10 @@ def scale_by_fismo(
     warm-started from the (symmetrised) cached root, so a few iterations;
     it returns a whitening factor :math:`W` (:math:`W W^\top = P^{-1}`)
     equal to the symmetric root up to an orthogonal factor (the first
-    refresh, from the identity, is exact); a root that fails to converge is
-    discarded and the previous one kept. The orthogonal factor is not
+    refresh, from the identity, is exact); a root whose residual
+    :math:`\max|W^\top P W - I|` ends above 0.1 (a factor far from the
+    cached root's, e.g. after a jump in the gradients' scale) is replaced
+    by eigh's, on that refresh only. The orthogonal factor is not
     removed and can build up over refreshes when the factors change a lot
     between them, which rotates the frame of the whitened momentum: with
     the gradient's statistics changing every 10 steps, the updates were
