@@ -162,6 +162,21 @@ class SqrtFisherColumnsTest(parameterized.TestCase):
     )
 
 
+class BernoulliLargeLogitsTest(absltest.TestCase):
+  def test_symmetric_in_the_logit(self):
+    # 1 - sigmoid(20) rounds to 0 in float32: the Fisher was 0 at +20 but
+    # 2e-9 at -20, and the gradient of a target 1 at +20 was 0.
+    x = jnp.array([20.0, -20.0, 30.0, -30.0])
+    want = np.exp(-np.abs(np.asarray(x, np.float64)))
+    want = want / (1 + want) ** 2  # p (1 - p), exact
+    fisher_diag = jnp.diagonal(fisher.Bernoulli().sqrt_fisher(x)) ** 2
+    np.testing.assert_allclose(fisher_diag, want, rtol=1e-5)
+    # sigmoid(x) - t: -sigmoid(-x) for t = 1, sigmoid(x) for t = 0.
+    grad = fisher.Bernoulli().grad_out(x, jnp.array([1.0, 0.0, 1.0, 0.0]))
+    tail = 1 / (1 + np.exp(np.array([20.0, 20.0, 30.0, 30.0])))
+    np.testing.assert_allclose(grad, tail * [-1, 1, -1, 1], rtol=1e-5)
+
+
 class OutOfRangeLabelTest(parameterized.TestCase):
   """``one_hot`` makes a bad label a zero vector; the engine makes it NaN."""
 

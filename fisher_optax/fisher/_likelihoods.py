@@ -264,7 +264,11 @@ class Bernoulli(Likelihood):
     return jnp.sum(jnp.where(_in_unit_interval(target), nll, jnp.nan))
 
   def grad_out(self, output, target):
-    grad = jax.nn.sigmoid(output) - target
+    # sigmoid(x) - t as (1 - t) s(x) - t s(-x): no float32 cancellation at
+    # large logits with target 1 (sigmoid(20) - 1 rounds to 0).
+    grad = (1 - target) * jax.nn.sigmoid(output) - target * jax.nn.sigmoid(
+      -output
+    )
     return jnp.where(_in_unit_interval(target), grad, jnp.nan)
 
   def sample(self, key, outputs, num_samples):
@@ -277,8 +281,10 @@ class Bernoulli(Likelihood):
     return self.sqrt_fisher_columns(output, jnp.arange(output.size))
 
   def sqrt_fisher_columns(self, output, idx):
-    p = jax.nn.sigmoid(output.ravel())
-    return _diagonal_columns(jnp.sqrt(p * (1 - p)), idx, output.shape)
+    x = output.ravel()
+    # p (1 - p) as s(x) s(-x): 1 - p rounds to 0 at large positive logits.
+    scale = jnp.sqrt(jax.nn.sigmoid(x) * jax.nn.sigmoid(-x))
+    return _diagonal_columns(scale, idx, output.shape)
 
 
 def _diagonal_columns(scale: jax.Array, idx: jax.Array, shape) -> jax.Array:
