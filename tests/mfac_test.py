@@ -185,6 +185,18 @@ class SumOfRankOneTest(parameterized.TestCase):
       atol=1e-5 * np.abs(inv).max(),
     )
 
+  def test_as_many_gradients_as_weights_is_one_direct_block(self):
+    # Unblocked with m >= d the span is everything and (I - Z^T Z) cancels:
+    # 16 gradients of 16 weights at damping 1e-6 gave a negative inverse
+    # diagonal (-15), 64 of 8 a NaN factor.
+    rng = np.random.default_rng(0)
+    for m, d in ((16, 16), (64, 8)):
+      g = rng.normal(size=(m, d)) * 10.0
+      f = fisher.sum_of_rank_one({"w": jnp.asarray(g, jnp.float32)}, 1e-6)
+      self.assertEqual(f.block_size, d)
+      want = np.diag(np.linalg.inv(1e-6 * np.eye(d) + g.T @ g / m))
+      np.testing.assert_allclose(f.inverse_diag()["w"], want, rtol=1e-4)
+
   @parameterized.parameters(None, 4)
   def test_bfloat16_and_integer_vectors(self, block_size):
     # Products run in the factor's dtype: a bfloat16 v lost (I - Z^T Z) v to

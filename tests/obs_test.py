@@ -323,11 +323,12 @@ class ObsPruneTest(parameterized.TestCase):
         fisher_optax.obs_prune(params, grad_fn, 0.5, prunable=prunable)
 
   def test_negative_scores_and_nan_weights_raise(self):
-    # Unblocked, as many gradients as weights: float32 rounding makes some
-    # of the inverse diagonal negative, and those weights were pruned first.
-    g = 10.0 * np.random.default_rng(0).normal(size=(16, 16))
+    # Unblocked, one gradient fewer than weights: the span covers all but
+    # one direction, and float32 rounding of (I - Z^T Z) / damping makes an
+    # entry of the inverse diagonal negative; it was pruned first.
+    g = 10.0 * np.random.default_rng(0).normal(size=(63, 64))
     grad_fn = lambda p, s: {"w": jnp.asarray(g, jnp.float32)}
-    params = {"w": jnp.ones(16)}
+    params = {"w": jnp.ones(64)}
     with self.assertRaisesRegex(ValueError, "weights have negative or NaN"):
       fisher_optax.obs_prune(
         params, grad_fn, 0.5, block_size=None, damping=1e-6

@@ -406,7 +406,9 @@ def sum_of_rank_one(
       ``W = sqrt(m) L^{-1}``, so a block costs ``O(m B^2 + B^3)``, stores
       ``B x B`` numbers, and its inverse is ``W^T W``, free of the float32
       cancellation of ``(I - Z^T Z) / lambda`` (which lost all digits of
-      ``inverse_diag`` there at small damping).
+      ``inverse_diag`` there at small damping). Without ``block_size``, as
+      many gradients as weights (``m >= d``) make one such block of all
+      ``d`` weights (``block_size`` then reads ``d``).
 
   Returns:
     A :class:`RankOneSumFisher` with ``ihvp`` (also ``solve``),
@@ -452,12 +454,14 @@ def sum_of_rank_one(
   dtype = numerics.compute_dtype(jnp.result_type(*leaves))
   grads = jax.tree.map(lambda x: jnp.asarray(x, dtype), grads)
   lam = jnp.asarray(damping, dtype)
+  d = sum(math.prod(s) for s in shapes)
+  if block_size is None and 0 < d <= m:
+    block_size = d  # As many gradients as weights: one direct block.
   if block_size is None:
     chol = _chol(linalg.tree_stacked_gram(grads), lam, m)
     return RankOneSumFisher(
       _whiten(grads, chol), chol, lam, None, treedef, shapes, m
     )
-  d = sum(math.prod(s) for s in shapes)
   nb = -(-d // block_size)
   blocks = jnp.swapaxes(_flat_blocks(grads, block_size, nb, (m,)), 0, 1)
 
