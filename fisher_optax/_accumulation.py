@@ -28,7 +28,8 @@ class AccumulateFisherState(NamedTuple):
 
   Attributes:
     mini_step: micro-batches seen since the last emit (int32).
-    grad_sum: running sum of micro-batch mean gradients.
+    grad_sum: running sum of the per-example gradients (each micro-batch's
+      mean times its size).
     sq_sum: running sum of squared per-example gradients.
     count: examples accumulated.
     inner_state: the wrapped transform's state.
@@ -44,10 +45,12 @@ class AccumulateFisherState(NamedTuple):
   notfinite_count: jax.Array
 
 
-def _zeros_f32(tree: PyTree) -> PyTree:
-  # The running sums are float32 whatever the parameters' dtype, so that
-  # bfloat16 models do not accumulate in bfloat16.
-  return jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), jnp.float32), tree)
+def _zeros_wide(tree: PyTree) -> PyTree:
+  # At least float32, so that bfloat16 models do not accumulate in bfloat16;
+  # float64 for float64 params (x64).
+  return jax.tree.map(
+    lambda p: jnp.zeros(jnp.shape(p), numerics.compute_dtype(p)), tree
+  )
 
 
 def _fresh_state(
@@ -55,8 +58,8 @@ def _fresh_state(
 ) -> AccumulateFisherState:
   return AccumulateFisherState(
     mini_step=jnp.zeros([], jnp.int32),
-    grad_sum=_zeros_f32(like),
-    sq_sum=_zeros_f32(like),
+    grad_sum=_zeros_wide(like),
+    sq_sum=_zeros_wide(like),
     count=jnp.zeros([], jnp.int32),
     inner_state=inner_state,
     notfinite_count=notfinite_count,
@@ -69,12 +72,13 @@ def _fold(
   per_example_grads: PyTree,
   batch: int,
 ) -> AccumulateFisherState:
-  """Adds one micro-batch: its mean gradient and its squared per-example ones."""
+  """Adds one micro-batch: its gradient sum (mean times size) and its
+  squared per-example gradients."""
   grad_sum = jax.tree.map(
-    lambda s, g: s + g.astype(jnp.float32), state.grad_sum, updates
+    lambda s, g: s + g.astype(s.dtype) * batch, state.grad_sum, updates
   )
   sq_sum = jax.tree.map(
-    lambda s, g: s + jnp.sum(jnp.square(g.astype(jnp.float32)), axis=0),
+    lambda s, g: s + jnp.sum(jnp.square(g.astype(s.dtype)), axis=0),
     state.sq_sum,
     per_example_grads,
   )
@@ -86,11 +90,11 @@ def _fold(
   )
 
 
-def _statistic(state: AccumulateFisherState, every_k: int):
+def _statistic(state: AccumulateFisherState):
   """The empirical diagonal Fisher over every accumulated example."""
   return fisher.DiagonalFisher(
     diag=jax.tree.map(lambda s: s / state.count, state.sq_sum),
-    mean_grad=jax.tree.map(lambda s: s / every_k, state.grad_sum),
+    mean_grad=jax.tree.map(lambda s: s / state.count, state.grad_sum),
     count=state.count,
     kind="empirical",
   )
@@ -103,7 +107,9 @@ def accumulate_fisher(
 
   Like ``optax.MultiSteps(inner, every_k)``: updates are zero on the first
   ``every_k - 1`` micro-batches, and on the ``every_k``-th the inner transform
-  runs once on the mean gradient. In addition, every micro-batch's
+  runs once on the mean gradient over every example (MultiSteps' mean of
+  the micro-batch means when they have equal sizes; micro-batches of
+  different sizes weigh by their sizes, as the Fisher does). In addition, every micro-batch's
   ``per_example_grads`` extra (required) is folded into running sums, and the
   inner transform receives ``fisher=`` a
   :class:`fisher_optax.fisher.DiagonalFisher` of kind ``"empirical"`` over all
@@ -157,8 +163,8 @@ def accumulate_fisher(
         "every micro-batch."
       )
     validation.check_like(updates, state.grad_sum, what="updates")
-    batch = validation.check_leading_axis(
-      per_example_grads, updates, what="per_example_grads"
+    batch = validation.check_per_example_grads(
+      per_example_grads, updates, function="accumulate_fisher"
     )
     step = lambda: _accumulate(
       inner,
@@ -191,15 +197,12 @@ def _accumulate(
   state = _fold(state, updates, per_example_grads, batch)
 
   def emit(state):
+    stat = _statistic(state)
     mean_grad = jax.tree.map(
-      lambda s, u: (s / every_k).astype(u.dtype), state.grad_sum, updates
+      lambda m, u: m.astype(u.dtype), stat.mean_grad, updates
     )
     new_updates, inner_state = inner.update(
-      mean_grad,
-      state.inner_state,
-      params,
-      fisher=_statistic(state, every_k),
-      **extra_args,
+      mean_grad, state.inner_state, params, fisher=stat, **extra_args
     )
     # Float32 hyperparameters over bfloat16 params promote both.
     new_updates = numerics.keep_types(new_updates, updates)

@@ -349,6 +349,48 @@ class AccumulateFisherTest(absltest.TestCase):
     bad = {"w": jnp.zeros((4, 2, 2))}
     with self.assertRaisesRegex(ValueError, "shape"):
       tx.update(params, tx.init(params), params, per_example_grads=bad)
+    # An empty micro-batch counted towards every_k and halved the gradient.
+    with self.assertRaisesRegex(ValueError, "empty batch axis"):
+      tx.update(
+        params,
+        tx.init(params),
+        params,
+        per_example_grads={"w": jnp.zeros((0, 3, 2))},
+      )
+
+  def test_micro_batches_of_different_sizes(self):
+    # The gradient and the statistic's mean_grad are the mean over every
+    # example, as its diag is: mean_grad was a mean of micro-batch means.
+    params, x, y, loss = self._setup()
+    full_pex = fisher.per_example_grads(loss, params, (x, y))
+    want = jax.tree.map(lambda g: g.mean(0), full_pex)
+    # Spies that output the gradient, or the statistic's mean_grad.
+    for out in (lambda u, f: u, lambda u, f: f.mean_grad):
+      spy = optax.GradientTransformationExtraArgs(
+        lambda p: (),
+        lambda u, s, p=None, *, fisher=None, out=out, **_: (out(u, fisher), s),
+      )
+      tx = fo_flax.accumulate_fisher(spy, every_k=3)
+      state = tx.init(params)
+      for lo, hi in ((0, 1), (1, 2), (2, 12)):
+        pex = jax.tree.map(lambda g, lo=lo, hi=hi: g[lo:hi], full_pex)
+        grads = jax.tree.map(lambda g: g.mean(0), pex)
+        upd, state = tx.update(grads, state, params, per_example_grads=pex)
+      chex.assert_trees_all_close(upd, want, rtol=1e-5)
+
+  def test_float64_sums_under_x64(self):
+    with jax.enable_x64(True):
+      params = {"w": jnp.zeros(3, jnp.float64)}
+      tx = fo_flax.accumulate_fisher(optax.sgd(1.0), every_k=2)
+      state = tx.init(params)
+      self.assertEqual(state.grad_sum["w"].dtype, jnp.float64)
+      g1 = jnp.array([1.0 + 1e-12, 1.0 / 3, 1e-9], jnp.float64)
+      g2 = jnp.array([1.0, 2.0 / 3, 1e-9], jnp.float64)
+      for g in (g1, g2):
+        u, state = tx.update(
+          {"w": g}, state, params, per_example_grads={"w": g[None]}
+        )
+      np.testing.assert_allclose(u["w"], -(g1 + g2) / 2, rtol=1e-15)
 
 
 if __name__ == "__main__":

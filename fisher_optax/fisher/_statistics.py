@@ -211,7 +211,12 @@ class LowRankFisher:
     validation.check_positive("damping", damping)
     coef = self.eigvals / (damping * (self.eigvals + damping))
     return jax.tree.map(
-      lambda u: 1.0 / damping - jnp.tensordot(coef, jnp.square(u), axes=1),
+      lambda u: (
+        1.0 / damping
+        - jnp.tensordot(
+          coef, jnp.square(u), axes=1, precision=jax.lax.Precision.HIGHEST
+        )
+      ),
       self.eigvecs,
     )
 
@@ -303,7 +308,7 @@ class KroneckerFisher:
 
     def leaf(l, r, x):
       m = _as_factor_matrix(l, r, x)
-      return (l @ m @ r).reshape(x.shape).astype(x.dtype)
+      return _mm(_mm(l, m), r).reshape(x.shape).astype(x.dtype)
 
     return jax.tree.map(leaf, self.left, self.right, v)
 
@@ -312,7 +317,7 @@ class KroneckerFisher:
 
     def leaf(l, r, x):
       m = _as_factor_matrix(l, r, x)
-      return jnp.sum(m * (l @ m @ r))
+      return jnp.sum(m * _mm(_mm(l, m), r))
 
     return sum(
       jax.tree.leaves(jax.tree.map(leaf, self.left, self.right, v)),
@@ -331,10 +336,9 @@ class KroneckerFisher:
     def leaf(l, r, x):
       m = _as_factor_matrix(l, r, x)
       (qa, qb), denom = _kron_eigen(l, r, damping)
-      inner = (jnp.matrix_transpose(qa) @ m @ qb) / denom
-      return (
-        (qa @ inner @ jnp.matrix_transpose(qb)).reshape(x.shape).astype(x.dtype)
-      )
+      inner = _mm(_mm(jnp.matrix_transpose(qa), m), qb) / denom
+      out = _mm(_mm(qa, inner), jnp.matrix_transpose(qb))
+      return out.reshape(x.shape).astype(x.dtype)
 
     return jax.tree.map(leaf, self.left, self.right, v)
 
@@ -350,8 +354,8 @@ class KroneckerFisher:
 
     def leaf(l, r):
       (qa, qb), denom = _kron_eigen(l, r, damping)
-      return (
-        jnp.square(qa) @ (1.0 / denom) @ jnp.matrix_transpose(jnp.square(qb))
+      return _mm(
+        _mm(jnp.square(qa), 1.0 / denom), jnp.matrix_transpose(jnp.square(qb))
       )
 
     return self._shaped_like(jax.tree.map(leaf, self.left, self.right), like)
@@ -376,6 +380,12 @@ class KroneckerFisher:
   def is_finite(self) -> jax.Array:
     """Whether every entry of both factors and ``mean_grad`` is finite."""
     return numerics.tree_all_finite((self.left, self.right, self.mean_grad))
+
+
+def _mm(a: jax.Array, b: jax.Array) -> jax.Array:
+  # Full float32 products on accelerators too (TF32 or bfloat16 passes would
+  # cost the solves their digits), as in linalg.
+  return jnp.matmul(a, b, precision=jax.lax.Precision.HIGHEST)
 
 
 def _kron_eigen(

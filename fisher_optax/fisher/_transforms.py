@@ -57,12 +57,22 @@ def _make_key(key: jax.Array | int | None) -> jax.Array:
     key = jax.random.key(key)
   if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
     key = jax.random.key_data(key)
-  return key
+  # A fresh buffer: a donated state must not delete the caller's key.
+  return jnp.array(key, copy=True)
 
 
-def _split(raw: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """``(next state key data, key to use now)``."""
-  nxt, now = jax.random.split(jax.random.wrap_key_data(raw))
+def _key_impl(key: Any) -> Any:
+  """The PRNG implementation of a typed ``key`` (``None``: the default)."""
+  if isinstance(key, jax.Array) and jnp.issubdtype(
+    key.dtype, jax.dtypes.prng_key
+  ):
+    return jax.random.key_impl(key)
+  return None
+
+
+def _split(raw: jax.Array, impl: Any = None) -> tuple[jax.Array, jax.Array]:
+  """``(next state key data, key to use now)``, keys of ``impl``."""
+  nxt, now = jax.random.split(jax.random.wrap_key_data(raw, impl=impl))
   return jax.random.key_data(nxt), now
 
 
@@ -159,7 +169,7 @@ def _statistic(
   return from_model(apply_fn, params, batch)
 
 
-def _update_fn(step: Callable[..., Any]):
+def _update_fn(step: Callable[..., Any], impl: Any = None):
   """An ``update_fn`` that passes ``updates`` through and refreshes the state.
 
   ``step(updates, state, params, per_example_grads, batch, key)`` returns the
@@ -178,7 +188,7 @@ def _update_fn(step: Callable[..., Any]):
     **extra_args,
   ):
     del extra_args
-    key_next, key_now = _split(state.key)
+    key_next, key_now = _split(state.key, impl)
 
     def run():
       new = step(updates, state, params, per_example_grads, batch, key_now)
@@ -335,7 +345,9 @@ def estimate_fisher_diag(
     diag, counters = _refresh(state, interval, compute, lambda: state.diag)
     return state._replace(diag=diag, **counters)
 
-  return optax.GradientTransformationExtraArgs(init_fn, _update_fn(step))
+  return optax.GradientTransformationExtraArgs(
+    init_fn, _update_fn(step, _key_impl(key))
+  )
 
 
 # -- low rank -----------------------------------------------------------------
@@ -468,7 +480,9 @@ def estimate_fisher_low_rank(
     )
     return state._replace(eigvals=vals, eigvecs=vecs, **counters)
 
-  return optax.GradientTransformationExtraArgs(init_fn, _update_fn(step))
+  return optax.GradientTransformationExtraArgs(
+    init_fn, _update_fn(step, _key_impl(key))
+  )
 
 
 # -- reading the statistic from a (chain) state -------------------------------
