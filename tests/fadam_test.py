@@ -423,6 +423,21 @@ class FAdamBehaviourTest(parameterized.TestCase):
         with self.assertRaisesRegex(ValueError, match):
           fisher_optax.fadam(**numeric)
 
+  def test_bool_complex_and_float32_rounding_hyperparameters(self):
+    # A bool passed every range check unread (b1=True froze the momentum,
+    # eps=False divided by zero), and a b2 that rounds to 1.0 in float32
+    # zeroed the bias correction: every step skipped, no error.
+    for name, value in (("eps", False), ("b1", True), ("eps", 1j)):
+      with self.subTest(name=name, value=value):
+        with self.assertRaisesRegex(TypeError, f"{name} must be a real"):
+          fisher_optax.fadam(1e-3, **{name: value})
+    with self.assertRaisesRegex(TypeError, "momentum must be a real"):
+      fisher_optax.mfac(0.1, 2, 1.0, momentum=True)
+    with self.assertRaisesRegex(ValueError, "b2=0.99999999 rounds to 1.0"):
+      fisher_optax.fadam(1e-3, b2=0.99999999)
+    with jax.enable_x64(True):  # float64 keeps it below 1
+      fisher_optax.fadam(1e-3, b2=0.99999999)
+
   def test_bfloat16_hyperparameters_that_round_out_of_range(self):
     # inject_hyperparams casts b2=0.999 to the params' bfloat16: 1.0, which
     # would skip every step as non-finite. init says so and how to fix it.

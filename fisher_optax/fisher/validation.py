@@ -72,6 +72,16 @@ def check_scalar(name: str, value: Any) -> None:
     raise ValueError(f"{name} must be a scalar, got shape {jnp.shape(value)}.")
 
 
+def _check_real(name: str, value: Any) -> None:
+  """A bool or complex number is no hyperparameter: ``True`` as a decay
+  rate, or ``False`` as a damping, passed every range check unread."""
+  dtype = jnp.result_type(value)
+  if jnp.issubdtype(dtype, jnp.bool_) or jnp.issubdtype(
+    dtype, jnp.complexfloating
+  ):
+    raise TypeError(f"{name} must be a real number, got {value!r}.")
+
+
 def check_positive(
   name: str,
   value: Any,
@@ -90,6 +100,7 @@ def check_positive(
   if not _not_a_schedule(name, value, schedule):
     return
   check_scalar(name, value)
+  _check_real(name, value)
   v = concrete_value(value)
   if v is not None:
     if v != v:  # NaN
@@ -108,12 +119,21 @@ def check_in_unit_interval(
   lies in [0, 1) (``[0, 1]`` with ``closed_right``)."""
   _not_a_schedule(name, value, False)
   check_scalar(name, value)
+  _check_real(name, value)
   v = concrete_value(value)
   if v is not None:
     ok = 0 <= v <= 1 if closed_right else 0 <= v < 1
     if not ok:
       interval = "[0, 1]" if closed_right else "[0, 1)"
       raise ValueError(f"{name} must lie in {interval}, got {v}.{_hint(value)}")
+    # Computed in float32 without x64: 1 - 1e-8 is 1.0 there, and a decay of
+    # 1 freezes a moment (or zeroes a bias correction: every step skipped).
+    if not closed_right and not jax.config.jax_enable_x64:
+      if np.float32(v) == 1.0:
+        raise ValueError(
+          f"{name}={v} rounds to 1.0 in float32: use a value below "
+          "1 - 6e-8, or enable x64."
+        )
 
 
 def check_learning_rate(value: Any) -> None:
