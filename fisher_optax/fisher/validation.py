@@ -128,7 +128,8 @@ def check_in_unit_interval(
       raise ValueError(f"{name} must lie in {interval}, got {v}.{_hint(value)}")
     # Computed in float32 without x64: 1 - 1e-8 is 1.0 there, and a decay of
     # 1 freezes a moment (or zeroes a bias correction: every step skipped).
-    if not closed_right and not jax.config.jax_enable_x64:
+    x64 = jax.dtypes.canonicalize_dtype(np.float64) == np.float64
+    if not closed_right and not x64:
       if np.float32(v) == 1.0:
         raise ValueError(
           f"{name}={v} rounds to 1.0 in float32: use a value below "
