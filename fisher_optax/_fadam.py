@@ -701,11 +701,9 @@ def _fisher_statistic(
       "pass only one."
     )
   if per_example_grads is not None:
-    batch = validation.check_leading_axis(
-      per_example_grads, updates, what="per_example_grads"
+    validation.check_per_example_grads(
+      per_example_grads, updates, function="fadam"
     )
-    if batch == 0:
-      raise ValueError("per_example_grads has an empty batch axis.")
     diag = fisher.diagonal_from_grads(per_example_grads, kind="empirical")
     return jax.tree.leaves(diag.diag)
   if stat is not None:

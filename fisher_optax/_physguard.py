@@ -267,13 +267,11 @@ def protected_subspace(
       raise ValueError(
         f"existing bases have {sorted(rows)} rows but max_rank={max_rank}."
       )
-  num = validation.check_leading_axis(
+  validation.check_per_example_grads(
     per_example_grads,
     jax.tree.map(lambda b: b[0], existing.bases),
-    what="per_example_grads",
+    function="protected_subspace",
   )
-  if num == 0 and jax.tree.leaves(per_example_grads):
-    raise ValueError("per_example_grads has an empty batch axis.")
   subspace, ok = _extend(per_example_grads, existing, tau)
   _raise_if_not_finite(per_example_grads, ok)
   return subspace
