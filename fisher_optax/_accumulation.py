@@ -49,7 +49,8 @@ def _zeros_wide(tree: PyTree) -> PyTree:
   # At least float32, so that bfloat16 models do not accumulate in bfloat16;
   # float64 for float64 params (x64).
   return jax.tree.map(
-    lambda p: jnp.zeros(jnp.shape(p), numerics.compute_dtype(p)), tree
+    lambda p: numerics.zeros_like_stacked(p, dtype=numerics.compute_dtype(p)),
+    tree,
   )
 
 

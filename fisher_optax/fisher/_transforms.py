@@ -298,7 +298,8 @@ def estimate_fisher_diag(
   def init_fn(params):
     # The estimators' dtype: float32, or float64 for float64 params (x64).
     zeros = jax.tree.map(
-      lambda p: jnp.zeros(jnp.shape(p), numerics.compute_dtype(p)), params
+      lambda p: numerics.zeros_like_stacked(p, dtype=numerics.compute_dtype(p)),
+      params,
     )
     # A fresh array per counter: a donated state must not share buffers.
     z = lambda: jnp.zeros((), jnp.int32)
@@ -427,7 +428,9 @@ def estimate_fisher_low_rank(
   def init_fn(params):
     # As the estimators: float32, or float64 for float64 params (x64).
     vecs = jax.tree.map(
-      lambda p: jnp.zeros((rank, *jnp.shape(p)), numerics.compute_dtype(p)),
+      lambda p: numerics.zeros_like_stacked(
+        p, (rank,), numerics.compute_dtype(p)
+      ),
       params,
     )
     vals_dtype = numerics.compute_dtype(
