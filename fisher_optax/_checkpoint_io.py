@@ -48,6 +48,8 @@ import uuid
 import jax
 import numpy as np
 
+from fisher_optax.fisher import validation
+
 PyTree = Any
 
 MSGPACK = "msgpack"
@@ -376,6 +378,8 @@ def _check_replaceable(path: pathlib.Path, fmt: str, overwrite: bool) -> None:
 
 
 def _check_destination(path: pathlib.Path, fmt: str, overwrite: bool) -> None:
+  # Checked before the path exists: "no" would otherwise read as True.
+  validation.check_flag("overwrite", overwrite)
   if os.path.lexists(path):
     _check_replaceable(path, fmt, overwrite)
     return
@@ -584,6 +588,7 @@ def commit(
   wrote; an existing one is replaced only with ``overwrite`` and only if it
   is ours. ``sidecar`` (a msgpack file's checksums) follows the file.
   """
+  validation.check_flag("overwrite", overwrite)
   try:
     _place_new(tmp, path)
   except FileExistsError:

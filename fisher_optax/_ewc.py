@@ -259,6 +259,7 @@ def init_ewc_anchor(
     0.0
   """
   rank = validation.check_static_int("rank", rank)
+  diagonal = validation.check_flag("diagonal", diagonal)
   params = numerics.pure_arrays(params)
   if not diagonal and rank == 0:
     raise ValueError("an EWC anchor needs diagonal=True or rank > 0.")
@@ -875,6 +876,7 @@ def add_ewc_gradient(
   """
   validation.check_scalar("strength", strength)
   validation.check_positive("strength", strength, allow_zero=True)
+  diagonal = validation.check_flag("diagonal", diagonal)
   # ``None`` (not 0) by default: inject_hyperparams would turn an int default
   # into an array, which cannot set a shape.
   rank = validation.check_static_int("rank", 0 if rank is None else rank)

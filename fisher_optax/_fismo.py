@@ -496,7 +496,7 @@ def _check_options(
     coeffs=coeffs,
     ns_steps=ns_steps,
     eps=eps,
-    nesterov=nesterov,
+    nesterov=validation.check_flag("nesterov", nesterov),
     root_method=root_method,
     factor_norm=factor_norm,
     momentum_space=momentum_space,

@@ -178,6 +178,7 @@ def fisher_weighted_svd(
   _check_matrix("fisher_diag", fisher_diag, jnp.shape(w))
   rank = _check_rank(rank, w)
   validation.check_choice("weight_axis", weight_axis, _AXES)
+  two_sided = validation.check_flag("two_sided", two_sided)
   validation.check_choice("split", split, _SPLITS)
   validation.check_scalar("eps", eps)
   validation.check_positive("eps", eps, allow_zero=True)

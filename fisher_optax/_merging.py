@@ -409,10 +409,7 @@ def _merge_options(
   validation.check_choice("floor_mode", floor_mode, _FLOOR_MODES)
   validation.check_scalar("fisher_floor", fisher_floor)
   validation.check_positive("fisher_floor", fisher_floor, allow_zero=True)
-  if not isinstance(normalize, bool):
-    raise TypeError(
-      f"normalize must be a bool, got {type(normalize).__name__}."
-    )
+  normalize = validation.check_flag("normalize", normalize)
   return _MergeOptions(fisher_floor, floor_mode, normalize, merge_mask)
 
 

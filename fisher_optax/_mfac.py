@@ -446,11 +446,11 @@ def scale_by_woodbury_fisher(
   validation.check_positive("damping", damping)
   cfg = _Window(
     size=0 if per_example else s,
-    block_diagonal=block_diagonal,
+    block_diagonal=validation.check_flag("block_diagonal", block_diagonal),
     per_example=per_example,
     mean=False,
     damping_floor=False,
-    normalized=normalize_output,
+    normalized=validation.check_flag("normalize_output", normalize_output),
     dtype=numerics.canonical_float_dtype("window_dtype", window_dtype),
     function="scale_by_woodbury_fisher",
   )

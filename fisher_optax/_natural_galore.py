@@ -969,7 +969,9 @@ def scale_by_natural_galore(
     window_at_refresh=validation.check_choice(
       "window_at_refresh", window_at_refresh, _REFRESH_POLICIES
     ),
-    normalize_output=normalize_output,
+    normalize_output=validation.check_flag(
+      "normalize_output", normalize_output
+    ),
     window_dtype=numerics.canonical_float_dtype("window_dtype", window_dtype),
     svd_method=validation.check_choice("svd_method", svd_method, _SVD_METHODS),
     svd_power_iterations=validation.check_static_int(

@@ -293,6 +293,12 @@ class CheckpointModuleTest(absltest.TestCase):
       checkpoint.save(path, tree)
       with self.assertRaisesRegex(FileExistsError, "overwrite"):
         checkpoint.save(path, tree)
+      # "no" is truthy: it replaced the checkpoint.
+      with self.assertRaisesRegex(TypeError, "overwrite must be True or False"):
+        checkpoint.save(path, {"a": jnp.zeros(3)}, overwrite="no")
+      chex.assert_trees_all_equal(
+        checkpoint.restore(path, jax.eval_shape(lambda: tree))["a"], tree["a"]
+      )
       # A failing save (a leaf orbax cannot write) leaves the old checkpoint
       # in place and no temporary directory behind.
       with self.assertRaises(Exception):  # noqa: B017 (orbax raises its own types)

@@ -653,6 +653,12 @@ class EWCValidationTest(parameterized.TestCase):
       fisher_optax.add_ewc_gradient(1.0, anchor={"a": 1})
     with self.assertRaisesRegex(ValueError, "diagonal=True or rank"):
       fisher_optax.init_ewc_anchor({"a": jnp.ones(2)}, diagonal=False)
+    # A truthy string would read as True.
+    for bad in ("no", None):
+      with self.assertRaisesRegex(TypeError, "diagonal must be True or False"):
+        fisher_optax.init_ewc_anchor({"a": jnp.ones(2)}, diagonal=bad, rank=1)
+      with self.assertRaisesRegex(TypeError, "diagonal must be True or False"):
+        fisher_optax.add_ewc_gradient(1.0, diagonal=bad, rank=1)
 
   def test_inject_hyperparams_with_default_rank(self):
     params = {"w": jnp.ones(3)}

@@ -1011,6 +1011,14 @@ class FISMONonfiniteShapeAndDtypeTest(parameterized.TestCase):
       self.assertEqual(updates["e"].shape, (0, 3))
       chex.assert_tree_all_finite((updates, state))
 
+  def test_nesterov_must_be_a_bool(self):
+    # "no" is truthy: it turned Nesterov momentum on.
+    for bad in ("no", None, 0):
+      with self.assertRaisesRegex(TypeError, "nesterov must be True or False"):
+        fisher_optax.fismo(1e-2, nesterov=bad)
+      with self.assertRaisesRegex(TypeError, "nesterov must be True or False"):
+        fisher_optax.scale_by_fismo(nesterov=bad)
+
   def test_mismatched_gradients_are_refused(self):
     params = {"w": jnp.ones((4, 3)), "b": jnp.zeros(3)}
     for bad in (jnp.ones(()), jnp.ones((3, 4)), jnp.ones((4, 3, 1))):

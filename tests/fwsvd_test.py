@@ -130,6 +130,8 @@ class FWSVDTest(parameterized.TestCase):
       fisher_optax.fisher_weighted_svd(w, w, 4)
     with self.assertRaisesRegex(TypeError, "rank"):
       fisher_optax.fisher_weighted_svd(w, w, 2.0)
+    with self.assertRaisesRegex(TypeError, "two_sided must be True or False"):
+      fisher_optax.fisher_weighted_svd(w, w, 2, two_sided="no")
     with self.assertRaisesRegex(ValueError, "fisher_diag must have shape"):
       fisher_optax.fisher_weighted_svd(w, w.T, 2)
     with self.assertRaisesRegex(ValueError, "matrix"):

@@ -534,6 +534,8 @@ class AccumulatorTest(parameterized.TestCase):
       acc.add(state, params[1], fishers[1], -1.0)
     with self.assertRaisesRegex(TypeError, "normalize"):
       fisher_optax.fisher_merge_accumulator(normalize=1)
+    with self.assertRaisesRegex(TypeError, "normalize must be True or False"):
+      fisher_optax.fisher_merge(params[:2], fishers[:2], normalize="no")
 
   def test_non_scalar_weight_raises_also_under_jit(self):
     params, fishers = _models(2)

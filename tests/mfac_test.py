@@ -488,6 +488,11 @@ class WindowNonfiniteTest(parameterized.TestCase):
     self.assertEqual(int(new_state[1].index), 1)
     self.assertEqual(int(new_state[1].notfinite_count), 1)
 
+  def test_flags_must_be_bools(self):
+    for name in ("normalize_output", "block_diagonal"):
+      with self.assertRaisesRegex(TypeError, f"{name} must be True or False"):
+        fisher_optax.scale_by_woodbury_fisher(**{name: "no"})
+
   def test_mismatched_gradients_are_refused(self):
     params = {"w": jnp.ones((4, 3))}
     for tx in (

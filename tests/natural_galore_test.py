@@ -791,6 +791,19 @@ class NaturalGaLoreNonfiniteTest(parameterized.TestCase):
     self.assertEqual(updates["w"].dtype, jnp.float16)
     chex.assert_tree_all_finite((updates, state))
 
+  def test_normalize_output_must_be_a_bool(self):
+    for make in (
+      fisher_optax.scale_by_natural_galore,
+      fisher_optax.natural_galore,
+    ):
+      kw = (
+        {}
+        if make is fisher_optax.scale_by_natural_galore
+        else {"learning_rate": 1e-2}
+      )
+      with self.assertRaisesRegex(TypeError, "normalize_output must be True"):
+        make(normalize_output="no", **kw)
+
   def test_mismatched_gradients_are_refused(self):
     params = {"w": jnp.ones((8, 6)), "b": jnp.ones((6,))}
     for bad in (jnp.ones(()), jnp.ones((6, 8))):

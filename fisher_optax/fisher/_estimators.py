@@ -758,6 +758,7 @@ def low_rank(
     ((2,), (2, 3, 2))
   """
   rank = validation.check_static_int("rank", rank, minimum=1)
+  per_leaf = validation.check_flag("per_leaf", per_leaf)
   opts = _Options(
     likelihood, kind, num_samples, key, method, chunk_size, axis_name
   )

@@ -182,6 +182,19 @@ def check_count(name: str, value: Any, *, minimum: int = 1) -> Any:
   )
 
 
+def check_flag(name: str, value: Any) -> bool:
+  """A static on/off option: ``True`` or ``False`` (NumPy bools too).
+
+  A string such as ``"no"`` or ``None`` is refused, since Python's
+  truthiness would silently read ``"no"`` as on.
+  """
+  if not isinstance(value, (bool, np.bool_)):
+    raise TypeError(
+      f"{name} must be True or False, got {value!r} ({type(value).__name__})."
+    )
+  return bool(value)
+
+
 def check_choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
   if value not in choices:
     raise ValueError(f"{name} must be one of {choices}, got {value!r}.")
