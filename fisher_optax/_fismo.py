@@ -489,6 +489,8 @@ def _check_options(
     raise ValueError(
       f"ns_coeffs must have shape (3,) or (k, 3), got {coeffs.shape}."
     )
+  if not isinstance(coeffs, jax.core.Tracer) and not jnp.isfinite(coeffs).all():
+    raise ValueError(f"ns_coeffs must be finite, got {ns_coeffs!r}.")
   return _Options(
     beta=beta,
     gamma=gamma,

@@ -1019,6 +1019,13 @@ class FISMONonfiniteShapeAndDtypeTest(parameterized.TestCase):
       with self.assertRaisesRegex(TypeError, "nesterov must be True or False"):
         fisher_optax.scale_by_fismo(nesterov=bad)
 
+  def test_ns_coeffs_are_checked(self):
+    # A NaN coefficient skipped every step as non-finite (zero updates).
+    with self.assertRaisesRegex(ValueError, "ns_coeffs must be finite"):
+      fisher_optax.fismo(1e-2, ns_coeffs=(float("nan"), 1.0, 1.0))
+    with self.assertRaisesRegex(ValueError, r"ns_coeffs must have shape"):
+      fisher_optax.scale_by_fismo(ns_coeffs=(1.0, 2.0))
+
   def test_mismatched_gradients_are_refused(self):
     params = {"w": jnp.ones((4, 3)), "b": jnp.zeros(3)}
     for bad in (jnp.ones(()), jnp.ones((3, 4)), jnp.ones((4, 3, 1))):
