@@ -206,6 +206,15 @@ class EstimateFisherDiagTest(parameterized.TestCase):
       fisher.estimate_fisher_diag(decay=1.5)
     with self.assertRaisesRegex(ValueError, "probabilistic"):
       fisher.estimate_fisher_diag(ft.mlp_apply, lambda o, t: 0.0, kind="exact")
+    # Used only with batch=, they were checked at the first such step.
+    low_rank = functools.partial(fisher.estimate_fisher_low_rank, rank=2)
+    for make in (fisher.estimate_fisher_diag, low_rank):
+      with self.assertRaisesRegex(ValueError, "method must be one of"):
+        make(method="vmap")
+      with self.assertRaisesRegex(ValueError, "chunk_size"):
+        make(chunk_size=0)
+      with self.assertRaisesRegex(TypeError, "chunk_size"):
+        make(chunk_size=2.5)
 
 
 class EstimateFisherKeyTest(parameterized.TestCase):

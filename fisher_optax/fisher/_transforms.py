@@ -76,7 +76,14 @@ def _split(raw: jax.Array, impl: Any = None) -> tuple[jax.Array, jax.Array]:
   return jax.random.key_data(nxt), now
 
 
-def _check_common(apply_fn, likelihood, kind, interval, decay, num_samples):
+def _check_common(
+  apply_fn, likelihood, kind, interval, decay, num_samples, method, chunk_size
+):
+  # method and chunk_size are used only with batch=: checked now, not at the
+  # first such step.
+  validation.check_choice("method", method, _estimators.METHODS)
+  if chunk_size is not None:
+    validation.check_static_int("chunk_size", chunk_size, minimum=1)
   if likelihood is not None:
     likelihood = _likelihoods.as_likelihood(likelihood)
     _likelihoods.check_kind(likelihood, kind)
@@ -292,7 +299,7 @@ def estimate_fisher_diag(
     (3, 2)
   """
   likelihood = _check_common(
-    apply_fn, likelihood, kind, interval, decay, num_samples
+    apply_fn, likelihood, kind, interval, decay, num_samples, method, chunk_size
   )
 
   def init_fn(params):
@@ -422,7 +429,7 @@ def estimate_fisher_low_rank(
   """
   rank = validation.check_static_int("rank", rank, minimum=1)
   likelihood = _check_common(
-    apply_fn, likelihood, kind, interval, 0.0, num_samples
+    apply_fn, likelihood, kind, interval, 0.0, num_samples, method, chunk_size
   )
 
   def init_fn(params):
