@@ -1061,6 +1061,29 @@ class StatisticInputChecksTest(absltest.TestCase):
     }
     self.assertEqual(r1s.quadratic_form(v).dtype, jnp.float32)
 
+  def test_low_rank_inverse_diag_in_float32(self):
+    # A coordinate inside the eigenvectors' span: 1 / damping minus a
+    # correction cancelled (83% off at eigvals / damping = 1e7).
+    rng = np.random.default_rng(0)
+    d = 50
+    rest = np.linalg.qr(rng.standard_normal((d - 1, 3)))[0]
+    vecs = np.zeros((d, 4))
+    vecs[0, 0], vecs[1:, 1:] = 1.0, rest
+    eigvals = np.array([1e4, 10.0, 1.0, 0.1])
+    stat = fisher.LowRankFisher(
+      jnp.asarray(eigvals, jnp.float32),
+      {"w": jnp.asarray(vecs.T, jnp.float32)},
+      None,
+      jnp.asarray(8, jnp.int32),
+    )
+    for damping in (1e-3, 1e-1):
+      dense = vecs @ np.diag(eigvals) @ vecs.T + damping * np.eye(d)
+      np.testing.assert_allclose(
+        stat.inverse_diag(damping)["w"],
+        np.diag(np.linalg.inv(dense)),
+        rtol=1e-6,
+      )
+
 
 class RankOneSumInterfaceTest(absltest.TestCase):
   """M-FAC's factored statistic under the shared statistic interface."""
