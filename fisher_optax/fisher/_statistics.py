@@ -207,10 +207,12 @@ class LowRankFisher:
 
     ``(1 - sum_j v_j^2) / damping + sum_j v_j^2 / (eigvals[j] + damping)``,
     in ``O(k d)``; ``damping`` > 0 as for :meth:`solve`. The first term is
-    the part of each coordinate outside the eigenvectors' span (clipped at
-    zero against rounding); written as ``1 / damping`` minus a correction,
-    a coordinate inside the span cancelled in float32 (40% off at
-    ``eigvals / damping = 1e7``, or negative).
+    the part of each coordinate outside the eigenvectors' span, clipped at
+    zero, so every entry is positive. Its rounding (about ``eps / damping``)
+    is what remains of the float32 cancellation that ``1 / damping`` minus
+    a correction had on coordinates inside the span: for a coordinate in
+    the span of two eigenvalues ``1e7`` times the damping, the median error
+    went from 44% to ``4e-8`` (the worst of 200 draws: 155% to 60%).
     """
     validation.check_positive("damping", damping)
     inv = 1.0 / (self.eigvals + damping)
