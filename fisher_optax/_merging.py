@@ -643,11 +643,16 @@ def fisher_merge(
         f"weights must have shape ({num_models},), one per model, got "
         f"{jnp.shape(weights)}."
       )
+    dtype = jnp.asarray(weights).dtype
+    if not jnp.issubdtype(dtype, jnp.floating):
+      dtype = jnp.float32
     if not isinstance(weights, jax.core.Tracer):
       _check_weight_vector("weights", weights)
-    weights = jnp.asarray(weights)
-    if not jnp.issubdtype(weights.dtype, jnp.floating):
-      weights = weights.astype(jnp.float32)
+      # Scaled on the host first: weights below float32's smallest normal
+      # number (1e-38) became zeros on the device, and the merge the target.
+      w64 = np.asarray(weights, np.float64)
+      weights = w64 / 2.0 ** np.floor(np.log2(w64.max()))
+    weights = jnp.asarray(weights, dtype)
     # The merge is invariant to scaling all weights: scaling the largest to
     # [0.5, 1) keeps w_i F_i from overflowing. A power of two is exact, and
     # as f(w / c) = f(w) for any c > 0, treating it as a constant keeps the

@@ -107,6 +107,10 @@ class FisherMergeTest(parameterized.TestCase):
       np.testing.assert_allclose(
         jax.jit(merge)(models, fishers, weights)["w"], want
       )
+    # Below float32's smallest normal number: the device flushed them to
+    # zero and the merge returned the target.
+    for weights in ([1e-38, 1e-38], np.array([1e-45, 1e-45]), (1e-40, 1e-40)):
+      np.testing.assert_allclose(merge(models, fishers, weights)["w"], want)
     # w_i F_i = 1e40 would overflow float32.
     big = [jax.tree.map(lambda f: 1e20 * f, f) for f in fishers]
     np.testing.assert_allclose(
