@@ -182,6 +182,15 @@ def check_count(name: str, value: Any, *, minimum: int = 1) -> Any:
   )
 
 
+def check_finite(name: str, value: Any) -> None:
+  """Raises ``ValueError`` if a value known now (of any shape) holds a NaN
+  or an infinity; traced values pass through."""
+  if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(value)):
+    return
+  if not np.isfinite(np.asarray(value, np.float64)).all():
+    raise ValueError(f"{name} must be finite, got {value!r}.")
+
+
 def check_flag(name: str, value: Any) -> bool:
   """A static on/off option: ``True`` or ``False`` (NumPy bools too).
 
