@@ -870,8 +870,8 @@ def add_ewc_gradient(
     networks <https://arxiv.org/abs/1612.00796>`_, 2017.
     Schwarz et al, `Progress & Compress
     <https://arxiv.org/abs/1805.06370>`_, 2018.
-    Wang et al, `Rank-1 Fisher for diffusion continual learning
-    <https://arxiv.org/abs/2509.23593>`_, 2025.
+    Wang et al, `Avoid catastrophic forgetting with rank-1 Fisher from
+    diffusion models <https://arxiv.org/abs/2509.23593>`_, 2025.
     Das et al, `AlignGuard-LoRA <https://arxiv.org/abs/2508.02079>`_, 2025.
   """
   validation.check_scalar("strength", strength)

@@ -904,7 +904,8 @@ def scale_by_natural_galore(
     projection_side: ``"larger"`` (optax) or ``"smaller"`` (reference).
     window_at_refresh: ``"reproject"``, ``"keep"`` or ``"reset"``.
     normalize_output: return :math:`\lambda F^{-1} g`.
-    window_dtype: stored window dtype (default float32; bfloat16 halves it).
+    window_dtype: stored window dtype (default float32, or float64 for
+      float64 params; bfloat16 halves it).
     fisher_source: ``"batch"`` (default: a window of past projected
       gradients) or ``"per_example"`` (this batch's projected
       ``per_example_grads`` extra, leaves ``(B, *param_shape)``, e.g. from

@@ -244,9 +244,11 @@ class ObsPruneResult(NamedTuple):
   Attributes:
     params: the pruned weights (pruned entries exactly zero).
     masks: boolean arrays shaped like ``params`` (``True`` = kept; all
-      ``True`` on leaves that were not prunable). Multiply updates by them
-      (e.g. ``optax.masked``-style per leaf, or ``u * mask``) to keep the
-      sparsity during fine-tuning.
+      ``True`` on leaves that were not prunable). They are elementwise, so
+      not ``optax.masked``'s one bool per leaf: multiply the updates by
+      them to keep the sparsity during fine-tuning, e.g. last in a chain,
+      ``optax.stateless(lambda u, _: jax.tree.map(jnp.multiply, u,
+      masks))``.
     predicted_loss_increase: float32 array ``(steps,)``, the quadratic
       model's loss increase ``0.5 dw^T F dw`` of the step ``dw`` applied at
       every step (removal and compensation), with ``F`` that step's damped,

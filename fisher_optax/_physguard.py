@@ -243,8 +243,9 @@ def protected_subspace(
     2
 
   References:
-    Zhou et al, `PhysGuard: physics-preserving sim-to-real adaptation of
-    neural operators <https://arxiv.org/abs/2606.16602>`_, 2026.
+    Zhou et al, `PhysGuard: Fisher-guided gradient projection for
+    sim-to-real neural PDE surrogates <https://arxiv.org/abs/2606.16602>`_,
+    2026.
     Saha et al, `Gradient Projection Memory for continual learning
     <https://arxiv.org/abs/2103.09762>`_, 2021.
   """

@@ -64,6 +64,10 @@ class FisherStatistic(Protocol):
     """``(F + damping I)^{-1} v``."""
     ...
 
+  def inverse_diag(self, damping: Any) -> PyTree:
+    """The diagonal of ``(F + damping I)^{-1}``, params-shaped."""
+    ...
+
   def is_finite(self) -> jax.Array:
     """A scalar bool: every stored number is finite (``mean_grad`` too).
 
@@ -283,8 +287,8 @@ class KroneckerFisher:
   axes (an attention projection ``(d, heads, head_dim)``) is ``(d, heads *
   head_dim)``, one with several contracted axes (``(heads, head_dim, d)``)
   ``(heads * head_dim, d)``, and a bias ``(1, size)``. Without layer
-  statistics a leaf has :func:`matrix_shape`'s view: all but the last axis
-  are rows. A leaf stacked along a scan ``(L, ...)`` may have one factor
+  statistics a leaf has the default view: all but the last axis are rows
+  (``(*s, n) -> (prod(s), n)``, a vector ``(n,) -> (1, n)``). A leaf stacked along a scan ``(L, ...)`` may have one factor
   pair per layer, ``(L, m, m)`` and ``(L, n, n)``: a block per layer.
 
   Attributes:

@@ -222,8 +222,8 @@ class EstimateFisherDiagState(NamedTuple):
 
   Attributes:
     count: int32 number of ``update`` calls.
-    diag: params-shaped float32 diagonal Fisher (zeros before the first
-      refresh).
+    diag: params-shaped diagonal Fisher in float32 (float64 for float64
+      params under x64; zeros before the first refresh).
     num_refreshes: int32 accepted refreshes.
     key: raw PRNG key data (uint32) for ``kind="mc"``, split every step.
     notfinite_count: int32 steps skipped because an input or the new
