@@ -737,10 +737,10 @@ def scale_by_fismo(
     2.134; on a small character LM (``benchmarks/fismo_quality.py``, five
     seeds) grafting helped more (held-out loss 2.141 without, 1.916 with,
     Muon 2.008). On the digits MLPs the unscaled step did as well or better
-    (test loss 0.079 without, 0.095 with). Less damping trusts the factors more: lower
-    it (and the lr) when the factor statistics are reliable, e.g. large
-    batches or ``fisher_source="per_example"``; ``damping=0.1`` was the
-    default before this sweep.
+    (test loss 0.079 without, 0.095 with). Less damping trusts the factors
+    more: lower it (and the lr) when the factor statistics are reliable,
+    e.g. large batches or ``fisher_source="per_example"``; ``damping=0.1``
+    was the default before this sweep.
   * **Damping above 1 trades tasks.** A later sweep past the first one's
     edge (``benchmarks/fismo_defaults.py --dampings 1,3,10,30``, same
     held-out task) put :math:`\mu` = 3 to 30 at 0.92-0.97 times Muon's

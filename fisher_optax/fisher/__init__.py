@@ -15,10 +15,11 @@ with a common leading axis.
 drawn from the model, explicit ``key``), ``exact`` (closed-form expectation;
 equal to the GGN for the canonical ones, categorical, Bernoulli and
 fixed-variance Gaussian; for :class:`HeteroscedasticGaussian` the GGN
-depends on the targets and equals it only in expectation), ``batch_squared`` (the
-square of the mean gradient, Adam/FAdam's quantity; explicit only). A bare
-per-example loss ``likelihood=lambda out, y: ...`` defines no distribution,
-so it allows only ``empirical`` and ``batch_squared``.
+depends on the targets and equals it only in expectation),
+``batch_squared`` (the square of the mean gradient, Adam/FAdam's
+quantity; explicit only). A bare per-example loss ``likelihood=lambda out,
+y: ...`` defines no distribution, so it allows only ``empirical`` and
+``batch_squared``.
 
 **Structures.** :func:`diagonal`, :func:`low_rank` (global or per leaf),
 :func:`rank_one`, :func:`kronecker` (and, from a bare per-example loss or
