@@ -289,7 +289,8 @@ class KroneckerFisher:
   ``(heads * head_dim, d)``, and a bias ``(1, size)``. Without layer
   statistics a leaf has the default view: all but the last axis are rows
   (``(*s, n) -> (prod(s), n)``, a vector ``(n,) -> (1, n)``). A leaf
-  stacked along a scan ``(L, ...)`` may have one factor pair per layer, ``(L, m, m)`` and ``(L, n, n)``: a block per layer.
+  stacked along a scan ``(L, ...)`` may have one factor pair per layer,
+  ``(L, m, m)`` and ``(L, n, n)``: a block per layer.
 
   Attributes:
     left: params-shaped tree of ``(m, m)`` (or ``(L, m, m)``) float32
