@@ -400,7 +400,10 @@ def project_out_subspace(
     if subspace is None:
       start = init_protected_subspace(params, max_rank, basis_dtype=basis_dtype)
     else:  # Built for other params, it would fail only at the first update.
-      validation.check_like(_bases_like(subspace), params, what="subspace")
+      # nnx.Optimizer's init passes the params as NNX variables.
+      validation.check_like(
+        _bases_like(subspace), numerics.pure_arrays(params), what="subspace"
+      )
       # Fresh buffers: a donated state must not delete the user's subspace.
       start = jax.tree.map(jnp.copy, subspace)
     return ProjectOutSubspaceState(

@@ -233,6 +233,23 @@ class PhysGuardWorkflowTest(absltest.TestCase):
     proj = basis @ updates["l2"]["kernel"].reshape(-1)
     self.assertLess(float(jnp.abs(proj).max()), 1e-6)
 
+  def test_subspace_given_at_construction(self):
+    # nnx.Optimizer's init passes NNX variables, which the subspace check
+    # compared against as they were (a ValueError on the library's own
+    # protected_subspace).
+    model = _MLP(nnx.Rngs(1))
+    x, y = _task(0, n=4)
+    g = fo_flax.nnx_per_example_grads(_example_loss, model, (x, y))
+    sub = fisher_optax.protected_subspace(g, max_rank=2)
+    for tx in (
+      fisher_optax.physguard(1e-2, max_rank=2, subspace=sub),
+      fisher_optax.project_out_subspace(max_rank=2, subspace=sub),
+    ):
+      opt = nnx.Optimizer(model, tx, wrt=nnx.Param)
+      chex.assert_trees_all_equal(
+        fo_flax.get_state(opt, "protected_subspace").bases, sub.bases
+      )
+
 
 class EstimatorWorkflowTest(absltest.TestCase):
   def test_estimator_refreshes_inside_optimizer(self):
