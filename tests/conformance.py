@@ -522,3 +522,28 @@ CHECKS: dict[str, Callable[[Any, Case], None]] = {
   "map_params": check_map_params,
   "nonfinite_gradients": check_nonfinite_gradients,
 }
+
+
+def check_masked(test, case: Case):
+  """Under ``optax.masked`` the unmasked leaves get what the transform gives
+  them alone, and the extras are passed as for the whole tree (optax masks
+  the updates and params, not the extra arguments)."""
+  params = {
+    "v": jnp.linspace(-1.0, 1.0, 3),
+    "m": jnp.arange(4.0).reshape(2, 2) / 4,
+    "x": jnp.ones(3),
+  }
+  mask = {"v": True, "m": True, "x": False}
+  kept = lambda tree: {k: tree[k] for k in ("v", "m")}
+  masked, plain = optax.masked(case.make(), mask), case.make()
+  s_masked, s_plain = masked.init(params), plain.init(kept(params))
+  for t in range(3):
+    grads = jax.tree.map(lambda p: jnp.cos(3.0 * p + t), params)
+    u_masked, s_masked = masked.update(
+      grads, s_masked, params, **case.extra_args(grads)
+    )
+    u_plain, s_plain = plain.update(
+      kept(grads), s_plain, kept(params), **case.extra_args(kept(grads))
+    )
+    chex.assert_trees_all_close(kept(u_masked), u_plain, rtol=1e-5, atol=1e-6)
+    chex.assert_trees_all_equal(u_masked["x"], grads["x"])

@@ -228,6 +228,34 @@ CASES = (
 
 _ROWS = [(case.name, case) for case in CASES]
 
+# Per-example sources that are not rows of their own, for test_masked.
+_PER_EXAMPLE = {"fisher_source": "per_example"}
+_MASKED_ONLY = [
+  (case.name, case)
+  for case in (
+    Case("fismo_per_example", fisher_optax.fismo, _PER_EXAMPLE, extras=_pe),
+    Case(
+      "mfac_per_example",
+      fisher_optax.mfac,
+      {"window_size": 4, **_PER_EXAMPLE},
+      extras=_pe,
+    ),
+    Case(
+      "natural_galore_per_example",
+      fisher_optax.natural_galore,
+      {"rank": 2, **_PER_EXAMPLE},
+      extras=_pe,
+    ),
+    Case(
+      "woodbury_fisher_per_example",
+      fisher_optax.scale_by_woodbury_fisher,
+      _PER_EXAMPLE,
+      then=optax.scale_by_learning_rate,
+      extras=_pe,
+    ),
+  )
+]
+
 # Public names that return a transform but are not rows, with the reason.
 _NOT_TRANSFORMS = {
   "fisher_merge_accumulator": "a merge accumulator (init, add, finalize)",
@@ -296,6 +324,10 @@ class ConformanceTest(parameterized.TestCase):
   @parameterized.named_parameters(*_ROWS)
   def test_map_params(self, case):
     conformance.check_map_params(self, case)
+
+  @parameterized.named_parameters(*_ROWS, *_MASKED_ONLY)
+  def test_masked(self, case):
+    conformance.check_masked(self, case)
 
   # A non-finite gradient must not hang a solve: a per-test limit.
   @parameterized.named_parameters(*_ROWS)

@@ -196,6 +196,7 @@ def _update_fn(step: Callable[..., Any], impl: Any = None):
   ):
     del extra_args
     key_next, key_now = _split(state.key, impl)
+    per_example_grads = numerics.masked_like(per_example_grads, updates)
 
     def run():
       new = step(updates, state, params, per_example_grads, batch, key_now)

@@ -141,6 +141,36 @@ def resolve_mask(
   return jax.tree.map(bool, full)
 
 
+def masked_like(tree: PyTree, updates: PyTree) -> PyTree:
+  """``tree`` with ``optax.MaskedNode`` wherever ``updates`` holds one.
+
+  ``optax.masked`` (and ``optax.partition``) masks the updates and params it
+  hands the inner transform, not its extra arguments: a full
+  ``per_example_grads`` tree then met updates with masked leaves. A tree
+  that does not have the updates' structure up to those leaves is returned
+  as it is, for the caller's check to report.
+
+  Example:
+    >>> import jax.numpy as jnp, optax
+    >>> from fisher_optax.fisher import numerics
+    >>> u = {"a": jnp.ones(2), "b": optax.MaskedNode()}
+    >>> pe = {"a": jnp.ones((4, 2)), "b": jnp.ones((4, 3))}
+    >>> numerics.masked_like(pe, u)["b"]
+    MaskedNode()
+  """
+  masked = lambda x: isinstance(x, optax.MaskedNode)
+  if tree is None or not any(
+    masked(x) for x in jax.tree.leaves(updates, is_leaf=masked)
+  ):
+    return tree
+  try:
+    return jax.tree.map(
+      lambda u, t: u if masked(u) else t, updates, tree, is_leaf=masked
+    )
+  except ValueError:
+    return tree
+
+
 def zeros_like_stacked(
   leaf: Any, lead: tuple[int, ...] = (), dtype: Any = None
 ) -> jax.Array:
