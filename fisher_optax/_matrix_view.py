@@ -62,6 +62,8 @@ import numpy as np
 from optax.contrib import GaLoreDimensionNumbers
 from optax.contrib import MuonDimensionNumbers
 
+from fisher_optax.fisher import numerics
+
 PyTree = Any
 DimensionNumbers = MuonDimensionNumbers | GaLoreDimensionNumbers
 DimensionNumbersSpec = (
@@ -286,6 +288,10 @@ def resolve(
     ValueError: if the tree of numbers does not match ``tree``'s structure,
       or any leaf's numbers are invalid (see :func:`plan`).
   """
+  # Plain arrays (nnx.Optimizer's init passes NNX variables, one leaf each):
+  # a callable then sees the paths the updates have ("['kernel']", not
+  # "['kernel'].value"), at init as at every step.
+  tree = numerics.pure_arrays(tree)
   path_leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
   dims: list[Any]
   if spec is None:

@@ -251,6 +251,43 @@ class PhysGuardWorkflowTest(absltest.TestCase):
       )
 
 
+class DimensionNumbersCallableTest(parameterized.TestCase):
+  """A routing callable sees the same paths at init (where nnx.Optimizer
+  passes NNX variables, "['kernel'].value") as at every update."""
+
+  @parameterized.named_parameters(
+    (
+      "fismo",
+      "fismo_weight_dimension_numbers",
+      optax.contrib.MuonDimensionNumbers(),
+    ),
+    (
+      "natural_galore",
+      "weight_dimension_numbers",
+      optax.contrib.GaLoreDimensionNumbers(0, 1),
+    ),
+  )
+  def test_path_based_callable(self, keyword, numbers):
+    def by_path(params):
+      return jax.tree_util.tree_map_with_path(
+        lambda path, _: (
+          numbers if jax.tree_util.keystr(path).endswith("['kernel']") else None
+        ),
+        params,
+      )
+
+    if keyword == "fismo_weight_dimension_numbers":
+      tx = fisher_optax.fismo(1e-2, **{keyword: by_path})
+    else:
+      tx = fisher_optax.natural_galore(1e-2, rank=2, **{keyword: by_path})
+    model = _MLP(nnx.Rngs(0))
+    opt = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    x, y = _task(0)
+    grads = nnx.grad(lambda m: _ce(m(x), y))(model)
+    opt.update(model, grads)  # a state built for other leaves was refused
+    chex.assert_tree_all_finite(nnx.state(model, nnx.Param))
+
+
 class EstimatorWorkflowTest(absltest.TestCase):
   def test_estimator_refreshes_inside_optimizer(self):
     model = _MLP(nnx.Rngs(2))
