@@ -121,7 +121,9 @@ def accumulate_fisher(
   whose squares overflow the running sums, follows the library's one
   non-finite policy (:func:`fisher_optax.fisher.numerics.skip_nonfinite_step`):
   it is not folded in (the state, ``mini_step`` included, is unchanged but for
-  ``notfinite_count``) and its updates are NaN (zero for an overflow).
+  ``notfinite_count``) and its updates are NaN when its gradient is not
+  finite, else zero (non-finite per-example gradients only, or an
+  overflow).
 
   With plain ``optax.MultiSteps`` the inner transform would see only the last
   micro-batch's ``per_example_grads`` (a ``1/every_k`` sample of the data).

@@ -25,10 +25,11 @@ the paper and its reference implementations disagree or are silent:
 * Non-finite steps follow the library's one policy,
   :func:`fisher_optax.fisher.numerics.skip_nonfinite_step`: a step whose
   gradient (or Fisher input) is non-finite leaves the state, ``count``
-  included, unchanged (``notfinite_count`` counts it) and returns NaN
-  updates for every leaf, so the failure reaches the caller; a finite step
-  whose Fisher or natural gradient overflows is skipped the same way with
-  zero updates. Wrap the optimizer in :func:`optax.apply_if_finite` to skip
+  included, unchanged (``notfinite_count`` counts it). Its updates are NaN
+  for every leaf when the gradient itself is not finite, so the failure
+  reaches the caller; a finite gradient with non-finite Fisher inputs, or
+  whose Fisher or natural gradient overflows, gives zero updates (NaN from
+  a finite gradient would pass :func:`optax.apply_if_finite`). Wrap the optimizer in :func:`optax.apply_if_finite` to skip
   NaN steps.
 * Statistics are computed in (at least) float32 and stored, by default, in
   ``promote(param dtype, float32)``, so float16 squares do not overflow;
