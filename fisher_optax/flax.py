@@ -174,7 +174,10 @@ def nnx_obj_fn(
   ``jax.grad`` and ``jit`` whatever mutable state the model holds: random
   streams (dropout) are read at their current keys, never advanced (the same
   masks at every call until the model's streams move), and batch-statistics
-  updates are discarded; the model is not modified.
+  updates are discarded; the model is not modified. The model's structure
+  and its other state are captured when this is called: after
+  ``model.eval()`` or ``model.train()``, a new random stream position or new
+  batch statistics, call it again (a closure per step is cheap).
   """
   graphdef, _, rest = _split(model, wrt)
 
@@ -193,7 +196,10 @@ def nnx_apply_fn(
   it; ``params`` is the model's pure ``wrt`` state (the optimizer's tree), so
   statistics computed from it plug straight into ``optimizer.update(...,
   fisher=...)``. As with :func:`nnx_obj_fn`, the model's other state
-  (random streams, batch statistics) is read and never modified.
+  (random streams, batch statistics) is read and never modified, and it is
+  captured when this is called, with the model's structure: after
+  ``model.eval()`` or ``model.train()`` or new batch statistics, call it
+  again (e.g. before building an estimator transform around ``apply_fn``).
   """
   graphdef, params, rest = _split(model, wrt)
 
