@@ -831,6 +831,20 @@ class FAdamNonfiniteAndDtypeTest(parameterized.TestCase):
     self.assertEqual(state[0].mu["w"].dtype, dtype)
     chex.assert_tree_all_finite(state)
 
+  def test_fisher_stored_in_float16_that_overflows_skips_the_step(self):
+    # A float16 fim_dtype cannot hold 1e6: the step is skipped (zero updates,
+    # the stored Fisher kept) rather than an infinite Fisher stored.
+    params = {"w": jnp.ones(3)}
+    tx = fisher_optax.fadam(1e-2, fim_dtype=jnp.float16)
+    state = tx.init(params)
+    small = {"w": jnp.full(3, 1.0)}
+    _, state = jax.jit(tx.update)(small, state, params)
+    before = state[0].fim["w"]
+    updates, state = jax.jit(tx.update)({"w": jnp.full(3, 1e3)}, state, params)
+    self.assertEqual(int(state[0].notfinite_count), 1)
+    chex.assert_trees_all_equal(state[0].fim["w"], before)
+    chex.assert_trees_all_equal(updates["w"], jnp.zeros(3))
+
 
 if __name__ == "__main__":
   absltest.main()

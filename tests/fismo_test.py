@@ -796,6 +796,28 @@ class PerExampleTest(parameterized.TestCase):
         state.right_factor[0], 3 * s_q / np.trace(s_q), atol=1e-12
       )
 
+  @parameterized.parameters("pre_ema", "paper")
+  def test_per_example_factors_are_means_over_examples(self, factor_norm):
+    # Every example twice is the same batch: the factors are means, so the
+    # damping (which "paper" adds to the statistic as it is) weighs the same.
+    peg = jax.random.normal(jax.random.key(4), (3, 4, 3))
+    params = jnp.zeros((4, 3))
+    tx = fisher_optax.scale_by_fismo(
+      gamma=0.0,
+      damping=0.5,
+      factor_norm=factor_norm,
+      fisher_source="per_example",
+      precondition_interval=1,
+    )
+    states = [
+      tx.update(peg.mean(0), tx.init(params), params, per_example_grads=p)[1]
+      for p in (peg, jnp.concatenate([peg, peg]))
+    ]
+    for field in ("left_factor", "right_factor"):
+      np.testing.assert_allclose(
+        getattr(states[0], field), getattr(states[1], field), rtol=1e-5
+      )
+
   def test_per_example_errors_and_alias_masking(self):
     params = {"w": jnp.zeros((4, 3)), "b": jnp.zeros((3,))}
     tx = fisher_optax.scale_by_fismo(fisher_source="per_example")

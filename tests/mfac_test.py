@@ -398,6 +398,38 @@ def _pairs(g):
   return {"per_example_grads": jax.tree.map(lambda x: jnp.stack([x, x]), g)}
 
 
+class MFACAliasTest(absltest.TestCase):
+  def test_follows_the_paper_step_with_masked_decay_and_momentum(self):
+    # g <- grad + omega theta (masked leaves: no decay), u = F^{-1} g over
+    # the window, v <- beta v + (1 - beta) u, theta <- theta - lr v.
+    lr, m, lam, beta, omega = 0.1, 3, 1e-2, 0.5, 0.3
+    mask = {"b": False, "w": True}
+    with jax.enable_x64(True):
+      params = {"b": jnp.array([0.5, -1.0]), "w": jnp.array([1.0, 2.0, -0.5])}
+      tx = fisher_optax.mfac(
+        lr, m, lam, momentum=beta, weight_decay=omega, mask=mask
+      )
+      state = tx.init(params)
+      theta = np.concatenate([params["b"], params["w"]])
+      decay = np.array([0.0, 0.0, 1.0, 1.0, 1.0])
+      window, v = [], np.zeros(5)
+      rng = np.random.default_rng(0)
+      for _ in range(5):
+        grad = rng.normal(size=5)
+        tree = {"b": jnp.asarray(grad[:2]), "w": jnp.asarray(grad[2:])}
+        updates, state = tx.update(tree, state, params)
+        params = optax.apply_updates(params, updates)
+        g = grad + omega * decay * theta
+        window = (window + [g])[-m:]
+        rows = np.array(window)
+        fisher_ = lam * np.eye(5) + rows.T @ rows / m
+        v = beta * v + (1 - beta) * np.linalg.solve(fisher_, g)
+        theta = theta - lr * v
+        np.testing.assert_allclose(
+          np.concatenate([params["b"], params["w"]]), theta, rtol=1e-9
+        )
+
+
 class WindowNonfiniteTest(parameterized.TestCase):
   """The one non-finite policy for M-FAC and the windowed Woodbury transform.
 

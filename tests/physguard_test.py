@@ -64,6 +64,21 @@ class ProtectedSubspaceTest(parameterized.TestCase):
       sub.bases, jax.tree.map(lambda x: jnp.zeros((4,) + x.shape[1:]), g)
     )
 
+  def test_rank_stops_at_the_gradients_rank(self):
+    # tau = 1 asks for all the energy; rank-one gradients have one
+    # direction, and zero eigenvectors must not take basis slots.
+    # The top energy rounds to just below the total for some draws.
+    for seed in range(4):
+      v = jax.random.normal(jax.random.key(seed), (6,))
+      c = jnp.array([1.0, 2.0, -0.5, 3.0])
+      g = {"w": c[:, None] * v}  # 4 examples, rank one
+      sub = fisher_optax.protected_subspace(g, max_rank=4, tau=1.0)
+      self.assertEqual(int(sub.rank["w"]), 1)
+      np.testing.assert_allclose(
+        np.abs(sub.bases["w"][0] @ v) / np.linalg.norm(v), 1.0, rtol=1e-5
+      )
+      chex.assert_trees_all_equal(sub.bases["w"][1:], jnp.zeros((3, 6)))
+
   def test_small_tensor_has_no_identity_columns(self):
     """Unlike the reference code, a 2-entry leaf is not frozen by e_1, e_2."""
     g = {"s": jnp.stack([jnp.array([0.0, c]) for c in (1.0, -2.0, 3.0)])}
@@ -191,6 +206,25 @@ class ProjectOutSubspaceTest(parameterized.TestCase):
       self.assertLess(leak, 1e-6)
     else:  # Adam's per-coordinate scaling re-mixes the projected gradient
       self.assertGreater(leak, 1e-3)
+
+  @parameterized.parameters("after", "before")
+  def test_physguard_without_a_subspace_is_adamw(self, placement):
+    # An empty protected subspace projects nothing: Adam's b1, b2 and eps
+    # and the masked weight decay are optax.adamw's.
+    params = {"b": jnp.array([0.5, -1.0]), "w": jnp.array([[1.0, 2.0]])}
+    kw = dict(b1=0.8, b2=0.95, eps=1e-6, weight_decay=0.1)
+    mask = {"b": False, "w": True}
+    ours = fisher_optax.physguard(
+      0.1, max_rank=2, placement=placement, mask=mask, **kw
+    )
+    ref = optax.adamw(0.1, mask=mask, **kw)
+    s_ours, s_ref = ours.init(params), ref.init(params)
+    for i in range(3):
+      g = jax.tree.map(lambda x, i=i: jnp.cos(x * (i + 1.0)), params)
+      u_ours, s_ours = ours.update(g, s_ours, params)
+      u_ref, s_ref = ref.update(g, s_ref, params)
+      chex.assert_trees_all_close(u_ours, u_ref, rtol=1e-6, atol=1e-7)
+      params = optax.apply_updates(params, u_ref)
 
   def test_donated_state_keeps_the_users_subspace(self):
     sub, params, u = self._setup()
