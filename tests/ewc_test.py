@@ -479,6 +479,37 @@ class ConsolidateTest(parameterized.TestCase):
     # The NaN direction is dropped; the finite one is kept.
     np.testing.assert_allclose(jnp.sort(anchor.low_rank.scales), [0.0, 2.0])
 
+  def test_negative_diagonal_entries_add_no_precision(self):
+    # A negative entry (e.g. a bad estimate) would make the penalty reward
+    # moving away from the anchor: it is stored as 0.
+    theta = {"w": jnp.array([1.0, 2.0])}
+    anchor = fisher_optax.consolidate(
+      fisher_optax.init_ewc_anchor(theta),
+      theta,
+      diagonal={"w": jnp.array([-4.0, 1.0])},
+    )
+    np.testing.assert_array_equal(anchor.diagonal.precision["w"], [0.0, 1.0])
+    # Moving only along the negative coordinate costs nothing (not -4 / 2).
+    moved = {"w": jnp.array([2.0, 2.0])}
+    self.assertEqual(float(fisher_optax.ewc_penalty(moved, anchor, 1.0)), 0.0)
+
+  @parameterized.parameters("slots", "compress")
+  def test_negative_eigenvalues_add_no_curvature(self, update):
+    # The same for a low-rank statistic: a negative eigenvalue is scale 0.
+    theta = {"w": jnp.array([1.0, 2.0, 3.0])}
+    vecs = {"w": jnp.eye(3)[:2]}
+    anchor = fisher_optax.consolidate(
+      fisher_optax.init_ewc_anchor(theta, diagonal=False, rank=2),
+      theta,
+      low_rank=(jnp.array([-3.0, 2.0]), vecs),
+      low_rank_update=update,
+    )
+    np.testing.assert_allclose(jnp.sort(anchor.low_rank.scales), [0.0, 2.0])
+    moved = {"w": jnp.array([2.0, 2.0, 3.0])}  # along the -3 direction only
+    np.testing.assert_allclose(
+      fisher_optax.ewc_penalty(moved, anchor, 1.0), 0.0, atol=1e-6
+    )
+
   def test_engine_statistics_plug_in(self):
     theta = _params(0, jnp.float32)
     x, y = ft.make_batch(jax.random.key(3), 16, "categorical", jnp.float32)

@@ -226,6 +226,19 @@ class GeneralizedFWSVDTest(parameterized.TestCase):
         atol=1e-9,
       )
 
+  def test_default_damping_is_invariant_to_factor_scale(self):
+    # The damping is relative to each factor's mean eigenvalue: an absolute
+    # 1e-6 would swamp a 1e-9-scaled factor (a plain SVD on that side).
+    with jax.enable_x64(True):
+      w, _, fa, fb = _problem(9)
+      prod = lambda ab: np.asarray(ab[0] @ ab[1])
+      want = prod(fisher_optax.generalized_fwsvd(w, fa, fb, 2))
+      for left, right in ((1e-9 * fa, fb), (fa, 1e-9 * fb), (1e9 * fa, fb)):
+        got = prod(fisher_optax.generalized_fwsvd(w, left, right, 2))
+        np.testing.assert_allclose(got, want, atol=1e-8)
+      # The factors matter: the result is not the plain SVD.
+      self.assertGreater(np.abs(want - _svd_r(w, 2)).max(), 0.1)
+
   def test_zero_factor_weighs_that_side_uniformly(self):
     with jax.enable_x64(True):
       problem = _problem(8)
