@@ -882,9 +882,12 @@ class KroneckerTest(parameterized.TestCase):
             rtol=1e-8,
             atol=1e-12,
           )
-      chex.assert_trees_all_close(
-        more["auto"].left["dense_1"], out[N].left["dense_1"], rtol=1e-10
-      )
+      for field in ("left", "right"):
+        chex.assert_trees_all_close(
+          getattr(more["auto"], field)["dense_1"],
+          getattr(out[N], field)["dense_1"],
+          rtol=1e-10,
+        )
 
 
 class ZeroSizeLayerTest(absltest.TestCase):

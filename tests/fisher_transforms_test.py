@@ -236,6 +236,34 @@ class EstimateFisherKeyTest(parameterized.TestCase):
     step(tx.init(params), tx.init(params))
     jax.random.normal(key, (2,))  # still alive
 
+  @parameterized.parameters("diag", "low_rank")
+  def test_mc_samples_afresh_at_every_refresh(self, structure):
+    # The same batch twice: a key that is not advanced draws the same
+    # labels, and the running Fisher never averages over new samples.
+    params, x, y = _problem()
+    make = {
+      "diag": fisher.estimate_fisher_diag,
+      "low_rank": functools.partial(fisher.estimate_fisher_low_rank, rank=2),
+    }[structure]
+    tx = make(
+      ft.mlp_apply, fisher.Categorical(), kind="mc", key=jax.random.key(1)
+    )
+    get = {
+      "diag": fisher.get_fisher_diag,
+      "low_rank": lambda s: fisher.get_fisher_low_rank(s)[0],
+    }[structure]
+    step = jax.jit(lambda s: tx.update(params, s, params, batch=(x, y))[1])
+    first = step(tx.init(params))
+    second = step(first)
+    self.assertFalse(
+      all(
+        bool(jnp.all(a == b))
+        for a, b in zip(
+          jax.tree.leaves(get(first)), jax.tree.leaves(get(second))
+        )
+      )
+    )
+
   def test_mc_keys_follow_the_given_implementation(self):
     params, x, y = _problem()
     runs = []

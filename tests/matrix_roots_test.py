@@ -113,17 +113,19 @@ class MatrixRootsAndPolarTest(parameterized.TestCase):
     self.assertTrue(bool(jnp.all(res.error <= 1e-5)))
     np.testing.assert_allclose(res.root, want, rtol=2e-4, atol=2e-4)
 
-  def test_newton_on_huge_matrices(self):
+  @parameterized.parameters(1, 2, 4)
+  def test_newton_on_huge_matrices(self, p):
     # The power iteration's vector norms overflowed float32 at 1e20: the
-    # scale fell back to 1 and the iteration diverged (error -inf).
+    # scale fell back to 1 and the iteration diverged (error -inf). The
+    # start is scaled by c^(-1/p) for every p.
     a = jnp.asarray(self._spd(4, 8, batch=(2,)), jnp.float32)
-    for scale in (1e20, 1e-20):
+    for scale in (1e20, 1e-20, 1e3):
       with self.subTest(scale=scale):
-        res = _matrix_roots.matrix_inverse_root_newton(a * scale, 2, floor=0.0)
-        want = _matrix_roots.matrix_inverse_root_eigh(a, 2, floor=0.0)
+        res = _matrix_roots.matrix_inverse_root_newton(a * scale, p, floor=0.0)
+        want = _matrix_roots.matrix_inverse_root_eigh(a, p, floor=0.0)
         self.assertTrue(bool(jnp.all(res.error <= 1e-4)))
         np.testing.assert_allclose(
-          res.root * scale**0.5, want, rtol=1e-3, atol=1e-3
+          res.root * scale ** (1.0 / p), want, rtol=1e-3, atol=1e-3
         )
 
   def test_newton_warm_start_whitens_in_few_iterations(self):
