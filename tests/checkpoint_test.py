@@ -495,6 +495,16 @@ class CheckpointModuleTest(absltest.TestCase):
       )
       self.assertEqual(data["k"].dtype, jnp.uint32)
 
+  def test_prng_key_of_another_implementation_with_the_same_data(self):
+    # rbg and unsafe_rbg keys both hold uint32[4]: only the implementation
+    # tells them apart, and a restored key of the wrong one was returned.
+    with tempfile.TemporaryDirectory() as tmp:
+      path = pathlib.Path(tmp) / "ckpt"
+      checkpoint.save(path, {"k": jax.random.key(0, impl="rbg")})
+      target = {"k": jax.random.key(0, impl="unsafe_rbg")}
+      with self.assertRaisesRegex(ValueError, "key<rbg> key where the target"):
+        checkpoint.restore(path, jax.eval_shape(lambda: target))
+
   def test_orbax_save_tree_refuses_zero_size_arrays(self):
     with tempfile.TemporaryDirectory() as tmp:
       with self.assertRaisesRegex(ValueError, "zero-size.*msgpack"):
