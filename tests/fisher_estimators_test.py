@@ -200,10 +200,24 @@ class DiagonalTest(parameterized.TestCase):
             fisher.diagonal,
             dict(kw, method="per_example", chunk_size=2),
           ),
+          # The uncovered leaf's Gram adds to the layers' (one sample per
+          # example, so the fused low-rank path).
+          "low": (fisher.low_rank, dict(kw, num_samples=1, rank=3)),
+          "low_slow": (
+            fisher.low_rank,
+            dict(kw, num_samples=1, rank=3, method="per_example"),
+          ),
         },
       )
       chex.assert_trees_all_close(
         out["auto"], out["slow"], rtol=1e-10, atol=1e-14
+      )
+      np.testing.assert_allclose(
+        out["low"].eigvals, out["low_slow"].eigvals, rtol=1e-9
+      )
+      v = jax.tree.map(jnp.ones_like, params)
+      chex.assert_trees_all_close(
+        out["low"].matvec(v), out["low_slow"].matvec(v), rtol=1e-8, atol=1e-12
       )
       with self.assertRaisesRegex(ValueError, r"\['scale'\]"):
         _est(fisher.diagonal, _scaled_mlp, params, (x, y), method="taps", **kw)
@@ -619,6 +633,16 @@ class LowRankTest(parameterized.TestCase):
         top = out[kind, "top"]
         vals, _ = ft.top_eig(dense, 1)
         np.testing.assert_allclose(top.eigvals, vals, rtol=1e-10)
+      # batch_squared is mu mu^T itself: the optimal scale leaves |mu|^2.
+      sq = fisher.rank_one(
+        apply_fn,
+        params,
+        (x, y),
+        likelihood=lik,
+        kind="batch_squared",
+        scale="optimal",
+      )
+      np.testing.assert_allclose(sq.eigvals, [mu @ mu], rtol=1e-10)
 
 
 class KroneckerTest(parameterized.TestCase):

@@ -207,10 +207,13 @@ class OutOfRangeLabelTest(parameterized.TestCase):
     y = jnp.array([[0.0, 1.0, 0.5], [0.0, 2.0, 1.0]])
     self.assertFalse(bool(_diag((x, y), fisher.Bernoulli()).is_finite()))
 
-  def test_estimator_transform_keeps_its_statistic(self):
-    tx = fisher.estimate_fisher_diag(
-      _linear, fisher.Categorical(), kind="exact"
-    )
+  @parameterized.parameters("diag", "low_rank")
+  def test_estimator_transform_keeps_its_statistic(self, structure):
+    make = {
+      "diag": fisher.estimate_fisher_diag,
+      "low_rank": functools.partial(fisher.estimate_fisher_low_rank, rank=1),
+    }[structure]
+    tx = make(_linear, fisher.Categorical(), kind="exact")
     x = jax.random.normal(jax.random.key(0), (2, 2))
     update = jax.jit(lambda s, y: tx.update(_W, s, _W, batch=(x, y)))
     _, good = update(tx.init(_W), jnp.array([0, 1]))

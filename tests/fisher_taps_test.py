@@ -438,8 +438,12 @@ class LayerStatisticsTest(parameterized.TestCase):
       for got, gi in zip(jax.tree.leaves(out["combine"]), g):
         _assert_close(self, got, jnp.tensordot(weights, gi, 1))
 
-  @parameterized.parameters("plain_seq", "linen_seq", "plain_mlp", "nnx_mlp")
-  def test_statistics_in_blocks(self, name):
+  # Budget 8 gives blocks of one feature; 48 blocks of two embedding ids
+  # (S B = 6 rows of 4 outputs) with a remainder block (VOCAB = 5).
+  @parameterized.product(
+    name=("plain_seq", "linen_seq", "plain_mlp", "nnx_mlp"), budget=(8, 48)
+  )
+  def test_statistics_in_blocks(self, name, budget):
     """With tiny budgets the Gram matrix is summed over input-feature
     blocks (one-hot blocks for an embedding) or formed by blocks of rows
     (dense layers without weight sharing, biases; rows of several samples
@@ -454,7 +458,7 @@ class LayerStatisticsTest(parameterized.TestCase):
       )
       g = jax.tree.leaves(_pseudo_grads(apply_fn, params, inputs, cot))
       with (
-        mock.patch.object(_taps, "_BLOCK_ELEMENTS", 8),
+        mock.patch.object(_taps, "_BLOCK_ELEMENTS", budget),
         mock.patch.object(_taps, "_PATCH_CHUNK_ELEMENTS", 18),
       ):
 
