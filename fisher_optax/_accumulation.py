@@ -166,8 +166,7 @@ def accumulate_fisher(
         "every micro-batch."
       )
     validation.check_like(updates, state.grad_sum, what="updates")
-    per_example_grads = numerics.masked_like(per_example_grads, updates)
-    batch = validation.check_per_example_grads(
+    per_example_grads, batch = numerics.checked_per_example_grads(
       per_example_grads, updates, function="accumulate_fisher"
     )
     step = lambda: _accumulate(

@@ -588,7 +588,6 @@ def commit(
   wrote; an existing one is replaced only with ``overwrite`` and only if it
   is ours. ``sidecar`` (a msgpack file's checksums) follows the file.
   """
-  validation.check_flag("overwrite", overwrite)
   try:
     _place_new(tmp, path)
   except FileExistsError:

@@ -702,8 +702,7 @@ def _fisher_statistic(
       "pass only one."
     )
   if per_example_grads is not None:
-    per_example_grads = numerics.masked_like(per_example_grads, updates)
-    validation.check_per_example_grads(
+    per_example_grads, _ = numerics.checked_per_example_grads(
       per_example_grads, updates, function="fadam"
     )
     diag = fisher.diagonal_from_grads(per_example_grads, kind="empirical")

@@ -515,8 +515,7 @@ def _per_example_leaves(
   """The ``per_example_grads`` leaves (``None`` each for batch statistics)."""
   if fisher_source == "batch":
     return [None] * treedef.num_leaves
-  per_example_grads = numerics.masked_like(per_example_grads, updates)
-  validation.check_per_example_grads(
+  per_example_grads, _ = numerics.checked_per_example_grads(
     per_example_grads, updates, function="scale_by_fismo"
   )
   return treedef.flatten_up_to(per_example_grads)

@@ -123,8 +123,7 @@ def _new_rows(
   """This step's rows: the ``per_example_grads`` or the gradient itself."""
   if not cfg.per_example:
     return jax.tree.map(lambda g: g[None], updates)
-  per_example_grads = numerics.masked_like(per_example_grads, updates)
-  k = validation.check_per_example_grads(
+  per_example_grads, k = numerics.checked_per_example_grads(
     per_example_grads, updates, function=cfg.function
   )
   if cfg.size and k > cfg.size:

@@ -748,8 +748,7 @@ def _update(
   projs = _check_updates(cfg, updates, state, params)
   per_example: list[Any] = [None] * len(projs)
   if cfg.per_example_window:
-    per_example_grads = numerics.masked_like(per_example_grads, updates)
-    validation.check_per_example_grads(
+    per_example_grads, _ = numerics.checked_per_example_grads(
       per_example_grads, updates, function="scale_by_natural_galore"
     )
     per_example = jax.tree.leaves(per_example_grads)

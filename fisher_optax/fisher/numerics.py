@@ -171,6 +171,21 @@ def masked_like(tree: PyTree, updates: PyTree) -> PyTree:
     return tree
 
 
+def checked_per_example_grads(
+  per_example_grads: PyTree, updates: PyTree, *, function: str
+) -> tuple[PyTree, int]:
+  """A required ``per_example_grads=`` extra, masked like ``updates``
+  (:func:`masked_like`) and checked against them
+  (:func:`fisher_optax.fisher.validation.check_per_example_grads`).
+
+  Returns:
+    ``(per_example_grads, batch)``: the tree to use and its batch size.
+  """
+  tree = masked_like(per_example_grads, updates)
+  batch = validation.check_per_example_grads(tree, updates, function=function)
+  return tree, batch
+
+
 def zeros_like_stacked(
   leaf: Any, lead: tuple[int, ...] = (), dtype: Any = None
 ) -> jax.Array:
