@@ -60,6 +60,12 @@ ARMS: dict[str, Callable[[], optax.GradientTransformation]] = {
   "adamw": lambda: optax.adamw(1.0),
   "fadam": lambda: fisher_optax.fadam(1.0),
   "natural_galore": lambda: fisher_optax.natural_galore(1.0),
+  # Its baseline at the same defaults (rank, refresh gap, scale), and the
+  # damping at which its window stops whitening away the gradient's mean.
+  "galore": lambda: optax.contrib.galore(1.0),
+  "natural_galore_damping1": lambda: fisher_optax.natural_galore(
+    1.0, damping=1.0
+  ),
   "mfac": lambda: fisher_optax.mfac(1.0),
   "physguard": lambda: fisher_optax.physguard(1.0, max_rank=8),
   # FISMO against Muon, both at their defaults (every 2-D leaf, head
