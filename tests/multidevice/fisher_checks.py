@@ -361,6 +361,39 @@ class ExplicitAxesTest(absltest.TestCase):
             chex.assert_trees_all_close(u, w, rtol=1e-4, atol=1e-6)
           self.assertEqual(u["k"].sharding.spec, specs["k"])
 
+  def test_short_windows_match_one_device(self):
+    # A sharded leaf no longer than the window (d = 4 <= m = 4) is solved
+    # as the 4 x 4 matrix once full: gathered, and its updates resharded.
+    explicit = jax.sharding.AxisType.Explicit
+    mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(explicit,) * 2)
+    rng = np.random.default_rng(1)
+    specs = {"k": P(None, "model"), "b": P("model")}
+    shapes = {"k": (16, 8), "b": (4,)}
+    params = {k: jnp.zeros(v, jnp.float32) for k, v in shapes.items()}
+    grads = [
+      {
+        k: jnp.asarray(rng.normal(size=v), jnp.float32)
+        for k, v in shapes.items()
+      }
+      for _ in range(6)
+    ]
+    tx = fisher_optax.scale_by_woodbury_fisher(4, 1e-4)
+    step = jax.jit(tx.update)
+    state, want = tx.init(params), []
+    for g in grads:
+      u, state = step(g, state)
+      want.append(u)
+    with jax.set_mesh(mesh):
+      put = lambda t: {
+        k: jax.device_put(v, NamedSharding(mesh, specs[k]))
+        for k, v in t.items()
+      }
+      state = jax.jit(tx.init)(put(params))
+      for g, w in zip(grads, want):
+        u, state = step(put(g), state)
+        chex.assert_trees_all_close(u, w, rtol=1e-4, atol=1e-6)
+        self.assertEqual(u["b"].sharding.spec, specs["b"])
+
 
 if __name__ == "__main__":
   absltest.main()
