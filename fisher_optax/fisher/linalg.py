@@ -502,7 +502,7 @@ def _row_size(stacked: PyTree) -> int:
   return sum(math.prod(leaf.shape[1:]) for leaf in jax.tree.leaves(stacked))
 
 
-def _primal_window(stacked: PyTree) -> bool:
+def _short_rows(stacked: PyTree) -> bool:
   """Whether a window's rows are no longer than its length (``d <= m``):
   see :func:`_short_rows_solve`."""
   leaves = jax.tree.leaves(stacked)
@@ -537,7 +537,7 @@ def _short_rows_solve(
     for v in jax.tree.leaves(window)
   )
   full = jnp.sum(filled > 0) >= d
-  direct = _primal_solve(window, x, damping, scale, normalized=normalized)
+  direct = _direct_solve(window, x, damping, scale, normalized=normalized)
   direct = numerics.keep_types(direct, woodbury)  # gathered: resharded
   return jax.tree.map(lambda a, b: jnp.where(full, a, b), direct, woodbury)
 
@@ -548,7 +548,7 @@ def _with_rows(stacked: PyTree, pending: tuple[PyTree, jax.Array]) -> PyTree:
   return jax.tree.map(lambda s, r: s.at[slots].set(r), stacked, rows)
 
 
-def _primal_solve(
+def _direct_solve(
   stacked: PyTree,
   x: PyTree,
   damping: jax.Array | float,
@@ -686,7 +686,7 @@ def woodbury_window_solve(
   out = woodbury_solve(
     wide, factor, xw, normalized=normalized, gx=gx, pending=pending
   )
-  if _primal_window(wide):
+  if _short_rows(wide):
     window = wide if pending is None else _with_rows(wide, pending)
     if coords is None or remainder:
       xp = jax.tree.map(lambda v: v.astype(dtype), x)
@@ -765,7 +765,7 @@ def woodbury_window_solves(
       pend = (jax.tree.map(lambda r: r.astype(dtype), pend[0]), pend[1])
     if in_span and pend is None:
       raise ValueError("pushed needs the pending row.")
-    if _primal_window(wide):  # d <= m: see _short_rows_solve
+    if _short_rows(wide):  # d <= m: see _short_rows_solve
       window = wide if pend is None else _with_rows(wide, pend)
       xp = xw
       if in_span and pend is not None:  # the pushed row itself
