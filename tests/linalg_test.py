@@ -322,7 +322,7 @@ class WoodburyWindowSolvesTest(parameterized.TestCase):
 class WoodburyShortRowsTest(parameterized.TestCase):
   """Windows whose rows are no longer than the window (``d <= m``: a scalar
   or a short bias under a window of 8) are solved as the ``d x d`` matrix
-  once ``d`` rows are filled.
+  where that is well conditioned (rows spanning every direction).
 
   In the Woodbury form the ``m x m`` Gram has rank ``d`` at most, and
   float32 lost 5-15% of the answer at damping 1e-5 here.
@@ -407,6 +407,40 @@ class WoodburyShortRowsTest(parameterized.TestCase):
     )
     want = self.want(g, g[1], 1e-5)
     np.testing.assert_allclose(self.flat(got), want, rtol=1e-5)
+
+  def test_rows_after_a_spike_keep_the_woodbury_form(self):
+    # Two large rows, then rows 1e-4 as large: F's weakest direction is
+    # about the damping, and a direct solve lost 1% there, the Woodbury
+    # form (its small rows' block is well conditioned) 1e-7.
+    rng = np.random.default_rng(2)
+    g = np.concatenate(
+      [rng.normal(size=(2, 3)), 1e-4 * rng.normal(size=(6, 3))]
+    )
+    window = jnp.asarray(g, jnp.float32)
+    g = np.asarray(window, np.float64)
+    got = linalg.woodbury_window_solve(
+      window,
+      linalg.tree_stacked_gram(window),
+      window[2],
+      1e-5,
+      coords=jnp.eye(8)[2],
+      remainder=False,
+    )
+    np.testing.assert_allclose(got, self.want(g, g[2], 1e-5), rtol=1e-5)
+
+  def test_own_coords_without_remainder_solve_the_rows(self):
+    # x is taken as exactly G^T a, not read: a full window, solved directly.
+    a = jnp.array([0.0, 0.5, 0.0, -1.0, 0.0, 0.0, 2.0, 0.0], jnp.float32)
+    got = linalg.woodbury_window_solve(
+      self.window,
+      linalg.tree_stacked_gram(self.window),
+      jax.tree.map(jnp.zeros_like, self.x),
+      1e-5,
+      coords=a,
+      remainder=False,
+    )
+    want = self.want(self.g64, self.g64.T @ np.asarray(a, np.float64), 1e-5)
+    np.testing.assert_allclose(self.flat(got), want, rtol=1e-4)
 
   def test_window_solves_mix_short_and_long_windows(self):
     # One short window with its pushed row, one long (d = 12 > m) window.

@@ -520,26 +520,31 @@ def _short_rows_solve(
 ) -> PyTree:
   """The solve of a window with ``d <= m``: direct or ``woodbury``'s.
 
-  Once ``d`` rows of the window are nonzero its ``m x m`` Gram is singular
-  (rank ``d``) with ``m - d`` pivots of ``lambda / c``, and the Woodbury
-  form cancels; the ``d x d`` matrix ``F`` is then well conditioned and is
-  factored directly. While fewer rows are filled, ``F`` has ``lambda`` in
-  the directions no row spans and a direct solve amplifies the rounding
-  of ``x`` there, while the Gram's filled block has full rank and its
-  empty rows are exact: ``woodbury`` (the Woodbury form's result) is kept.
-  Measured in float32 against float64 on a 4-entry leaf under a window of
-  8 at damping 1e-5: 2e-3 to 6e-2 relative error in the Woodbury form
-  once the window is full, 5e-8 to 6e-7 directly.
+  The ``m x m`` Gram of such a window is singular (rank ``d`` at most),
+  with ``m - d`` pivots of ``lambda / c``, and the Woodbury form cancels
+  unless its nonzero rows' block is well conditioned. The ``d x d`` matrix
+  ``F`` is factored directly where that is well conditioned (rows spanning
+  every direction at a size that counts). Where ``F``'s weakest direction
+  is near the damping (a window still filling, or rows much smaller than
+  the rest, as after a gradient spike) a direct solve amplifies the
+  rounding of ``x`` there, and ``woodbury`` (the Woodbury form's result,
+  exact in those cases) is kept. Measured in float32 against float64 on a
+  4-entry leaf under a window of 8 at damping 1e-5: 2e-3 to 6e-2 relative
+  error in the Woodbury form once the window is full of comparable rows,
+  5e-8 to 6e-7 directly; after a spike (rows 1e-4 as large) 1% directly,
+  1e-7 in the Woodbury form.
   """
-  d = _row_size(window)
-  filled = sum(
-    jnp.any(v.reshape(v.shape[0], -1) != 0, axis=1)
-    for v in jax.tree.leaves(window)
+  direct, weakest, strongest = _direct_solve(
+    window, x, damping, scale, normalized=normalized
   )
-  full = jnp.sum(filled > 0) >= d
-  direct = _direct_solve(window, x, damping, scale, normalized=normalized)
+  # The direct solve's relative error is about eps * cond(F), the Woodbury
+  # form's at most eps * |F| / damping: direct where its own is small, or
+  # far below the other's bound.
+  eps = jnp.finfo(weakest.dtype).eps
+  lam = jnp.asarray(damping, weakest.dtype)
+  spanned = (eps * strongest < 1e-4 * weakest) | (weakest > 100 * lam)
   direct = numerics.keep_types(direct, woodbury)  # gathered: resharded
-  return jax.tree.map(lambda a, b: jnp.where(full, a, b), direct, woodbury)
+  return jax.tree.map(lambda a, b: jnp.where(spanned, a, b), direct, woodbury)
 
 
 def _with_rows(stacked: PyTree, pending: tuple[PyTree, jax.Array]) -> PyTree:
@@ -555,9 +560,11 @@ def _direct_solve(
   scale: jax.Array | float,
   *,
   normalized: bool,
-) -> PyTree:
+) -> tuple[PyTree, jax.Array, jax.Array]:
   """``F^{-1} x`` (``damping F^{-1} x`` if ``normalized``) with the ``d x d``
-  ``F = damping I + scale G^T G`` formed and factored (``d <= m``).
+  ``F = damping I + scale G^T G`` formed and factored (``d <= m``), and
+  estimates of ``F``'s smallest and largest eigenvalues (three steps of
+  inverse and of power iteration from a fixed start).
 
   A non-finite ``G^T G`` or ``x`` gives NaN outputs without reaching the
   Cholesky, as the Woodbury solves do.
@@ -574,13 +581,28 @@ def _direct_solve(
   f = jnp.asarray(scale, dtype) * symmetrize(gtg) + damping * eye
   ok = jnp.all(jnp.isfinite(f)) & jnp.all(jnp.isfinite(xv))
   chol = jnp.linalg.cholesky(jnp.where(ok, f, eye))
-  u = _tri_solve(chol, _tri_solve(chol, xv, transpose=False), transpose=True)
+
+  def solve(b: jax.Array) -> jax.Array:
+    return _tri_solve(
+      chol, _tri_solve(chol, b, transpose=False), transpose=True
+    )
+
+  u = solve(xv)
   u = jnp.where(ok, damping * u if normalized else u, jnp.nan)
+  # A start with no special direction (ones would be one: a softmax bias's
+  # rows sum to zero).
+  start = jnp.cos(1.7 * jnp.arange(g.shape[1], dtype=dtype) + 0.3)
+  v = w = start
+  for _ in range(3):
+    v = solve(v / jnp.linalg.norm(v))
+    w = f @ (w / jnp.linalg.norm(w))
+  weakest, strongest = 1.0 / jnp.linalg.norm(v), jnp.linalg.norm(w)
   sizes = [math.prod(v.shape) for v in xs]
   parts = jnp.split(u, list(itertools.accumulate(sizes))[:-1])
-  return jax.tree.unflatten(
+  out = jax.tree.unflatten(
     treedef, [p.reshape(v.shape) for p, v in zip(parts, xs)]
   )
+  return out, weakest, strongest
 
 
 def woodbury_window_solve(
@@ -605,8 +627,8 @@ def woodbury_window_solve(
   Gram and ``x`` (at least float32, so a bfloat16 window is exact enough)
   and cast back to ``x``'s dtypes. A window whose rows are no longer than
   the window (``d <= m``: a scalar or a short bias) is solved as the
-  ``d x d`` matrix ``F`` once ``d`` of its rows are nonzero, where the
-  ``m x m`` Gram is singular and the Woodbury form cancels.
+  ``d x d`` matrix ``F`` where that is well conditioned: its ``m x m`` Gram
+  is singular, and the Woodbury form cancels unless its nonzero rows are.
 
   Args:
     stacked: the window ``G``, a stacked tree (leading axis ``m``).
