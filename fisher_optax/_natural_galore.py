@@ -900,7 +900,9 @@ def scale_by_natural_galore(
       viewed as matrices, exactly as in ``optax.contrib.scale_by_galore``.
     history_size: window length ``s`` (static); 0 disables the
       preconditioner.
-    damping: :math:`\lambda > 0`; may be injected.
+    damping: :math:`\lambda > 0`, absolute; may be injected. Far below
+      the squared norms of the projected gradients the window whitens
+      away their mean (see :func:`natural_galore`'s learning-rate note).
     projection_side: ``"larger"`` (optax) or ``"smaller"`` (reference).
     window_at_refresh: ``"reproject"``, ``"keep"`` or ``"reset"``.
     normalize_output: return :math:`\lambda F^{-1} g`.
