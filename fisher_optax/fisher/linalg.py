@@ -27,7 +27,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 import functools
-import itertools
 import math
 from typing import Any, NamedTuple
 
@@ -544,7 +543,7 @@ def _short_rows_solve(
   lam = jnp.asarray(damping, weakest.dtype)
   spanned = (eps * strongest < 1e-4 * weakest) | (weakest > 100 * lam)
   direct = numerics.keep_types(direct, woodbury)  # gathered: resharded
-  return jax.tree.map(lambda a, b: jnp.where(spanned, a, b), direct, woodbury)
+  return numerics.tree_select(spanned, direct, woodbury)
 
 
 def _with_rows(stacked: PyTree, pending: tuple[PyTree, jax.Array]) -> PyTree:
@@ -570,11 +569,10 @@ def _direct_solve(
   Cholesky, as the Woodbury solves do.
   """
   leaves = [replicated(v) for v in jax.tree.leaves(stacked)]
-  xs, treedef = jax.tree.flatten(x)
   m = leaves[0].shape[0]
   dtype = leaves[0].dtype
   g = jnp.concatenate([v.reshape(m, -1) for v in leaves], axis=1)
-  xv = jnp.concatenate([replicated(v).reshape(-1).astype(dtype) for v in xs])
+  xv = numerics.ravel(jax.tree.map(replicated, x), dtype)
   damping = jnp.asarray(damping, dtype)
   gtg = jnp.matmul(g.T, g, precision=_HIGHEST)
   eye = jnp.eye(g.shape[1], dtype=dtype)
@@ -597,12 +595,7 @@ def _direct_solve(
     v = solve(v / jnp.linalg.norm(v))
     w = f @ (w / jnp.linalg.norm(w))
   weakest, strongest = 1.0 / jnp.linalg.norm(v), jnp.linalg.norm(w)
-  sizes = [math.prod(v.shape) for v in xs]
-  parts = jnp.split(u, list(itertools.accumulate(sizes))[:-1])
-  out = jax.tree.unflatten(
-    treedef, [p.reshape(v.shape) for p, v in zip(parts, xs)]
-  )
-  return out, weakest, strongest
+  return numerics.unravel(u, x), weakest, strongest
 
 
 def woodbury_window_solve(
