@@ -68,7 +68,7 @@ FLAGS = flags.FLAGS
 
 HERE = pathlib.Path(__file__).resolve().parent
 RESULTS = HERE / "results"
-_NOT_BENCHMARKS = {"__init__", "common", "report"}
+_NOT_BENCHMARKS = {"__init__", "common", "engine_models", "floors", "report"}
 
 
 def benchmark_names() -> list[str]:
@@ -788,7 +788,9 @@ def speed_table(
     "is the median of per-round ratios to the benchmark's baseline (so it "
     "need not equal the quotient of the two medians). The floor is the "
     "ratio the benchmark states as the least its method's work allows "
-    "(passes over memory); — where it states none.",
+    "(passes over memory); — where it states none. Rows merged from "
+    "several runs (`fisher_engine --merge`) keep the ratio to the baseline "
+    "timed in their own run; the baseline column shows the last run's.",
     "",
     "| benchmark | configuration | median (ms) | baseline | baseline "
     "median (ms) | ratio | floor | backend | measured (UTC) |",
