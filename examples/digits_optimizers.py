@@ -6,7 +6,7 @@
 #       extension: .py
 #       format_name: percent
 #       format_version: '1.3'
-#       jupytext_version: 1.19.6
+#       jupytext_version: 1.19.7
 #   kernelspec:
 #     display_name: Python 3
 #     language: python
@@ -67,8 +67,10 @@ def optimizers() -> dict[str, optax.GradientTransformation]:
     # Small MLP classifiers want more damping than language models (10
     # against the default 1): see `fismo`'s docstring.
     "FISMO": fisher_optax.fismo(3e-3, adam_learning_rate=3e-3, damping=10.0),
+    # AdamW's lr with damping 1 (far above the default 1e-3): see
+    # `natural_galore`'s docstring.
     "Natural GaLore": fisher_optax.natural_galore(
-      3e-3, rank=16, update_proj_gap=100, history_size=8, damping=1e-2
+      3e-3, rank=16, update_proj_gap=100, history_size=8, damping=1.0
     ),
   }
 
