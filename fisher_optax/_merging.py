@@ -638,10 +638,11 @@ def fisher_merge(
   if weights is None:
     weights = jnp.ones((num_models,), jnp.float32)
   else:
-    if jnp.shape(weights) != (num_models,):
+    # np.shape: a list or tuple of floats is fine (jnp.shape deprecates it).
+    if np.shape(weights) != (num_models,):
       raise ValueError(
         f"weights must have shape ({num_models},), one per model, got "
-        f"{jnp.shape(weights)}."
+        f"{np.shape(weights)}."
       )
     dtype = jnp.asarray(weights).dtype
     if not jnp.issubdtype(dtype, jnp.floating):
