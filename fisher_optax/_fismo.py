@@ -1056,10 +1056,10 @@ def fismo(
   ``adam_learning_rate`` defaults to the same lr). On a 5.7M-parameter
   transformer LM FISMO was best at 3e-2 and Muon at 1e-2 of the same grid
   (validation loss 2.134 vs 2.145 after 400 steps; FISMO's step took
-  1.25-1.35x Muon's time). On a digits MLP (every matrix to FISMO or Muon, 400 steps,
-  three seeds) both were best at 3e-3, and at AdamW's best lr (1e-3) both
-  undertrained; there FISMO trails Muon at the best lr (test loss 0.103,
-  or 0.083 with ``grafting="none"``, vs 0.038).
+  1.25-1.35x Muon's time). On a digits MLP (every matrix to FISMO or Muon,
+  400 steps, three seeds) both were best at 3e-3, and at AdamW's best lr
+  (1e-3) both undertrained; there FISMO trails Muon at the best lr (test
+  loss 0.103, or 0.083 with ``grafting="none"``, vs 0.038).
 
   **Keep the output layer off FISMO**, as Muon's author advises for Muon:
   route only hidden matrices (a ``fismo_weight_dimension_numbers`` with

@@ -47,7 +47,7 @@ os.environ["XLA_FLAGS"] = _flags
 # multi-device modules) and tests with fresh closures compile many identical
 # programs. JAX's persistent compilation cache, in one directory per test
 # session that all of them share, compiles each once: a quarter of the
-# suite's compiles were hits, 9% less wall time on 2 cores. A
+# suite's compiles were hits, 5-9% less wall time on 2 cores. A
 # JAX_COMPILATION_CACHE_DIR already set wins and is kept, so that a rerun
 # reuses it (BUILD.md).
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
