@@ -54,22 +54,24 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
   _cache_dir = tempfile.mkdtemp(prefix="fisher_optax_test_jax_cache_")
   os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache_dir
   atexit.register(shutil.rmtree, _cache_dir, ignore_errors=True)
-for _name in (
-  "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS",
-  "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES",
-):
-  os.environ.setdefault(_name, "0")
+# Cache every program, however small or quick to compile.
+_CACHE_SETTINGS = (  # environment variable, JAX option, its type
+  ("JAX_COMPILATION_CACHE_DIR", "jax_compilation_cache_dir", str),
+  (
+    "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS",
+    "jax_persistent_cache_min_compile_time_secs",
+    float,
+  ),
+  (
+    "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES",
+    "jax_persistent_cache_min_entry_size_bytes",
+    int,
+  ),
+)
+for _env, _, _ in _CACHE_SETTINGS[1:]:
+  os.environ.setdefault(_env, "0")
 if "jax" in sys.modules:  # a plugin imported it first: tell its config too
   import jax
 
-  jax.config.update(
-    "jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"]
-  )
-  jax.config.update(
-    "jax_persistent_cache_min_compile_time_secs",
-    float(os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"]),
-  )
-  jax.config.update(
-    "jax_persistent_cache_min_entry_size_bytes",
-    int(os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"]),
-  )
+  for _env, _option, _type in _CACHE_SETTINGS:
+    jax.config.update(_option, _type(os.environ[_env]))
