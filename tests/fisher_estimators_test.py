@@ -10,6 +10,7 @@ from absl.testing import absltest
 from absl.testing import parameterized
 import chex
 import jax
+import jax.flatten_util
 import jax.numpy as jnp
 import numpy as np
 
@@ -129,7 +130,13 @@ class DiagonalTest(parameterized.TestCase):
       key = jax.random.key(7)
 
       def oracle(p, b):
-        labels = lik.sample(key, apply_fn(p, b[0]), 3)
+        # Example n draws its labels with fold_in(key, n).
+        out = apply_fn(p, b[0])
+
+        def draw(n, o):
+          return lik.sample(jax.random.fold_in(key, n), o[None], 3)[:, 0]
+
+        labels = jax.vmap(draw, out_axes=1)(jnp.arange(len(out)), out)
         return ft.dense_fisher(
           apply_fn, p, b[0], labels, family=family, kind="empirical_samples"
         )
@@ -914,6 +921,49 @@ class KroneckerTest(parameterized.TestCase):
         )
 
 
+class DerivativesTest(parameterized.TestCase):
+  """``jax.grad`` through an estimate: the dense oracle differentiated, on
+  both paths (the likelihood's output cotangents depend on ``params`` too)."""
+
+  @parameterized.parameters("categorical", "heteroscedastic")
+  def test_grad_through_estimates_equals_the_oracle(self, family):
+    with jax.enable_x64(True):
+      apply_fn, params, x, y = _setup(family)
+      lik = LIKELIHOODS[family]()
+      flat, unravel = jax.flatten_util.ravel_pytree(params)
+
+      def objectives(fl):
+        p = unravel(fl)
+        out = {}
+        for kind in ("empirical", "exact"):
+          dense = ft.dense_fisher(apply_fn, p, x, y, family=family, kind=kind)
+          out["dense", kind, "diag"] = jnp.sum(jnp.sin(jnp.diag(dense)))
+          out["dense", kind, "top"] = jnp.sum(jnp.linalg.eigvalsh(dense)[-2:])
+          for method in ("auto", "per_example"):
+            kw = dict(likelihood=lik, kind=kind, method=method)
+            d = fisher.diagonal(apply_fn, p, (x, y), **kw)
+            diag = jax.flatten_util.ravel_pytree(d.diag)[0]
+            out[method, kind, "diag"] = jnp.sum(jnp.sin(diag))
+            top = fisher.low_rank(apply_fn, p, (x, y), rank=2, **kw)
+            out[method, kind, "top"] = jnp.sum(top.eigvals)
+            if kind == "empirical":
+              g = jax.flatten_util.ravel_pytree(d.mean_grad)[0]
+              out[method, "mean_grad"] = jnp.sum(jnp.cos(g))
+        want = ft.mean_grad_dense(apply_fn, p, x, y, family)
+        out["dense", "mean_grad"] = jnp.sum(
+          jnp.cos(jax.flatten_util.ravel_pytree(want)[0])
+        )
+        return out
+
+      grads = jax.jit(jax.jacrev(objectives))(flat)
+      for method in ("auto", "per_example"):
+        for key in [k for k in grads if k[0] == "dense"]:
+          with self.subTest(method=method, objective=key[1:]):
+            np.testing.assert_allclose(
+              grads[(method, *key[1:])], grads[key], rtol=1e-8, atol=1e-12
+            )
+
+
 class ZeroSizeLayerTest(absltest.TestCase):
   """Zero-size leaves that layers read (a zero-width layer, a layer on its
   empty output) get empty statistics; the others are the per-example
@@ -1396,29 +1446,36 @@ class ExampleChunksTest(absltest.TestCase):
     self.assertIsNone(kron.mean_grad)
     self.assertEqual(int(kron.count), N)
 
-  def test_mc_folds_the_key_with_each_chunk(self):
+  def test_mc_draws_do_not_depend_on_chunks_or_path(self):
+    # Example n draws with fold_in(key, n): chunks of 3 (a remainder of 1
+    # included) and the per-example path see the same labels.
     apply_fn, params, x, y = _setup("categorical")
     kw = dict(likelihood=fisher.Categorical(), kind="mc", num_samples=2)
     key = jax.random.key(5)
-    got = _est(
-      fisher.diagonal, apply_fn, params, (x, y), key=key, chunk_size=3, **kw
+    want = _est(fisher.diagonal, apply_fn, params, (x, y), key=key, **kw)
+    for method in ("auto", "per_example"):
+      for chunk_size in (None, 3):
+        with self.subTest(method=method, chunk_size=chunk_size):
+          got = _est(
+            fisher.diagonal,
+            apply_fn,
+            params,
+            (x, y),
+            key=key,
+            chunk_size=chunk_size,
+            method=method,
+            **kw,
+          )
+          chex.assert_trees_all_close(got.diag, want.diag, rtol=1e-5, atol=1e-9)
+    other = _est(
+      fisher.diagonal, apply_fn, params, (x, y), key=jax.random.key(6), **kw
     )
-    parts = [
-      _est(
-        fisher.diagonal,
-        apply_fn,
-        params,
-        (x[i : i + 3], y[i : i + 3]),
-        key=jax.random.fold_in(key, i),
-        **kw,
+    self.assertFalse(
+      all(
+        np.allclose(a, b)
+        for a, b in zip(jax.tree.leaves(other.diag), jax.tree.leaves(want.diag))
       )
-      for i in range(0, N, 3)
-    ]
-    want = jax.tree.map(
-      lambda *d: sum(di * p.count for di, p in zip(d, parts)) / N,
-      *[p.diag for p in parts],
     )
-    chex.assert_trees_all_close(got.diag, want, rtol=1e-5, atol=1e-9)
 
   def test_one_mc_sample_with_targets_runs_in_chunks(self):
     # The mean gradient's empirical pass is a second backward pass, so MC
@@ -1444,22 +1501,9 @@ class ExampleChunksTest(absltest.TestCase):
       chunked, mem = compiled(y, None)  # four chunks of 64
       got = chunked(params)
       unlabelled = compiled(None, None)[0](params)
-    per = len(x) // 4
-    parts = jax.jit(
-      lambda params, x, y: [
-        fisher.diagonal(
-          apply_fn,
-          params,
-          (x[i : i + per], y[i : i + per]),
-          likelihood=fisher.Categorical(),
-          kind="mc",
-          key=jax.random.fold_in(key, i),
-        )
-        for i in range(0, len(x), per)
-      ]
-    )(params, x, y)
-    want = jax.tree.map(lambda *d: sum(d) / len(d), *[p.diag for p in parts])
-    chex.assert_trees_all_close(got.diag, want, rtol=1e-5, atol=1e-9)
+    # The chunks draw the labels the single pass draws.
+    want = one_pass(params)
+    chex.assert_trees_all_close(got.diag, want.diag, rtol=1e-5, atol=1e-9)
     chex.assert_trees_all_close(
       got.mean_grad, one_pass(params).mean_grad, rtol=1e-5, atol=1e-8
     )

@@ -95,7 +95,21 @@ says so once when more than a tenth of the parameters fall back. Both paths
 need output ``n`` to depend on input ``n`` only: a model that combines the
 examples of a batch (a BatchNorm normalising by the batch's statistics)
 has no per-example gradients, and every estimator warns
-(:class:`FisherMixedExamplesWarning`) naming the operation that does.
+(:class:`FisherMixedExamplesWarning`) naming the operation that does. They
+also need ``apply_fn`` to be deterministic: the per-example path runs the
+model on one example at a time, so an active dropout would draw other masks
+there than in the batch (run estimators with ``deterministic=True``, as
+Fisher estimates usually are, or give each example its own mask as
+:func:`fisher_optax.flax.nnx_per_example_grads` does). The MC kind's labels
+do not depend on the path: example ``n`` draws them from
+``jax.random.fold_in(key, n)``.
+
+**Derivatives.** Every statistic, ``mean_grad`` included, is a
+differentiable function of ``params`` on both paths: ``jax.grad`` through
+an estimate differentiates the model's Jacobian and the likelihood's output
+cotangents alike (the MC kind's sampled labels are constants). Wrap
+``params`` in :func:`jax.lax.stop_gradient` where an estimate is meant as a
+constant.
 
 Example:
   >>> import jax, jax.numpy as jnp

@@ -170,6 +170,7 @@ def _forward(
   statistic: str | None = None,
   weight_sharing: str = "expand",
   normalise: bool = True,
+  first: jax.Array | None = None,
 ) -> _Pass:
   """Validates the arguments and runs the shared forward/backward pass.
 
@@ -193,8 +194,6 @@ def _forward(
     params = jax.tree.map(
       lambda p: jax.lax.pcast(p, axis_name, to="varying"), params
     )
-    if key is not None:
-      key = jax.random.fold_in(key, jax.lax.axis_index(axis_name))
 
   layers = layers and kind != "batch_squared"
   if layers:
@@ -217,8 +216,16 @@ def _forward(
     out, vjp = jax.vjp(lambda p: apply_fn(p, inputs), params)
     pull = lambda r: (vjp(r)[0], None)
   _check_apply_outputs(out, size)
+  if first is None:
+    first = _first_index(axis_name, size)
   cot = _likelihoods.output_cotangents(
-    likelihood, kind, out, targets, key=key, num_samples=opts.num_samples
+    likelihood,
+    kind,
+    out,
+    targets,
+    key=key,
+    num_samples=opts.num_samples,
+    first=first,
   )
   count = jnp.asarray(size, jnp.int32)
   if normalise:
@@ -413,6 +420,13 @@ def _exact_columns(
   )
 
 
+def _first_index(axis_name: str | None, size: int) -> jax.Array | int:
+  """Index in the whole batch of this device's first example (equal shards)."""
+  if axis_name is None:
+    return 0
+  return jax.lax.axis_index(axis_name) * size
+
+
 def _chunk_sums(
   apply_fn: ApplyFn,
   params: PyTree,
@@ -425,22 +439,21 @@ def _chunk_sums(
   """``(sum of sums_fn, mean gradient, count)`` over chunks of ``per``
   examples, each chunk its own forward pass (:func:`_forward` on the layer
   path, not normalised), summed in a scan; all-reduced over ``axis_name``
-  (the mean gradient is ``None`` without targets). MC keys are folded with
-  each chunk's first example index."""
+  (the mean gradient is ``None`` without targets). Each chunk tells the MC
+  kind where its examples sit in the batch."""
   _, inputs, targets, size = _check_arguments(params, batch, opts)
+  start = _first_index(opts.axis_name, size)
 
   def one(chunk):
     examples, first = chunk
-    key = opts.key
-    if key is not None:
-      key = jax.random.fold_in(key, first[0])
     ps = _forward(
       apply_fn,
       params,
       examples,
-      opts._replace(key=key),
+      opts,
       layers=True,
       normalise=False,
+      first=start + first[0],
       **forward_kwargs,
     )
     return sums_fn(ps), ps.mean_grad
@@ -519,8 +532,10 @@ def diagonal(
       ``batch_squared``).
     kind: ``"empirical" | "mc" | "exact" | "batch_squared"``.
     num_samples: label samples per example for ``mc`` (static int).
-    key: PRNG key, required by ``mc``. Under ``axis_name`` it is folded with
-      the device index, so MC draws depend on the device count.
+    key: PRNG key, required by ``mc``. Example ``n`` of the batch (counted
+      across devices under ``axis_name``) draws its labels from
+      ``jax.random.fold_in(key, n)``, so the draws, and the statistic, are
+      the same on both paths, for every ``chunk_size`` and device count.
     method: ``"auto"`` (layer statistics where they apply, per-example
       elsewhere), ``"taps"`` (layer statistics only; error otherwise) or
       ``"per_example"``.
@@ -539,8 +554,7 @@ def diagonal(
       keeps the forward residuals of all its examples). ``chunk_size = S *
       B`` runs all samples in one pass. ``mc`` with one sample and targets
       chunks its examples the same way, since its mean gradient takes a
-      second (empirical) backward pass. With ``mc``, the samples of a chunk
-      are drawn with ``key`` folded with the chunk's first example index.
+      second (empirical) backward pass.
     axis_name: a ``shard_map``/``pmap`` axis the batch is split over; sums
       are all-reduced before normalising.
 

@@ -400,8 +400,13 @@ def output_cotangents(
   key: jax.Array | None = None,
   num_samples: int = 1,
   columns: tuple[jax.Array, int] | None = None,
+  first: jax.Array | int = 0,
 ) -> jax.Array:
   """Returns the cotangents ``r`` of shape ``(S, B, *outputs.shape[1:])``.
+
+  ``mc`` draws example ``n``'s labels with ``fold_in(key, first + n)``:
+  ``first`` is the index of ``outputs[0]`` in the whole batch, so the draws
+  do not depend on how the batch is chunked or split over devices.
 
   ``batch_squared`` returns the empirical cotangents (``S = 1``); the
   squaring of the mean happens in the estimator. Computed in float32 (or
@@ -413,7 +418,6 @@ def output_cotangents(
   likelihood.check(outputs, targets)
   dtype = outputs.dtype
   work = outputs.astype(jnp.promote_types(dtype, jnp.float32))
-  work = jax.lax.stop_gradient(work)
   if kind in ("empirical", "batch_squared"):
     if targets is None:
       raise ValueError(
@@ -424,7 +428,10 @@ def output_cotangents(
   elif kind == "mc":
     if key is None:
       raise ValueError("kind='mc' samples labels and needs key=, a PRNG key.")
-    yhat = jax.lax.stop_gradient(likelihood.sample(key, work, num_samples))
+    index = first + jnp.arange(work.shape[0])
+    keys = jax.vmap(lambda n: jax.random.fold_in(key, n))(index)
+    draw = lambda k, o: likelihood.sample(k, o[None], num_samples)[:, 0]
+    yhat = jax.lax.stop_gradient(jax.vmap(draw, out_axes=1)(keys, work))
     r = jax.vmap(jax.vmap(likelihood.grad_out), in_axes=(None, 0))(
       work, yhat
     ) / jnp.sqrt(jnp.asarray(num_samples, work.dtype))

@@ -142,7 +142,7 @@ class FisherMultiDeviceTest(parameterized.TestCase):
         (x, y),
         likelihood=fisher.Categorical(),
         kind="mc",
-        key=jax.random.key(0),
+        key=jax.random.key(4),
         axis_name="data",
         **kw,
       )
@@ -156,12 +156,10 @@ class FisherMultiDeviceTest(parameterized.TestCase):
       )
     )(params, x, y)
 
-  def test_shard_map_mc_is_finite_and_per_device(self):
-    got = self._shard_map_mc(num_samples=64)
-    exact = _want("diag_exact_taps")  # The same exact diagonal, compiled once.
-    chex.assert_tree_all_finite(got)
-    err = jnp.linalg.norm(ft.ravel(got.diag) - ft.ravel(exact.diag))
-    self.assertLess(float(err / jnp.linalg.norm(ft.ravel(exact.diag))), 0.3)
+  def test_shard_map_mc_draws_as_one_device(self):
+    # Example n draws with fold_in(key, n), n counted across the devices.
+    got = self._shard_map_mc(num_samples=2)
+    _compare(self, got, _want("diag_mc"), "diag_mc")
 
   def test_shard_map_one_mc_sample_in_example_chunks(self):
     # MC with targets takes a second (empirical) backward pass, so it runs
