@@ -619,6 +619,8 @@ def _fismo_step(
   fallback_tx: optax.GradientTransformationExtraArgs,
   precondition_interval: Any,
   opts: _Options,
+  *,
+  fallback_params: PyTree = None,
 ) -> tuple[optax.Updates, FISMOState]:
   """One FISMO step over all leaves, from finite inputs.
 
@@ -630,12 +632,16 @@ def _fismo_step(
     fallback_tx: the transform of the leaves without a plan.
     precondition_interval: steps between root refreshes.
     opts: the hyperparameters.
+    fallback_params: the fallback's view of the params (``None`` without
+      params).
   """
   leaves, pegs, plan_list, old_states = leaf_inputs
   count_inc = jnp.asarray(optax.safe_increment(state.count))
   refresh = (state.count % precondition_interval) == 0
   fb_view = _fallback_view(treedef, leaves, plan_list)
-  fb_updates, fb_state = fallback_tx.update(fb_view, state.fallback, None)
+  fb_updates, fb_state = fallback_tx.update(
+    fb_view, state.fallback, fallback_params
+  )
   new_updates, new_states = [], []
   for g, peg, plan, old, fb in zip(
     leaves, pegs, plan_list, old_states, treedef.flatten_up_to(fb_updates)
@@ -957,6 +963,12 @@ def scale_by_fismo(
       fallback_tx, _fallback_view(treedef, leaves, plan_list), state.fallback
     )
 
+    fb_params = None
+    if params is not None:
+      fb_params = _fallback_view(
+        treedef, treedef.flatten_up_to(params), plan_list
+      )
+
     def step() -> tuple[optax.Updates, FISMOState]:
       return _fismo_step(
         treedef,
@@ -965,6 +977,7 @@ def scale_by_fismo(
         fallback_tx,
         precondition_interval,
         opts,
+        fallback_params=fb_params,
       )
 
     return numerics.skip_nonfinite_step(step, updates, state, inputs=pegs)
@@ -1039,7 +1052,7 @@ def fismo(
 
   .. math::
 
-    \Delta W = -\eta\, s\, \bigl(P^{-1/2}\, \mathrm{Polar}(M)\, Q^{-1/2}
+    \Delta W = -\eta\, \bigl(s\, P^{-1/2}\, \mathrm{Polar}(M)\, Q^{-1/2}
       + \lambda W\bigr),
 
   :func:`scale_by_fismo` followed by Muon's width scaling
@@ -1131,7 +1144,11 @@ def fismo(
   if adam_learning_rate is None:
     adam_learning_rate = learning_rate
   else:
-    validation.check_learning_rate(adam_learning_rate)
+    validation.check_positive(
+      "adam_learning_rate", adam_learning_rate, allow_zero=True, schedule=True
+    )
+  if consistent_rms is not None:
+    validation.check_positive("consistent_rms", consistent_rms)
   validation.check_positive(
     "weight_decay", weight_decay, allow_zero=True, schedule=True
   )

@@ -700,6 +700,21 @@ class RoutingTest(parameterized.TestCase):
     np.testing.assert_array_equal(ups["b"], jnp.sign(grads["b"]))
     self.assertEqual(ups["conv"].shape, (2, 2, 3, 4))
 
+  def test_fallback_gets_its_leaves_params(self):
+    # A fallback that decays weights reads the params of its own leaves.
+    params = {"w": jnp.ones((4, 3)), "b": jnp.full((3,), 2.0)}
+    grads = {"w": jnp.arange(12.0).reshape(4, 3), "b": jnp.ones((3,))}
+    tx = fisher_optax.scale_by_fismo(fallback=optax.add_decayed_weights(0.1))
+    ups, _ = jax.jit(lambda g, p: tx.update(g, tx.init(p), p))(grads, params)
+    np.testing.assert_allclose(ups["b"], grads["b"] + 0.1 * params["b"])
+    adamw = optax.adamw(1e-3, weight_decay=0.1)
+    tx = fisher_optax.scale_by_fismo(fallback=adamw)
+    ups, _ = tx.update(grads, tx.init(params), params)
+    want, _ = adamw.update(
+      {"b": grads["b"]}, adamw.init({"b": params["b"]}), {"b": params["b"]}
+    )
+    np.testing.assert_allclose(ups["b"], want["b"], rtol=1e-6)
+
   def test_routing_errors(self):
     params = {"w": jnp.zeros((4, 3)), "b": jnp.zeros((3,))}
     with self.assertRaisesRegex(ValueError, r"\['b'\].*rank >= 2"):
@@ -761,6 +776,9 @@ class RoutingTest(parameterized.TestCase):
       ("adam_weight_decay", -1e-2),
       ("damping", np.float32(-1.0)),
       ("beta", jnp.asarray(1.5)),
+      ("adam_learning_rate", -1.0),
+      ("consistent_rms", -0.2),
+      ("consistent_rms", float("nan")),
     ):
       with self.subTest(alias_option=name):
         with self.assertRaisesRegex(ValueError, name):
