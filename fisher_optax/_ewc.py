@@ -369,7 +369,9 @@ def _write_slots(
 ) -> LowRankEWC:
   """Overwrites the weakest slots with ``new``; empty slots (scale 0) first.
 
-  An overwritten term is dropped whole, so ``residual`` is kept as it is.
+  An overwritten term is dropped whole, so ``residual`` is kept as it is. A
+  new term of scale 0 (a dropped non-finite direction) overwrites nothing,
+  and the strongest new terms take the weakest slots.
   """
   k_slots, k_new = scales.shape[0], new.scales.shape[0]
   if k_new > k_slots:
@@ -378,13 +380,17 @@ def _write_slots(
       "use more slots (rank=) or low_rank_update='compress'."
     )
   slots = jnp.argsort(scales, stable=True)[:k_new]
-  vectors = jax.tree.map(
-    lambda o, n: o.at[slots].set(n), old_vectors, new.vectors
-  )
+  order = jnp.argsort(-new.scales, stable=True)
+  write = new.scales[order] > 0
+
+  def put(old: jax.Array, n: jax.Array) -> jax.Array:
+    keep = write.reshape((-1,) + (1,) * (old.ndim - 1))
+    return old.at[slots].set(jnp.where(keep, n[order], old[slots]))
+
   return LowRankEWC(
-    vectors,
-    scales.at[slots].set(new.scales),
-    proj.at[slots].set(new.anchor_proj),
+    jax.tree.map(put, old_vectors, new.vectors),
+    put(scales, new.scales),
+    put(proj, new.anchor_proj),
     residual,
   )
 

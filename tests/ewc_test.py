@@ -479,6 +479,32 @@ class ConsolidateTest(parameterized.TestCase):
     # The NaN direction is dropped; the finite one is kept.
     np.testing.assert_allclose(jnp.sort(anchor.low_rank.scales), [0.0, 2.0])
 
+  @parameterized.parameters("separate", "online")
+  def test_a_dropped_direction_evicts_no_stored_term(self, mode):
+    # Full slots: a NaN direction (dropped) must not take a task's slot.
+    theta = {"w": jnp.zeros(3)}
+    anchor = fisher_optax.consolidate(
+      fisher_optax.init_ewc_anchor(theta, diagonal=False, rank=2),
+      theta,
+      low_rank=(jnp.array([2.0, 1.0]), {"w": jnp.eye(3)[:2]}),
+      mode=mode,
+    )
+    moved = {"w": jnp.array([1.0, 1.0, 0.0])}
+    before = float(fisher_optax.ewc_penalty(moved, anchor, 1.0))
+    self.assertAlmostEqual(before, 1.5, places=6)
+    after = fisher_optax.consolidate(
+      anchor,
+      theta,
+      low_rank=(jnp.array([jnp.nan, 4.0]), {"w": jnp.eye(3)[1:]}),
+      mode=mode,
+    )
+    chex.assert_tree_all_finite(after)
+    # The weaker term (scale 1, e_1) gives way to the finite new one (4, e_2).
+    np.testing.assert_allclose(jnp.sort(after.low_rank.scales), [2.0, 4.0])
+    self.assertAlmostEqual(
+      float(fisher_optax.ewc_penalty(moved, after, 1.0)), 1.0, places=6
+    )
+
   def test_negative_diagonal_entries_add_no_precision(self):
     # A negative entry (e.g. a bad estimate) would make the penalty reward
     # moving away from the anchor: it is stored as 0.
