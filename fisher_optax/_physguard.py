@@ -251,6 +251,10 @@ def protected_subspace(
   """
   max_rank = validation.check_static_int("max_rank", max_rank, minimum=1)
   validation.check_in_unit_interval("tau", tau, closed_right=True)
+  # Gradients of an nnx.split state hold variables: the bases are arrays.
+  per_example_grads = numerics.pure_arrays(per_example_grads)
+  if existing is not None:
+    existing = numerics.pure_arrays(existing)
   like = jax.tree.map(
     lambda g: jax.ShapeDtypeStruct(g.shape[1:], g.dtype), per_example_grads
   )
@@ -401,11 +405,12 @@ def project_out_subspace(
       start = init_protected_subspace(params, max_rank, basis_dtype=basis_dtype)
     else:  # Built for other params, it would fail only at the first update.
       # nnx.Optimizer's init passes the params as NNX variables.
+      pure = numerics.pure_arrays(subspace)
       validation.check_like(
-        _bases_like(subspace), numerics.pure_arrays(params), what="subspace"
+        _bases_like(pure), numerics.pure_arrays(params), what="subspace"
       )
       # Fresh buffers: a donated state must not delete the user's subspace.
-      start = jax.tree.map(jnp.copy, subspace)
+      start = jax.tree.map(jnp.copy, pure)
     return ProjectOutSubspaceState(
       count=jnp.zeros([], jnp.int32),
       protected_subspace=start,

@@ -250,6 +250,28 @@ class PhysGuardWorkflowTest(absltest.TestCase):
         fo_flax.get_state(opt, "protected_subspace").bases, sub.bases
       )
 
+  def test_subspace_from_gradients_of_a_split_state(self):
+    # jax.grad of an nnx.split state gives gradients that hold variables;
+    # the subspace built from them has array bases, as the adapter's.
+    model = _MLP(nnx.Rngs(1))
+    x, y = _task(0, n=4)
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    loss = lambda p, ex: _example_loss(nnx.merge(graphdef, p, rest), ex)
+    g = jax.vmap(jax.grad(loss), in_axes=(None, 0))(params, (x, y))
+    sub = fisher_optax.protected_subspace(g, max_rank=2)
+    want = fisher_optax.protected_subspace(
+      fo_flax.nnx_per_example_grads(_example_loss, model, (x, y)), max_rank=2
+    )
+    chex.assert_trees_all_close(sub.bases, want.bases, rtol=1e-5, atol=1e-6)
+    opt = nnx.Optimizer(
+      model,
+      fisher_optax.physguard(1e-2, max_rank=2, subspace=sub),
+      wrt=nnx.Param,
+    )
+    chex.assert_trees_all_equal(
+      fo_flax.get_state(opt, "protected_subspace").bases, sub.bases
+    )
+
 
 class DimensionNumbersCallableTest(parameterized.TestCase):
   """A routing callable sees the same paths at init (where nnx.Optimizer
