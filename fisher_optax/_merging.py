@@ -794,7 +794,8 @@ def search_merge_weights(
   """
   if candidates is None:
     candidates = merge_weight_candidates(len(params_list), num_points, key=key)
-  candidates = np.asarray(candidates, np.float32)
+  exact = np.asarray(candidates, np.float64)
+  candidates = exact.astype(np.float32)
   if candidates.ndim != 2 or candidates.shape[1] != len(params_list):
     raise ValueError(
       f"candidates must have shape (n, {len(params_list)}), got "
@@ -804,15 +805,19 @@ def search_merge_weights(
     raise ValueError("candidates must hold at least one row.")
   # The jitted merge sees traced weights: check every row here, and the
   # models and Fishers with one eager merge.
-  for i, row in enumerate(candidates):
+  for i, row in enumerate(exact):
     _check_weight_vector(f"candidates[{i}]", row)
-  fisher_merge(params_list, fishers, candidates[0], **merge_kwargs)
+  fisher_merge(params_list, fishers, exact[0], **merge_kwargs)
   merge = jax.jit(lambda p, f, w: fisher_merge(p, f, w, **merge_kwargs))
   params_list, fishers = list(params_list), fishers and list(fishers)
+  # Each row scaled on the host, as fisher_merge scales concrete weights:
+  # traced weights below float32's smallest normal number would be zeros.
+  top = np.max(exact, axis=1, keepdims=True)
+  scaled = exact / 2.0 ** np.floor(np.log2(np.where(top > 0, top, 1.0)))
   scores = np.asarray(
     [
-      float(score_fn(merge(params_list, fishers, jnp.asarray(w))))
-      for w in candidates
+      float(score_fn(merge(params_list, fishers, jnp.asarray(w, jnp.float32))))
+      for w in scaled
     ],
     np.float64,
   )

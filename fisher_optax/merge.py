@@ -444,6 +444,10 @@ def _stream_merge(
   # The weights in the precision of the merge (float64 for float64 models;
   # the caller enables x64 for them).
   weight_dtype = np.float64 if _needs_x64(target) else np.float32
+  # Scaled on the host as fisher_merge scales them (the merge does not
+  # depend on their scale): tiny ones would be zeros on the device.
+  w = np.asarray(w, np.float64)
+  w = w / 2.0 ** np.floor(np.log2(w.max())) if w.max() > 0 else w
   state = init(
     *_load_pair(target, ref_name, fishers[target_index], target, ref_name),
     jnp.asarray(w[target_index], weight_dtype),
@@ -638,7 +642,8 @@ def _mean_diagonal(
   """The engine's ``fisher.diagonal`` averaged over ``idx``, batch by batch.
 
   Batches are weighted by their size, so the result is the mean over the
-  examples whatever the batch size; ``estimator`` are ``fisher.diagonal``'s
+  examples whatever the batch size (the MC kind's labels are drawn with one
+  key per batch, so they change with it); ``estimator`` are ``fisher.diagonal``'s
   keywords (likelihood, kind, num_samples).
   """
 
@@ -1017,7 +1022,10 @@ def _add_fisher_options(f: argparse.ArgumentParser) -> None:
     "--batch-size",
     type=int,
     default=256,
-    help="examples per compiled batch (the result does not depend on it)",
+    help=(
+      "examples per compiled batch (the result does not depend on it, but"
+      " for --kind mc's sampled labels, which are drawn per batch)"
+    ),
   )
   f.add_argument(
     "--inputs-key", default="x", help="the inputs' array in --data"

@@ -920,6 +920,19 @@ class WriterSafetyTest(parameterized.TestCase):
       merged, [0.3 * 2.0 + 0.7 * 5.0, 0.3 * 0.1 + 0.7 * 0.7], rtol=1e-14
     )
 
+  def test_tiny_weights_merge_as_fisher_merge(self):
+    # Below float32's smallest normal number; scaled on the host first.
+    models = [
+      _save(self.dir / "a.msgpack", {"w": np.array([0.0], np.float32)}),
+      _save(self.dir / "b.msgpack", {"w": np.array([1.0], np.float32)}),
+    ]
+    ones = _save(self.dir / "f.msgpack", {"w": np.ones(1, np.float32)})
+    out = self.dir / "tiny.msgpack"
+    merge.merge_checkpoints(
+      models, [ones, ones], str(out), weights=[1e-39, 3e-39]
+    )
+    np.testing.assert_allclose(_checkpoint_io.load_tree(out)["w"], [0.75])
+
   @parameterized.parameters(np.nan, np.inf, -np.inf)
   def test_non_finite_fisher_is_refused_and_nothing_written(self, value):
     bad = jax.tree.map(np.copy, _fisher(1, self.params[0]))

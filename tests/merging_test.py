@@ -600,6 +600,17 @@ class WeightSearchTest(absltest.TestCase):
       float(-jnp.sum(best["head"] ** 2)), result.best_score, places=5
     )
 
+  def test_tiny_candidate_weights_merge_as_fisher_merge(self):
+    # Weights below float32's smallest normal number, scaled on the host
+    # as fisher_merge scales them (traced, they would be zeros).
+    models = [{"w": jnp.array([0.0])}, {"w": jnp.array([1.0])}]
+    result = fisher_optax.search_merge_weights(
+      lambda p: p["w"][0], models, None, candidates=[[1e-39, 3e-39], [1, 0]]
+    )
+    np.testing.assert_allclose(result.scores, [0.75, 0.0], rtol=1e-6)
+    want = fisher_optax.fisher_merge(models, None, [1e-39, 3e-39])["w"][0]
+    self.assertAlmostEqual(float(want), 0.75, places=6)
+
   def test_bad_candidates(self):
     params, fishers = _models(2)
     with self.assertRaisesRegex(ValueError, "candidates"):
