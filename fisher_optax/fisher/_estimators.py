@@ -170,7 +170,7 @@ def _forward(
   statistic: str | None = None,
   weight_sharing: str = "expand",
   normalise: bool = True,
-  first: jax.Array | None = None,
+  first: jax.Array | int | None = None,
 ) -> _Pass:
   """Validates the arguments and runs the shared forward/backward pass.
 
@@ -184,7 +184,9 @@ def _forward(
 
   ``normalise=False`` (a chunk of the examples): ``mean_grad`` holds this
   device's gradient sums and ``count`` its examples, to be all-reduced and
-  divided by the caller.
+  divided by the caller. ``first`` is the index of the batch's first
+  example in the whole batch, for the MC kind's draws (default: this
+  device's first).
   """
   likelihood, inputs, targets, size = _check_arguments(params, batch, opts)
   kind, key, axis_name = opts.kind, opts.key, opts.axis_name
@@ -216,8 +218,6 @@ def _forward(
     out, vjp = jax.vjp(lambda p: apply_fn(p, inputs), params)
     pull = lambda r: (vjp(r)[0], None)
   _check_apply_outputs(out, size)
-  if first is None:
-    first = _first_index(axis_name, size)
   cot = _likelihoods.output_cotangents(
     likelihood,
     kind,
@@ -225,7 +225,7 @@ def _forward(
     targets,
     key=key,
     num_samples=opts.num_samples,
-    first=first,
+    first=_first_index(axis_name, size) if first is None else first,
   )
   count = jnp.asarray(size, jnp.int32)
   if normalise:
