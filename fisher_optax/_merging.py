@@ -110,6 +110,16 @@ def _check_weight_vector(name: str, weights: Any) -> None:
     raise ValueError(f"{name} must be finite, >= 0 and not all zero, got {w}.")
 
 
+def _host_scaled(name: str, weights: Any) -> np.ndarray:
+  """Checked concrete weights in float64, scaled by a power of two so the
+  largest is in ``[1, 2)``: the merge does not depend on their scale, and
+  weights below float32's smallest normal number (1e-38) would be zeros on
+  the device, the merge then the target."""
+  _check_weight_vector(name, weights)
+  w = np.asarray(weights, np.float64)
+  return w / 2.0 ** np.floor(np.log2(w.max()))
+
+
 def _scale_pow2(x: Any, e: jax.Array) -> jax.Array:
   """``x * 2**-e``, exactly, for an int32 scalar ``e``.
 
@@ -648,11 +658,7 @@ def fisher_merge(
     if not jnp.issubdtype(dtype, jnp.floating):
       dtype = jnp.float32
     if not isinstance(weights, jax.core.Tracer):
-      _check_weight_vector("weights", weights)
-      # Scaled on the host first: weights below float32's smallest normal
-      # number (1e-38) became zeros on the device, and the merge the target.
-      w64 = np.asarray(weights, np.float64)
-      weights = w64 / 2.0 ** np.floor(np.log2(w64.max()))
+      weights = _host_scaled("weights", weights)
     weights = jnp.asarray(weights, dtype)
     # The merge is invariant to scaling all weights: scaling the largest to
     # [0.5, 1) keeps w_i F_i from overflowing. A power of two is exact, and
@@ -803,17 +809,12 @@ def search_merge_weights(
     )
   if candidates.shape[0] == 0:
     raise ValueError("candidates must hold at least one row.")
-  # The jitted merge sees traced weights: check every row here, and the
-  # models and Fishers with one eager merge.
-  for i, row in enumerate(exact):
-    _check_weight_vector(f"candidates[{i}]", row)
+  # The jitted merge sees traced weights: every row is checked and scaled
+  # here, and the models and Fishers checked by one eager merge.
+  scaled = [_host_scaled(f"candidates[{i}]", w) for i, w in enumerate(exact)]
   fisher_merge(params_list, fishers, exact[0], **merge_kwargs)
   merge = jax.jit(lambda p, f, w: fisher_merge(p, f, w, **merge_kwargs))
   params_list, fishers = list(params_list), fishers and list(fishers)
-  # Each row scaled on the host, as fisher_merge scales concrete weights:
-  # traced weights below float32's smallest normal number would be zeros.
-  top = np.max(exact, axis=1, keepdims=True)
-  scaled = exact / 2.0 ** np.floor(np.log2(np.where(top > 0, top, 1.0)))
   scores = np.asarray(
     [
       float(score_fn(merge(params_list, fishers, jnp.asarray(w, jnp.float32))))

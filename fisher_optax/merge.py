@@ -444,10 +444,7 @@ def _stream_merge(
   # The weights in the precision of the merge (float64 for float64 models;
   # the caller enables x64 for them).
   weight_dtype = np.float64 if _needs_x64(target) else np.float32
-  # Scaled on the host as fisher_merge scales them (the merge does not
-  # depend on their scale): tiny ones would be zeros on the device.
-  w = np.asarray(w, np.float64)
-  w = w / 2.0 ** np.floor(np.log2(w.max())) if w.max() > 0 else w
+  w = _merging._host_scaled("weights", w)  # as fisher_merge scales them
   state = init(
     *_load_pair(target, ref_name, fishers[target_index], target, ref_name),
     jnp.asarray(w[target_index], weight_dtype),
