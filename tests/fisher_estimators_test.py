@@ -1099,6 +1099,30 @@ class OperationsTest(parameterized.TestCase):
 class StatisticInputChecksTest(absltest.TestCase):
   """Operations refuse inputs they would silently misread."""
 
+  def test_kronecker_round_off_eigenvalues_count_as_zero(self):
+    # A softmax output layer's Gamma is singular (its cotangents sum to
+    # zero): eigh gives about -eps for that eigenvalue, and a small damping
+    # must not divide by a denominator near or below zero.
+    with jax.enable_x64(True):
+      x = jax.random.normal(jax.random.key(0), (8, 3))
+      y = jax.random.randint(jax.random.key(1), (8,), 0, 3)
+      params = {"w": jnp.full((3, 3), 0.1)}
+      kron = fisher.kronecker(
+        lambda p, x: x @ p["w"],
+        params,
+        (x, y),
+        likelihood=fisher.Categorical(),
+        kind="empirical",
+      )
+      damping = 1e-18
+      a, qa = np.linalg.eigh(np.asarray(kron.left["w"]))
+      b, qb = np.linalg.eigh(np.asarray(kron.right["w"]))
+      lam = np.maximum(a, 0)[:, None] * np.maximum(b, 0)[None, :] + damping
+      want = (qa**2) @ (1 / lam) @ (qb**2).T
+      got = np.asarray(kron.inverse_diag(damping)["w"])
+      self.assertTrue(np.all(got > 0))
+      np.testing.assert_allclose(got, want, rtol=1e-6)
+
   def test_shapes_damping_indices_and_dtypes(self):
     diag = fisher.DiagonalFisher(
       {"w": jnp.ones((3, 2))}, None, jnp.asarray(1, jnp.int32)
@@ -1116,6 +1140,13 @@ class StatisticInputChecksTest(absltest.TestCase):
       with self.assertRaisesRegex(ValueError, "do not fit"):
         kron.matvec({"w": jnp.ones(bad)})
     self.assertEqual(kron.matvec({"w": jnp.ones((3, 2))})["w"].shape, (3, 2))
+    # Kronecker: the factors are singular in general, damping must be > 0.
+    for op in (
+      lambda: kron.solve({"w": jnp.ones((3, 2))}, 0.0),
+      lambda: kron.inverse_diag(0.0),
+    ):
+      with self.assertRaisesRegex(ValueError, "damping"):
+        op()
     # Low rank: F is singular, damping must be > 0; v's leaves are checked.
     low = fisher.low_rank_from_grads({"w": jnp.ones((2, 4))}, rank=2)
     with self.assertRaisesRegex(ValueError, r"v\['w'\] has shape"):

@@ -35,7 +35,10 @@ class FisherStatistic(Protocol):
   and :class:`~fisher_optax.fisher.RankOneSumFisher` all answer these, so a
   consumer (a preconditioner, a penalty, a pruner) can take any of them.
   Vectors ``v`` are trees shaped like the parameters; results keep ``v``'s
-  dtypes. ``damping`` is a float or a scalar array ``lambda >= 0``; a
+  dtypes. ``damping`` is a float or a scalar array ``lambda``: ``> 0`` for
+  the low-rank and Kronecker statistics, whose matrices are singular in
+  general (a softmax output layer's ``Gamma`` always is), ``>= 0`` for the
+  diagonal (an entry of 0 then gives ``inf``); a
   :class:`~fisher_optax.fisher.RankOneSumFisher` is factored with its damping
   and takes ``damping=None`` (meaning its own).
 
@@ -115,8 +118,8 @@ class DiagonalFisher:
     return sum(terms, jnp.zeros((), jnp.float32))
 
   def solve(self, v: PyTree, damping: float | jax.Array) -> PyTree:
-    """``(F + damping I)^{-1} v``; ``damping >= 0`` (a negative one gives
-    meaningless finite numbers)."""
+    """``(F + damping I)^{-1} v``; ``damping >= 0`` (with 0, ``inf`` where
+    an entry of ``diag`` is 0)."""
     self._check(v)
     validation.check_positive("damping", damping, allow_zero=True)
     return jax.tree.map(
@@ -338,10 +341,12 @@ class KroneckerFisher:
     """``(left ⊗ right + damping I)^{-1} v`` exactly, by two ``eigh``.
 
     With ``left = Q_a diag(a) Q_a^T`` and ``right = Q_b diag(b) Q_b^T``:
-    ``X = Q_a [(Q_a^T V Q_b) / (a b^T + damping)] Q_b^T``; ``damping >=
-    0``.
+    ``X = Q_a [(Q_a^T V Q_b) / (a b^T + damping)] Q_b^T``; ``damping > 0``
+    (the factors are singular in general: fewer examples than rows, or a
+    softmax output layer's ``Gamma``). Eigenvalues below zero are the
+    factors' round-off and count as zero.
     """
-    validation.check_positive("damping", damping, allow_zero=True)
+    validation.check_positive("damping", damping)
 
     def leaf(l, r, x):
       m = _as_factor_matrix(l, r, x)
@@ -358,9 +363,10 @@ class KroneckerFisher:
     """The diagonal of ``(left ⊗ right + damping I)^{-1}`` (two ``eigh``).
 
     Entry ``(p, q)`` is ``sum_ij Q_a[p,i]^2 Q_b[q,j]^2 / (a_i b_j +
-    damping)``. Shaped like ``like`` as in :meth:`diagonal`.
+    damping)``, ``damping > 0`` as for :meth:`solve`. Shaped like ``like``
+    as in :meth:`diagonal`.
     """
-    validation.check_positive("damping", damping, allow_zero=True)
+    validation.check_positive("damping", damping)
 
     def leaf(l, r):
       (qa, qb), denom = _kron_eigen(l, r, damping)
@@ -405,6 +411,9 @@ def _kron_eigen(
   # Non-finite factors give NaN results without reaching LAPACK.
   a, qa = numerics.finite_or_nan(jnp.linalg.eigh, linalg.symmetrize(left))
   b, qb = numerics.finite_or_nan(jnp.linalg.eigh, linalg.symmetrize(right))
+  # The factors are PSD: a negative eigenvalue is round-off (about -eps
+  # times the largest), and a b^T + damping could otherwise cross zero.
+  a, b = jnp.maximum(a, 0.0), jnp.maximum(b, 0.0)
   return (qa, qb), a[..., :, None] * b[..., None, :] + damping
 
 
