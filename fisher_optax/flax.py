@@ -10,7 +10,8 @@ Needs flax (``pip install 'fisher_optax[flax]'``). Import it explicitly::
 arguments. The adapters here produce extras with exactly that structure:
 
 * :func:`nnx_per_example_grads` — per-example gradients of a model, stacked on
-  a leading batch axis, with the same tree as ``nnx.grad``'s gradients;
+  a leading batch axis, in the pure tree ``tx.update`` receives (``nnx.grad``
+  returns the same paths with ``Param`` leaves);
 * :func:`nnx_obj_fn` — an ``obj_fn(params)`` closure for transforms that
   re-evaluate the loss (Sophia-style ``obj_fn`` extras) while the optimizer
   sees ``nnx.State``;

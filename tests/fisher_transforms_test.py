@@ -215,6 +215,36 @@ class EstimateFisherDiagTest(parameterized.TestCase):
         make(chunk_size=0)
       with self.assertRaisesRegex(TypeError, "chunk_size"):
         make(chunk_size=2.5)
+      # A bad key at construction, not at init or the first step.
+      for key in ("x", 1.5, jnp.array([1, 2, 3], jnp.uint32)):
+        with self.assertRaisesRegex(TypeError, "key must be"):
+          make(key=key)
+
+  def test_model_kinds_take_batch_when_both_extras_come(self):
+    # A chain gives every extra to every member: next to a transform that
+    # takes per_example_grads, the exact kind uses batch=.
+    params, x, y = _problem()
+    g = _grads(params, x, y)
+    updates = jax.tree.map(lambda a: jnp.mean(a, 0), g)
+    extras = dict(batch=(x, y), per_example_grads=g)
+    model = dict(likelihood=fisher.Categorical(), kind="exact")
+    for make, read, want in (
+      (
+        fisher.estimate_fisher_diag,
+        fisher.get_fisher_diag,
+        lambda: fisher.diagonal(ft.mlp_apply, params, (x, y), **model).diag,
+      ),
+      (
+        functools.partial(fisher.estimate_fisher_low_rank, rank=2),
+        lambda s: fisher.get_fisher_low_rank(s)[0],
+        lambda: (
+          fisher.low_rank(ft.mlp_apply, params, (x, y), rank=2, **model).eigvals
+        ),
+      ),
+    ):
+      tx = make(ft.mlp_apply, fisher.Categorical(), kind="exact")
+      _, state = tx.update(updates, tx.init(params), params, **extras)
+      chex.assert_trees_all_close(read(state), want(), rtol=1e-5, atol=1e-7)
 
 
 class EstimateFisherKeyTest(parameterized.TestCase):

@@ -11,6 +11,11 @@ statistic in its state, refreshed every ``interval`` steps under
 - ``batch=(inputs, targets)``: the estimator runs the model itself through
   the ``apply_fn`` and ``likelihood`` given at construction (any kind).
 
+A chain passes every extra argument to every member, so both may arrive
+(next to a transform with ``fisher_source="per_example"``): the kinds that
+need the model (``exact``, ``mc``) then take ``batch=``, the others
+``per_example_grads=``.
+
 A later transform in the same chain, or the training loop, reads the
 statistic with :func:`get_fisher_diag` / :func:`get_fisher_low_rank`.
 Both follow the one non-finite policy of every fisher_optax transform
@@ -74,6 +79,19 @@ def _split(raw: jax.Array, impl: Any = None) -> tuple[jax.Array, jax.Array]:
   """``(next state key data, key to use now)``, keys of ``impl``."""
   nxt, now = jax.random.split(jax.random.wrap_key_data(raw, impl=impl))
   return jax.random.key_data(nxt), now
+
+
+def _check_key(key: Any) -> None:
+  """A bad ``key`` is an error now, not at ``init`` or the first step."""
+  if key is None or isinstance(key, jax.core.Tracer):
+    return
+  try:
+    _split(_make_key(key), _key_impl(key))
+  except (TypeError, ValueError, AttributeError) as err:
+    raise TypeError(
+      "key must be None, an int seed or a PRNG key (typed, or raw uint32 "
+      f"key data); got {key!r}."
+    ) from err
 
 
 def _check_common(
@@ -222,7 +240,9 @@ class EstimateFisherDiagState(NamedTuple):
   """State of :func:`estimate_fisher_diag`.
 
   Attributes:
-    count: int32 number of ``update`` calls.
+    count: int32 number of accepted ``update`` calls (a skipped,
+      non-finite step leaves the whole state, ``count`` included, as it
+      was: ``interval`` counts accepted steps).
     diag: params-shaped diagonal Fisher in float32 (float64 for float64
       params under x64; zeros before the first refresh).
     num_refreshes: int32 accepted refreshes.
@@ -302,6 +322,7 @@ def estimate_fisher_diag(
   likelihood = _check_common(
     apply_fn, likelihood, kind, interval, decay, num_samples, method, chunk_size
   )
+  _check_key(key)
 
   def init_fn(params):
     # The estimators' dtype: float32, or float64 for float64 params (x64).
@@ -324,6 +345,8 @@ def estimate_fisher_diag(
   grads_kind = "batch_squared" if kind == "batch_squared" else "empirical"
 
   def step(updates, state, params, per_example_grads, batch, key):
+    if kind not in ("empirical", "batch_squared") and batch is not None:
+      per_example_grads = None  # given for another member of a chain
     if per_example_grads is not None and kind not in (
       "empirical",
       "batch_squared",
@@ -366,7 +389,9 @@ class EstimateFisherLowRankState(NamedTuple):
   """State of :func:`estimate_fisher_low_rank`.
 
   Attributes:
-    count: int32 number of ``update`` calls.
+    count: int32 number of accepted ``update`` calls (a skipped,
+      non-finite step leaves the whole state, ``count`` included, as it
+      was: ``interval`` counts accepted steps).
     eigvals: ``(rank,)``, descending; float32, or float64 when a parameter
       is float64 (x64).
     eigvecs: params-shaped tree with a leading ``rank`` axis, each leaf in
@@ -432,6 +457,7 @@ def estimate_fisher_low_rank(
   likelihood = _check_common(
     apply_fn, likelihood, kind, interval, 0.0, num_samples, method, chunk_size
   )
+  _check_key(key)
 
   def init_fn(params):
     # As the estimators: float32, or float64 for float64 params (x64).
@@ -459,6 +485,8 @@ def estimate_fisher_low_rank(
   )
 
   def step(updates, state, params, per_example_grads, batch, key):
+    if kind != "empirical" and batch is not None:
+      per_example_grads = None  # given for another member of a chain
     if per_example_grads is not None and kind != "empirical":
       raise ValueError(
         f"kind={kind!r} needs batch=; per_example_grads= "
