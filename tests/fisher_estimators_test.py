@@ -1775,13 +1775,13 @@ class InputChecksTest(absltest.TestCase):
     kron = fisher.kronecker(
       self.apply_fn, self.params, self.batch, likelihood=lik, kind="exact"
     )
-    for solve in (
-      lambda: diag.solve(self.params, -0.5),
-      lambda: diag.inverse_diag(-0.5),
-      lambda: kron.solve(self.params, -0.5),
-      lambda: kron.inverse_diag(-0.5),
+    for solve, bound in (
+      (lambda: diag.solve(self.params, -0.5), ">= 0"),
+      (lambda: diag.inverse_diag(-0.5), ">= 0"),
+      (lambda: kron.solve(self.params, -0.5), "> 0"),
+      (lambda: kron.inverse_diag(-0.5), "> 0"),
     ):
-      with self.assertRaisesRegex(ValueError, "damping must be >= 0"):
+      with self.assertRaisesRegex(ValueError, f"damping must be {bound}"):
         solve()
 
   def test_diag_transform_keeps_float64(self):
