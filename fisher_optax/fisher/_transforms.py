@@ -195,13 +195,18 @@ def _statistic(
   return from_model(apply_fn, params, batch)
 
 
-def _update_fn(step: Callable[..., Any], impl: Any = None):
+def _update_fn(
+  step: Callable[..., Any], impl: Any = None, *, needs_model: bool = False
+):
   """An ``update_fn`` that passes ``updates`` through and refreshes the state.
 
   ``step(updates, state, params, per_example_grads, batch, key)`` returns the
   new state (its ``key`` is replaced by the next one); unknown extra
   arguments are ignored, as in any optax transform. The state follows
-  :func:`numerics.skip_nonfinite_step`; the updates pass through.
+  :func:`numerics.skip_nonfinite_step`; the updates pass through. With
+  ``needs_model`` (the exact and MC kinds) and a ``batch``, per-example
+  gradients given for another member of a chain are neither used nor
+  checked.
   """
 
   def update_fn(
@@ -214,6 +219,8 @@ def _update_fn(step: Callable[..., Any], impl: Any = None):
     **extra_args,
   ):
     del extra_args
+    if needs_model and batch is not None:
+      per_example_grads = None
     key_next, key_now = _split(state.key, impl)
     per_example_grads = numerics.masked_like(per_example_grads, updates)
 
@@ -346,8 +353,6 @@ def estimate_fisher_diag(
   grads_kind = "batch_squared" if kind == "batch_squared" else "empirical"
 
   def step(updates, state, params, per_example_grads, batch, key):
-    if kind not in ("empirical", "batch_squared") and batch is not None:
-      per_example_grads = None  # given for another member of a chain
     if per_example_grads is not None and kind not in (
       "empirical",
       "batch_squared",
@@ -378,8 +383,9 @@ def estimate_fisher_diag(
     diag, counters = _refresh(state, interval, compute, lambda: state.diag)
     return state._replace(diag=diag, **counters)
 
+  needs_model = kind not in ("empirical", "batch_squared")
   return optax.GradientTransformationExtraArgs(
-    init_fn, _update_fn(step, _key_impl(key))
+    init_fn, _update_fn(step, _key_impl(key), needs_model=needs_model)
   )
 
 
@@ -486,8 +492,6 @@ def estimate_fisher_low_rank(
   )
 
   def step(updates, state, params, per_example_grads, batch, key):
-    if kind != "empirical" and batch is not None:
-      per_example_grads = None  # given for another member of a chain
     if per_example_grads is not None and kind != "empirical":
       raise ValueError(
         f"kind={kind!r} needs batch=; per_example_grads= "
@@ -521,7 +525,7 @@ def estimate_fisher_low_rank(
     return state._replace(eigvals=vals, eigvecs=vecs, **counters)
 
   return optax.GradientTransformationExtraArgs(
-    init_fn, _update_fn(step, _key_impl(key))
+    init_fn, _update_fn(step, _key_impl(key), needs_model=kind != "empirical")
   )
 
 
