@@ -86,10 +86,20 @@ class _Projection(NamedTuple):
     return (self.rank, cols) if self.left else (rows, self.rank)
 
   def project(self, p: jax.Array, g2: jax.Array) -> jax.Array:
-    return p.T @ g2 if self.left else g2 @ p
+    """The low-rank gradient; gathered, not the gradient, under explicit
+    mesh axes (the window and the base optimizer hold it replicated)."""
+    if self.left:
+      return linalg.replicated_matmul(p.T, g2, precision=None)
+    return linalg.replicated_matmul(g2, p, precision=None)
 
-  def project_back(self, p: jax.Array, u: jax.Array) -> jax.Array:
-    return p @ u if self.left else u @ p.T
+  def project_back(
+    self, p: jax.Array, u: jax.Array, like: jax.Array | None = None
+  ) -> jax.Array:
+    """``u`` at full size, sharded like ``like`` (the gradient's matrix)
+    under explicit mesh axes: each device forms only its own block."""
+    spec = None if like is None else numerics.explicit_spec(like)
+    a, b = (p, u) if self.left else (u, p.T)
+    return jnp.matmul(a, b, out_sharding=spec)
 
 
 def _projections(
@@ -152,13 +162,6 @@ def _finite_orthonormalize(y: jax.Array) -> jax.Array:
   return numerics.finite_or_nan(_orthonormalize, y)
 
 
-def _sketch_mm(a: jax.Array, b: jax.Array) -> jax.Array:
-  """A sketch-sized product, replicated under explicit mesh axes."""
-  return jnp.matmul(
-    a, b, precision=_HIGHEST, out_sharding=linalg.replicated_spec()
-  )
-
-
 def _range_finder_basis(
   mat: jax.Array, start: jax.Array, rank: int, power_iterations: int
 ) -> jax.Array:
@@ -176,11 +179,13 @@ def _range_finder_basis(
     sharded ``mat`` is never gathered. NaN if an intermediate overflowed
     (no decomposition sees it).
   """
-  q = _finite_orthonormalize(_sketch_mm(mat, start))
+  q = _finite_orthonormalize(linalg.replicated_matmul(mat, start))
   for _ in range(power_iterations):
-    q = _finite_orthonormalize(_sketch_mm(mat, _sketch_mm(mat.T, q)))
+    q = _finite_orthonormalize(
+      linalg.replicated_matmul(mat, linalg.replicated_matmul(mat.T, q))
+    )
   # Rayleigh-Ritz: rotate range(Q) onto the top singular directions.
-  b = _sketch_mm(q.T, mat)
+  b = linalg.replicated_matmul(q.T, mat)
   _, vecs = numerics.finite_or_nan(
     jnp.linalg.eigh, linalg.symmetrize(jnp.matmul(b, b.T, precision=_HIGHEST))
   )
@@ -226,7 +231,7 @@ def _new_projector(
     width = min(r + _OVERSAMPLING, p, q)
     start = jax.random.normal(key, (q, width), g32.dtype)
     if method == "subspace":
-      warm = _sketch_mm(mat.T, old.astype(g32.dtype))
+      warm = linalg.replicated_matmul(mat.T, old.astype(g32.dtype))
       start = start.at[:, :r].set(warm)
     new = _range_finder_basis(mat, start, r, power_iterations)
     new = _align_signs(new, old.astype(new.dtype))
@@ -479,9 +484,8 @@ def _per_example_solve(
   """
   if not cfg.per_example_window or per_example is None:
     return lg
-  rows = jax.vmap(
-    lambda x: proj.project(p, proj.view.to_matrix(x).astype(p.dtype))
-  )(per_example)
+  pe = jax.vmap(lambda x: proj.view.to_matrix(x).astype(p.dtype))(per_example)
+  rows = jnp.einsum("mr,bmn->brn", p, pe) if proj.left else pe @ p
   rows = rows.astype(numerics.compute_dtype(rows))
   scale = 1.0 / rows.shape[0]
   # The gradient is (about) the rows' mean: its part in their span is solved
@@ -611,9 +615,12 @@ def _expand(
   out = [
     u
     if proj is None
-    else (scale * proj.view.from_matrix(proj.project_back(p, u))).astype(
-      g.dtype
-    )
+    else (
+      scale
+      * proj.view.from_matrix(
+        proj.project_back(p, u, like=proj.view.to_matrix(g))
+      )
+    ).astype(g.dtype)
     for g, proj, p, u in zip(
       leaves, projs, jax.tree.leaves(projector), jax.tree.leaves(low_updates)
     )

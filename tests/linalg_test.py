@@ -520,5 +520,24 @@ class PushIfFiniteTest(parameterized.TestCase):
       self.assertEqual(gram.dtype, jnp.float32)
 
 
+class ShardedProductsTest(absltest.TestCase):
+  """Without a mesh the sharding-aware helpers are plain linear algebra (the
+  8-device checks test them under explicit mesh axes)."""
+
+  def test_replicated_matmul_is_matmul(self):
+    rng = np.random.default_rng(0)
+    a = jnp.asarray(rng.normal(size=(5, 7)), jnp.float32)
+    b = jnp.asarray(rng.normal(size=(7, 3)), jnp.float32)
+    got = jax.jit(linalg.replicated_matmul)(a, b)
+    np.testing.assert_allclose(got, np.asarray(a) @ np.asarray(b), rtol=1e-5)
+
+  def test_replicated_matmul_takes_matrices(self):
+    with self.assertRaisesRegex(ValueError, "takes matrices"):
+      linalg.replicated_matmul(jnp.ones((2, 3, 4)), jnp.ones((4, 2)))
+
+  def test_long_side_spec_without_explicit_axes(self):
+    self.assertIsNone(linalg.long_side_spec(jnp.ones((4, 8))))
+
+
 if __name__ == "__main__":
   absltest.main()

@@ -10,8 +10,10 @@ fresh interpreter with ``--xla_force_host_platform_device_count``.
 
 from __future__ import annotations
 
+import math
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -57,3 +59,16 @@ def run_checks(
     f"multi-device checks in {checks_file} failed:\n"
     f"{proc.stdout[-6000:]}\n{proc.stderr[-3000:]}",
   )
+
+
+def largest_all_gather(hlo_text: str) -> int:
+  """The most elements any all-gather of a compiled program returns (0 if
+  it has none): what a device receives at most in one gather."""
+  largest = 0
+  for line in hlo_text.splitlines():
+    head, sep, _ = line.partition(" all-gather")
+    if not sep or "=" not in head:
+      continue
+    for dims in re.findall(r"\w+\[([\d,]*)\]", head.split("=", 1)[1]):
+      largest = max(largest, math.prod(int(d) for d in dims.split(",") if d))
+  return largest

@@ -78,6 +78,103 @@ def matmul(
   )
 
 
+def _spec_entry(spec: Any, axis: int) -> Any:
+  """The mesh axes of ``spec`` on ``axis`` (``None``: unsharded)."""
+  return spec[axis] if spec is not None and axis < len(spec) else None
+
+
+def _mesh_axes(entry: Any) -> set[str]:
+  if entry is None:
+    return set()
+  return {entry} if isinstance(entry, str) else set(entry)
+
+
+def replicated_matmul(
+  a: jax.Array, b: jax.Array, *, precision: Any = _HIGHEST
+) -> jax.Array:
+  """``a @ b`` of matrices, on every device under explicit mesh axes.
+
+  Each device multiplies its own blocks; the partial products are summed
+  over the mesh axes that shard the contraction and gathered over those
+  that shard the rows of ``a`` or the columns of ``b``. So a sharded
+  operand is never gathered whole: for a sketch ``G Q`` of a sharded
+  gradient ``G`` the devices exchange ``G Q``, not ``G``. (Given only a
+  replicated ``out_sharding``, XLA gathers the sharded operand first.) A
+  replicated operand is sliced to match the other one, at no cost.
+  Elsewhere it is ``jnp.matmul``, with XLA's choice of collectives.
+  """
+  if a.ndim != 2 or b.ndim != 2:
+    raise ValueError(
+      f"replicated_matmul takes matrices, got shapes {a.shape} and {b.shape}."
+    )
+  if not numerics.explicit_axes():
+    return jnp.matmul(a, b, precision=precision)
+  spec_a, spec_b = numerics.explicit_spec(a), numerics.explicit_spec(b)
+  contract = _spec_entry(spec_a, 1) or _spec_entry(spec_b, 0)
+  rows = _spec_entry(spec_a, 0)
+  if _mesh_axes(rows) & _mesh_axes(contract):
+    rows = None
+  cols = _spec_entry(spec_b, 1)
+  if _mesh_axes(cols) & (_mesh_axes(contract) | _mesh_axes(rows)):
+    cols = None
+  mesh = jax.sharding.get_abstract_mesh()
+  blocks = lambda entry: math.prod(mesh.shape[n] for n in _mesh_axes(entry))
+  if a.shape[0] % blocks(rows) or a.shape[1] % blocks(contract):
+    return jnp.matmul(  # uneven blocks: XLA's collectives
+      a, b, precision=precision, out_sharding=jax.sharding.PartitionSpec()
+    )
+  if b.shape[1] % blocks(cols):
+    cols = None
+  spec_a = jax.sharding.PartitionSpec(rows, contract)
+  spec_b = jax.sharding.PartitionSpec(contract, cols)
+
+  def local(x: jax.Array, y: jax.Array) -> jax.Array:
+    out = jnp.matmul(x, y, precision=precision)
+    return out if contract is None else jax.lax.psum(out, contract)
+
+  out = jax.shard_map(
+    local,
+    in_specs=(spec_a, spec_b),
+    out_specs=jax.sharding.PartitionSpec(rows, cols),
+  )(jax.sharding.reshard(a, spec_a), jax.sharding.reshard(b, spec_b))
+  return jax.sharding.reshard(out, jax.sharding.PartitionSpec())
+
+
+def long_side_spec(x: jax.Array) -> Any:
+  """A spec for ``x``'s matrices (its last two axes) sharded along their
+  longer side only, under explicit mesh axes; ``None`` if ``x`` already is
+  (or elsewhere, or if the longer side does not split evenly).
+
+  A Gram matrix of the shorter side (``X X^T`` for a wide ``X``, as in
+  Newton-Schulz iterations and Kronecker factors) then sums over devices
+  (an all-reduce of the small Gram), where a sharded shorter side needs all
+  of ``X`` on every device: one all-to-all into this layout replaces a
+  gather of ``X`` per product.
+  """
+  spec = numerics.explicit_spec(x)
+  if spec is None or x.ndim < 2:
+    return None
+  entries = list(spec) + [None] * (x.ndim - len(spec))
+  short, long = (x.ndim - 2, x.ndim - 1)
+  if x.shape[-2] > x.shape[-1]:
+    short, long = long, short
+  moved = entries[short]
+  if moved is None:
+    return None
+  axes = _as_tuple(entries[long]) + _as_tuple(moved)
+  mesh = jax.sharding.get_abstract_mesh()
+  if x.shape[long] % math.prod(mesh.shape[a] for a in axes):
+    return None
+  entries[short], entries[long] = None, axes
+  return jax.sharding.PartitionSpec(*entries)
+
+
+def _as_tuple(entry: Any) -> tuple[str, ...]:
+  if entry is None:
+    return ()
+  return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
 def replicated(x: jax.Array) -> jax.Array:
   """``x`` gathered on every device under explicit mesh axes (a dense
   decomposition's input must be), else as it is."""

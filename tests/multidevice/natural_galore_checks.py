@@ -12,6 +12,7 @@ import numpy as np
 import optax
 
 import fisher_optax
+from tests import multidevice_util
 
 
 class NaturalGaLoreShardedTest(parameterized.TestCase):
@@ -73,6 +74,35 @@ class NaturalGaLoreShardedTest(parameterized.TestCase):
       rtol=1e-4,
       atol=1e-5,
     )
+
+  @parameterized.product(
+    svd_method=("randomized", "subspace"),
+    spec=(P("x", None), P(None, "x"), P("x", "y")),
+  )
+  def test_sketches_never_gather_the_gradient(self, svd_method, spec):
+    # Under explicit axes the range finder's products are formed with the
+    # gradient's shardings and only the (m, rank + 8) sketches are
+    # gathered; a replicated out_sharding made XLA gather the gradient.
+    explicit = jax.sharding.AxisType.Explicit
+    mesh = jax.make_mesh((4, 2), ("x", "y"), axis_types=(explicit,) * 2)
+    shape, rank = (64, 256), 4
+    tx = fisher_optax.natural_galore(
+      1e-2, rank=rank, update_proj_gap=2, svd_method=svd_method
+    )
+    rng = np.random.default_rng(0)
+    params = {"w": jnp.asarray(rng.normal(size=shape), jnp.float32)}
+    grads = {"w": jnp.asarray(rng.normal(size=shape), jnp.float32)}
+    step = jax.jit(lambda g, s, p: tx.update(g, s, p))
+    want, _ = step(grads, tx.init(params), params)
+    with jax.set_mesh(mesh):
+      put = lambda t: {"w": jax.device_put(t["w"], NamedSharding(mesh, spec))}
+      sp, sg = put(params), put(grads)
+      state = tx.init(sp)
+      compiled = step.lower(sg, state, sp).compile()
+      got, _ = step(sg, state, sp)
+    chex.assert_trees_all_close(got, want, rtol=1e-4, atol=1e-6)
+    gathered = multidevice_util.largest_all_gather(compiled.as_text())
+    self.assertLessEqual(gathered, max(shape) * (rank + 8), gathered)
 
 
 if __name__ == "__main__":
