@@ -415,9 +415,21 @@ def _leaf_update(
   view = plan.view
   sd = numerics.compute_dtype(g.dtype)
   gm = view.to_matrices(g).astype(sd)
+  mu_prev = view.to_matrices(mu).astype(sd)
   pe = None
   if peg is not None:
     pe = jax.vmap(view.to_matrices)(peg).astype(sd)
+  # Under explicit mesh axes the matrices are worked on sharded along their
+  # longer side, where the Gram matrices of the shorter one (Newton-Schulz,
+  # factors) are all-reduced rather than gathered from the whole matrix.
+  homes = numerics.explicit_spec(gm), numerics.explicit_spec(mu_prev)
+  work = linalg.long_side_spec(gm)
+  if work is not None:
+    gm = jax.sharding.reshard(gm, work)
+    mu_prev = jax.sharding.reshard(mu_prev, work)
+  pe_work = None if pe is None else linalg.long_side_spec(pe)
+  if pe_work is not None:
+    pe = jax.sharding.reshard(pe, pe_work)
   p, q, wp, wq = _update_factors(gm, pe, plan, tuple(factors), refresh, opts)
   x = gm
   if opts.momentum_space == "whitened":
@@ -425,9 +437,11 @@ def _leaf_update(
       x = _mm(jnp.matrix_transpose(wp), x, gm)
     if plan.right:
       x = _mm(x, wq, gm, precision=None)
-  mu_prev = view.to_matrices(mu).astype(sd)
   mu_new, mu_hat = _momentum(x, mu_prev, count, opts)
   delta = _direction(mu_hat, plan, wp, wq, opts)
+  if work is not None:  # back to the leaf's own sharding
+    delta = jax.sharding.reshard(delta, homes[0])
+    mu_new = jax.sharding.reshard(mu_new, homes[1])
   out = view.from_matrix(delta).astype(g.dtype)
   mu_out = view.from_matrix(mu_new).astype(mu.dtype)
   return out, (mu_out, p, q, wp, wq)

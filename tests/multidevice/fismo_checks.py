@@ -10,6 +10,7 @@ from jax.sharding import PartitionSpec as P
 import numpy as np
 
 import fisher_optax
+from tests import multidevice_util
 
 
 class FismoShardedTest(absltest.TestCase):
@@ -134,6 +135,40 @@ class FismoShardedTest(absltest.TestCase):
               ),
               (k, u[k].sharding),
             )
+
+  def test_short_side_sharded_leaf_is_not_gathered(self):
+    # A leaf sharded along its shorter side (FSDP on a d x 4d kernel) is
+    # moved to its longer side for the step: the short side's Gram matrices
+    # (Newton-Schulz, the factor) are all-reduced, never formed from a
+    # gathered leaf, and the update comes back in the leaf's sharding.
+    explicit = jax.sharding.AxisType.Explicit
+    mesh = jax.make_mesh((4, 2), ("x", "y"), axis_types=(explicit,) * 2)
+    shape = (64, 256)  # only the 64 side is preconditioned
+    rng = np.random.default_rng(2)
+    params = {"w": jnp.asarray(rng.normal(size=shape), jnp.float32)}
+    grads = [
+      {"w": jnp.asarray(rng.normal(size=shape), jnp.float32)} for _ in range(2)
+    ]
+    tx = fisher_optax.fismo(1e-2, max_precond_dim=128, precondition_interval=1)
+    step = jax.jit(lambda g, s, p: tx.update(g, s, p))
+    state, want = tx.init(params), []
+    for g in grads:
+      u, state = step(g, state, params)
+      want.append(u)
+    for spec in (P("x", None), P("x", "y"), P(("x", "y"), None)):
+      with self.subTest(str(spec)), jax.set_mesh(mesh):
+        put = lambda t: {"w": jax.device_put(t["w"], NamedSharding(mesh, spec))}
+        sharded = put(params)
+        state = tx.init(sharded)
+        hlo = step.lower(put(grads[0]), state, sharded).compile().as_text()
+        for g, w in zip(grads, want):
+          u, state = step(put(g), state, sharded)
+          chex.assert_trees_all_close(u, w, rtol=1e-4, atol=1e-5)
+        self.assertTrue(
+          u["w"].sharding.is_equivalent_to(NamedSharding(mesh, spec), 2)
+        )
+        gathered = multidevice_util.largest_all_gather(hlo)
+        self.assertLess(gathered, shape[0] * shape[1] // 2, gathered)
 
 
 if __name__ == "__main__":
