@@ -83,10 +83,11 @@ def _spec_entry(spec: Any, axis: int) -> Any:
   return spec[axis] if spec is not None and axis < len(spec) else None
 
 
-def _mesh_axes(entry: Any) -> set[str]:
+def _mesh_axes(entry: Any) -> tuple[str, ...]:
+  """The mesh axes of a spec entry, in order (``()``: unsharded)."""
   if entry is None:
-    return set()
-  return {entry} if isinstance(entry, str) else set(entry)
+    return ()
+  return (entry,) if isinstance(entry, str) else tuple(entry)
 
 
 def replicated_matmul(
@@ -112,10 +113,10 @@ def replicated_matmul(
   spec_a, spec_b = numerics.explicit_spec(a), numerics.explicit_spec(b)
   contract = _spec_entry(spec_a, 1) or _spec_entry(spec_b, 0)
   rows = _spec_entry(spec_a, 0)
-  if _mesh_axes(rows) & _mesh_axes(contract):
+  if set(_mesh_axes(rows)) & set(_mesh_axes(contract)):
     rows = None
   cols = _spec_entry(spec_b, 1)
-  if _mesh_axes(cols) & (_mesh_axes(contract) | _mesh_axes(rows)):
+  if set(_mesh_axes(cols)) & set(_mesh_axes(contract) + _mesh_axes(rows)):
     cols = None
   mesh = jax.sharding.get_abstract_mesh()
   blocks = lambda entry: math.prod(mesh.shape[n] for n in _mesh_axes(entry))
@@ -161,18 +162,12 @@ def long_side_spec(x: jax.Array) -> Any:
   moved = entries[short]
   if moved is None:
     return None
-  axes = _as_tuple(entries[long]) + _as_tuple(moved)
+  axes = _mesh_axes(entries[long]) + _mesh_axes(moved)
   mesh = jax.sharding.get_abstract_mesh()
   if x.shape[long] % math.prod(mesh.shape[a] for a in axes):
     return None
   entries[short], entries[long] = None, axes
   return jax.sharding.PartitionSpec(*entries)
-
-
-def _as_tuple(entry: Any) -> tuple[str, ...]:
-  if entry is None:
-    return ()
-  return (entry,) if isinstance(entry, str) else tuple(entry)
 
 
 def replicated(x: jax.Array) -> jax.Array:
