@@ -327,14 +327,6 @@ def _extend(
   return subspace, oks
 
 
-def _project_leaf(u: jax.Array, basis: jax.Array, alpha: Any) -> jax.Array:
-  """``u - alpha B^T (B u)`` for one leaf, rows of ``basis`` orthonormal."""
-  cd = numerics.compute_dtype(basis)
-  uf, basis = u.astype(cd), basis.astype(cd)
-  back = linalg.tree_stacked_combine(basis, linalg.tree_stacked_dot(basis, uf))
-  return (uf - alpha * back).astype(u.dtype)
-
-
 def project_out_subspace(
   max_rank: int,
   alpha: ScalarOrSchedule = 1.0,
@@ -420,9 +412,7 @@ def project_out_subspace(
   def update_fn(updates, state, params=None, **extra_args):
     del params, extra_args
     _check_updates(updates, state)
-    return numerics.skip_nonfinite_step(
-      lambda: _project(updates, state, alpha), updates, state
-    )
+    return _project(updates, state, alpha)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
@@ -447,12 +437,42 @@ def _check_updates(updates: PyTree, state: ProjectOutSubspaceState) -> None:
 def _project(
   updates: PyTree, state: ProjectOutSubspaceState, alpha: ScalarOrSchedule
 ) -> tuple[PyTree, ProjectOutSubspaceState]:
-  """One projection step (under the non-finite policy)."""
+  """``u - alpha B^T (B u)`` per leaf, under the non-finite policy.
+
+  The policy (:func:`fisher_optax.fisher.numerics.skip_nonfinite_step`'s)
+  is folded in rather than wrapped around the step: its ``cond`` would hold
+  the projected updates, and its checks read them again, three leaf-sized
+  temporaries in all. No decomposition runs here, and the coefficients
+  ``B u`` decide it: every row multiplies every entry of ``u``, so they are
+  non-finite whenever ``u`` is (``0 * inf`` is NaN) or overflows, and with
+  orthonormal rows and ``0 <= alpha <= 1`` the output is no larger than
+  ``u``. The incoming updates are read again only on a skipped step.
+  """
   bases = state.protected_subspace.bases
   a = alpha(state.count) if callable(alpha) else alpha
-  updates = jax.tree.map(lambda u, b: _project_leaf(u, b, a), updates, bases)
-  return updates, state._replace(
-    count=jnp.asarray(optax.safe_increment(state.count))
+
+  def coefficients(u: jax.Array, basis: jax.Array) -> jax.Array:
+    cd = numerics.compute_dtype(basis)
+    return linalg.tree_stacked_dot(basis.astype(cd), u.astype(cd))
+
+  coefs = jax.tree.map(coefficients, updates, bases)
+  ok = numerics.tree_all_finite(coefs) & jnp.isfinite(a)
+  fill = jax.lax.cond(
+    ok,
+    lambda: jnp.zeros([]),
+    lambda: jnp.where(numerics.tree_all_finite(updates), 0.0, jnp.nan),
+  )
+
+  def project(u: jax.Array, basis: jax.Array, c: jax.Array) -> jax.Array:
+    basis = basis.astype(c.dtype)
+    back = linalg.tree_stacked_combine(basis, c)
+    out = u.astype(c.dtype) - jnp.asarray(a, c.dtype) * back
+    return jnp.where(ok, out, fill.astype(c.dtype)).astype(u.dtype)
+
+  count, nf = state.count, state.notfinite_count
+  return jax.tree.map(project, updates, bases, coefs), state._replace(
+    count=jnp.where(ok, optax.safe_increment(count), count),
+    notfinite_count=jnp.where(ok, nf, optax.safe_increment(nf)),
   )
 
 

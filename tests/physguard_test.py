@@ -226,6 +226,31 @@ class ProjectOutSubspaceTest(parameterized.TestCase):
       chex.assert_trees_all_close(u_ours, u_ref, rtol=1e-6, atol=1e-7)
       params = optax.apply_updates(params, u_ref)
 
+  def test_step_holds_at_most_the_projection_beyond_the_params(self):
+    # The non-finite policy is folded into the projection: a cond around it
+    # held the projected updates and its checks read them again (three
+    # leaf-sized temporaries). What remains is B^T (B u), one leaf.
+    rng = np.random.default_rng(0)
+    params = {"w": jnp.asarray(rng.normal(size=(256, 512)), jnp.float32)}
+    grads = jax.tree.map(lambda x: x[None] * jnp.ones((4, 1, 1)), params)
+    grads = jax.tree.map(lambda x: x * rng.normal(size=(4, 1, 1)), grads)
+    sub = fisher_optax.protected_subspace(grads, max_rank=4)
+    tx = optax.chain(
+      fisher_optax.project_out_subspace(4, subspace=sub), optax.sgd(1e-2)
+    )
+
+    def step(p, s, g):
+      u, s = tx.update(g, s, p)
+      return optax.apply_updates(p, u), s
+
+    memory = (
+      jax.jit(step, donate_argnums=(0, 1))
+      .lower(params, tx.init(params), params)
+      .compile()
+      .memory_analysis()
+    )
+    self.assertLess(memory.temp_size_in_bytes, 1.5 * params["w"].nbytes)
+
   def test_donated_state_keeps_the_users_subspace(self):
     sub, params, u = self._setup()
     want = jax.tree.map(np.asarray, sub.bases)
