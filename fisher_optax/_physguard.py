@@ -558,8 +558,12 @@ def physguard(
   project = project_out_subspace(
     max_rank, alpha, subspace, basis_dtype=basis_dtype
   )
+  # With eps > 0 known now, Adam keeps finite gradients finite: its policy
+  # needs no cond (see numerics.skip_nonfinite).
+  positive_eps = (validation.concrete_value(eps) or 0.0) > 0
   adam = numerics.skip_nonfinite(
-    numerics.widen_float16_state(optax.scale_by_adam(b1=b1, b2=b2, eps=eps))
+    numerics.widen_float16_state(optax.scale_by_adam(b1=b1, b2=b2, eps=eps)),
+    bounded=positive_eps,
   )
   decay = optax.add_decayed_weights(weight_decay, mask)
   if placement == "after":

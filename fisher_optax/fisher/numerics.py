@@ -513,6 +513,8 @@ class SkipNonfiniteState(NamedTuple):
 
 def skip_nonfinite(
   inner: optax.GradientTransformation,
+  *,
+  bounded: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
   """Puts a transform we do not own (e.g. optax's Adam) under the policy.
 
@@ -521,8 +523,18 @@ def skip_nonfinite(
   the library's own transforms: a non-finite input or a non-finite result
   leaves ``inner``'s state unchanged and gives NaN updates.
 
+  ``bounded=True`` promises that ``inner``'s results are finite whenever
+  the squares of its inputs are (Adam with ``eps > 0``, momentum, SGD:
+  elementwise, no decomposition). The policy then needs no ``cond``: the
+  step always runs, the squared norm of the updates decides, and the new
+  state is selected elementwise, so XLA can update a donated state in
+  place. Under the ``cond`` its outputs are temporaries as large as the
+  state and the updates (Adam on one 1024 x 4096 leaf: 52 MiB, against none
+  for plain Adam). A gradient whose squared norm overflows is skipped.
+
   Args:
     inner: any :class:`optax.GradientTransformation`.
+    bounded: whether ``inner`` keeps finite inputs finite (above).
 
   Returns:
     A :class:`optax.GradientTransformationExtraArgs` with state
@@ -554,7 +566,29 @@ def skip_nonfinite(
       )
       return new_updates, state._replace(inner_state=new_inner)
 
-    return skip_nonfinite_step(step, updates, state)
+    if not bounded:
+      return skip_nonfinite_step(step, updates, state)
+    # Two sums per leaf: of the squares (the decision) and of the values
+    # scaled by 2^-64 (finite exactly when the values are, at any size),
+    # which sets a skipped step's updates; a finiteness mask of the updates
+    # would be a temporary as large as them.
+    floats = [
+      x.astype(jnp.promote_types(x.dtype, jnp.float32))
+      for x in jax.tree.leaves(updates)
+      if jnp.issubdtype(jnp.result_type(x), jnp.inexact)
+    ]
+    zero = jnp.zeros([], jnp.float32)
+    ok = jnp.isfinite(sum((jnp.sum(jnp.square(x)) for x in floats), zero))
+    values = sum((jnp.sum(x * 2.0**-64) for x in floats), zero)
+    fill = jnp.where(jnp.isfinite(values), 0.0, jnp.nan)
+    new_updates, new_state = step()
+    new_state = keep_types(new_state, state)
+    count = state.notfinite_count
+    return jax.tree.map(
+      lambda u: jnp.where(ok, u, fill.astype(u.dtype)), new_updates
+    ), tree_select(ok, new_state, state)._replace(
+      notfinite_count=jnp.where(ok, count, optax.safe_increment(count))
+    )
 
   return optax.GradientTransformationExtraArgs(
     init_fn,
