@@ -128,3 +128,21 @@ def check_policy(
 def _all_finite(tree: PyTree) -> jax.Array:
   leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]
   return jnp.all(jnp.stack(leaves))
+
+
+def donated_step_temp(
+  tx: optax.GradientTransformation, params: PyTree, grads: PyTree
+) -> int:
+  """XLA temp bytes of a jitted ``update`` + ``apply_updates``, params and
+  state donated: what a policy's (or a step's) temporaries cost."""
+
+  def step(p, s, g):
+    u, s = tx.update(g, s, p)
+    return optax.apply_updates(p, u), s
+
+  compiled = (
+    jax.jit(step, donate_argnums=(0, 1))
+    .lower(params, tx.init(params), grads)
+    .compile()
+  )
+  return compiled.memory_analysis().temp_size_in_bytes

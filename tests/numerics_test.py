@@ -15,6 +15,7 @@ import numpy as np
 import optax
 
 from fisher_optax.fisher import numerics
+from tests import nonfinite_testing
 
 
 class _State(NamedTuple):
@@ -100,17 +101,8 @@ class SkipNonfiniteTest(parameterized.TestCase):
       optax.scale(-1e-3),
     )
 
-    def step(p, s, g):
-      u, s = tx.update(g, s, p)
-      return optax.apply_updates(p, u), s
-
-    memory = (
-      jax.jit(step, donate_argnums=(0, 1))
-      .lower(params, tx.init(params), params)
-      .compile()
-      .memory_analysis()
-    )
-    self.assertLess(memory.temp_size_in_bytes, 1.5 * params.nbytes)
+    temp = nonfinite_testing.donated_step_temp(tx, params, params)
+    self.assertLess(temp, 1.5 * params.nbytes)
 
 
 class MaskedLikeTest(absltest.TestCase):
