@@ -1220,9 +1220,7 @@ def fismo(
             mu_dtype=mu_dtype,
             nesterov=nesterov,
           )
-        ),
-        # With eps > 0 known now, finite gradients keep Adam finite.
-        bounded=(validation.concrete_value(eps) or 0.0) > 0,
+        )
       ),
     },
     param_labels=param_labels,
