@@ -612,11 +612,7 @@ def _fadam_update(
     ok = ok & numerics.tree_all_finite(narrow)
   # The policy's updates on a skipped step: NaN for a non-finite gradient,
   # else zeros; the gradient is read again only on a skipped step.
-  fill = jax.lax.cond(
-    ok,
-    lambda: jnp.zeros([]),
-    lambda: jnp.where(numerics.tree_all_finite(updates), 0.0, jnp.nan),
-  )
+  fill = numerics.skipped_fill(ok, updates)
   steps = [
     (g, m, f)
     if plan is None

@@ -722,11 +722,7 @@ def _windowed_update(
   # optimizer such as Adam) and need no pass of their own.
   # The squared norm is finite exactly when the gradient is and does not
   # overflow, so the gradient is read once more only when it is not.
-  bad_in = jax.lax.cond(
-    healthy,
-    lambda: jnp.zeros([]),
-    lambda: jnp.where(numerics.tree_all_finite(updates), 0.0, jnp.nan),
-  )
+  bad_in = numerics.skipped_fill(healthy, updates)
   low_updates, new = numerics.skip_nonfinite_step(step, bad_in, light)
   out = _expand(scale, leaves, treedef, projs, projector, low_updates)
   ok = new.notfinite_count == 0

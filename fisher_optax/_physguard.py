@@ -457,11 +457,7 @@ def _project(
 
   coefs = jax.tree.map(coefficients, updates, bases)
   ok = numerics.tree_all_finite(coefs) & jnp.isfinite(a)
-  fill = jax.lax.cond(
-    ok,
-    lambda: jnp.zeros([]),
-    lambda: jnp.where(numerics.tree_all_finite(updates), 0.0, jnp.nan),
-  )
+  fill = numerics.skipped_fill(ok, updates)
 
   def project(u: jax.Array, basis: jax.Array, c: jax.Array) -> jax.Array:
     basis = basis.astype(c.dtype)

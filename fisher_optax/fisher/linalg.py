@@ -90,6 +90,12 @@ def _mesh_axes(entry: Any) -> tuple[str, ...]:
   return (entry,) if isinstance(entry, str) else tuple(entry)
 
 
+def _shards(entry: Any) -> int:
+  """How many blocks a spec entry cuts its axis into (current mesh)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  return math.prod(mesh.shape[a] for a in _mesh_axes(entry))
+
+
 def replicated_matmul(
   a: jax.Array, b: jax.Array, *, precision: Any = _HIGHEST
 ) -> jax.Array:
@@ -118,13 +124,11 @@ def replicated_matmul(
   cols = _spec_entry(spec_b, 1)
   if set(_mesh_axes(cols)) & set(_mesh_axes(contract) + _mesh_axes(rows)):
     cols = None
-  mesh = jax.sharding.get_abstract_mesh()
-  blocks = lambda entry: math.prod(mesh.shape[n] for n in _mesh_axes(entry))
-  if a.shape[0] % blocks(rows) or a.shape[1] % blocks(contract):
+  if a.shape[0] % _shards(rows) or a.shape[1] % _shards(contract):
     return jnp.matmul(  # uneven blocks: XLA's collectives
       a, b, precision=precision, out_sharding=jax.sharding.PartitionSpec()
     )
-  if b.shape[1] % blocks(cols):
+  if b.shape[1] % _shards(cols):
     cols = None
   spec_a = jax.sharding.PartitionSpec(rows, contract)
   spec_b = jax.sharding.PartitionSpec(contract, cols)
@@ -163,8 +167,7 @@ def long_side_spec(x: jax.Array) -> Any:
   if moved is None:
     return None
   axes = _mesh_axes(entries[long]) + _mesh_axes(moved)
-  mesh = jax.sharding.get_abstract_mesh()
-  if x.shape[long] % math.prod(mesh.shape[a] for a in axes):
+  if x.shape[long] % _shards(axes):
     return None
   entries[short], entries[long] = None, axes
   return jax.sharding.PartitionSpec(*entries)

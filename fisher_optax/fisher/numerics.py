@@ -387,6 +387,18 @@ def skip_nonfinite_step(
   )
 
 
+def skipped_fill(ok: jax.Array, updates: PyTree) -> jax.Array:
+  """The updates' value on a step the policy skips, for a policy folded
+  into a transform's own sweep: NaN for a non-finite gradient, else 0 (an
+  overflow), and 0 when ``ok``. ``updates`` are read only on a skipped
+  step (see :func:`skip_nonfinite_step`)."""
+  return jax.lax.cond(
+    ok,
+    lambda: jnp.zeros([]),
+    lambda: jnp.where(tree_all_finite(updates), 0.0, jnp.nan),
+  )
+
+
 def finite_or_nan(fn: Callable[..., PyTree], *args: Any) -> PyTree:
   """``fn(*args)`` if every float in ``args`` is finite, else NaN outputs.
 
@@ -570,8 +582,9 @@ def skip_nonfinite(
       return skip_nonfinite_step(step, updates, state)
     # Two sums per leaf: of the squares (the decision) and of the values
     # scaled by 2^-64 (finite exactly when the values are, at any size),
-    # which sets a skipped step's updates; a finiteness mask of the updates
-    # would be a temporary as large as them.
+    # which sets a skipped step's updates. skipped_fill's cond made XLA
+    # keep the step's updates as a temporary here (2.25 leaves of temp on
+    # Adam against 1.0), and a finiteness mask is one too.
     floats = [
       x.astype(jnp.promote_types(x.dtype, jnp.float32))
       for x in jax.tree.leaves(updates)
