@@ -9,6 +9,7 @@ import os
 import pathlib
 import subprocess
 import sys
+from unittest import mock
 
 from absl.testing import absltest
 from absl.testing import parameterized
@@ -713,6 +714,30 @@ class NaturalGaLoreFloat32AccuracyTest(parameterized.TestCase):
     want = low / (damping + np.sum(low**2)) @ p.T
     err = np.linalg.norm(np.asarray(u["w"], np.float64) - want)
     self.assertLess(err / np.linalg.norm(want), 1e-5)
+
+
+class OrthonormalizeTest(parameterized.TestCase):
+  """The sketched refresh's Cholesky-QR and its Householder fallback."""
+
+  def test_partial_breakdown_takes_the_fallback(self):
+    """A Cholesky-QR basis with one NaN entry (a partial breakdown) is
+    refused however wide it is: XLA:CPU's max over 4096 or more elements
+    can skip a NaN, so the orthogonality error alone would pass it."""
+    from fisher_optax import _natural_galore  # noqa: PLC0415
+
+    real, calls = _natural_galore._cholesky_qr, []
+
+    def breaks_last(y, shift=0.0):
+      q = real(y, shift)
+      calls.append(None)
+      return q.at[3, 5].set(jnp.nan) if len(calls) == 3 else q
+
+    y = jax.random.normal(jax.random.key(0), (256, 72))  # 72^2 > 4096
+    with mock.patch.object(_natural_galore, "_cholesky_qr", breaks_last):
+      q = np.asarray(jax.jit(_natural_galore._orthonormalize)(y))
+    self.assertLen(calls, 3)
+    self.assertTrue(np.all(np.isfinite(q)))
+    np.testing.assert_allclose(q.T @ q, np.eye(72), atol=1e-5)
 
 
 class NaturalGaLoreNonfiniteTest(parameterized.TestCase):
