@@ -177,6 +177,40 @@ def time_ratios(
   }
 
 
+def donated_step_runner(
+  tx: optax.GradientTransformation, params: Any, grads: Any
+) -> tuple[Callable[[], Any], Callable[..., Any]]:
+  """A zero-argument callable doing one donated, jitted step per call."""
+
+  def step(p, s, g):
+    updates, s = tx.update(g, s, p)
+    return optax.apply_updates(p, updates), s
+
+  jitted = jax.jit(step, donate_argnums=(0, 1))
+  holder = {"p": jax.tree.map(jnp.copy, params)}
+  holder["s"] = tx.init(holder["p"])
+
+  def run():
+    holder["p"], holder["s"] = jitted(holder["p"], holder["s"], grads)
+    return holder["p"]
+
+  return run, step
+
+
+def minor_faults_per_step(run: Callable[[], Any], steps: int = 5) -> float:
+  """Minor page faults of this process per call of ``run`` (POSIX only)."""
+  try:
+    import resource  # noqa: PLC0415
+  except ImportError:  # not on this platform
+    return float("nan")
+  jax.block_until_ready(run())
+  before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+  for _ in range(steps):
+    jax.block_until_ready(run())
+  after = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+  return (after - before) / steps
+
+
 def compiled_memory_bytes(fn: Callable[..., Any], *args, **kwargs) -> int:
   """XLA temp bytes of ``jit(fn)`` compiled for these arguments (-1 if unknown)."""
   compiled = jax.jit(fn).lower(*args, **kwargs).compile()

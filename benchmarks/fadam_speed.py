@@ -67,26 +67,6 @@ def make_params(
   return params
 
 
-def make_runner(
-  tx: optax.GradientTransformation, params: Any, grads: Any
-) -> tuple[Callable[[], Any], Callable[..., Any]]:
-  """A zero-argument callable doing one donated, jitted step per call."""
-
-  def step(p, s, g):
-    updates, s = tx.update(g, s, p)
-    return optax.apply_updates(p, updates), s
-
-  jitted = jax.jit(step, donate_argnums=(0, 1))
-  holder = {"p": jax.tree.map(jnp.copy, params)}
-  holder["s"] = tx.init(holder["p"])
-
-  def run():
-    holder["p"], holder["s"] = jitted(holder["p"], holder["s"], grads)
-    return holder["p"]
-
-  return run, step
-
-
 def make_plain_runner(
   tx: optax.GradientTransformation, params: Any, grads: Any
 ) -> Callable[[], Any]:
@@ -208,20 +188,6 @@ def anatomy_text(
   )
 
 
-def minor_faults_per_step(run: Callable[[], Any], steps: int = 5) -> float:
-  """Minor page faults of this process per call of ``run`` (POSIX only)."""
-  try:
-    import resource  # pylint: disable=g-import-not-at-top
-  except ImportError:  # not on this platform
-    return float("nan")
-  jax.block_until_ready(run())
-  before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-  for _ in range(steps):
-    jax.block_until_ready(run())
-  after = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-  return (after - before) / steps
-
-
 def main(argv):
   del argv
   if _SMALL.value:
@@ -242,7 +208,7 @@ def main(argv):
   }
   runners, state_bytes, temp_bytes, accessed = {}, {}, {}, {}
   for name, tx in optimizers.items():
-    runners[name], step = make_runner(tx, params, grads)
+    runners[name], step = common.donated_step_runner(tx, params, grads)
     state_bytes[name] = common.tree_bytes(jax.eval_shape(tx.init, params))
     # The step as timed, params and state donated: its intermediates are
     # temporaries (without donation some live in the output buffers).
@@ -256,7 +222,9 @@ def main(argv):
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
     accessed[name] = float((cost or {}).get("bytes accessed", float("nan")))
-  faults = {name: minor_faults_per_step(run) for name, run in runners.items()}
+  faults = {
+    name: common.minor_faults_per_step(run) for name, run in runners.items()
+  }
   timings = common.time_ratios(
     runners, "optax.adamw", rounds=rounds, inner=inner
   )

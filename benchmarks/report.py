@@ -639,6 +639,17 @@ def _fadam_speed_rows(d: dict[str, Any]) -> list[SpeedRow]:
   )
 
 
+def _physguard_speed_rows(d: dict[str, Any]) -> list[SpeedRow]:
+  a, b = d["shape"]
+  return _timing_rows(
+    d,
+    d["timings"],
+    "optax.adamw",
+    lambda n: f"{n}, donated step, {a}x{b} leaf, rank {d['rank']}",
+    d["floors"],
+  )
+
+
 def _fismo_speed_rows(d: dict[str, Any]) -> list[SpeedRow]:
   shapes = ", ".join(f"{a}x{b}" for a, b in d["shapes"])
   return _timing_rows(d, d["timings"], "muon", lambda n: f"{n}, {shapes}")
@@ -726,6 +737,7 @@ SPEED: dict[str, Callable[[dict[str, Any]], list[SpeedRow]]] = {
   "fismo_speed": _fismo_speed_rows,
   "mfac_scaling": _mfac_rows,
   "natural_galore_memory_speed": _natural_galore_rows,
+  "physguard_speed": _physguard_speed_rows,
   "fisher_engine": _fisher_engine_rows,
 }
 

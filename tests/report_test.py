@@ -27,6 +27,7 @@ _SPEED = (
   "fismo_speed",
   "mfac_scaling",
   "natural_galore_memory_speed",
+  "physguard_speed",
   "fisher_engine",
 )
 
