@@ -359,8 +359,9 @@ def project_out_subspace(
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``. Updates shaped unlike the
-    params raise ``ValueError``; a non-finite step returns NaN updates and
-    leaves the state unchanged (``notfinite_count`` counts it).
+    params raise ``ValueError``; a non-finite step leaves the state
+    unchanged (``notfinite_count`` counts it) and returns updates that are
+    NaN where the incoming ones are not finite and zero elsewhere.
 
   Example::
 
@@ -446,7 +447,8 @@ def _project(
   ``B u`` decide it: every row multiplies every entry of ``u``, so they are
   non-finite whenever ``u`` is (``0 * inf`` is NaN) or overflows, and with
   orthonormal rows and ``0 <= alpha <= 1`` the output is no larger than
-  ``u``. The incoming updates are read again only on a skipped step.
+  ``u``. A skipped step's updates are NaN where ``u`` is not finite and
+  zero elsewhere, formed in the same sweep as the output.
   """
   bases = state.protected_subspace.bases
   a = alpha(state.count) if callable(alpha) else alpha
@@ -457,13 +459,17 @@ def _project(
 
   coefs = jax.tree.map(coefficients, updates, bases)
   ok = numerics.tree_all_finite(coefs) & jnp.isfinite(a)
-  fill = numerics.skipped_fill(ok, updates)
 
   def project(u: jax.Array, basis: jax.Array, c: jax.Array) -> jax.Array:
     basis = basis.astype(c.dtype)
     back = linalg.tree_stacked_combine(basis, c)
-    out = u.astype(c.dtype) - jnp.asarray(a, c.dtype) * back
-    return jnp.where(ok, out, fill.astype(c.dtype)).astype(u.dtype)
+    wide = u.astype(c.dtype)
+    out = wide - jnp.asarray(a, c.dtype) * back
+    # A skipped step's updates: NaN where the incoming ones are not finite,
+    # else 0, from the value this sweep reads anyway (a decision over all
+    # of them, under a cond, held them as a temporary).
+    fill = jnp.where(jnp.isfinite(wide), 0.0, jnp.nan).astype(c.dtype)
+    return jnp.where(ok, out, fill).astype(u.dtype)
 
   count, nf = state.count, state.notfinite_count
   return jax.tree.map(project, updates, bases, coefs), state._replace(

@@ -242,6 +242,18 @@ class ProjectOutSubspaceTest(parameterized.TestCase):
     temp = nonfinite_testing.donated_step_temp(tx, params, params)
     self.assertLess(temp, 1.5 * params["w"].nbytes)
 
+  def test_physguard_step_holds_two_leaves_at_most(self):
+    # Adam's updates (the coefficients' operand) and B^T c. A skipped
+    # step's fill decided over all the updates, under a cond, held them a
+    # second time (3.25 leaves in all).
+    rng = np.random.default_rng(0)
+    params = {"w": jnp.asarray(rng.normal(size=(256, 512)), jnp.float32)}
+    grads = jnp.asarray(rng.normal(size=(4, 256, 512)), jnp.float32)
+    sub = fisher_optax.protected_subspace({"w": grads}, max_rank=4)
+    tx = fisher_optax.physguard(1e-3, max_rank=4, subspace=sub)
+    temp = nonfinite_testing.donated_step_temp(tx, params, params)
+    self.assertLessEqual(temp, 2.01 * params["w"].nbytes)
+
   def test_donated_state_keeps_the_users_subspace(self):
     sub, params, u = self._setup()
     want = jax.tree.map(np.asarray, sub.bases)
