@@ -177,16 +177,21 @@ def time_ratios(
   }
 
 
-def donated_step_runner(
-  tx: optax.GradientTransformation, params: Any, grads: Any
-) -> tuple[Callable[[], Any], Callable[..., Any]]:
-  """A zero-argument callable doing one donated, jitted step per call."""
+def _donated_step(tx: optax.GradientTransformation) -> Callable[..., Any]:
+  """``update`` + ``apply_updates``, jitted with params and state donated."""
 
   def step(p, s, g):
     updates, s = tx.update(g, s, p)
     return optax.apply_updates(p, updates), s
 
-  jitted = jax.jit(step, donate_argnums=(0, 1))
+  return jax.jit(step, donate_argnums=(0, 1))
+
+
+def donated_step_runner(
+  tx: optax.GradientTransformation, params: Any, grads: Any
+) -> Callable[[], Any]:
+  """A zero-argument callable doing one donated, jitted step per call."""
+  jitted = _donated_step(tx)
   holder = {"p": jax.tree.map(jnp.copy, params)}
   holder["s"] = tx.init(holder["p"])
 
@@ -194,7 +199,24 @@ def donated_step_runner(
     holder["p"], holder["s"] = jitted(holder["p"], holder["s"], grads)
     return holder["p"]
 
-  return run, step
+  return run
+
+
+def compiled_donated_step(
+  tx: optax.GradientTransformation, params: Any, grads: Any
+) -> Any:
+  """The step of :func:`donated_step_runner`, compiled (as timed, params and
+  state donated: its intermediates are temporaries, where without donation
+  some would live in the output buffers)."""
+  return _donated_step(tx).lower(params, tx.init(params), grads).compile()
+
+
+def temp_bytes(compiled: Any) -> int:
+  """XLA temp bytes of a compiled function (-1 if unknown)."""
+  analysis = compiled.memory_analysis()
+  if analysis is None:
+    return -1
+  return int(getattr(analysis, "temp_size_in_bytes", -1))
 
 
 def minor_faults_per_step(run: Callable[[], Any], steps: int = 5) -> float:
@@ -213,11 +235,7 @@ def minor_faults_per_step(run: Callable[[], Any], steps: int = 5) -> float:
 
 def compiled_memory_bytes(fn: Callable[..., Any], *args, **kwargs) -> int:
   """XLA temp bytes of ``jit(fn)`` compiled for these arguments (-1 if unknown)."""
-  compiled = jax.jit(fn).lower(*args, **kwargs).compile()
-  analysis = compiled.memory_analysis()
-  if analysis is None:
-    return -1
-  return int(getattr(analysis, "temp_size_in_bytes", -1))
+  return temp_bytes(jax.jit(fn).lower(*args, **kwargs).compile())
 
 
 def tree_bytes(tree: PyTree) -> int:

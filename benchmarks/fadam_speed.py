@@ -208,17 +208,10 @@ def main(argv):
   }
   runners, state_bytes, temp_bytes, accessed = {}, {}, {}, {}
   for name, tx in optimizers.items():
-    runners[name], step = common.donated_step_runner(tx, params, grads)
+    runners[name] = common.donated_step_runner(tx, params, grads)
     state_bytes[name] = common.tree_bytes(jax.eval_shape(tx.init, params))
-    # The step as timed, params and state donated: its intermediates are
-    # temporaries (without donation some live in the output buffers).
-    compiled = (
-      jax.jit(step, donate_argnums=(0, 1))
-      .lower(params, tx.init(params), grads)
-      .compile()
-    )
-    memory = compiled.memory_analysis()
-    temp_bytes[name] = memory.temp_size_in_bytes if memory else -1
+    compiled = common.compiled_donated_step(tx, params, grads)
+    temp_bytes[name] = common.temp_bytes(compiled)
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
     accessed[name] = float((cost or {}).get("bytes accessed", float("nan")))

@@ -142,14 +142,10 @@ def main(argv: Any) -> None:
   }
   runners, temp = {}, {}
   for name, tx in optimizers.items():
-    runners[name], step = common.donated_step_runner(tx, params, grads)
-    compiled = (
-      jax.jit(step, donate_argnums=(0, 1))
-      .lower(params, tx.init(params), grads)
-      .compile()
+    runners[name] = common.donated_step_runner(tx, params, grads)
+    temp[name] = common.temp_bytes(
+      common.compiled_donated_step(tx, params, grads)
     )
-    memory = compiled.memory_analysis()
-    temp[name] = memory.temp_size_in_bytes if memory else -1
   faults = {
     name: common.minor_faults_per_step(run) for name, run in runners.items()
   }
