@@ -42,6 +42,7 @@ Decisions where the paper and its reference code leave a choice:
 from __future__ import annotations
 
 from collections.abc import Callable
+import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -435,6 +436,39 @@ def _check_updates(updates: PyTree, state: ProjectOutSubspaceState) -> None:
   )
 
 
+# Up to this many rows, B^T c is summed row by row in the output's sweep;
+# as one matrix product it is a leaf-sized temporary (small next to reading
+# many rows).
+_UNROLLED_ROWS = 16
+
+
+def _coefficients(updates: PyTree, bases: PyTree) -> PyTree:
+  """``B u`` per leaf, in the bases' compute dtype."""
+
+  def leaf(u: jax.Array, basis: jax.Array) -> jax.Array:
+    cd = numerics.compute_dtype(basis)
+    return linalg.tree_stacked_dot(basis.astype(cd), u.astype(cd))
+
+  return jax.tree.map(leaf, updates, bases)
+
+
+def _projected(
+  u: jax.Array, basis: jax.Array, c: jax.Array, a: Any
+) -> jax.Array:
+  """``u - a B^T c`` in ``c``'s dtype."""
+  basis = basis.astype(c.dtype)
+  if basis.shape[0] <= _UNROLLED_ROWS:
+    rows = range(1, basis.shape[0])
+    back = sum((c[k] * basis[k] for k in rows), c[0] * basis[0])
+  else:
+    back = linalg.tree_stacked_combine(basis, c)
+  return u.astype(c.dtype) - jnp.asarray(a, c.dtype) * back
+
+
+def _alpha(alpha: ScalarOrSchedule, count: jax.Array) -> Any:
+  return alpha(count) if callable(alpha) else alpha
+
+
 def _project(
   updates: PyTree, state: ProjectOutSubspaceState, alpha: ScalarOrSchedule
 ) -> tuple[PyTree, ProjectOutSubspaceState]:
@@ -450,32 +484,143 @@ def _project(
   ``u``. A skipped step's updates are NaN where ``u`` is not finite and
   zero elsewhere, formed in the same sweep as the output.
   """
-  bases = state.protected_subspace.bases
-  a = alpha(state.count) if callable(alpha) else alpha
-
-  def coefficients(u: jax.Array, basis: jax.Array) -> jax.Array:
-    cd = numerics.compute_dtype(basis)
-    return linalg.tree_stacked_dot(basis.astype(cd), u.astype(cd))
-
-  coefs = jax.tree.map(coefficients, updates, bases)
+  a = _alpha(alpha, state.count)
+  coefs = _coefficients(updates, state.protected_subspace.bases)
   ok = numerics.tree_all_finite(coefs) & jnp.isfinite(a)
 
   def project(u: jax.Array, basis: jax.Array, c: jax.Array) -> jax.Array:
-    basis = basis.astype(c.dtype)
-    back = linalg.tree_stacked_combine(basis, c)
-    wide = u.astype(c.dtype)
-    out = wide - jnp.asarray(a, c.dtype) * back
     # A skipped step's updates: NaN where the incoming ones are not finite,
     # else 0, from the value this sweep reads anyway (a decision over all
     # of them, under a cond, held them as a temporary).
-    fill = jnp.where(jnp.isfinite(wide), 0.0, jnp.nan).astype(c.dtype)
-    return jnp.where(ok, out, fill).astype(u.dtype)
+    fill = jnp.where(jnp.isfinite(u), 0.0, jnp.nan).astype(c.dtype)
+    return jnp.where(ok, _projected(u, basis, c, a), fill).astype(u.dtype)
 
   count, nf = state.count, state.notfinite_count
+  bases = state.protected_subspace.bases
   return jax.tree.map(project, updates, bases, coefs), state._replace(
     count=jnp.where(ok, optax.safe_increment(count), count),
     notfinite_count=jnp.where(ok, nf, optax.safe_increment(nf)),
   )
+
+
+def _adam_direction(
+  state: optax.ScaleByAdamState, like: PyTree, b1: float, b2: float, eps: float
+) -> PyTree:
+  """The update :func:`optax.scale_by_adam` (no Nesterov, ``eps_root=0``)
+  returns with ``state``, its new state (``count`` already incremented), in
+  the dtypes of ``like``."""
+  mu = optax.tree.bias_correction(state.mu, b1, state.count)
+  nu = optax.tree.bias_correction(state.nu, b2, state.count)
+  return jax.tree.map(
+    lambda m, v, g: (m / (jnp.sqrt(v) + eps)).astype(jnp.result_type(g)),
+    mu,
+    nu,
+    like,
+  )
+
+
+def _adam_then_project(
+  adam: optax.GradientTransformation,
+  decay: optax.GradientTransformation,
+  learning_rate: optax.GradientTransformation,
+  alpha: ScalarOrSchedule,
+  hyper: tuple[float, float, float],
+) -> Callable[..., tuple[PyTree, tuple[Any, ...]]]:
+  """The update of :func:`physguard`'s chain with the projection after Adam
+  (``eps > 0``), as one step with one decision.
+
+  The chain is ``skip_nonfinite(adam, bounded=True)``, the decay, the
+  projection and the learning rate under :func:`numerics.chain_following`.
+  This returns the chain's updates, states and counts (a test compares them
+  step by step); what differs is what XLA holds and reads. Chained, the
+  coefficients ``B u`` read Adam's updates after its policy's select, and
+  XLA held them twice (the select as the product's operand, Adam's output
+  for the last sweep); the decision's squares, shared with Adam's, were a
+  leaf-sized temporary too. Here:
+
+  * the coefficients read Adam's raw updates, their only reader (on a step
+    Adam's policy skips they are unused; the chain projected its fill);
+  * the moments are selected once the decision is known, from fresh
+    inputs, and the output recomputes Adam's direction from the stored
+    moments, as :func:`optax.adamw`'s step does (read there, the old
+    moments would make XLA copy donated ones);
+  * the decision squares fresh inputs.
+
+  ``hyper`` is Adam's ``(b1, b2, eps)``.
+  """
+  b1, b2, eps = hyper
+
+  def update_fn(
+    updates: PyTree,
+    state: tuple[Any, ...],
+    params: PyTree | None = None,
+    **extra_args: Any,
+  ) -> tuple[PyTree, tuple[Any, ...]]:
+    adam_state, decay_state, project_state, lr_state = state
+    _check_updates(updates, project_state)
+    fresh = jax.lax.optimization_barrier  # values XLA cannot merge (CSE)
+    ok_adam = numerics.squares_finite(fresh(updates))
+    bases = project_state.protected_subspace.bases
+
+    def skipped() -> tuple[jax.Array, jax.Array]:
+      # Adam's fill (NaN for a non-finite gradient, else 0) and whether the
+      # chain's projection of it, decayed, is finite. Run only on a skip.
+      fill = jnp.where(numerics.tree_all_finite(updates), 0.0, jnp.nan)
+      filled = jax.tree.map(lambda g: jnp.full_like(g, fill), updates)
+      filled, _ = decay.update(filled, decay_state, params)
+      return fill, numerics.tree_all_finite(_coefficients(filled, bases))
+
+    fill, fill_projects = jax.lax.cond(
+      ok_adam, lambda: (jnp.zeros([]), jnp.asarray(True)), skipped
+    )
+    raw, _ = adam.update(updates, adam_state.inner_state, params, **extra_args)
+    raw, _ = decay.update(raw, decay_state, params)
+    a = _alpha(alpha, project_state.count)
+    coefs = _coefficients(raw, bases)
+    ok_project = jnp.isfinite(a) & jnp.where(
+      ok_adam, numerics.tree_all_finite(coefs), fill_projects
+    )
+    ok = ok_adam & ok_project
+
+    def kept(new: Any, old: Any) -> Any:
+      return numerics.tree_select(ok, numerics.keep_types(new, old), old)
+
+    g, inner = fresh(((updates, adam_state.inner_state), ok))[0]
+    _, new_adam = adam.update(g, inner, params, **extra_args)
+    new_adam = kept(new_adam, adam_state.inner_state)
+    u = _adam_direction(new_adam, updates, b1, b2, eps)
+    u, new_decay = decay.update(u, decay_state, params)
+    out = jax.tree.map(functools.partial(_projected, a=a), u, bases, coefs)
+    out, new_lr = learning_rate.update(out, lr_state, params)
+
+    # The chain's projection also skipped NaN where the decay alone is not
+    # finite (non-finite params).
+    decayed, _ = decay.update(
+      jax.tree.map(jnp.zeros_like, updates), decay_state, params
+    )
+
+    def output(o: jax.Array, d: jax.Array, g: jax.Array) -> jax.Array:
+      skip = jnp.where(jnp.isfinite(d), fill, jnp.nan)
+      return jnp.where(ok, o, skip).astype(jnp.result_type(g))
+
+    out = jax.tree.map(output, out, decayed, updates)
+    inc = optax.safe_increment
+    nf_adam = adam_state.notfinite_count
+    nf_project = project_state.notfinite_count
+    count = project_state.count
+    return out, (
+      numerics.SkipNonfiniteState(
+        new_adam, jnp.where(ok_adam, nf_adam, inc(nf_adam))
+      ),
+      kept(new_decay, decay_state),
+      project_state._replace(
+        count=jnp.where(ok, inc(count), count),
+        notfinite_count=jnp.where(ok_project, nf_project, inc(nf_project)),
+      ),
+      kept(new_lr, lr_state),
+    )
+
+  return update_fn
 
 
 def physguard(
@@ -563,16 +708,17 @@ def physguard(
   # With eps > 0 known now, Adam keeps finite gradients finite: its policy
   # needs no cond (see numerics.skip_nonfinite).
   positive_eps = (validation.concrete_value(eps) or 0.0) > 0
-  adam = numerics.skip_nonfinite(
-    numerics.widen_float16_state(optax.scale_by_adam(b1=b1, b2=b2, eps=eps)),
-    bounded=positive_eps,
+  scale = numerics.widen_float16_state(
+    optax.scale_by_adam(b1=b1, b2=b2, eps=eps)
   )
+  adam = numerics.skip_nonfinite(scale, bounded=positive_eps)
   decay = optax.add_decayed_weights(weight_decay, mask)
   if placement == "after":
     parts = (adam, decay, project)
   else:
     parts = (project, adam, decay)
-  chain = optax.chain(*parts, optax.scale_by_learning_rate(learning_rate))
+  lr = optax.scale_by_learning_rate(learning_rate)
+  chain = optax.chain(*parts, lr)
   # A step Adam skips as overflowing reaches the projection (or came from
   # it) as a finite one: the projection's and the schedule's counts must
   # not move on it either.
@@ -580,6 +726,11 @@ def physguard(
     chain, (parts.index(adam), parts.index(project))
   )
   at_project = parts.index(project)
+  if placement == "after" and positive_eps:
+    return optax.GradientTransformationExtraArgs(
+      chain.init,
+      _adam_then_project(scale, decay, lr, alpha, (b1, b2, eps)),  # pyright: ignore[reportArgumentType]
+    )
 
   def update_fn(updates, state, params=None, **extra_args):
     # Checked before Adam, which would broadcast a scalar gradient.

@@ -11,6 +11,7 @@ import optax
 import pytest
 
 import fisher_optax
+from fisher_optax.fisher import numerics
 from tests import nonfinite_testing
 
 
@@ -242,17 +243,20 @@ class ProjectOutSubspaceTest(parameterized.TestCase):
     temp = nonfinite_testing.donated_step_temp(tx, params, params)
     self.assertLess(temp, 1.5 * params["w"].nbytes)
 
-  def test_physguard_step_holds_two_leaves_at_most(self):
-    # Adam's updates (the coefficients' operand) and B^T c. A skipped
-    # step's fill decided over all the updates, under a cond, held them a
-    # second time (3.25 leaves in all).
+  @parameterized.parameters(0.0, 0.1)
+  def test_physguard_step_holds_one_leaf(self, weight_decay):
+    # Adam's updates, the coefficients' operand. Chained, the step held
+    # them twice, Adam's output and its policy's select (3.25 leaves when a
+    # cond decided the fill).
     rng = np.random.default_rng(0)
     params = {"w": jnp.asarray(rng.normal(size=(256, 512)), jnp.float32)}
     grads = jnp.asarray(rng.normal(size=(4, 256, 512)), jnp.float32)
     sub = fisher_optax.protected_subspace({"w": grads}, max_rank=4)
-    tx = fisher_optax.physguard(1e-3, max_rank=4, subspace=sub)
+    tx = fisher_optax.physguard(
+      1e-3, max_rank=4, subspace=sub, weight_decay=weight_decay
+    )
     temp = nonfinite_testing.donated_step_temp(tx, params, params)
-    self.assertLessEqual(temp, 2.01 * params["w"].nbytes)
+    self.assertLessEqual(temp, 1.01 * params["w"].nbytes)
 
   def test_donated_state_keeps_the_users_subspace(self):
     sub, params, u = self._setup()
@@ -340,6 +344,63 @@ class PhysGuardNonfiniteAndDtypeTest(parameterized.TestCase):
       1e-2, max_rank=6, subspace=sub, placement=placement, weight_decay=1e-2
     )
     nonfinite_testing.check_policy(self, tx, params, grads)
+
+  @parameterized.product(
+    dtype=(jnp.float32, jnp.bfloat16, jnp.float16), schedules=(False, True)
+  )
+  def test_physguard_after_is_its_chain(self, dtype, schedules):
+    # physguard runs Adam, the decay and the projection as one step; the
+    # chain it stands for, step by step: updates, states and counts on
+    # finite, NaN, infinite and overflowing gradients, and a NaN alpha.
+    sub, params, grads = self._setup()
+    params = jax.tree.map(lambda x: x.astype(dtype), params)
+    mask = {"w": True, "b": False, "s": True}
+    lr = optax.linear_schedule(0.1, 0.01, 4) if schedules else 0.05
+    alphas = jnp.array([1.0, 0.7, 0.5, jnp.nan, 0.9, 0.8, 1.0, 1.0, 1.0])
+    alpha = (lambda count: alphas[count]) if schedules else 0.8
+    kw = dict(b1=0.8, b2=0.95, eps=1e-6, weight_decay=0.1, mask=mask)
+    ours = fisher_optax.physguard(
+      lr, max_rank=6, subspace=sub, alpha=alpha, **kw
+    )
+    adam = numerics.skip_nonfinite(
+      numerics.widen_float16_state(
+        optax.scale_by_adam(b1=kw["b1"], b2=kw["b2"], eps=kw["eps"])
+      ),
+      bounded=True,
+    )
+    parts = (
+      adam,
+      optax.add_decayed_weights(kw["weight_decay"], mask),
+      fisher_optax.project_out_subspace(6, alpha, sub),
+    )
+    chain = numerics.chain_following(
+      optax.chain(*parts, optax.scale_by_learning_rate(lr)), (0, 2)
+    )
+    big = 1e30 if dtype != jnp.float16 else 6e4  # f16: squares stay finite
+    edits = ("big", "nan", None, "inf", None, "big", None, "nan param", None)
+    s_ours, s_ref = ours.init(params), chain.init(params)
+    step_ours, step_ref = jax.jit(ours.update), jax.jit(chain.update)
+    tol = 1e-6 if dtype == jnp.float32 else 1e-2
+    for i, edit in enumerate(edits):
+      g = jax.tree.map(lambda x, i=i: (x * (1.0 + i)).astype(dtype), grads)
+      p = params
+      if edit == "nan param":  # Decayed into the projection's input.
+        p = {**p, "w": p["w"].at[0, 0].set(jnp.nan)}
+      elif edit is not None:
+        value = {"nan": jnp.nan, "inf": jnp.inf, "big": big}[edit]
+        g = {**g, "b": g["b"].at[1].set(value)}
+      u_ours, s_ours = step_ours(g, s_ours, p)
+      u_ref, s_ref = step_ref(g, s_ref, p)
+      chex.assert_trees_all_close(u_ours, u_ref, rtol=tol, atol=tol)
+      chex.assert_trees_all_equal_dtypes(u_ours, u_ref)
+      chex.assert_trees_all_close(s_ours, s_ref, rtol=tol, atol=tol)
+      chex.assert_trees_all_equal_dtypes(s_ours, s_ref)
+      u_ref = jax.tree.map(lambda u: jnp.where(jnp.isnan(u), 0, u), u_ref)
+      params = optax.apply_updates(params, u_ref)
+    adam_skips = 2 if dtype == jnp.float16 else 4  # nan, inf (and big)
+    self.assertEqual(int(s_ours[0].notfinite_count), adam_skips)
+    # nan, inf, the NaN param (and alpha's NaN once the count reaches 3)
+    self.assertGreaterEqual(int(s_ours[2].notfinite_count), 3 + schedules)
 
   @pytest.mark.timeout(120)
   def test_protected_subspace_never_decomposes_nonfinite_gradients(self):

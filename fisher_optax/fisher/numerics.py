@@ -510,6 +510,33 @@ def matrix_by_matrix(fn: Callable[..., PyTree]) -> Callable[..., PyTree]:
   return lane_by_lane(run)
 
 
+def _wide_floats(tree: PyTree) -> list[jax.Array]:
+  return [
+    x.astype(jnp.promote_types(x.dtype, jnp.float32))
+    for x in jax.tree.leaves(tree)
+    if jnp.issubdtype(jnp.result_type(x), jnp.inexact)
+  ]
+
+
+def squares_finite(updates: PyTree) -> jax.Array:
+  """Whether the float leaves' squared norm is finite: the decision of a
+  policy whose step is bounded (see :func:`skip_nonfinite`).
+
+  False for any NaN or infinity, and for values whose squares overflow
+  (in float32 at least), which would overflow a second moment.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from fisher_optax.fisher import numerics
+    >>> [bool(numerics.squares_finite(jnp.array([x, 1.0])))
+    ...  for x in (2.0, 1e30, jnp.nan)]
+    [True, False, False]
+  """
+  zero = jnp.zeros([], jnp.float32)
+  total = sum((jnp.sum(jnp.square(x)) for x in _wide_floats(updates)), zero)
+  return jnp.isfinite(total)
+
+
 class SkipNonfiniteState(NamedTuple):
   """State of :func:`skip_nonfinite`.
 
@@ -585,13 +612,9 @@ def skip_nonfinite(
     # which sets a skipped step's updates. skipped_fill's cond made XLA
     # keep the step's updates as a temporary here (2.25 leaves of temp on
     # Adam against 1.0), and a finiteness mask is one too.
-    floats = [
-      x.astype(jnp.promote_types(x.dtype, jnp.float32))
-      for x in jax.tree.leaves(updates)
-      if jnp.issubdtype(jnp.result_type(x), jnp.inexact)
-    ]
+    floats = _wide_floats(updates)
     zero = jnp.zeros([], jnp.float32)
-    ok = jnp.isfinite(sum((jnp.sum(jnp.square(x)) for x in floats), zero))
+    ok = squares_finite(updates)
     values = sum((jnp.sum(x * 2.0**-64) for x in floats), zero)
     fill = jnp.where(jnp.isfinite(values), 0.0, jnp.nan)
     new_updates, new_state = step()
