@@ -414,7 +414,8 @@ def project_out_subspace(
   def update_fn(updates, state, params=None, **extra_args):
     del params, extra_args
     _check_updates(updates, state)
-    return _project(updates, state, alpha)
+    out, ok = _projection(updates, state, alpha)
+    return out, _counted(state, ok, ok)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
@@ -469,10 +470,11 @@ def _alpha(alpha: ScalarOrSchedule, count: jax.Array) -> Any:
   return alpha(count) if callable(alpha) else alpha
 
 
-def _project(
+def _projection(
   updates: PyTree, state: ProjectOutSubspaceState, alpha: ScalarOrSchedule
-) -> tuple[PyTree, ProjectOutSubspaceState]:
-  """``u - alpha B^T (B u)`` per leaf, under the non-finite policy.
+) -> tuple[PyTree, jax.Array]:
+  """``u - alpha B^T (B u)`` per leaf under the non-finite policy, and the
+  policy's decision.
 
   The policy (:func:`fisher_optax.fisher.numerics.skip_nonfinite_step`'s)
   is folded in rather than wrapped around the step: its ``cond`` would hold
@@ -485,7 +487,8 @@ def _project(
   zero elsewhere, formed in the same sweep as the output.
   """
   a = _alpha(alpha, state.count)
-  coefs = _coefficients(updates, state.protected_subspace.bases)
+  bases = state.protected_subspace.bases
+  coefs = _coefficients(updates, bases)
   ok = numerics.tree_all_finite(coefs) & jnp.isfinite(a)
 
   def project(u: jax.Array, basis: jax.Array, c: jax.Array) -> jax.Array:
@@ -495,11 +498,19 @@ def _project(
     fill = jnp.where(jnp.isfinite(u), 0.0, jnp.nan).astype(c.dtype)
     return jnp.where(ok, _projected(u, basis, c, a), fill).astype(u.dtype)
 
+  return jax.tree.map(project, updates, bases, coefs), ok
+
+
+def _counted(
+  state: ProjectOutSubspaceState, counts: jax.Array, ok: jax.Array
+) -> ProjectOutSubspaceState:
+  """``state`` after a step: ``count`` moves where ``counts``, and
+  ``notfinite_count`` where not ``ok``."""
+  inc = optax.safe_increment
   count, nf = state.count, state.notfinite_count
-  bases = state.protected_subspace.bases
-  return jax.tree.map(project, updates, bases, coefs), state._replace(
-    count=jnp.where(ok, optax.safe_increment(count), count),
-    notfinite_count=jnp.where(ok, nf, optax.safe_increment(nf)),
+  return state._replace(
+    count=jnp.where(counts, inc(count), count),
+    notfinite_count=jnp.where(ok, nf, inc(nf)),
   )
 
 
@@ -519,36 +530,41 @@ def _adam_direction(
   )
 
 
-def _adam_then_project(
+def _fused_step(
   adam: optax.GradientTransformation,
   decay: optax.GradientTransformation,
   learning_rate: optax.GradientTransformation,
   alpha: ScalarOrSchedule,
   hyper: tuple[float, float, float],
+  placement: str,
 ) -> Callable[..., tuple[PyTree, tuple[Any, ...]]]:
-  """The update of :func:`physguard`'s chain with the projection after Adam
-  (``eps > 0``), as one step with one decision.
+  """The update of :func:`physguard`'s chain (``eps > 0``) as one step with
+  one decision.
 
-  The chain is ``skip_nonfinite(adam, bounded=True)``, the decay, the
-  projection and the learning rate under :func:`numerics.chain_following`.
-  This returns the chain's updates, states and counts (a test compares them
-  step by step); what differs is what XLA holds and reads. Chained, the
-  coefficients ``B u`` read Adam's updates after its policy's select, and
-  XLA held them twice (the select as the product's operand, Adam's output
-  for the last sweep); the decision's squares, shared with Adam's, were a
-  leaf-sized temporary too. Here:
+  The chain is ``skip_nonfinite(adam, bounded=True)``, the decay and the
+  projection (after Adam, or before it) and the learning rate under
+  :func:`numerics.chain_following`. This returns the chain's updates,
+  states and counts (a test compares them step by step); what differs is
+  what XLA holds and reads. Chained, the coefficients ``B u`` after Adam
+  read its updates after its policy's select, and XLA held them twice (the
+  select as the product's operand, Adam's output for the last sweep); the
+  output read the old moments while the selects overwrote them in place, so
+  XLA copied donated moments (before Adam); the decision's squares, shared
+  with Adam's, were a leaf-sized temporary. Here:
 
-  * the coefficients read Adam's raw updates, their only reader (on a step
-    Adam's policy skips they are unused; the chain projected its fill);
+  * after Adam, the coefficients read Adam's raw updates, their only
+    reader (on a step Adam's policy skips they are unused; the chain
+    projected its fill, whose fate a ``cond`` decides on a skip only);
   * the moments are selected once the decision is known, from fresh
     inputs, and the output recomputes Adam's direction from the stored
-    moments, as :func:`optax.adamw`'s step does (read there, the old
-    moments would make XLA copy donated ones);
+    moments, as :func:`optax.adamw`'s step does;
   * the decision squares fresh inputs.
 
   ``hyper`` is Adam's ``(b1, b2, eps)``.
   """
   b1, b2, eps = hyper
+  after = placement == "after"
+  fresh = jax.lax.optimization_barrier  # values XLA cannot merge (CSE)
 
   def update_fn(
     updates: PyTree,
@@ -556,44 +572,53 @@ def _adam_then_project(
     params: PyTree | None = None,
     **extra_args: Any,
   ) -> tuple[PyTree, tuple[Any, ...]]:
-    adam_state, decay_state, project_state, lr_state = state
+    if after:
+      adam_state, decay_state, project_state, lr_state = state
+    else:
+      project_state, adam_state, decay_state, lr_state = state
     _check_updates(updates, project_state)
-    fresh = jax.lax.optimization_barrier  # values XLA cannot merge (CSE)
-    ok_adam = numerics.squares_finite(fresh(updates))
     bases = project_state.protected_subspace.bases
-
-    def skipped() -> tuple[jax.Array, jax.Array]:
-      # Adam's fill (NaN for a non-finite gradient, else 0) and whether the
-      # chain's projection of it, decayed, is finite. Run only on a skip.
-      fill = jnp.where(numerics.tree_all_finite(updates), 0.0, jnp.nan)
-      filled = jax.tree.map(lambda g: jnp.full_like(g, fill), updates)
-      filled, _ = decay.update(filled, decay_state, params)
-      return fill, numerics.tree_all_finite(_coefficients(filled, bases))
-
-    fill, fill_projects = jax.lax.cond(
-      ok_adam, lambda: (jnp.zeros([]), jnp.asarray(True)), skipped
-    )
-    raw, _ = adam.update(updates, adam_state.inner_state, params, **extra_args)
-    raw, _ = decay.update(raw, decay_state, params)
     a = _alpha(alpha, project_state.count)
-    coefs = _coefficients(raw, bases)
-    ok_project = jnp.isfinite(a) & jnp.where(
-      ok_adam, numerics.tree_all_finite(coefs), fill_projects
-    )
+    coefs = None
+    if after:
+      g = updates
+      ok_adam = numerics.squares_finite(fresh(g))
+
+      def skipped() -> tuple[jax.Array, jax.Array]:
+        # Adam's fill (NaN for a non-finite gradient, else 0) and whether
+        # the chain's projection of it, decayed, is finite.
+        fill = jnp.where(numerics.tree_all_finite(g), 0.0, jnp.nan)
+        filled = jax.tree.map(lambda x: jnp.full_like(x, fill), g)
+        filled, _ = decay.update(filled, decay_state, params)
+        return fill, numerics.tree_all_finite(_coefficients(filled, bases))
+
+      fill, fill_projects = jax.lax.cond(
+        ok_adam, lambda: (jnp.zeros([]), jnp.asarray(True)), skipped
+      )
+      raw, _ = adam.update(g, adam_state.inner_state, params, **extra_args)
+      raw, _ = decay.update(raw, decay_state, params)
+      coefs = _coefficients(raw, bases)
+      ok_project = jnp.isfinite(a) & jnp.where(
+        ok_adam, numerics.tree_all_finite(coefs), fill_projects
+      )
+    else:
+      g, ok_project = _projection(updates, project_state, alpha)
+      ok_adam = numerics.squares_finite(fresh(g))
+      fill = numerics.skipped_fill(ok_adam, g)
     ok = ok_adam & ok_project
 
     def kept(new: Any, old: Any) -> Any:
       return numerics.tree_select(ok, numerics.keep_types(new, old), old)
 
-    g, inner = fresh(((updates, adam_state.inner_state), ok))[0]
-    _, new_adam = adam.update(g, inner, params, **extra_args)
+    g_fresh, inner = fresh(((g, adam_state.inner_state), ok))[0]
+    _, new_adam = adam.update(g_fresh, inner, params, **extra_args)
     new_adam = kept(new_adam, adam_state.inner_state)
     u = _adam_direction(new_adam, updates, b1, b2, eps)
     u, new_decay = decay.update(u, decay_state, params)
-    out = jax.tree.map(functools.partial(_projected, a=a), u, bases, coefs)
-    out, new_lr = learning_rate.update(out, lr_state, params)
-
-    # The chain's projection also skipped NaN where the decay alone is not
+    if coefs is not None:
+      u = jax.tree.map(functools.partial(_projected, a=a), u, bases, coefs)
+    out, new_lr = learning_rate.update(u, lr_state, params)
+    # The chain's skipped updates are also NaN where the decay alone is not
     # finite (non-finite params).
     decayed, _ = decay.update(
       jax.tree.map(jnp.zeros_like, updates), decay_state, params
@@ -604,21 +629,16 @@ def _adam_then_project(
       return jnp.where(ok, o, skip).astype(jnp.result_type(g))
 
     out = jax.tree.map(output, out, decayed, updates)
-    inc = optax.safe_increment
     nf_adam = adam_state.notfinite_count
-    nf_project = project_state.notfinite_count
-    count = project_state.count
-    return out, (
-      numerics.SkipNonfiniteState(
-        new_adam, jnp.where(ok_adam, nf_adam, inc(nf_adam))
-      ),
-      kept(new_decay, decay_state),
-      project_state._replace(
-        count=jnp.where(ok, inc(count), count),
-        notfinite_count=jnp.where(ok_project, nf_project, inc(nf_project)),
-      ),
-      kept(new_lr, lr_state),
+    adam_state = numerics.SkipNonfiniteState(
+      new_adam, jnp.where(ok_adam, nf_adam, optax.safe_increment(nf_adam))
     )
+    project_state = _counted(project_state, ok, ok_project)
+    decay_state = kept(new_decay, decay_state)
+    lr_state = kept(new_lr, lr_state)
+    if after:
+      return out, (adam_state, decay_state, project_state, lr_state)
+    return out, (project_state, adam_state, decay_state, lr_state)
 
   return update_fn
 
@@ -726,10 +746,10 @@ def physguard(
     chain, (parts.index(adam), parts.index(project))
   )
   at_project = parts.index(project)
-  if placement == "after" and positive_eps:
+  if positive_eps:
     return optax.GradientTransformationExtraArgs(
       chain.init,
-      _adam_then_project(scale, decay, lr, alpha, (b1, b2, eps)),  # pyright: ignore[reportArgumentType]
+      _fused_step(scale, decay, lr, alpha, (b1, b2, eps), placement),  # pyright: ignore[reportArgumentType]
     )
 
   def update_fn(updates, state, params=None, **extra_args):
