@@ -141,17 +141,18 @@ class ProtectedSubspaceTest(parameterized.TestCase):
 
 
 class ProjectOutSubspaceTest(parameterized.TestCase):
-  def _setup(self):
+  def _setup(self, max_rank=6):
     g = _grads(3)
-    sub = fisher_optax.protected_subspace(g, max_rank=6, tau=0.99)
+    sub = fisher_optax.protected_subspace(g, max_rank=max_rank, tau=0.99)
     params = jax.tree.map(lambda x: x[0], g)
     u = jax.tree.map(lambda x: x[1] + 0.3, g)
     return sub, params, u
 
-  @parameterized.parameters(0.0, 0.4, 1.0)
-  def test_removes_alpha_of_protected_component(self, alpha):
-    sub, params, u = self._setup()
-    tx = fisher_optax.project_out_subspace(6, alpha, sub)
+  # 20 rows: B^T c as one product rather than a sum row by row.
+  @parameterized.product(alpha=(0.0, 0.4, 1.0), max_rank=(6, 20))
+  def test_removes_alpha_of_protected_component(self, alpha, max_rank):
+    sub, params, u = self._setup(max_rank)
+    tx = fisher_optax.project_out_subspace(max_rank, alpha, sub)
     out, state = jax.jit(tx.update)(u, tx.init(params), params)
     for name in u:
       b = _flat(sub.bases[name])
