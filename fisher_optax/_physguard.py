@@ -346,7 +346,10 @@ def project_out_subspace(
   is PhysGuard (the optimizer then sees projected gradients, but Adam's
   per-coordinate scaling re-mixes them); placed after the optimizer it
   guarantees the applied update is orthogonal to the protected directions
-  (the default of :func:`physguard`).
+  (the default of :func:`physguard`). :func:`physguard` runs Adam, the
+  decay and this projection as one step under one non-finite decision,
+  which holds fewer temporaries than the same transforms chained; chain
+  this one after other optimizers.
 
   Args:
     max_rank: rows per leaf of the stored bases. Static int.
