@@ -368,7 +368,9 @@ class PhysGuardNonfiniteAndDtypeTest(parameterized.TestCase):
     params = jax.tree.map(lambda x: x.astype(dtype), params)
     mask = {"w": True, "b": False, "s": True}
     lr = optax.linear_schedule(0.1, 0.01, 4) if schedules else 0.05
-    alphas = jnp.array([1.0, 0.7, 0.5, jnp.nan, 0.9, 0.8, 1.0, 1.0, 1.0])
+    # Under 1: leaf "b" is protected whole, so alpha = 1 leaves rounding
+    # noise, which Adam scales to the step size.
+    alphas = jnp.array([0.9, 0.7, 0.5, jnp.nan, 0.9, 0.8, 0.6, 0.6, 0.6])
     alpha = (lambda count: alphas[count]) if schedules else 0.8
     kw = dict(b1=0.8, b2=0.95, eps=1e-6, weight_decay=0.1, mask=mask)
     ours = fisher_optax.physguard(
@@ -394,7 +396,7 @@ class PhysGuardNonfiniteAndDtypeTest(parameterized.TestCase):
     edits = ("big", "nan", None, "inf", None, "big", None, "nan param", None)
     s_ours, s_ref = ours.init(params), chain.init(params)
     step_ours, step_ref = jax.jit(ours.update), jax.jit(chain.update)
-    tol = 1e-6 if dtype == jnp.float32 else 1e-2
+    tol = 1e-6 if dtype == jnp.float32 else 1e-3
     for i, edit in enumerate(edits):
       g = jax.tree.map(lambda x, i=i: (x * (1.0 + i)).astype(dtype), grads)
       p = params
