@@ -673,6 +673,10 @@ def physguard(
   it makes the applied update (weight decay included) exactly orthogonal to
   the protected directions, and it forgot less in the continual-learning
   benchmark (``benchmarks/continual.py``). ``"before"`` reproduces the paper.
+  With ``"before"``, coordinates whose gradients lie wholly in the protected
+  subspace (a leaf protected whole, say) still move at about the learning
+  rate: their projected gradient is rounding noise, which Adam's
+  normalisation scales up to a full step.
 
   **Learning rate.** Use AdamW's: with an empty protected subspace this is
   Adam (and it matched :func:`optax.adamw` at AdamW's best lr on a digits
