@@ -208,6 +208,10 @@ class ProjectOutSubspaceTest(parameterized.TestCase):
       self.assertLess(leak, 1e-6)
     else:  # Adam's per-coordinate scaling re-mixes the projected gradient
       self.assertGreater(leak, 1e-3)
+      # "b" is protected whole: Adam scales its rounding noise to a step
+      # (as the docstring says).
+      self.assertEqual(int(sub.rank["b"]), out["b"].size)
+      self.assertGreater(float(jnp.abs(out["b"]).max()), 0.01)
 
   @parameterized.parameters("after", "before")
   def test_physguard_without_a_subspace_is_adamw(self, placement):
