@@ -450,21 +450,6 @@ def _floor_over(eps_term: jax.Array, d: jax.Array) -> jax.Array:
   return eps_term / d
 
 
-def _fresh(xs: Any, after: Any) -> Any:
-  """``xs`` unchanged, but a value XLA cannot merge with other uses of them.
-
-  XLA keeps an elementwise value that two fusions read (the new Fisher, a
-  denominator, even a scalar broadcast to the leaf's shape) in memory. On
-  XLA:CPU with a donated state that is a leaf-sized temporary, allocated and
-  page-faulted anew at every step, and one that lives across the policy's
-  all-leaf decision is as large as all leaves together. So each sweep over
-  a leaf derives its terms from its own fresh inputs and recomputes them,
-  which costs arithmetic only. ``after`` (a value the sweep follows) makes
-  two barriers over the same arrays distinct.
-  """
-  return jax.lax.optimization_barrier((xs, after))[0]
-
-
 def _new_fisher(
   g: jax.Array, f_old: jax.Array, sq: jax.Array | None, bh: jax.Array, cd: Any
 ) -> tuple[jax.Array, jax.Array]:
@@ -494,8 +479,10 @@ def _leaf_plan(
 
   def ms_over_d(x: jax.Array | None, after: Any) -> jax.Array:
     """ms(g / d) (x None) or ms(x s / d), from fresh inputs (see
-    :func:`_fresh`)."""
-    g_, f_, sq_, x, bh_, eps_ = _fresh((g, f_old, sq, x, bh, eps_term), after)
+    :func:`fisher_optax.fisher.numerics.fresh`)."""
+    g_, f_, sq_, x, bh_, eps_ = numerics.fresh(
+      (g, f_old, sq, x, bh, eps_term), after
+    )
     g32, f = _new_fisher(g_, f_, sq_, bh_, cd)
     d = _denominator(f, eps_, hp)
     if x is None:  # |g / d| <= 1 / sqrt(1 - b2): no overflow
@@ -532,12 +519,12 @@ def _leaf_step(
 
   ``ok`` False keeps the old statistics and outputs ``fill``. The new
   Fisher is recomputed from the inputs, and the weight-decay term takes its
-  own denominator (see :func:`_fresh`); the output reads the stored
-  momentum, since a second read of the old momentum would make XLA copy a
-  donated state.
+  own denominator (see :func:`fisher_optax.fisher.numerics.fresh`); the
+  output reads the stored momentum, since a second read of the old momentum
+  would make XLA copy a donated state.
   """
   cd = plan.dtype
-  g, f_old, sq, scalars = _fresh((g, f_old, sq, tuple(plan[1:])), ok)
+  g, f_old, sq, scalars = numerics.fresh((g, f_old, sq, tuple(plan[1:])), ok)
   plan = _LeafPlan(cd, *scalars)
   g32, f = _new_fisher(g, f_old, sq, plan.b2_hat, cd)
   f_new = jnp.where(ok, f, f_old.astype(cd)).astype(f_old.dtype)
@@ -548,7 +535,7 @@ def _leaf_step(
   m_new = jnp.where(ok, m, m_old.astype(cd)).astype(m_old.dtype)
   out = m_new.astype(cd) if m_new.dtype == cd else m
   if plan.coef_w is not None:
-    f_w, eps_w = _fresh((f_d, plan.eps_term), m_new)
+    f_w, eps_w = numerics.fresh((f_d, plan.eps_term), m_new)
     d_w = _denominator(f_w, eps_w, hp)
     out = out + plan.coef_w * (jnp.asarray(theta, cd) * _floor_over(eps_w, d_w))
   out = jnp.where(ok, out, fill.astype(cd))

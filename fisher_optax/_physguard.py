@@ -567,7 +567,7 @@ def _fused_step(
   """
   b1, b2, eps = hyper
   after = placement == "after"
-  fresh = jax.lax.optimization_barrier  # values XLA cannot merge (CSE)
+  fresh = numerics.fresh
 
   def update_fn(
     updates: PyTree,
@@ -613,7 +613,7 @@ def _fused_step(
     def kept(new: Any, old: Any) -> Any:
       return numerics.tree_select(ok, numerics.keep_types(new, old), old)
 
-    g_fresh, inner = fresh(((g, adam_state.inner_state), ok))[0]
+    g_fresh, inner = fresh((g, adam_state.inner_state), ok)
     _, new_adam = adam.update(g_fresh, inner, params, **extra_args)
     new_adam = kept(new_adam, adam_state.inner_state)
     u = _adam_direction(new_adam, updates, b1, b2, eps)
@@ -746,6 +746,11 @@ def physguard(
     parts = (project, adam, decay)
   lr = optax.scale_by_learning_rate(learning_rate)
   chain = optax.chain(*parts, lr)
+  if positive_eps:  # the chain's step, fused (its init is the chain's)
+    return optax.GradientTransformationExtraArgs(
+      chain.init,
+      _fused_step(scale, decay, lr, alpha, (b1, b2, eps), placement),  # pyright: ignore[reportArgumentType]
+    )
   # A step Adam skips as overflowing reaches the projection (or came from
   # it) as a finite one: the projection's and the schedule's counts must
   # not move on it either.
@@ -753,11 +758,6 @@ def physguard(
     chain, (parts.index(adam), parts.index(project))
   )
   at_project = parts.index(project)
-  if positive_eps:
-    return optax.GradientTransformationExtraArgs(
-      chain.init,
-      _fused_step(scale, decay, lr, alpha, (b1, b2, eps), placement),  # pyright: ignore[reportArgumentType]
-    )
 
   def update_fn(updates, state, params=None, **extra_args):
     # Checked before Adam, which would broadcast a scalar gradient.

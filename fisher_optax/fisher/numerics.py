@@ -510,6 +510,28 @@ def matrix_by_matrix(fn: Callable[..., PyTree]) -> Callable[..., PyTree]:
   return lane_by_lane(run)
 
 
+def fresh(xs: PyTree, after: Any = None) -> PyTree:
+  """``xs`` unchanged, but values XLA cannot merge with other uses of them.
+
+  XLA keeps an elementwise value that two fusions read (a new moment, a
+  denominator, even a scalar broadcast to a leaf's shape) in memory, and
+  merges (CSE) equal expressions, so a square a reduction shares with an
+  update becomes a leaf-sized temporary. On XLA:CPU with a donated state
+  such a temporary is allocated, and above 32 MiB page-faulted, anew at
+  every step. A sweep that derives its terms from its own fresh inputs
+  recomputes them instead, which costs arithmetic only. ``after`` (a value
+  the sweep follows, e.g. a decision) makes two barriers over the same
+  arrays distinct.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from fisher_optax.fisher import numerics
+    >>> numerics.fresh(jnp.ones(2), after=jnp.asarray(True))
+    Array([1., 1.], dtype=float32)
+  """
+  return jax.lax.optimization_barrier((xs, after))[0]
+
+
 def _wide_floats(tree: PyTree) -> list[jax.Array]:
   return [
     x.astype(jnp.promote_types(x.dtype, jnp.float32))
