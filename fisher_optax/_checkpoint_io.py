@@ -46,6 +46,7 @@ from typing import Any
 import uuid
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from fisher_optax.fisher import validation
@@ -290,8 +291,22 @@ def is_ours(path: str | os.PathLike[str]) -> bool:
 # -- reading -------------------------------------------------------------------
 
 
+def is_key(x: Any) -> bool:
+  """Whether ``x`` is a typed PRNG key array (e.g. an NNX ``RngKey``)."""
+  return isinstance(x, jax.Array) and jnp.issubdtype(
+    x.dtype, jax.dtypes.prng_key
+  )
+
+
+def dtype_of(x: Any) -> np.dtype:
+  """``x``'s dtype without converting it (a key array has no NumPy form)."""
+  return x.dtype if is_key(x) else np.asarray(x).dtype
+
+
 def _to_numpy(tree: PyTree) -> PyTree:
-  return jax.tree.map(np.asarray, tree)
+  # Key arrays stay typed: NumPy cannot hold them, and an orbax checkpoint
+  # of an NNX model with dropout or other RNG state carries them.
+  return jax.tree.map(lambda x: x if is_key(x) else np.asarray(x), tree)
 
 
 def load_tree(path: str | os.PathLike[str]) -> PyTree:
@@ -712,6 +727,16 @@ def save_tree(
   path = pathlib.Path(path)
   fmt = check_destination(path, fmt, overwrite=overwrite)
   plain = _to_plain(tree)
+  keys = [
+    jax.tree_util.keystr(p)
+    for p, x in jax.tree_util.tree_flatten_with_path(plain)[0]
+    if is_key(x)
+  ]
+  if fmt == MSGPACK and keys:
+    raise ValueError(
+      "flax msgpack cannot hold typed PRNG key arrays "
+      f"({', '.join(keys)}); write an orbax checkpoint instead."
+    )
   if fmt == ORBAX:
     # Orbax refuses them, and a target-less load could not rebuild them.
     empty = [

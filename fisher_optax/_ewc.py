@@ -342,6 +342,11 @@ def _new_directions(
     what="low-rank Fisher eigvecs",
   )
   eigvals = jnp.atleast_1d(jnp.asarray(eigvals)).astype(old.scales.dtype)
+  if eigvals.ndim != 1:
+    raise ValueError(
+      "low-rank Fisher eigvals must be a scalar or a vector (k,), one per "
+      f"direction, got shape {eigvals.shape}."
+    )
   k_new = eigvals.shape[0]
   sizes = {v.shape[0] for v in jax.tree.leaves(eigvecs)}
   if sizes and sizes != {k_new}:

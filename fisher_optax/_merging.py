@@ -410,7 +410,12 @@ def _add_model(
 
 def _finalize(state: FisherMergeState) -> PyTree:
   """The merged parameters in the params' dtypes."""
-  return jax.tree.map(lambda x, d: x.astype(d.dtype), state.mean, state.dtypes)
+  # A leaf kept in its dtype (not merged) may have no astype (a PRNG key).
+  return jax.tree.map(
+    lambda x, d: x if x.dtype == d.dtype else x.astype(d.dtype),
+    state.mean,
+    state.dtypes,
+  )
 
 
 def _merge_options(
@@ -646,26 +651,25 @@ def fisher_merge(
       check_dtype=True,
     )
   if weights is None:
-    weights = jnp.ones((num_models,), jnp.float32)
-  else:
-    # np.shape: a list or tuple of floats is fine (jnp.shape deprecates it).
-    if np.shape(weights) != (num_models,):
-      raise ValueError(
-        f"weights must have shape ({num_models},), one per model, got "
-        f"{np.shape(weights)}."
-      )
-    dtype = jnp.asarray(weights).dtype
-    if not jnp.issubdtype(dtype, jnp.floating):
-      dtype = jnp.float32
-    if not isinstance(weights, jax.core.Tracer):
-      weights = _host_scaled("weights", weights)
-    weights = jnp.asarray(weights, dtype)
-    # The merge is invariant to scaling all weights: scaling the largest to
-    # [0.5, 1) keeps w_i F_i from overflowing. A power of two is exact, and
-    # as f(w / c) = f(w) for any c > 0, treating it as a constant keeps the
-    # gradient exact.
-    e = jax.lax.stop_gradient(_exponent(jnp.max(weights)))
-    weights = _scale_pow2(weights, e)
+    weights = np.ones((num_models,), np.float32)
+  # np.shape: a list or tuple of floats is fine (jnp.shape deprecates it).
+  if np.shape(weights) != (num_models,):
+    raise ValueError(
+      f"weights must have shape ({num_models},), one per model, got "
+      f"{np.shape(weights)}."
+    )
+  dtype = jnp.asarray(weights).dtype
+  if not jnp.issubdtype(dtype, jnp.floating):
+    dtype = jnp.float32
+  if not isinstance(weights, jax.core.Tracer):
+    weights = _host_scaled("weights", weights)
+  weights = jnp.asarray(weights, dtype)
+  # The merge is invariant to scaling all weights: scaling the largest to
+  # [0.5, 1) keeps w_i F_i from overflowing (the default equal weights
+  # too). A power of two is exact, and as f(w / c) = f(w) for any c > 0,
+  # treating it as a constant keeps the gradient exact.
+  e = jax.lax.stop_gradient(_exponent(jnp.max(weights)))
+  weights = _scale_pow2(weights, e)
 
   opts = _merge_options(fisher_floor, floor_mode, normalize, merge_mask)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 import functools
+import math
 from typing import Any, NamedTuple
 
 import jax
@@ -282,15 +283,18 @@ def _select(
   return np.concatenate(out)
 
 
+def _kept(density: float, n: int) -> int:
+  """Weights kept of ``n``: ``density n`` to the nearest, halves up, and at
+  least one (a sparsity below 1 never prunes every weight)."""
+  return min(n, max(1, math.floor(density * n + 0.5)))
+
+
 def _targets(
   sizes: list[int], alive_counts: list[int], density: float, scope: str
 ) -> list[int] | int:
   if scope == "global":
-    keep = int(round(density * sum(sizes)))
-    return max(sum(alive_counts) - keep, 0)
-  return [
-    max(a - int(round(density * n)), 0) for n, a in zip(sizes, alive_counts)
-  ]
+    return max(sum(alive_counts) - _kept(density, sum(sizes)), 0)
+  return [max(a - _kept(density, n), 0) for n, a in zip(sizes, alive_counts)]
 
 
 def _prunable_leaves(
@@ -345,6 +349,9 @@ def magnitude_prune(
   Args:
     params: the weights.
     sparsity: the fraction of prunable weights to remove, in ``[0, 1)``.
+      Of ``n`` weights (all prunable ones, or each leaf's), ``(1 -
+      sparsity) n`` are kept, rounded to the nearest count (halves up) and
+      at least one.
     prunable: which leaves to prune: ``None`` (all), a pytree of bools or a
       callable ``params -> bools`` (the mask forms ``optax.masked`` takes).
       Only floating-point leaves are pruned: other leaves (step counters,
@@ -448,7 +455,8 @@ def obs_prune(
       ``m``, same tree as ``params``), e.g. per-example or mini-batch
       gradients from ``fisher_optax.fisher.per_example_grads`` on a fresh
       batch. Called ``steps`` times, outside ``jit``.
-    sparsity: the final fraction of prunable weights removed, in ``[0, 1)``.
+    sparsity: the final fraction of prunable weights removed, in ``[0, 1)``;
+      counts round as in :func:`magnitude_prune` (at least one weight kept).
     prunable: ``None`` (all leaves), a pytree of bools or a callable, as in
       ``optax.masked``. Only floating-point leaves are pruned: other leaves
       pass through unchanged, with all-``True`` masks, and get no Fisher.

@@ -123,7 +123,7 @@ def _flat(tree: PyTree) -> dict[str, Any]:
 
 def _is_float(x: Any) -> bool:
   # jnp's check also knows the ml_dtypes floats (bfloat16, float8s).
-  return jnp.issubdtype(np.asarray(x).dtype, jnp.floating)
+  return jnp.issubdtype(_checkpoint_io.dtype_of(x), jnp.floating)
 
 
 # -- validation ----------------------------------------------------------------
@@ -167,11 +167,12 @@ def validate_model(
   """Same leaves, shapes and dtypes as the reference; finite floats."""
   _check_leaves(ref, model, ref_name=ref_name, name=name)
   for k, r in ref.items():
-    x, r = np.asarray(model[k]), np.asarray(r)
-    if x.dtype != r.dtype:
+    x = model[k]
+    x_dtype, r_dtype = _checkpoint_io.dtype_of(x), _checkpoint_io.dtype_of(r)
+    if x_dtype != r_dtype:
       raise MergeInputError(
-        f"{name} leaf {k!r} has dtype {x.dtype} but {ref_name}'s has dtype "
-        f"{r.dtype}."
+        f"{name} leaf {k!r} has dtype {x_dtype} but {ref_name}'s has dtype "
+        f"{r_dtype}."
       )
     if _is_float(x) and not _all_finite(x):
       raise MergeInputError(f"{name} leaf {k!r} has non-finite values.")
@@ -310,7 +311,9 @@ def _in_compute_dtype(f: Any, ref: Any, name: str, key: str) -> Any:
 
 
 def _needs_x64(tree: PyTree) -> bool:
-  return any(np.asarray(x).dtype == np.float64 for x in jax.tree.leaves(tree))
+  return any(
+    _checkpoint_io.dtype_of(x) == np.float64 for x in jax.tree.leaves(tree)
+  )
 
 
 def _x64_if(on: bool) -> contextlib.AbstractContextManager[Any]:
@@ -510,21 +513,35 @@ def _likelihood(name: str, sigma: float):
 def _load_examples(
   data: str, inputs_key: str, targets_key: str, *, kind: str
 ) -> tuple[np.ndarray, np.ndarray | None]:
-  """``(inputs, targets or None)`` from an ``.npz`` file, never unpickling."""
+  """``(inputs, targets or None)`` from an ``.npz`` file, never unpickling.
+
+  Targets are read for ``kind="empirical"`` only: the other kinds draw
+  labels from the model, so a file's labels (one-hot, strings, any shape)
+  are not read.
+  """
+  npz = "an .npz archive (a zip of .npy arrays, as np.savez writes)"
+  try:
+    with open(data, "rb") as f:
+      is_zip = f.read(4) == b"PK\x03\x04"
+  except OSError as e:
+    raise ValueError(f"Cannot read {data!r}: {e}") from e
+  if not is_zip:
+    raise ValueError(f"{data!r} is not {npz}.")
   try:
     arrays = np.load(data, allow_pickle=False)
   except ValueError as e:
-    raise ValueError(f"Cannot read {data!r} without unpickling: {e}") from e
+    raise ValueError(f"Cannot read {data!r} as {npz}: {e}") from e
   if inputs_key not in arrays:
     raise ValueError(
       f"{data!r} has no array {inputs_key!r}; it has {list(arrays.keys())}."
     )
-  y = arrays[targets_key] if targets_key in arrays else None
-  if kind == "empirical" and y is None:
+  if kind != "empirical":
+    return arrays[inputs_key], None
+  if targets_key not in arrays:
     raise ValueError(
       f"--kind empirical needs targets {targets_key!r} in {data!r}."
     )
-  return arrays[inputs_key], y
+  return arrays[inputs_key], arrays[targets_key]
 
 
 def _subsample(n: int, max_examples: int, seed: int) -> np.ndarray:

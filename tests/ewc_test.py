@@ -771,6 +771,10 @@ class EWCValidationTest(parameterized.TestCase):
       fisher_optax.consolidate(
         anchor, p, diagonal=p, low_rank=(jnp.ones([1]), p)
       )
+    with self.assertRaisesRegex(ValueError, r"eigvals must be .*\(1, 1\)"):
+      fisher_optax.consolidate(
+        anchor, p, diagonal=p, low_rank=(jnp.ones([1, 1]), lr[1])
+      )
     tx = fisher_optax.add_ewc_gradient(1.0)
     with self.assertRaisesRegex(ValueError, "tree structure"):
       tx.update(p, tx.init(p), {"a": p["a"]})

@@ -27,6 +27,7 @@ import numpy as np
 
 import fisher_optax
 from fisher_optax import _checkpoint_io
+from fisher_optax import checkpoint
 from fisher_optax import fisher
 from fisher_optax import merge
 
@@ -45,6 +46,21 @@ class _MLP(nnx.Module):
 def make_model():
   """The factory the ``fisher`` subcommand imports in these tests."""
   return _MLP(nnx.Rngs(0))
+
+
+class _DropoutMLP(_MLP):
+  """An NNX model whose state holds a typed PRNG key (its dropout's)."""
+
+  def __init__(self, rngs: nnx.Rngs):
+    super().__init__(rngs)
+    self.drop = nnx.Dropout(0.5, rngs=rngs)
+
+  def __call__(self, x):
+    return self.head(self.drop(jnp.tanh(self.hidden(x))))
+
+
+def make_dropout_model():
+  return _DropoutMLP(nnx.Rngs(0))
 
 
 def make_apply_fn():
@@ -598,6 +614,95 @@ class FisherCommandTest(absltest.TestCase):
     )
     self.assertEqual(code, 1)
     self.assertIn("no array 'x'", err)
+
+  def _fisher_args(self, model, ckpt, data, out, *extra):
+    return [
+      "fisher",
+      "--model",
+      f"{__name__}:{model}",
+      "--params",
+      str(ckpt),
+      "--data",
+      str(data),
+      "--output",
+      str(out),
+      *extra,
+    ]
+
+  def test_nnx_state_with_rng_keys_round_trips(self):
+    # Saved the documented way (orbax, nnx.state), dropout's key included.
+    models = [_DropoutMLP(nnx.Rngs(seed)) for seed in (0, 1)]
+    ckpts = [self.dir / f"m{i}" for i in range(2)]
+    for m, c in zip(models, ckpts):
+      checkpoint.save(c, nnx.state(m))
+    fishers = [self.dir / f"f{i}.msgpack" for i in range(2)]
+    for c, f in zip(ckpts, fishers):
+      code, err = _run(self._fisher_args("make_dropout_model", c, self.data, f))
+      self.assertEqual(code, 0, err)
+    flat = merge._flat(_checkpoint_io.load_tree(fishers[0]))
+    self.assertTrue(flat["drop/rngs/key/value"].dtype == np.float32)
+    np.testing.assert_array_equal(flat["drop/rngs/key/value"], 0.0)
+    self.assertGreater(float(np.sum(flat["hidden/kernel/value"])), 0.0)
+    out = self.dir / "merged"
+    models_arg = ["--models", *map(str, ckpts), "--fishers", *map(str, fishers)]
+    code, err = _run(["merge", *models_arg, "--output", str(out)])
+    self.assertEqual(code, 0, err)
+    merged = merge._flat(_checkpoint_io.load_tree(out))
+    target = merge._flat(_checkpoint_io.load_tree(ckpts[0]))
+    key = merged["drop/rngs/key/value"]  # the target's, still a typed key
+    self.assertTrue(_checkpoint_io.is_key(key))
+    np.testing.assert_array_equal(
+      jax.random.key_data(key),
+      jax.random.key_data(target["drop/rngs/key/value"]),
+    )
+    # flax msgpack cannot hold a typed key: a clear error, nothing written.
+    code, err = _run(
+      ["merge", *models_arg, "--output", str(self.dir / "m.msgpack")]
+    )
+    self.assertEqual(code, 1)
+    self.assertIn("cannot hold typed PRNG key arrays", err)
+    self.assertFalse((self.dir / "m.msgpack").exists())
+
+  def test_exact_kind_ignores_the_files_labels(self):
+    ckpt = _save(self.dir / "m.msgpack", _params(0))
+    # Labels exact and mc never read: one-hot, strings, no labels at all.
+    files = {
+      "onehot": {"y": np.eye(3, dtype=np.float32)[self.y]},
+      "strings": {"y": np.array(["a"] * 40)},
+      "none": {},
+    }
+    got = {}
+    for name, extra in files.items():
+      data = self.dir / f"{name}.npz"
+      np.savez(data, x=self.x, **extra)
+      out = self.dir / f"f_{name}.msgpack"
+      code, err = _run(self._fisher_args("make_model", ckpt, data, out))
+      self.assertEqual(code, 0, err)
+      got[name] = _checkpoint_io.load_tree(out)
+    chex.assert_trees_all_equal(got["onehot"], got["none"])
+    chex.assert_trees_all_equal(got["strings"], got["none"])
+    # The empirical kind reads them, and says so when they are missing.
+    out = self.dir / "f_emp.msgpack"
+    code, err = _run(
+      self._fisher_args(
+        "make_model", ckpt, self.dir / "none.npz", out, "--kind", "empirical"
+      )
+    )
+    self.assertEqual(code, 1)
+    self.assertIn("--kind empirical needs targets 'y'", err)
+
+  def test_data_that_is_not_an_npz_archive_is_a_clear_error(self):
+    ckpt = _save(self.dir / "m.msgpack", _params(0))
+    np.save(self.dir / "x.npy", self.x)
+    for data in (self.dir / "x.npy", ckpt, self.dir / "missing.npz"):
+      with self.subTest(pathlib.Path(data).name):
+        out = self.dir / "f.msgpack"
+        code, err = _run(self._fisher_args("make_model", ckpt, data, out))
+        self.assertEqual(code, 1)
+        self.assertTrue(err.startswith("fisher-merge: error: "), err)
+        self.assertRegex(err, r"is not an \.npz archive|Cannot read")
+        self.assertNotIn("Traceback", err)
+        self.assertFalse(out.exists())
 
   def test_data_without_examples_is_a_clear_error(self):
     ckpt = _save(self.dir / "m.msgpack", _params(0))

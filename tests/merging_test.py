@@ -1,6 +1,8 @@
 # Copyright 2026 The fisher_optax Authors. Licensed under the Apache License 2.0.
 """Tests for Fisher merging (fisher_merge, the accumulator, weight search)."""
 
+import functools
+
 from absl.testing import absltest
 from absl.testing import parameterized
 import chex
@@ -116,6 +118,11 @@ class FisherMergeTest(parameterized.TestCase):
     np.testing.assert_allclose(
       merge(models, big, jnp.array([1e20, 1e20]))["w"], want
     )
+    # The default (equal) weights are scaled as given ones: Fishers whose
+    # sum overflows at weight 1 merge as with weights [1, 1].
+    huge = [jax.tree.map(lambda f: 1e38 * f, f) for f in fishers]
+    np.testing.assert_allclose(merge(models, huge)["w"], want)
+    np.testing.assert_allclose(jax.jit(merge)(models, huge)["w"], want)
 
   def test_weight_gradient_is_exact_at_any_scale(self):
     models = [{"w": jnp.array([0.0, 2.0])}, {"w": jnp.array([1.0, 0.0])}]
@@ -308,6 +315,35 @@ class FisherMergeTest(parameterized.TestCase):
     )
     shapes = jax.eval_shape(fisher_optax.fisher_merge, [sa, sb], [fa, fa])
     chex.assert_trees_all_equal_shapes_and_dtypes(shapes, sa)
+
+  def test_rng_keys_in_the_state_come_from_the_target(self):
+    # A whole nnx.state with dropout holds a typed PRNG key (and a uint32
+    # counter): not merged, taken from the target, still typed.
+    def model(seed):
+      class Net(nnx.Module):
+        def __init__(self, rngs):
+          self.lin = nnx.Linear(3, 2, rngs=rngs)
+          self.drop = nnx.Dropout(0.5, rngs=rngs)
+
+      return Net(nnx.Rngs(seed))
+
+    states = [nnx.as_pure(nnx.state(model(i))) for i in range(2)]
+    fishers = [jax.tree.map(lambda x: jnp.ones(x.shape), s) for s in states]
+    plain = functools.partial(fisher_optax.fisher_merge, target_index=1)
+    for merge in (plain, jax.jit(plain)):
+      merged = merge(states, fishers)
+      key = merged["drop"]["rngs"]["key"]
+      self.assertTrue(jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key))
+      np.testing.assert_array_equal(
+        jax.random.key_data(key),
+        jax.random.key_data(states[1]["drop"]["rngs"]["key"]),
+      )
+      chex.assert_trees_all_close(
+        merged["lin"],
+        jax.tree.map(
+          lambda a, b: (a + b) / 2, states[0]["lin"], states[1]["lin"]
+        ),
+      )
 
   def test_nnx_variable_state_with_engine_fishers(self):
     # nnx.state(model) holds variables; the engine's Fishers (and

@@ -223,9 +223,9 @@ class ObsPruneTest(parameterized.TestCase):
     )
     kept = {k: int(v.sum()) for k, v in res.masks.items()}
     if scope == "global":
-      self.assertEqual(kept["a"] + kept["c"], 8)  # round(0.5 * 17)
+      self.assertEqual(kept["a"] + kept["c"], 9)  # 0.5 * 17, halves up
     else:
-      self.assertEqual((kept["a"], kept["c"]), (6, 2))
+      self.assertEqual((kept["a"], kept["c"]), (6, 3))
     self.assertEqual(kept["skip"], 3)
     np.testing.assert_array_equal(res.params["skip"], params["skip"])
     for k in ("a", "c"):
@@ -350,6 +350,29 @@ class ObsPruneTest(parameterized.TestCase):
     )
     np.testing.assert_array_equal(res.params["a"], [3.0, 0.0, 2.0])
     np.testing.assert_array_equal(res.params["b"], [0.0, 4.0])
+
+  def test_kept_counts_round_halves_up_and_keep_one(self):
+    def kept(n, sparsity, scope="per_leaf"):
+      w = {"w": jnp.arange(1.0, n + 1.0), "e": jnp.zeros((0,))}
+      res = fisher_optax.magnitude_prune(w, sparsity, scope=scope)
+      self.assertEqual(res.params["e"].shape, (0,))
+      return int(res.masks["w"].sum())
+
+    # (1 - sparsity) n to the nearest count, ties kept, and never zero.
+    for n, sparsity, want in [
+      (1, 0.5, 1),
+      (3, 0.5, 2),
+      (5, 0.5, 3),
+      (17, 0.5, 9),
+      (10, 0.99, 1),
+      (10, 0.94, 1),
+      (10, 0.96, 1),
+      (10, 0.0, 10),
+      (10, 0.26, 7),
+    ]:
+      for scope in ("per_leaf", "global"):
+        with self.subTest(n=n, sparsity=sparsity, scope=scope):
+          self.assertEqual(kept(n, sparsity, scope), want)
 
   def test_bad_inputs_raise(self):
     params = {"w": jnp.ones(4)}
