@@ -1315,6 +1315,26 @@ class MixedExamplesTest(parameterized.TestCase):
     for want, fn in cases.items():
       with self.subTest(want):
         self.assertIn(want, self._found(fn, w, x) or "")
+    # The examples merged with the positions after them, then reduced.
+    xs = jnp.ones((B, 5, 6))
+    merged = {
+      "mean of all": lambda p, x: (x - x.reshape(-1).mean()).mean(1) @ p["w"],
+      "a slice of the rows": lambda p, x: (
+        x.reshape(-1, 6)[1:].sum(1).reshape(-1)[: x.shape[0]]
+      ),
+    }
+    for name, fn in merged.items():
+      with self.subTest(name):
+        self.assertIsNotNone(self._found(fn, w, xs))
+    seq_bn = nn.BatchNorm(use_running_average=False)
+    bn_vars = seq_bn.init(jax.random.key(0), jnp.ones((B * 5, 3)))
+
+    def bn_rows(p, x):  # a BatchNorm over (B * T, C) rows
+      rows = (x @ p["w"]).reshape(-1, 3)
+      out, _ = seq_bn.apply(bn_vars, rows, mutable=["batch_stats"])
+      return out.reshape(x.shape[0], 5, 3).mean(1)
+
+    self.assertIn("reduce_sum over", self._found(bn_rows, w, xs) or "")
 
   def test_models_that_keep_examples_apart(self):
     lm = _model("linen_scan", jnp.float32)
@@ -1333,6 +1353,18 @@ class MixedExamplesTest(parameterized.TestCase):
       "batched dot": lambda p, x: jnp.einsum("btd,bsd->bts", x, x) @ x @ p["w"],
       # a map over the examples (a scan over their axis)
       "map": lambda p, x: jax.lax.map(lambda e: e.sum(0) @ p["w"], x),
+      # rows of (B * T, C), normalised per row, then split back
+      "rows": lambda p, x: (
+        jax.nn.standardize((x @ p["w"]).reshape(-1, 3), axis=-1)
+        .reshape(x.shape[0], 1, 5 * 3)
+        .sum(1)
+      ),
+      # a size-one axis before the merged rows, and a split of the rows
+      "split rows": lambda p, x: (
+        (x.reshape(1, -1, 6) @ p["w"])
+        .reshape(x.shape[0] * 5, 3)[None]
+        .reshape(x.shape[0], 15)
+      ),
     }
     for name, fn in fns.items():
       with self.subTest(name):
@@ -1392,6 +1424,67 @@ class FallbackWarningTest(absltest.TestCase):
     cov = fisher.coverage(apply_fn, params, x)
     self.assertEqual(cov["k"].path, "per_example")
     self.assertEqual(cov["w"].path, "layer")
+
+  def test_unused_leaves_cost_nothing_and_do_not_warn(self):
+    def apply_fn(p, x):  # an encoder of two heads, one used
+      return jnp.tanh(x @ p["enc"]) @ p["head_a"]
+
+    params = {
+      "enc": jnp.ones((6, 4)) / 6,
+      "head_a": jnp.ones((4, 3)),
+      "head_b": jnp.ones((400, 400)),  # 99.8% of the parameters
+      "empty": jnp.zeros((0, 3)),
+    }
+    x, y = jnp.ones((5, 6)), jnp.arange(5) % 3
+    cov = fisher.coverage(apply_fn, params, x)
+    self.assertEqual(cov["head_b"].path, "unused")
+    self.assertEqual(cov["head_b"].reason, "not used by apply_fn")
+    self.assertEqual(cov["empty"].path, "unused")
+    self.assertTrue(all(jax.tree.leaves(cov)))
+    kw: dict[str, Any] = dict(likelihood=fisher.Categorical(), kind="empirical")
+    with warnings.catch_warnings():
+      warnings.simplefilter("error", fisher.FisherFallbackWarning)
+      auto = fisher.diagonal(apply_fn, params, (x, y), **kw)
+      taps = fisher.diagonal(apply_fn, params, (x, y), method="taps", **kw)
+      fisher.kronecker(apply_fn, params, (x, y), estimator="kfac", **kw)
+    ref = fisher.diagonal(apply_fn, params, (x, y), method="per_example", **kw)
+    for got in (auto, taps):
+      np.testing.assert_allclose(
+        got.diag["enc"], ref.diag["enc"], rtol=1e-5, atol=1e-7
+      )
+      np.testing.assert_array_equal(got.diag["head_b"], 0.0)
+      self.assertEqual(got.diag["empty"].shape, (0, 3))
+
+  def test_each_distinct_fallback_warns(self):
+    # Two models, the same leaf names, different reasons: each warns once.
+    kw: dict[str, Any] = dict(likelihood=fisher.Categorical(), kind="empirical")
+    params = {"dup_k": jnp.ones((6,)) / 6, "dup_w": jnp.ones((6, 2))}
+    x, y = jnp.ones((3, 6)), jnp.array([0, 1, 0])
+    fns = (
+      lambda p, x: jnp.maximum(x, p["dup_k"]) @ p["dup_w"],
+      lambda p, x: jnp.minimum(x, p["dup_k"]) @ p["dup_w"],
+    )
+    with warnings.catch_warnings(record=True) as caught:
+      warnings.simplefilter("always")
+      for fn in fns * 2:
+        fisher.diagonal(fn, params, (x, y), **kw)
+    found = [
+      str(w.message)
+      for w in caught
+      if w.category is fisher.FisherFallbackWarning
+    ]
+    self.assertLen(found, 2)
+    self.assertIn("['dup_k']: an operand of max", found[0])
+    self.assertIn("['dup_k']: an operand of min", found[1])
+
+  def test_coverage_checks_the_outputs_as_the_estimators_do(self):
+    params, x = {"w": jnp.ones((4, 3))}, jnp.ones((5, 4))
+    for fn, got in [
+      (lambda p, x: (x @ p["w"], x), "tuple"),
+      (lambda p, x: (x @ p["w"]).sum(), r"\(\)"),
+    ]:
+      with self.assertRaisesRegex(ValueError, f"one array.*got {got}"):
+        fisher.coverage(fn, params, x)
 
   def test_fallback_memory_is_chunked_by_default(self):
     """Without chunk_size, the per-example gradients of the leaves sent to

@@ -90,12 +90,15 @@ outputs of products with a parameter, embeddings and elementwise scales and
 shifts) where they apply and the generic per-example path
 (:func:`per_example_grads`-style ``vmap`` of VJPs, chunked by
 ``chunk_size``) elsewhere; both give the same numbers. :func:`coverage`
-says which path each leaf takes and why; a :class:`FisherFallbackWarning`
-says so once when more than a tenth of the parameters fall back. Both paths
+says which path each leaf takes and why (leaves ``apply_fn`` never reads
+are ``"unused"``: zero statistics, no work); a
+:class:`FisherFallbackWarning` says so once when more than a tenth of the
+parameters it uses fall back. Both paths
 need output ``n`` to depend on input ``n`` only: a model that combines the
 examples of a batch (a BatchNorm normalising by the batch's statistics)
 has no per-example gradients, and every estimator warns
-(:class:`FisherMixedExamplesWarning`) naming the operation that does. They
+(:class:`FisherMixedExamplesWarning`) naming the operation that does, where
+it can follow the examples through the model (see the warning). They
 also need ``apply_fn`` to be deterministic: the per-example path runs the
 model on one example at a time, so an active dropout would draw other masks
 there than in the batch (run estimators with ``deterministic=True``, as

@@ -111,15 +111,6 @@ def _psum(x: PyTree, axis_name: str | None) -> PyTree:
   return jax.lax.psum(x, axis_name)
 
 
-def _check_apply_outputs(out: Any, size: int) -> None:
-  if not isinstance(out, jax.Array) or out.ndim < 1 or out.shape[0] != size:
-    shape = getattr(out, "shape", type(out).__name__)
-    raise ValueError(
-      "apply_fn(params, inputs) must return one array with the batch "
-      f"axis first, shape ({size}, ...); got {shape}."
-    )
-
-
 def _check_arguments(
   params: PyTree, batch: Any, opts: _Options
 ) -> tuple[_likelihoods.Likelihood, PyTree, Any, int]:
@@ -217,7 +208,7 @@ def _forward(
     _taps.check_independent_examples(closed, len(leaves), num)
     out, vjp = jax.vjp(lambda p: apply_fn(p, inputs), params)
     pull = lambda r: (vjp(r)[0], None)
-  _check_apply_outputs(out, size)
+  _taps.check_apply_outputs(out, size)
   cot = _likelihoods.output_cotangents(
     likelihood,
     kind,
@@ -303,13 +294,18 @@ def _warn_fallback(ps: _Pass, method: str, structure: str = "diag") -> None:
     _taps.warn_fallback(ps.layers.tape, structure=structure, stacklevel=4)
 
 
-def _check_covered(covered: PyTree, method: str) -> None:
+def _check_covered(ps: _Pass, method: str) -> None:
   """Raises for leaves ``method="taps"`` (or ``"kfac"``: K-FAC factors)
-  cannot compute."""
+  cannot compute; unused leaves (zero statistics) pass."""
   if method not in ("taps", "kfac"):
     return
-  flat = jax.tree_util.tree_flatten_with_path(covered)[0]
-  missing = [jax.tree_util.keystr(p) for p, c in flat if not c]
+  flat = jax.tree_util.tree_flatten_with_path(ps.covered)[0]
+  unused = jax.tree.leaves(ps.layers.tape.unused)
+  missing = [
+    jax.tree_util.keystr(p)
+    for (p, c), u in zip(flat, unused, strict=True)
+    if not (c or u)
+  ]
   if missing and method == "kfac":
     raise ValueError(
       f"estimator='kfac' has no K-FAC factors for these leaves: {missing} "
@@ -350,8 +346,14 @@ def _uncovered(ps: _Pass) -> _Pass | None:
   if chunk is None:
     # A fallback keeps its per-example (pseudo-)gradients, S per example,
     # near the layer path's chunk budget rather than holding B of them.
+    # An unused leaf's are zeros that XLA never forms.
+    unused = (
+      jax.tree.leaves(ps.layers.tape.unused)
+      if ps.layers is not None
+      else [False] * len(leaves)
+    )
     num_s = jax.tree.leaves(ps.cotangents)[0].shape[0]
-    per_example = num_s * sum(jnp.size(p) for p in params)
+    per_example = num_s * sum(jnp.size(leaves[i]) for i in idx if not unused[i])
     chunk = max(1, _taps.DEFAULT_CHUNK_ELEMENTS // max(1, per_example))
   return ps._replace(
     apply_fn=lambda q, x: apply_fn(rebuild(q), x),
@@ -585,7 +587,7 @@ def diagonal(
   if per is not None:
 
     def sums_fn(ps: _Pass) -> PyTree:
-      _check_covered(ps.covered, method)
+      _check_covered(ps, method)
       _warn_fallback(ps, method)
       return _diag_sums_taps(ps)
 
@@ -601,7 +603,7 @@ def diagonal(
     diag = jax.tree.map(jnp.square, ps.mean_grad)
     return _statistics.DiagonalFisher(diag, ps.mean_grad, ps.count, kind)
   if _use_taps(method):
-    _check_covered(ps.covered, method)
+    _check_covered(ps, method)
     _warn_fallback(ps, method)
     sums = _diag_sums_taps(ps)
   else:
@@ -796,7 +798,7 @@ def low_rank(
   else:
     count = ps.count
     if use_layers:
-      _check_covered(ps.covered, method)
+      _check_covered(ps, method)
       _warn_fallback(ps, method)
       return _low_rank_taps(ps, rank, kind)
     stacked = _stacked_pseudo_grads(ps)
@@ -1339,7 +1341,7 @@ def kronecker(
 
     def sums_fn(ps: _Pass) -> list:
       ps = ps._replace(covered=ps.layers.tape.covered_for("kron"))
-      _check_covered(ps.covered, "kfac" if estimator == "kfac" else method)
+      _check_covered(ps, "kfac" if estimator == "kfac" else method)
       _warn_fallback(ps, method, "kron")
       sums, kfac = _kfac_sums(ps, weight_sharing)
       flags.append(kfac)
@@ -1384,7 +1386,7 @@ def kronecker(
     # Leaves without K-FAC factors (elementwise parameters, leaves with
     # several uses) take Shampoo factors.
     ps = ps._replace(covered=ps.layers.tape.covered_for("kron"))
-    _check_covered(ps.covered, "kfac" if estimator == "kfac" else method)
+    _check_covered(ps, "kfac" if estimator == "kfac" else method)
     _warn_fallback(ps, method, "kron")
     left, right, mixed = _kfac_factors(ps, num_iters, weight_sharing)
     estimator_name = "mixed" if mixed else "kfac"

@@ -465,6 +465,9 @@ class _Plan:
   capture: dict[tuple[int, ...], list[tuple[int, int]]] = dataclasses.field(
     default_factory=dict
   )
+  # leaves apply_fn never reads (or zero-size): zero statistics, whatever
+  # path computes them (the per-example path's VJP is zero, no work)
+  unused: set[int] = dataclasses.field(default_factory=set)
 
   def uses(self, leaf: int) -> list[tuple[int, str, tuple[str, ...]]]:
     """A covered leaf's uses as (site, role, modes); [] if not covered."""
@@ -1289,8 +1292,11 @@ def _make_plan(closed, num_leaves: int, batch: int) -> _Plan:
   for leaf, u in enumerate(uses):
     modes = [walk.modes.get((leaf, k), ()) for k in range(len(u))]
     reason = _reason(u, modes)
+    if not u:
+      plan.unused.add(leaf)
     if not math.prod(closed.jaxpr.invars[leaf].aval.shape):
       reason = "a zero-size leaf (an empty statistic)"
+      plan.unused.add(leaf)
     if u and all(role != "other" for role, _, _ in u):
       conv = any(plan.sites[site].kind in _CHUNKED for _, site, _ in u)
       plan.roles[leaf] = (u[0][1], u[0][0])
@@ -1607,6 +1613,18 @@ def _eval_loop(
   return [*carry, *ys]
 
 
+def check_apply_outputs(out: Any, size: int) -> None:
+  """Raises unless ``out`` (an array, or its abstract value) is one array
+  with the batch axis first."""
+  shape = getattr(out, "shape", None)
+  if isinstance(out, (tuple, list, dict)) or not shape or shape[0] != size:
+    got = type(out).__name__ if shape is None else tuple(shape)
+    raise ValueError(
+      "apply_fn(params, inputs) must return one array with the batch "
+      f"axis first, shape ({size}, ...); got {got}."
+    )
+
+
 def _trace(apply_fn, params, inputs):
   """make_jaxpr of apply_fn on flat (param leaves, input leaves)."""
   leaves, treedef = jax.tree_util.tree_flatten(params)
@@ -1672,6 +1690,13 @@ class LayerTape:
     form there, ``ordered`` with ``"gram"``, also serve
     :meth:`LayerGrads.combine`.)"""
     return self._fusion is not None and bool(self._fusion.statistic_leaves)
+
+  @property
+  def unused(self) -> PyTree:
+    """Params-shaped bools: leaves ``apply_fn`` never reads (or zero-size),
+    whose statistics are zero on any path."""
+    leaves = [i in self._plan.unused for i in range(len(self._covered))]
+    return jax.tree_util.tree_unflatten(self._treedef, leaves)
 
   def covered_for(self, structure: str) -> PyTree:
     """Like ``covered``, for the leaves ``statistics(structure)`` fills.
@@ -4336,6 +4361,12 @@ class FisherMixedExamplesWarning(UserWarning):
   or ``model.eval()``), whose running statistics the layer path covers.
   Silence it with ``warnings.simplefilter("ignore",
   FisherMixedExamplesWarning)``.
+
+  The check follows the examples' axis through the traced model, also where
+  a reshape merges it with the axes after it (a ``BatchNorm`` over ``x
+  .reshape(B * T, C)`` warns). It is a check, not a proof: where it cannot
+  follow the examples (indexing the batch with computed indices, ``x
+  [perm]``; a reshape that puts them inside another axis) it stays silent.
   """
 
 
@@ -4363,20 +4394,44 @@ def _inner_jaxpr(eqn):
   return None
 
 
+def _reshaped_example_axis(shape: tuple, ax: int, out: tuple, batch: int):
+  """The axis of a row-major reshape to ``out`` holding the examples of
+  ``shape``'s axis ``ax``, or None.
+
+  The examples may share an axis with others (``(B, T, C) -> (B * T,
+  C)``), as the outer factor: each index of it then lies in one example,
+  and a reduction over it mixes them. That needs the axes before ``ax``
+  reshaped among themselves, and whole blocks of examples per index.
+  """
+  before = math.prod(shape[:ax])
+  j, acc = 0, 1
+  while j < len(out) and acc < before:
+    acc *= out[j]
+    j += 1
+  while j < len(out) - 1 and out[j] == 1 and shape[ax] != 1:
+    j += 1  # size-one axes inserted before the examples'
+  if acc != before or j >= len(out):
+    return None
+  return j if out[j] % batch == 0 else None
+
+
 def _example_axis(eqn, axes: list, batch: int) -> int | None:
   """The output axis holding the examples, given each operand's (``axes``,
   None for none): conservative, None when unsure (the output is then not
-  followed further)."""
+  followed further). The axis may hold other positions too, each index in
+  one example (:func:`_reshaped_example_axis`)."""
   name, p = eqn.primitive.name, eqn.params
-  out = tuple(getattr(eqn.outvars[0].aval, "shape", ()))
-  ax = next(a for a in axes if a is not None)
+  out: tuple[int, ...] = tuple(getattr(eqn.outvars[0].aval, "shape", ()))
+  ax: int = next(a for a in axes if a is not None)
   if name in _REDUCTIONS:  # not over the examples (that mixes them)
     return ax - sum(1 for d in p["axes"] if d < ax)
   if name == "transpose":
     return list(p["permutation"]).index(ax)
   if name == "reshape":
-    ok = ax == 0 and eqn.invars[0].aval.shape[:1] == out[:1] == (batch,)
-    return 0 if ok and not p.get("dimensions") else None
+    if p.get("dimensions"):
+      return None
+    shape = tuple(eqn.invars[0].aval.shape)
+    return _reshaped_example_axis(shape, ax, out, batch)
   if name == "broadcast_in_dim":
     return p["broadcast_dimensions"][ax]
   if name == "squeeze":
@@ -4422,7 +4477,10 @@ def _example_axis(eqn, axes: list, batch: int) -> int | None:
     for sh in shapes
   )
   same = len(set(a for a in axes if a is not None)) == 1
-  return ax if ok and same and out[ax : ax + 1] == (batch,) else None
+  sizes = {shapes[i][a] for i, a in enumerate(axes) if a is not None}
+  size = out[ax] if ax < len(out) else 0
+  kept = sizes == {size} and size % batch == 0
+  return ax if ok and same and kept else None
 
 
 def _mixing(jaxpr, axes: dict, batch: int) -> str | None:
@@ -4482,11 +4540,12 @@ def _mixing(jaxpr, axes: dict, batch: int) -> str | None:
       return "concatenate along the examples' axis"
     if name == "slice" and ins[0] is not None:
       ax, strides = ins[0], p["strides"]
+      size = eqn.invars[0].aval.shape[ax]  # B, or B times other positions
       window = (p["start_indices"][ax], p["limit_indices"][ax])
-      if window != (0, batch) or (strides is not None and strides[ax] != 1):
+      if window != (0, size) or (strides is not None and strides[ax] != 1):
         return "slice along the examples' axis"
     if name == "dynamic_slice" and ins[0] is not None:
-      if p["slice_sizes"][ins[0]] != batch:
+      if p["slice_sizes"][ins[0]] != eqn.invars[0].aval.shape[ins[0]]:
         return "dynamic_slice along the examples' axis"
     if name == "dot_general":
       (lc, rc), (lb, rb) = p["dimension_numbers"]
@@ -4565,11 +4624,14 @@ class FisherFallbackWarning(UserWarning):
 class LeafCoverage:
   """How ``method="auto"`` computes one parameter leaf's statistics.
 
-  Truthy exactly when the leaf is on the layer path.
+  Truthy unless the leaf costs a per-example pass (``path ==
+  "per_example"``).
 
   Attributes:
     path: ``"layer"`` (layer statistics from one backward pass for the whole
-      batch) or ``"per_example"`` (a ``vmap`` of per-example VJPs).
+      batch), ``"unused"`` (``apply_fn`` never reads the leaf, or it has
+      size zero: its statistics are zero and cost nothing) or
+      ``"per_example"`` (a ``vmap`` of per-example VJPs).
     reason: the rule that matched (``"the kernel of a dot_general"``,
       ``"an elementwise scale (mul)"``, ...) or why none did (``"an operand
       of sort: no layer rule matches"``, ``"used 2 times ..."``).
@@ -4584,7 +4646,7 @@ class LeafCoverage:
   kronecker: bool = False
 
   def __bool__(self) -> bool:
-    return self.path == "layer"
+    return self.path != "per_example"
 
 
 def _elementwise(plan: _Plan, leaf: int) -> bool:
@@ -4597,7 +4659,8 @@ def _leaf_coverage(plan: _Plan, leaves: Sequence[Any]) -> list[LeafCoverage]:
   out = []
   for leaf, (role, reason) in enumerate(zip(plan.roles, plan.reasons)):
     if role is None:
-      out.append(LeafCoverage("per_example", reason))
+      path = "unused" if leaf in plan.unused else "per_example"
+      out.append(LeafCoverage(path, reason))
     else:
       site = plan.sites[role[0]]
       uses = plan.special.get(leaf)
@@ -4638,8 +4701,11 @@ def coverage(
   ``softplus(p)``; in a scan's body when the scan slices every leaf the
   function reads): a VJP per example takes the layer's gradients back to
   it. K-FAC factors (``kronecker``) need one use of the leaf
-  itself, or a stack of layers along a scan: a kernel shared by a scan's
-  iterations, or computed from parameters, has none. Only traces ``apply_fn``
+  itself (a kernel shared by a scan's iterations is one use, the iterations
+  counted as positions: K-FAC's "expand" convention), or a stack of layers
+  along a scan: a leaf used twice, or computed from parameters, has none.
+  A leaf that ``apply_fn`` never reads (an unused head) is ``"unused"``:
+  zero statistics, no per-example pass. Only traces ``apply_fn``
   (no FLOPs), so ``params`` and ``inputs`` may be ``jax.ShapeDtypeStruct``
   trees. A model that combines the examples of a batch (``BatchNorm`` on
   the batch's statistics) warns :class:`FisherMixedExamplesWarning`, as the
@@ -4652,8 +4718,8 @@ def coverage(
     inputs: a batch of inputs (leading batch axis).
 
   Returns:
-    A params-shaped tree of :class:`LeafCoverage` (truthy on the layer
-    path).
+    A params-shaped tree of :class:`LeafCoverage` (truthy unless the leaf
+    needs a per-example pass).
 
   Example:
     >>> import jax.numpy as jnp
@@ -4680,15 +4746,20 @@ def coverage(
     >>> cov["w"].reason
     'the kernel of a dot_general, stacked along the iterations of a scan'
   """
-  leaves, treedef, _, closed, _, batch = _trace(apply_fn, params, inputs)
+  leaves, treedef, _, closed, out_def, batch = _trace(apply_fn, params, inputs)
+  # As the estimators require (a tuple reports as its type).
+  check_apply_outputs(
+    jax.tree_util.tree_unflatten(out_def, closed.out_avals), batch
+  )
   check_independent_examples(closed, len(leaves), batch)
   plan = _make_plan(closed, len(leaves), batch)
   return jax.tree_util.tree_unflatten(treedef, _leaf_coverage(plan, leaves))
 
 
-# Leaf sets already warned about (the warning is once per model, not per
-# call: estimators run every step).
-_WARNED: set[tuple[str, ...]] = set()
+# Warnings already given (once per message, not per call: estimators run
+# every step; two models whose leaves share names but not the reasons they
+# fall back each warn).
+_WARNED: set[str] = set()
 
 
 def warn_fallback(
@@ -4709,15 +4780,17 @@ def warn_fallback(
     stacklevel: passed to :func:`warnings.warn`.
   """
   leaves = tape._leaves
-  cov = _leaf_coverage(tape._plan, leaves)
-  kron = structure == "kron"
-  sizes = [math.prod(np.shape(x)) for x in leaves]
-  total = sum(sizes)
   plan = tape._plan
+  cov = _leaf_coverage(plan, leaves)
+  kron = structure == "kron"
+  # Unused leaves cost nothing on any path: the share is of the used ones.
+  used = [i for i in range(len(leaves)) if i not in plan.unused]
+  sizes = [math.prod(np.shape(x)) for x in leaves]
+  total = sum(sizes[i] for i in used)
   off = [
     i
-    for i, c in enumerate(cov)
-    if not (c.kronecker or _elementwise(plan, i) if kron else c)
+    for i in used
+    if not (cov[i].kronecker or _elementwise(plan, i) if kron else cov[i])
   ]
   share = sum(sizes[i] for i in off) / max(total, 1)
   if share <= threshold:
@@ -4727,20 +4800,18 @@ def warn_fallback(
     jax.tree_util.keystr(p)
     for p, _ in jax.tree_util.tree_flatten_with_path(skeleton)[0]
   ]
-  key = (structure if kron else "", *(names[i] for i in off))
-  if key in _WARNED:
-    return
-  _WARNED.add(key)
   what = "K-FAC factors" if kron else "layer statistics"
   listed = "; ".join(
     f"{names[i]}: {'no K-FAC rule' if kron and cov[i] else cov[i].reason}"
     for i in off
   )
-  warnings.warn(
-    f"method='auto' has no {what} for {share:.0%} of the parameters and "
-    f"computes them per example (slower, more memory): {listed}. "
+  message = (
+    f"method='auto' has no {what} for {share:.0%} of the parameters it "
+    f"uses and computes them per example (slower, more memory): {listed}. "
     "fisher.coverage(apply_fn, params, inputs) says which path each leaf "
-    "takes.",
-    FisherFallbackWarning,
-    stacklevel=stacklevel + 1,
+    "takes."
   )
+  if message in _WARNED:
+    return
+  _WARNED.add(message)
+  warnings.warn(message, FisherFallbackWarning, stacklevel=stacklevel + 1)
