@@ -91,7 +91,6 @@ class _Window(NamedTuple):
   block_diagonal: bool  # one window (and Gram) per leaf
   per_example: bool  # rows come from per_example_grads, not updates
   mean: bool  # F = lambda I + (1/size) G^T G (M-FAC), else no 1/size
-  damping_floor: bool  # lambda >= eps * trace(G G^T) (M-FAC)
   normalized: bool  # return lambda F^{-1} g
   dtype: Any  # stored window dtype (None: compute dtype of the params)
   function: str  # the public name, for messages
@@ -197,7 +196,7 @@ def _solve(
 
   def solve(w: PyTree, c: jax.Array, x: PyTree, gr: Any, rows: Any) -> PyTree:
     def factor_and_solve(c: jax.Array, gr: Any) -> PyTree:
-      lam = _floored_damping(c, damping) if cfg.damping_floor else damping
+      lam = linalg.floored_damping(c, damping, scale)
       return linalg.woodbury_window_solve(
         w,
         c,
@@ -226,14 +225,6 @@ def _solve(
     none if rows is None else rows,
     is_leaf=lambda x: x is None,
   )
-
-
-def _floored_damping(gram: jax.Array, damping: Any) -> jax.Array:
-  # On nearly dependent rows cond(G G^T + m lambda I) ~ trace / (m lambda):
-  # the floor keeps it under 1 / (m eps), so the Cholesky succeeds and the
-  # in-span product keeps about 1/m relative accuracy at worst.
-  lam = jnp.asarray(damping, gram.dtype)
-  return jnp.maximum(lam, jnp.finfo(gram.dtype).eps * jnp.trace(gram))
 
 
 def _rows_solve(
@@ -393,7 +384,11 @@ def scale_by_woodbury_fisher(
   Args:
     history_size: window length ``s >= 1`` (static). Ignored for per-example
       windows.
-    damping: :math:`\lambda > 0`; may be injected.
+    damping: :math:`\lambda > 0`; may be injected. Below the window's
+      float resolution, ``eps * trace(G G^T)`` (large, similar gradients),
+      that floor is used instead, as in :func:`scale_by_mfac`: the exact
+      :math:`\lambda` would fail the factorisation and skip every step
+      (:func:`fisher_optax.fisher.linalg.floored_damping`).
     normalize_output: return :math:`\lambda F^{-1} g` (which is ``g`` on
       directions the window has not seen) instead of :math:`F^{-1} g`.
     block_diagonal: one window solve per leaf (default) or one for the tree.
@@ -450,7 +445,6 @@ def scale_by_woodbury_fisher(
     block_diagonal=validation.check_flag("block_diagonal", block_diagonal),
     per_example=per_example,
     mean=False,
-    damping_floor=False,
     normalized=validation.check_flag("normalize_output", normalize_output),
     dtype=numerics.canonical_float_dtype("window_dtype", window_dtype),
     function="scale_by_woodbury_fisher",
@@ -523,16 +517,17 @@ def scale_by_mfac(
 
   Numerical floor (ours): the damping used is ``max(damping, eps *
   trace(G G^T))``, ``eps`` the machine epsilon of the statistics dtype,
-  i.e. ``max(lambda, eps m mean |g|^2)``. On nearly dependent rows
-  (correlated gradients) the Cholesky of ``G G^T + m lambda I`` has a
-  condition number near ``trace(G G^T) / (m lambda)``: past ``1/eps`` it
-  fails or the product of a gradient in the window's span is rounding
-  noise, and the floor keeps it under ``1 / (m eps)``. The floor is active
-  where the gradients are large next to ``lambda``: in float32 at the
-  paper's ``m = 1024``, ``lambda = 1e-5`` once the window's mean squared
-  gradient norm passes about 0.08, and then the step outside the window's
-  span is shorter than the paper's by the ratio of the two dampings (a
-  float64 window under x64 has an ``eps`` 2^29 times smaller).
+  i.e. ``max(lambda, eps m mean |g|^2)``
+  (:func:`fisher_optax.fisher.linalg.floored_damping`). On nearly
+  dependent rows (correlated gradients) the Cholesky of ``G G^T + m lambda
+  I`` has a condition number near ``trace(G G^T) / (m lambda)``: past
+  ``1/eps`` it fails or the product of a gradient in the window's span is
+  rounding noise, and the floor keeps it under ``1 / (m eps)``. The floor is active where the gradients are
+  large next to ``lambda``: in float32 at the paper's ``m = 1024``,
+  ``lambda = 1e-5`` once the window's mean squared gradient norm passes
+  about 0.08, and then the step outside the window's span is shorter than
+  the paper's by the ratio of the two dampings (a float64 window under x64
+  has an ``eps`` 2^29 times smaller).
 
   Args:
     window_size: ``m``, a static int (it sets state shapes).
@@ -587,7 +582,6 @@ def scale_by_mfac(
     block_diagonal=False,
     per_example=source == "per_example",
     mean=True,
-    damping_floor=True,
     normalized=False,
     dtype=numerics.canonical_float_dtype("window_dtype", window_dtype),
     function="scale_by_mfac",

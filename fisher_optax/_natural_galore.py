@@ -497,7 +497,7 @@ def _per_example_solve(
       rows,
       gram,
       lg,
-      damping,
+      linalg.floored_damping(gram, damping, scale),
       scale=scale,
       normalized=cfg.normalize_output,
       coords=coords,
@@ -687,11 +687,14 @@ def _windowed_update(
     # span, with no cancellation and no G g (a narrower window's rounding
     # of it lies outside the span, where 1 / damping would scale it).
     # One batched s x s factorisation and solve for all leaves.
+    # Damping below float32's resolution of a window's Gram (similar,
+    # large gradients) would fail its Cholesky: floored per window.
+    lams = linalg.floored_damping(jnp.stack(grams), damping) if grams else None
     outs = linalg.woodbury_window_solves(
       windows,
       grams,
       [low[i] for i in solved],
-      damping,
+      damping if lams is None else lams,
       normalized=cfg.normalize_output,
       pendings=[(parts[i][4], slots) for i in solved],
       pushed=[True] * len(solved),
@@ -906,6 +909,10 @@ def scale_by_natural_galore(
     damping: :math:`\lambda > 0`, absolute; may be injected. Far below
       the squared norms of the projected gradients the window whitens
       away their mean (see :func:`natural_galore`'s learning-rate note).
+      Below the window's float resolution, ``eps * trace(H H^T)`` (large,
+      similar gradients), that floor is used instead: the exact
+      :math:`\lambda` would fail the factorisation and skip every step
+      (:func:`fisher_optax.fisher.linalg.floored_damping`).
     projection_side: ``"larger"`` (optax) or ``"smaller"`` (reference).
     window_at_refresh: ``"reproject"``, ``"keep"`` or ``"reset"``.
     normalize_output: return :math:`\lambda F^{-1} g`.

@@ -354,7 +354,8 @@ def project_out_subspace(
   Args:
     max_rank: rows per leaf of the stored bases. Static int.
     alpha: strength in [0, 1], or a schedule of the step count (PhysGuard's
-      optional relaxation).
+      optional relaxation); a schedule's or an injected value is clipped
+      to [0, 1].
     subspace: initial :class:`ProtectedSubspace`; default empty (identity).
       Swap it later with ``optax.tree.set(state, protected_subspace=...)``.
     basis_dtype: dtype of the empty bases built by ``init`` (without
@@ -470,7 +471,11 @@ def _projected(
 
 
 def _alpha(alpha: ScalarOrSchedule, count: jax.Array) -> Any:
-  return alpha(count) if callable(alpha) else alpha
+  # A schedule's (or an injected) value cannot be checked at call time:
+  # clipped, so that alpha > 1 never reverses the protected component.
+  # NaN stays NaN, and the step is skipped.
+  a = alpha(count) if callable(alpha) else alpha
+  return jnp.clip(a, 0.0, 1.0)
 
 
 def _projection(
@@ -686,7 +691,7 @@ def physguard(
   Args:
     learning_rate: a float or schedule.
     max_rank: rows per leaf of the protected bases. Static int.
-    alpha: projection strength or schedule.
+    alpha: projection strength in [0, 1] or schedule (clipped to it).
     b1: Adam's first-moment decay.
     b2: Adam's second-moment decay.
     eps: Adam's epsilon.
@@ -715,7 +720,7 @@ def physguard(
     ...     state, protected_subspace=fisher_optax.protected_subspace(
     ...         g, max_rank=2))
     >>> updates, state = tx.update(jnp.ones(3), state, params)
-    >>> float(updates[0])  # The protected direction does not move.
+    >>> abs(float(updates[0]))  # The protected direction does not move.
     0.0
 
   References:

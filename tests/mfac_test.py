@@ -338,6 +338,49 @@ class ScaleByMFACTest(parameterized.TestCase):
       u, state = tx.update(jnp.array([1e3, -2e3, 5e2]), state)
     chex.assert_tree_all_finite((u, state))
 
+  @parameterized.product(
+    make=("woodbury", "woodbury_tree", "mfac"), per_example=(False, True)
+  )
+  def test_large_repeated_gradients_are_solved_not_skipped(
+    self, make, per_example
+  ):
+    # |g|^2 / damping = 1e9: the exact damping is below float32's
+    # resolution of the Gram, whose Cholesky then failed and every step
+    # after the first was skipped. The floored damping solves it.
+    g = {"w": 100.0 * jax.random.normal(jax.random.key(0), (16, 8))}
+    source = "per_example" if per_example else "batch"
+    tx = {
+      "woodbury": lambda: fisher_optax.scale_by_woodbury_fisher(
+        8, 1e-3, fisher_source=source
+      ),
+      "woodbury_tree": lambda: fisher_optax.scale_by_woodbury_fisher(
+        8, 1e-3, block_diagonal=False, fisher_source=source
+      ),
+      "mfac": lambda: fisher_optax.scale_by_mfac(8, 1e-3, fisher_source=source),
+    }[make]()
+    state = tx.init(g)
+    sq = float(jnp.sum(jnp.square(g["w"])))
+    eps = float(jnp.finfo(jnp.float32).eps)
+    for k in range(1, 6):
+      if per_example:  # k equal per-example rows, their mean the gradient
+        rows = {"w": jnp.broadcast_to(g["w"], (k, 16, 8))}
+        u, state = tx.update(g, state, per_example_grads=rows)
+        scale, count = 1.0 / k, k
+        if make == "mfac":  # pushed into its window of 8, a mean over 8
+          scale, count = 1.0 / 8, min(k * (k + 1) // 2, 8)
+      else:
+        u, state = tx.update(g, state)
+        count = k
+        scale = 1.0 / 8 if make == "mfac" else 1.0
+      self.assertEqual(int(state.notfinite_count), 0)
+      # F = lam I + scale * count g g^T, the damping floored at scale m eps
+      # trace(G G^T) for m rows: about 1/m relative accuracy on equal rows.
+      m = 8 if make == "mfac" or not per_example else k
+      lam = max(1e-3, scale * m * eps * count * sq)
+      want = g["w"] / (lam + scale * count * sq)
+      err = float(jnp.linalg.norm(u["w"] - want) / jnp.linalg.norm(want))
+      self.assertLess(err, 1.0 / m)
+
   def test_bad_inputs_raise(self):
     with self.assertRaisesRegex(TypeError, "window_size"):
       fisher_optax.scale_by_mfac(4.0)

@@ -815,6 +815,35 @@ class NaturalGaLoreNonfiniteTest(parameterized.TestCase):
     chex.assert_tree_all_finite((updates, after))
     self.assertEqual(int(after.count), int(state.count) + 1)
 
+  @parameterized.parameters("batch", "per_example")
+  def test_large_repeated_gradients_are_not_skipped(self, source):
+    # |g|^2 / damping ~ 1e9 on a window of equal gradients: the exact
+    # damping is below float32's resolution of the window's Gram, whose
+    # Cholesky failed, so every step after the first was skipped (zero
+    # updates). The damping floored at m eps trace solves it.
+    g = {"w": 100.0 * jax.random.normal(jax.random.key(0), (16, 8))}
+    tx = fisher_optax.scale_by_natural_galore(
+      rank=4,
+      history_size=8,
+      damping=1e-3,
+      base_optimizer=optax.identity(),
+      fisher_source=source,
+    )
+    pe = {"w": jnp.broadcast_to(g["w"], (4, 16, 8))}
+    extra = {"per_example_grads": pe} if source == "per_example" else {}
+    state = tx.init(g)
+    for k in range(1, 6):
+      u, state = tx.update(g, state, **extra)
+      self.assertEqual(int(state.notfinite_count), 0)
+      # The projected gradient lg is the same every step, so F^{-1} lg =
+      # lg / (lam + c |lg|^2), c = k gradients in the window (a mean of 4
+      # equal rows per example: c = 1): |u| c |lg| = 1 to the floor's
+      # 1/m. u is parallel to P lg, so |lg| = <g, u> / |u|.
+      norm = float(jnp.linalg.norm(u["w"]))
+      lg_norm = float(jnp.vdot(g["w"], u["w"])) / norm
+      c = k if source == "batch" else 1
+      self.assertAlmostEqual(norm * c * lg_norm, 1.0, delta=0.15)
+
   def test_nan_gradient_gives_nan_updates_and_keeps_the_base_state(self):
     tx = fisher_optax.scale_by_natural_galore(
       rank=2, update_proj_gap=1, history_size=2

@@ -181,6 +181,23 @@ class ProjectOutSubspaceTest(parameterized.TestCase):
     b = _flat(sub.bases["w"])
     np.testing.assert_allclose(b @ np.ravel(first["w"]), 0.0, atol=1e-5)
     chex.assert_trees_all_close(second, u, atol=1e-6)
+    # Values outside [0, 1] (unchecked at call time) are clipped: 2 would
+    # reverse the protected component, -1 double it.
+    injected = optax.inject_hyperparams(
+      fisher_optax.project_out_subspace, static_args=("max_rank",)
+    )
+    for value, same_as in ((2.0, first), (-1.0, u)):
+      tx = fisher_optax.project_out_subspace(6, lambda c, v=value: v, sub)
+      got, _ = tx.update(u, tx.init(params), params)
+      chex.assert_trees_all_close(got, same_as, atol=1e-5)
+      # Injected: refused where concrete, clipped where traced.
+      tx = injected(max_rank=6, alpha=0.5, subspace=sub)
+      state = tx.init(params)
+      state.hyperparams["alpha"] = jnp.asarray(value)
+      with self.assertRaisesRegex(ValueError, "alpha must lie in"):
+        tx.update(u, state, params)
+      got, _ = jax.jit(tx.update)(u, state, params)
+      chex.assert_trees_all_close(got, same_as, atol=1e-5)
 
   def test_bf16_params_float32_bases(self):
     params = {"w": jnp.ones((3, 2), jnp.bfloat16)}

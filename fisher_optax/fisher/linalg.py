@@ -240,6 +240,49 @@ class WoodburyFactor(NamedTuple):
   damping: jax.Array
 
 
+def floored_damping(
+  gram: jax.Array, damping: Any, scale: jax.Array | float = 1.0
+) -> jax.Array:
+  """The damping of ``F = damping I + scale G^T G`` floored where the
+  window's Cholesky cannot resolve it: ``max(damping, scale m eps
+  trace(gram))`` for ``m`` rows, ``eps`` of ``gram``'s dtype.
+
+  The factorisation is of ``G G^T + (damping / scale) I``, whose condition
+  number on nearly dependent rows (a window of similar gradients) is about
+  ``trace / (damping / scale)``. Past ``1 / eps`` the Gram's rounding
+  outweighs the shift: the Cholesky fails (a windowed optimizer would skip
+  every step) or its solve is noise. The floor keeps the condition number
+  under ``1 / (m eps)``: a solve of ``m`` equal rows then keeps about
+  ``1 / m`` relative accuracy (measured 2-7% at ``m = 8``, 0.2-0.5% at
+  ``m = 64``; rows in general position are solved accurately whatever the
+  floor). Where ``damping`` is above the floor it is returned unchanged:
+  the exact maths wherever the dtype resolves it.
+
+  Args:
+    gram: ``(m, m)`` Gram matrix ``G G^T``, or a stack ``(n, m, m)`` (a
+      floor each).
+    damping: ``lambda > 0``.
+    scale: ``c > 0`` in ``F`` (e.g. ``1/m`` for M-FAC's mean).
+
+  Returns:
+    The damping, a scalar (or ``(n,)``), in ``gram``'s dtype.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from fisher_optax.fisher import linalg
+    >>> rows = jnp.full((4, 8), 100.0)  # four equal gradients
+    >>> float(linalg.floored_damping(rows @ rows.T, 1e-3))  # 4 eps 3.2e5
+    0.152587890625
+    >>> float(linalg.floored_damping(rows @ rows.T / 1e6, 1e-3))
+    0.001...
+  """
+  dtype = gram.dtype
+  m = gram.shape[-1]
+  trace = jnp.trace(gram, axis1=-2, axis2=-1)
+  floor = jnp.asarray(scale, dtype) * (m * jnp.finfo(dtype).eps)
+  return jnp.maximum(jnp.asarray(damping, dtype), floor * trace)
+
+
 def woodbury_factor(
   gram: jax.Array, damping: jax.Array | float, scale: jax.Array | float = 1.0
 ) -> WoodburyFactor:
@@ -833,7 +876,8 @@ def woodbury_window_solves(
     windows: the windows ``G_i`` (stacked trees, leading axis ``m``).
     grams: their ``(m, m)`` Gram matrices (with the pending rows, if any).
     xs: trees shaped like one row of each window.
-    damping: ``lambda > 0``, shared.
+    damping: ``lambda > 0``, shared, or one per window (``(n,)``, e.g.
+      :func:`floored_damping` of the stacked Grams).
     normalized: return ``damping * F_i^{-1} x_i`` instead.
     gxs: ``G_i x_i`` where known, else ``None`` entries.
     pendings: ``(rows, slots)`` per window or ``None`` entries, as in
@@ -863,7 +907,7 @@ def woodbury_window_solves(
   if not n:
     return []
   dtype = numerics.compute_dtype(jnp.result_type(*grams, *jax.tree.leaves(xs)))
-  damping = jnp.asarray(damping, dtype)
+  lams = jnp.broadcast_to(jnp.asarray(damping, dtype), (n,))
   short: dict[int, tuple[PyTree, PyTree]] = {}
   wides, xws, products = [], [], []
   for i, (g, gram_i, x, gx, pend, in_span) in enumerate(
@@ -884,7 +928,7 @@ def woodbury_window_solves(
     if in_span and pend is not None:
       # x = G^T e_slot: F^{-1} x = (0 - G^T C^{-1} (-damping e_slot)) / damping.
       e = _pending_coords(gram_i.shape[-1], pend[1], 1.0, dtype)
-      gx, xw = -damping * e, None
+      gx, xw = -lams[i] * e, None
     elif gx is None:
       gx = tree_stacked_dot(wide, xw)
       if pend is not None:
@@ -900,17 +944,17 @@ def woodbury_window_solves(
   gram = jnp.where(ok[:, None, None], symmetrize(gram), 0.0)
   gx = jnp.where(ok[:, None], gx, 0.0)
   eye = jnp.eye(gram.shape[-1], dtype=dtype)
-  chol = jnp.linalg.cholesky(gram + damping * eye)
+  chol = jnp.linalg.cholesky(gram + lams[:, None, None] * eye)
   w = jax.scipy.linalg.solve_triangular(chol, gx[..., None], lower=True)
   w = jax.scipy.linalg.solve_triangular(chol, w, lower=True, trans=1)[..., 0]
   w = jnp.where(ok[:, None], w, jnp.nan)
   out = []
   for i, ((wide, pend), xw, x) in enumerate(zip(wides, xws, xs)):
     o = _woodbury_apply(
-      wide, w[i], xw, damping, normalized=normalized, pending=pend
+      wide, w[i], xw, lams[i], normalized=normalized, pending=pend
     )
     if i in short:
-      o = _short_rows_solve(*short[i], damping, 1.0, o, normalized=normalized)
+      o = _short_rows_solve(*short[i], lams[i], 1.0, o, normalized=normalized)
     # x's dtypes, and its sharding under explicit mesh axes (a solve in the
     # span, G^T w, would take the window's).
     out.append(numerics.keep_types(o, x))
