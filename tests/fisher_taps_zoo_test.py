@@ -1485,6 +1485,12 @@ class FallbackWarningTest(absltest.TestCase):
     ]:
       with self.assertRaisesRegex(ValueError, f"one array.*got {got}"):
         fisher.coverage(fn, params, x)
+    # An empty batch (rows merged and split back): nothing to mix.
+    rows = lambda p, x: (x.reshape(x.shape[0] * 2, 4) @ p["w"]).reshape(
+      x.shape[0], 6
+    )
+    cov = fisher.coverage(rows, params, jnp.ones((0, 2, 4)))
+    self.assertEqual(cov["w"].path, "layer")
 
   def test_fallback_memory_is_chunked_by_default(self):
     """Without chunk_size, the per-example gradients of the leaves sent to

@@ -4593,6 +4593,8 @@ def check_independent_examples(
   (``closed``, invars: the parameter leaves, then the inputs) combines
   different examples; returns what does, or None."""
   jaxpr = closed.jaxpr
+  if batch == 0:  # no examples to mix
+    return None
   found = _mixing(jaxpr, dict.fromkeys(jaxpr.invars[num_leaves:], 0), batch)
   if found is not None:
     warnings.warn(
