@@ -385,9 +385,10 @@ def scale_by_woodbury_fisher(
     history_size: window length ``s >= 1`` (static). Ignored for per-example
       windows.
     damping: :math:`\lambda > 0`; may be injected. Below the window's
-      float resolution, ``eps * trace(G G^T)`` (large, similar gradients),
-      that floor is used instead, as in :func:`scale_by_mfac`: the exact
-      :math:`\lambda` would fail the factorisation and skip every step
+      float resolution, ``m eps trace(G G^T)`` for ``m`` rows (large,
+      similar gradients), that floor is used instead, as in
+      :func:`scale_by_mfac`: the exact :math:`\lambda` would fail the
+      factorisation and skip every step
       (:func:`fisher_optax.fisher.linalg.floored_damping`).
     normalize_output: return :math:`\lambda F^{-1} g` (which is ``g`` on
       directions the window has not seen) instead of :math:`F^{-1} g`.
@@ -522,12 +523,12 @@ def scale_by_mfac(
   dependent rows (correlated gradients) the Cholesky of ``G G^T + m lambda
   I`` has a condition number near ``trace(G G^T) / (m lambda)``: past
   ``1/eps`` it fails or the product of a gradient in the window's span is
-  rounding noise, and the floor keeps it under ``1 / (m eps)``. The floor is active where the gradients are
-  large next to ``lambda``: in float32 at the paper's ``m = 1024``,
-  ``lambda = 1e-5`` once the window's mean squared gradient norm passes
-  about 0.08, and then the step outside the window's span is shorter than
-  the paper's by the ratio of the two dampings (a float64 window under x64
-  has an ``eps`` 2^29 times smaller).
+  rounding noise, and the floor keeps it under ``1 / (m eps)``. The floor
+  is active where the gradients are large next to ``lambda``: in float32
+  at the paper's ``m = 1024``, ``lambda = 1e-5`` once the window's mean
+  squared gradient norm passes about 0.08, and then the step outside the
+  window's span is shorter than the paper's by the ratio of the two
+  dampings (a float64 window under x64 has an ``eps`` 2^29 times smaller).
 
   Args:
     window_size: ``m``, a static int (it sets state shapes).

@@ -909,7 +909,7 @@ def scale_by_natural_galore(
     damping: :math:`\lambda > 0`, absolute; may be injected. Far below
       the squared norms of the projected gradients the window whitens
       away their mean (see :func:`natural_galore`'s learning-rate note).
-      Below the window's float resolution, ``eps * trace(H H^T)`` (large,
+      Below the window's float resolution, ``s eps trace(H H^T)`` (large,
       similar gradients), that floor is used instead: the exact
       :math:`\lambda` would fail the factorisation and skip every step
       (:func:`fisher_optax.fisher.linalg.floored_damping`).
