@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fisher_optax import fisher
+from fisher_optax import flax as fo_flax
 from fisher_optax.fisher import _taps as fisher_taps
 from tests import fisher_testing
 
@@ -1369,6 +1370,89 @@ class MixedExamplesTest(parameterized.TestCase):
     for name, fn in fns.items():
       with self.subTest(name):
         self.assertIsNone(self._found(fn, w, xs))
+
+  def test_random_values_per_example(self):
+    class Dropped(nn.Module):  # an active dropout, as in training
+      broadcast_dims: tuple[int, ...] = ()
+
+      @nn.compact
+      def __call__(self, x):
+        h = nn.Dropout(0.5, self.broadcast_dims, deterministic=False)(
+          nn.Dense(4)(x)
+        )
+        return nn.Dense(2)(h)
+
+    x = jnp.ones((B, 6))
+    key = jax.random.key(1)
+
+    def dropped(dims):
+      model = Dropped(dims)
+      params = model.init(key, x)
+      return lambda p, x: model.apply(p, x, rngs={"dropout": key}), params
+
+    w = {"w": jnp.ones((6, 3))}
+
+    def scanned(p, x):  # a mask per layer, drawn inside a scan's body
+      def body(h, k):
+        return jnp.where(jax.random.bernoulli(k, 0.5, h.shape), h, 0.0), None
+
+      return jax.lax.scan(body, x, jax.random.split(key, 2))[0] @ p["w"]
+
+    class NnxDropped(nnx.Module):
+      def __init__(self, rngs: nnx.Rngs):
+        self.dense = nnx.Linear(6, 4, rngs=rngs)
+        self.drop = nnx.Dropout(0.5, rngs=rngs)
+        self.head = nnx.Linear(4, 2, rngs=rngs)
+
+      def __call__(self, x):
+        return self.head(self.drop(self.dense(x)))
+
+    nnx_model = NnxDropped(nnx.Rngs(0, dropout=1))
+    draws = {
+      "dropout": dropped(()),
+      "nnx dropout": fo_flax.nnx_apply_fn(nnx_model),
+      "dropout over features": dropped((1,)),
+      "noise": (lambda p, x: (x + jax.random.normal(key, x.shape)) @ p["w"], w),
+      "scan": (scanned, w),
+    }
+    for name, (fn, params) in draws.items():
+      with self.subTest(name):
+        found = self._found(fn, params, x) or ""
+        self.assertStartsWith(found, "random values for each example")
+    shared = {
+      # one mask for the whole batch, broadcast over the examples
+      "dropout over examples": dropped((0,)),
+      # a draw contracted with the examples (random features)
+      "features": (
+        lambda p, x: jnp.cos(x @ jax.random.normal(key, (6, 6))) @ p["w"],
+        w,
+      ),
+      # a draw of size one along the examples' axis
+      "row": (lambda p, x: (x * jax.random.normal(key, (1, 6))) @ p["w"], w),
+    }
+    nnx_model.eval()  # dropout off
+    shared["nnx eval"] = fo_flax.nnx_apply_fn(nnx_model)
+    for name, (fn, params) in shared.items():
+      with self.subTest(name):
+        self.assertIsNone(self._found(fn, params, x))
+    fn, params = dropped(())
+    y = jnp.arange(B) % 2
+    for method in ("auto", "per_example"):
+      with (
+        self.subTest(method),
+        self.assertWarnsRegex(
+          fisher.FisherMixedExamplesWarning, "draws random values.*dropout"
+        ) as caught,
+      ):
+        fisher.diagonal(
+          fn,
+          params,
+          (x, y),
+          likelihood=fisher.Categorical(),
+          kind="empirical",
+          method=method,
+        )
+      self.assertEqual(caught.filename, __file__)
 
   @parameterized.product(method=("auto", "per_example"), api=("linen", "nnx"))
   def test_estimators_warn(self, method, api):

@@ -101,8 +101,10 @@ has no per-example gradients, and every estimator warns
 it can follow the examples through the model (see the warning). They
 also need ``apply_fn`` to be deterministic: the per-example path runs the
 model on one example at a time, so an active dropout would draw other masks
-there than in the batch (run estimators with ``deterministic=True``, as
-Fisher estimates usually are, or give each example its own mask as
+there than in the batch, and the same mask for every example; the same
+warning says so where random values drawn for each example meet the
+examples (run estimators with ``deterministic=True``, as Fisher estimates
+usually are, or give each example its own mask as
 :func:`fisher_optax.flax.nnx_per_example_grads` does). The MC kind's labels
 do not depend on the path: example ``n`` draws them from
 ``jax.random.fold_in(key, n)``.

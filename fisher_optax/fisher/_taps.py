@@ -4362,6 +4362,13 @@ class FisherMixedExamplesWarning(UserWarning):
   Silence it with ``warnings.simplefilter("ignore",
   FisherMixedExamplesWarning)``.
 
+  It also warns where ``apply_fn`` draws random values for each example
+  (an active dropout, noise added to the inputs): the per-example path runs
+  the model on one example at a time with the same key, so every example
+  gets the same draw there and the two paths differ. A draw shared by the
+  examples (a mask broadcast over them, a random-features matrix) is the
+  same on both paths and does not warn.
+
   The check follows the examples' axis through the traced model, also where
   a reshape merges it with the axes after it (a ``BatchNorm`` over ``x
   .reshape(B * T, C)`` warns). It is a check, not a proof: where it cannot
@@ -4392,6 +4399,87 @@ def _inner_jaxpr(eqn):
     if sub is not None:
       return sub[0]
   return None
+
+
+# Primitives that draw random bits (typed keys, raw keys, the RBG generator).
+_RANDOM = ("random_bits", "threefry2x32", "rng_bit_generator", "rng_uniform")
+# Found by the check when a value drawn at random meets the examples.
+RANDOM_PER_EXAMPLE = "random values for each example"
+
+
+def _bodies(eqn) -> list:
+  """Every jaxpr among ``eqn``'s parameters (call, scan, cond and loop
+  bodies), opened."""
+  subs = []
+  for value in eqn.params.values():
+    for sub in value if isinstance(value, (list, tuple)) else (value,):
+      opened = _open_jaxpr(sub)
+      if opened is not None:
+        subs.append(opened[0])
+  return subs
+
+
+def _draws_random(eqn) -> bool:
+  """Whether ``eqn``, or any equation inside it, draws random bits."""
+  return eqn.primitive.name in _RANDOM or any(
+    _draws_random(e) for body in _bodies(eqn) for e in body.eqns
+  )
+
+
+def _shape(v) -> tuple:
+  return tuple(getattr(v.aval, "shape", ()))
+
+
+def _ones(shape: tuple) -> frozenset:
+  return frozenset(i for i, n in enumerate(shape) if n == 1)
+
+
+def _shared_after(eqn, operands: list) -> frozenset:
+  """The axes along which a value computed from random draws alone is the
+  same at every index (``operands``: each draw's such axes, None for an
+  operand not drawn): size-one axes, axes a broadcast adds, and axes every
+  drawn operand of an elementwise equation shares."""
+  out = _shape(eqn.outvars[0])
+  shared = _ones(out)
+  sets = [s for s in operands if s is not None]
+  if eqn.primitive.name == "broadcast_in_dim" and sets:
+    dims = eqn.params["broadcast_dimensions"]
+    kept = {dims[i] for i in sets[0]} | {
+      d for i, d in enumerate(dims) if _shape(eqn.invars[0])[i] == 1
+    }
+    return shared | (frozenset(range(len(out))) - set(dims)) | kept
+  ranks = {len(_shape(v)) for v in eqn.invars if _shape(v)}
+  if sets and ranks <= {len(out)}:  # elementwise
+    return shared | frozenset.intersection(*sets)
+  return shared
+
+
+def _random_per_example(eqn, ins: list, drawn: list) -> bool:
+  """Whether elementwise ``eqn`` gives each example its own random values:
+  an operand drawn at random (``drawn``: the axes along which that draw is
+  shared, or None for an operand not drawn) varies along the examples'
+  axis, where another operand holds them (``ins``), as a dropout mask does.
+  A draw shared by the examples (a mask broadcast over them, a
+  random-features matrix contracted with them) is the same on both paths."""
+  if (
+    all(s is None for s in drawn)
+    or len(eqn.outvars) != 1
+    or eqn.primitive.name in ("dot_general", "conv_general_dilated")
+    or _bodies(eqn)
+  ):
+    return False  # a contraction, or a call, scan or cond (walked into)
+  out = _shape(eqn.outvars[0])
+  axes = {a for a in ins if a is not None}
+  if len(axes) != 1:
+    return False
+  (ax,) = axes
+  shapes = [_shape(v) for v in eqn.invars]
+  if ax >= len(out) or any(sh and len(sh) != len(out) for sh in shapes):
+    return False  # not elementwise
+  return out[ax] > 1 and any(
+    s is not None and ax not in s and len(sh) == len(out) and sh[ax] > 1
+    for s, sh in zip(drawn, shapes)
+  )
 
 
 def _reshaped_example_axis(shape: tuple, ax: int, out: tuple, batch: int):
@@ -4483,26 +4571,53 @@ def _example_axis(eqn, axes: list, batch: int) -> int | None:
   return ax if ok and same and kept else None
 
 
-def _mixing(jaxpr, axes: dict, batch: int) -> str | None:
+def _mixing(
+  jaxpr, axes: dict, batch: int, drawn: dict | None = None
+) -> str | None:
   """The first operation of ``jaxpr`` that combines different examples, or
-  None. ``axes`` maps a variable holding the examples to their axis (the
-  inputs': 0) and grows with the variables that follow."""
+  gives each its own random values, or None. ``axes`` maps a variable
+  holding the examples to their axis (the inputs': 0) and grows with the
+  variables that follow; ``drawn`` maps the variables computed from random
+  draws but not from the examples to the axes along which each is shared
+  (:func:`_shared_after`), and grows too."""
+  drawn = {} if drawn is None else drawn
 
-  def walk_into(body, invars_axes) -> str | None:
+  def carried(v, w) -> None:
+    """``w`` (across a call, scan or cond boundary) drawn as ``v`` is."""
+    if isinstance(v, jex.Var) and v in drawn:
+      same = len(_shape(v)) == len(_shape(w))  # else a scan's slice
+      s = drawn[v] if same else {a - 1 for a in drawn[v] if a > 0}
+      drawn[w] = _ones(_shape(w)) | frozenset(s)
+
+  def walk_into(body, invars_axes, outer=()) -> str | None:
     inner = {w: a for w, a in invars_axes if a is not None}
-    found = _mixing(body, inner, batch)
+    for v, w in zip(outer, body.invars):
+      carried(v, w)
+    found = _mixing(body, inner, batch, drawn)
     axes.update(inner)  # body variables are distinct objects
     return found
 
   for eqn in jaxpr.eqns:
     ins = [axes.get(v) if isinstance(v, jex.Var) else None for v in eqn.invars]
+    rand = [
+      drawn.get(v) if isinstance(v, jex.Var) else None for v in eqn.invars
+    ]
     if all(a is None for a in ins):
+      if any(s is not None for s in rand) or _draws_random(eqn):
+        for o in eqn.outvars:
+          drawn[o] = (
+            _shared_after(eqn, rand)
+            if len(eqn.outvars) == 1
+            else (_ones(_shape(o)))
+          )
       continue
     name, p = eqn.primitive.name, eqn.params
+    if _random_per_example(eqn, ins, rand):
+      return f"{RANDOM_PER_EXAMPLE} ({name} of a random draw with the examples)"
     if name == "scan":  # consts and carry keep their axes; xs lose axis 0
       body, n = p["jaxpr"].jaxpr, p["num_consts"] + p["num_carry"]
       sliced = [None if a in (None, 0) else a - 1 for a in ins[n:]]
-      found = walk_into(body, zip(body.invars, ins[:n] + sliced))
+      found = walk_into(body, zip(body.invars, ins[:n] + sliced), eqn.invars)
       if found:
         return found
       k = p["num_carry"]
@@ -4513,18 +4628,22 @@ def _mixing(jaxpr, axes: dict, batch: int) -> str | None:
       continue
     if name == "cond":
       for branch in p["branches"]:
-        found = walk_into(branch.jaxpr, zip(branch.jaxpr.invars, ins[1:]))
+        found = walk_into(
+          branch.jaxpr, zip(branch.jaxpr.invars, ins[1:]), eqn.invars[1:]
+        )
         if found:
           return found
       continue
     body = None if name == "while" else _inner_jaxpr(eqn)
     if body is not None:
-      found = walk_into(body, zip(body.invars, ins))
+      found = walk_into(body, zip(body.invars, ins), eqn.invars)
       if found:
         return found
       for o, w in zip(eqn.outvars, body.outvars):
         if isinstance(w, jex.Var) and w in axes:
           axes[o] = axes[w]
+        else:
+          carried(w, o)
       continue
     if name in _REDUCTIONS and ins[0] in p["axes"]:
       return f"{name} over the examples' axis"
@@ -4591,12 +4710,24 @@ def check_independent_examples(
 ) -> str | None:
   """Warns (:class:`FisherMixedExamplesWarning`) if the traced ``apply_fn``
   (``closed``, invars: the parameter leaves, then the inputs) combines
-  different examples; returns what does, or None."""
+  different examples or draws random values for each; returns what does, or
+  None."""
   jaxpr = closed.jaxpr
   if batch == 0:  # no examples to mix
     return None
   found = _mixing(jaxpr, dict.fromkeys(jaxpr.invars[num_leaves:], 0), batch)
-  if found is not None:
+  if found is not None and found.startswith(RANDOM_PER_EXAMPLE):
+    warnings.warn(
+      f"apply_fn draws {found}, e.g. an active dropout: the layer path "
+      "draws them for the whole batch and the per-example path for one "
+      "example at a time, so the two paths give different statistics, and "
+      "the per-example path gives every example the same draw. Run apply_fn "
+      "deterministically (deterministic=True, model.eval()), as Fisher "
+      "estimates usually are; see FisherMixedExamplesWarning.",
+      FisherMixedExamplesWarning,
+      stacklevel=_caller_stacklevel(),
+    )
+  elif found is not None:
     warnings.warn(
       f"apply_fn combines different examples of the batch ({found}): "
       "per-example gradients, and every Fisher statistic built from them, "
