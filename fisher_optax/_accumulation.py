@@ -155,6 +155,9 @@ def accumulate_fisher(
   inner = optax.with_extra_args_support(inner)
 
   def init_fn(params):
+    validation.check_real_floating(
+      params, what="params", function="accumulate_fisher"
+    )
     return _fresh_state(params, inner.init(params), jnp.zeros([], jnp.int32))
 
   def update_fn(

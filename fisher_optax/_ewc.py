@@ -897,10 +897,13 @@ def add_ewc_gradient(
     )
 
   def init_fn(params: PyTree) -> AddEWCGradientState:
+    validation.check_real_floating(
+      params, what="params", function="add_ewc_gradient"
+    )
     if anchor is None:
       start = init_ewc_anchor(params, diagonal=diagonal, rank=rank)
-    else:
-      start = anchor
+    else:  # Fresh buffers: a donated state must not delete the user's anchor.
+      start = jax.tree.map(jnp.copy, anchor)
     return AddEWCGradientState(count=jnp.zeros([], jnp.int32), ewc_anchor=start)
 
   def update_fn(updates, state, params=None, **extra_args):

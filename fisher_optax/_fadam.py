@@ -247,6 +247,9 @@ def scale_by_fadam(
   no_decay = validation.concrete_value(weight_decay) == 0
 
   def init_fn(params: optax.Params) -> FAdamState:
+    validation.check_real_floating(
+      params, what="params", function="scale_by_fadam"
+    )
     return _init_state(params, mu_dtype, fim_dtype)
 
   def update_fn(
@@ -260,7 +263,7 @@ def scale_by_fadam(
   ) -> tuple[optax.Updates, FAdamState]:
     del extra_args
     validation.check_like(
-      updates, state.mu, what="updates", reference_name="params"
+      updates, state.mu, what="updates", reference_name="init's params"
     )
     decay = _decay_mask(weight_decay_mask, updates, params, no_decay)
     stats = _fisher_statistic(source, updates, per_example_grads, fisher)

@@ -24,6 +24,7 @@ from typing import Any, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from optax.contrib import MuonDimensionNumbers
 
@@ -153,7 +154,7 @@ class _Options(NamedTuple):
   beta: Any
   gamma: Any
   damping: Any
-  coeffs: jax.Array
+  coeffs: Any
   ns_steps: int | jax.Array
   eps: Any
   nesterov: bool
@@ -498,17 +499,17 @@ def _check_options(
       'root_method="cholesky" gives a triangular whitening, under which '
       'whitened momentum is not meaningful: use momentum_space="original".'
     )
-  coeffs = jnp.asarray(ns_coeffs)
-  if coeffs.ndim not in (1, 2) or coeffs.shape[-1] != 3:
-    raise ValueError(
-      f"ns_coeffs must have shape (3,) or (k, 3), got {coeffs.shape}."
-    )
+  # Kept as given, an array only inside update: built under a trace
+  # (jax.eval_shape of a TrainState), an array here would leak its tracer.
+  shape = np.shape(ns_coeffs)
+  if len(shape) not in (1, 2) or shape[-1] != 3:
+    raise ValueError(f"ns_coeffs must have shape (3,) or (k, 3), got {shape}.")
   validation.check_finite("ns_coeffs", ns_coeffs)
   return _Options(
     beta=beta,
     gamma=gamma,
     damping=damping,
-    coeffs=coeffs,
+    coeffs=ns_coeffs,
     ns_steps=ns_steps,
     eps=eps,
     nesterov=validation.check_flag("nesterov", nesterov),
@@ -946,6 +947,9 @@ def scale_by_fismo(
     )
 
   def init_fn(params: optax.Params) -> FISMOState:
+    validation.check_real_floating(
+      params, what="params", function="scale_by_fismo"
+    )
     treedef, leaves, plan_list = plans(params)
     leaf_states = [
       _init_leaf(x, p, mu_dtype) for x, p in zip(leaves, plan_list)
@@ -1238,4 +1242,9 @@ def fismo(
       validation.check_like(updates, params, what="updates")
     return tx.update(updates, state, params, **extra_args)
 
-  return optax.GradientTransformationExtraArgs(tx.init, update_fn)
+  def init_fn(params: optax.Params) -> Any:
+    # Here too: the leaves routed to Adam never reach scale_by_fismo's check.
+    validation.check_real_floating(params, what="params", function="fismo")
+    return tx.init(params)
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)

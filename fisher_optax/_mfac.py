@@ -137,7 +137,9 @@ def _check_updates(updates: PyTree, window: PyTree) -> None:
   rows = jax.tree.map(
     lambda w: jax.ShapeDtypeStruct(w.shape[1:], w.dtype), window
   )
-  validation.check_like(updates, rows, what="updates", reference_name="params")
+  validation.check_like(
+    updates, rows, what="updates", reference_name="init's params"
+  )
 
 
 def _slots(slot: jax.Array, k: int, m: int) -> jax.Array:
@@ -195,6 +197,9 @@ def _solve(
   """
 
   def solve(w: PyTree, c: jax.Array, x: PyTree, gr: Any, rows: Any) -> PyTree:
+    if c is None:  # a None leaf (optax's placeholder): nothing to solve
+      return x
+
     def factor_and_solve(c: jax.Array, gr: Any) -> PyTree:
       lam = linalg.floored_damping(c, damping, scale)
       return linalg.woodbury_window_solve(
@@ -452,6 +457,9 @@ def scale_by_woodbury_fisher(
   )
 
   def init_fn(params: PyTree) -> WoodburyFisherState:
+    validation.check_real_floating(
+      params, what="params", function="scale_by_woodbury_fisher"
+    )
     window, gram = _init_window(cfg, params)
     # Separate buffers, so the state can be donated (jit's donate_argnums).
     zero = lambda: jnp.zeros([], jnp.int32)
@@ -466,6 +474,7 @@ def scale_by_woodbury_fisher(
     **extra_args: Any,
   ) -> tuple[PyTree, WoodburyFisherState]:
     del params, extra_args
+    state = jax.tree.map(jnp.asarray, state)  # e.g. restored as NumPy
     _check_updates(updates, state.window)
     out, window, light = _window_step(
       cfg,
@@ -589,6 +598,9 @@ def scale_by_mfac(
   )
 
   def init_fn(params: PyTree) -> MFACState:
+    validation.check_real_floating(
+      params, what="params", function="scale_by_mfac"
+    )
     window, gram = _init_window(cfg, params)
     # Separate buffers, so the state can be donated (jit's donate_argnums).
     zero = lambda: jnp.zeros([], jnp.int32)
@@ -603,6 +615,7 @@ def scale_by_mfac(
     **extra_args: Any,
   ) -> tuple[PyTree, MFACState]:
     del params, extra_args
+    state = jax.tree.map(jnp.asarray, state)  # e.g. restored as NumPy
     _check_updates(updates, state.grads)
     advance = lambda s, k: s._replace(
       count=optax.safe_increment(s.count), index=(s.index + k) % m

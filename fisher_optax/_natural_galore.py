@@ -345,6 +345,9 @@ def _init_leaf(
 def _init(
   cfg: _Config, base_optimizer: optax.GradientTransformation, params: PyTree
 ) -> NaturalGaLoreState:
+  validation.check_real_floating(
+    params, what="params", function="scale_by_natural_galore"
+  )
   leaves, treedef = jax.tree.flatten(params)
   # Two arrays, not one: a state whose fields share a buffer cannot be
   # donated to a jitted step.

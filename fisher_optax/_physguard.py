@@ -399,6 +399,9 @@ def project_out_subspace(
       )
 
   def init_fn(params: PyTree) -> ProjectOutSubspaceState:
+    validation.check_real_floating(
+      params, what="params", function="project_out_subspace"
+    )
     if subspace is None:
       start = init_protected_subspace(params, max_rank, basis_dtype=basis_dtype)
     else:  # Built for other params, it would fail only at the first update.

@@ -17,6 +17,7 @@ from collections.abc import Callable
 import dataclasses
 import functools
 import logging
+import re
 from typing import Any
 
 import chex
@@ -428,6 +429,24 @@ def check_init_on_shape_dtype_struct(test, case: Case):
       where = jax.tree_util.keystr(path)
       first = seen.setdefault(x.unsafe_buffer_pointer(), where)
       test.assertEqual(first, where, f"state{where} shares a buffer")
+
+
+def check_refuses_non_real_params(test, case: Case):
+  """A complex or integer leaf is refused at init, naming the leaf: the
+  Fisher would square a complex gradient where its modulus is meant."""
+  init, _, _ = TARGETS["mixed_tensors"](jnp.float32)
+  (path, first), *_ = jax.tree_util.tree_flatten_with_path(init)[0]
+  leaf = jax.tree_util.keystr(path)
+  leaves, treedef = jax.tree.flatten(init)
+  for dtype in (jnp.complex64, jnp.int32, jnp.bool_):
+    bad = treedef.unflatten([first.astype(dtype), *leaves[1:]])
+    with test.subTest(str(jnp.dtype(dtype))):
+      with test.assertRaisesRegex(
+        TypeError,
+        re.escape(f"params{leaf} has dtype {jnp.dtype(dtype)}")
+        + ".*requires real floating-point params",
+      ):
+        case.factory(**case.factory_kwargs()).init(bad)
 
 
 def check_map_params(test, case: Case):

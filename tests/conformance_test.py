@@ -322,6 +322,10 @@ class ConformanceTest(parameterized.TestCase):
     conformance.check_init_on_shape_dtype_struct(self, case)
 
   @parameterized.named_parameters(*_ROWS)
+  def test_refuses_non_real_params(self, case):
+    conformance.check_refuses_non_real_params(self, case)
+
+  @parameterized.named_parameters(*_ROWS)
   def test_map_params(self, case):
     conformance.check_map_params(self, case)
 

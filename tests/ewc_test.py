@@ -630,6 +630,24 @@ class EWCTransformTest(parameterized.TestCase):
     expected = (2 * target + lam * prec * anchor_at) / (2 + lam * prec)
     np.testing.assert_allclose(p, expected, rtol=1e-5)
 
+  def test_donated_state_keeps_the_users_anchor(self):
+    params = {"w": jnp.ones((3, 2))}
+    anchor = fisher_optax.consolidate(
+      fisher_optax.init_ewc_anchor(params),
+      params,
+      diagonal={"w": jnp.ones((3, 2))},
+    )
+    tx = optax.chain(fisher_optax.add_ewc_gradient(1.0, anchor), optax.sgd(0.1))
+
+    def step(p, s):
+      u, s = tx.update(jax.tree.map(jnp.ones_like, p), s, p)
+      return optax.apply_updates(p, u), s
+
+    step = jax.jit(step, donate_argnums=(0, 1))
+    for _ in range(2):  # a second init (a rerun) reads the anchor again
+      step(jax.tree.map(jnp.copy, params), tx.init(params))
+    self.assertFalse(any(x.is_deleted() for x in jax.tree.leaves(anchor)))
+
   def test_task_swap_does_not_retrace(self):
     theta = _params(0, jnp.float32)
     tx = optax.chain(

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import functools
+import re
 from unittest import mock
 
 from absl.testing import absltest
@@ -1315,6 +1316,32 @@ class BadInputTest(absltest.TestCase):
       fisher.diagonal(
         self.apply_fn, self.params, ([[1.0]] * N, self.y), **self.kw
       )
+
+  def test_complex_or_integer_leaves_are_refused(self):
+    # A complex gradient would be squared where |g|^2 is meant.
+    name = jax.tree_util.keystr(
+      jax.tree_util.tree_flatten_with_path(self.params)[0][0][0]
+    )
+    first, *rest = jax.tree.leaves(self.params)
+    treedef = jax.tree.structure(self.params)
+    for dtype in (jnp.complex64, jnp.int32):
+      with self.subTest(str(jnp.dtype(dtype))):
+        bad = treedef.unflatten([first.astype(dtype), *rest])
+        for method in ("auto", "per_example"):
+          with self.assertRaisesRegex(
+            TypeError, re.escape(f"params{name} has dtype")
+          ):
+            fisher.diagonal(
+              self.apply_fn, bad, (self.x, self.y), method=method, **self.kw
+            )
+        g = jnp.ones((2, 3), dtype)
+        for fn in (
+          fisher.diagonal_from_grads,
+          functools.partial(fisher.low_rank_from_grads, rank=1),
+          functools.partial(fisher.sum_of_rank_one, damping=1.0),
+        ):
+          with self.assertRaisesRegex(TypeError, "real floating-point"):
+            fn({"w": g})
 
   def test_batch_not_a_pair(self):
     with self.assertRaisesRegex(ValueError, "pair"):

@@ -251,6 +251,27 @@ class EstimateFisherDiagTest(parameterized.TestCase):
       chex.assert_trees_all_close(read(state), want(), rtol=1e-5, atol=1e-7)
 
 
+class EstimateFisherShapesTest(absltest.TestCase):
+  def test_mismatched_updates_are_refused(self):
+    # A scalar leaf would broadcast into the statistic.
+    params = {"w": jnp.ones(3)}
+    for tx in (
+      fisher.estimate_fisher_diag(),
+      fisher.estimate_fisher_low_rank(rank=1),
+    ):
+      state = tx.init(params)
+      for bad in (jnp.float32(0.5), jnp.ones((1, 3))):
+        with self.assertRaisesRegex(
+          ValueError, r"updates\['w'\] has shape .* where init's params"
+        ):
+          tx.update(
+            {"w": bad},
+            state,
+            params,
+            per_example_grads={"w": jnp.stack([bad, bad])},
+          )
+
+
 class EstimateFisherKeyTest(parameterized.TestCase):
   @parameterized.parameters("threefry2x32", "rbg", "unsafe_rbg")
   def test_key_is_copied_and_keeps_its_implementation(self, impl):

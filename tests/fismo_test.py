@@ -715,6 +715,20 @@ class RoutingTest(parameterized.TestCase):
     )
     np.testing.assert_allclose(ups["b"], want["b"], rtol=1e-6)
 
+  def test_built_under_a_trace(self):
+    # jax.eval_shape of a TrainState (the abstract target of a restore)
+    # builds the transform under a trace; it must not keep a tracer.
+    params = {"w": jnp.linspace(-1.0, 1.0, 12).reshape(4, 3)}
+    for make in (
+      lambda: fisher_optax.fismo(1e-2),
+      lambda: fisher_optax.scale_by_fismo(nesterov=True),
+    ):
+      made = []
+      jax.eval_shape(lambda make=make: made.append(make()) or jnp.zeros(()))
+      want, _ = make().update(params, make().init(params), params)
+      got, _ = made[0].update(params, made[0].init(params), params)
+      chex.assert_trees_all_close(got, want)
+
   def test_routing_errors(self):
     params = {"w": jnp.zeros((4, 3)), "b": jnp.zeros((3,))}
     with self.assertRaisesRegex(ValueError, r"\['b'\].*rank >= 2"):

@@ -578,11 +578,15 @@ class WindowNonfiniteTest(parameterized.TestCase):
     ):
       state = tx.init(params)
       for bad in (jnp.ones(()), jnp.ones((3, 4)), jnp.ones((4, 1))):
-        with self.assertRaisesRegex(ValueError, "updates do not match params"):
+        with self.assertRaisesRegex(
+          ValueError, r"updates do not match (init's )?params"
+        ):
           tx.update({"w": bad}, state, params)
       # Without params the window's shapes are the reference.
       if not isinstance(state, tuple) or hasattr(state, "_fields"):
-        with self.assertRaisesRegex(ValueError, "updates do not match params"):
+        with self.assertRaisesRegex(
+          ValueError, r"updates do not match (init's )?params"
+        ):
           tx.update({"w": jnp.ones(())}, state)
 
 
@@ -785,6 +789,38 @@ class EmptyTreeTest(parameterized.TestCase):
     )
     u, _ = jax.jit(tx.update)(params, tx.init(params), params)
     chex.assert_trees_all_equal_shapes(u, params)
+
+
+class RestoredStateTest(parameterized.TestCase):
+  """States as a user may hold them: with ``None`` leaves (optax's
+  placeholder) and as NumPy arrays (a msgpack or ``device_get`` round
+  trip), updated eagerly."""
+
+  @parameterized.named_parameters(("batch", "batch"), ("rows", "per_example"))
+  def test_none_leaf(self, source):
+    params = {"w": jnp.ones((3, 2)), "b": None}
+    extra = {}
+    if source == "per_example":
+      extra = {"per_example_grads": {"w": jnp.ones((4, 3, 2)), "b": None}}
+    tx = fisher_optax.scale_by_woodbury_fisher(2, fisher_source=source)
+    state = tx.init(params)
+    for _ in range(3):
+      u, state = tx.update(params, state, **extra)
+    self.assertIsNone(u["b"])
+    chex.assert_tree_all_finite(u["w"])
+
+  def test_numpy_state_updates_eagerly(self):
+    params = {"w": jnp.linspace(-1.0, 1.0, 12).reshape(4, 3)}
+    for tx in (
+      fisher_optax.mfac(1e-2, window_size=4),
+      fisher_optax.scale_by_woodbury_fisher(2),
+    ):
+      state = tx.init(params)
+      for _ in range(2):
+        want, state_next = jax.jit(tx.update)(params, state, params)
+        got, _ = tx.update(params, jax.device_get(state), params)
+        chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-7)
+        state = state_next
 
 
 class DonatedWindowTest(parameterized.TestCase):

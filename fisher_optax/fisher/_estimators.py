@@ -1437,6 +1437,9 @@ def diagonal_from_grads(
   size = _per_example.check_batch_tree(
     per_example_grads, what="per_example_grads"
   )
+  validation.check_real_floating(
+    per_example_grads, what="per_example_grads", function="diagonal_from_grads"
+  )
   count = _psum(jnp.asarray(size, jnp.int32), axis_name)
   g = numerics.widen(per_example_grads)
   mean = jax.tree.map(
@@ -1536,6 +1539,9 @@ def low_rank_from_grads(
   rank = validation.check_static_int("rank", rank, minimum=1)
   size = _per_example.check_batch_tree(
     per_example_grads, what="per_example_grads"
+  )
+  validation.check_real_floating(
+    per_example_grads, what="per_example_grads", function="low_rank_from_grads"
   )
   g = numerics.widen(per_example_grads)
   count = jnp.asarray(size, jnp.int32)

@@ -441,6 +441,9 @@ def sum_of_rank_one(
   leaves, treedef = jax.tree.flatten(grads)
   if not leaves:
     raise ValueError("sum_of_rank_one needs gradients with at least one leaf.")
+  validation.check_real_floating(
+    grads, what="grads", function="sum_of_rank_one"
+  )
   sizes = {jnp.shape(x)[0] if jnp.ndim(x) else None for x in leaves}
   m = next(iter(sizes))
   if m is None or len(sizes) != 1:

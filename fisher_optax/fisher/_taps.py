@@ -1635,6 +1635,9 @@ def _trace(apply_fn, params, inputs):
         f"params leaf {jax.tree_util.keystr(path)} is not an array: "
         f"{type(x).__name__}."
       )
+  validation.check_real_floating(
+    params, what="params", function="every Fisher estimator"
+  )
   batches = {int(np.shape(x)[0]) for x in in_leaves if np.ndim(x) > 0}
   if len(batches) != 1 or any(np.ndim(x) == 0 for x in in_leaves):
     raise ValueError(

@@ -196,7 +196,11 @@ def _statistic(
 
 
 def _update_fn(
-  step: Callable[..., Any], impl: Any = None, *, needs_model: bool = False
+  step: Callable[..., Any],
+  like: Callable[[Any], PyTree],
+  impl: Any = None,
+  *,
+  needs_model: bool = False,
 ):
   """An ``update_fn`` that passes ``updates`` through and refreshes the state.
 
@@ -206,7 +210,8 @@ def _update_fn(
   :func:`numerics.skip_nonfinite_step`; the updates pass through. With
   ``needs_model`` (the exact and MC kinds) and a ``batch``, per-example
   gradients given for another member of a chain are neither used nor
-  checked.
+  checked. ``like(state)`` gives the params' shapes the updates must have
+  (a scalar or transposed leaf would broadcast into the statistic).
   """
 
   def update_fn(
@@ -219,6 +224,9 @@ def _update_fn(
     **extra_args,
   ):
     del extra_args
+    validation.check_like(
+      updates, like(state), what="updates", reference_name="init's params"
+    )
     if needs_model and batch is not None:
       per_example_grads = None
     key_next, key_now = _split(state.key, impl)
@@ -333,6 +341,9 @@ def estimate_fisher_diag(
   _check_key(key)
 
   def init_fn(params):
+    validation.check_real_floating(
+      params, what="params", function="estimate_fisher_diag"
+    )
     # The estimators' dtype: float32, or float64 for float64 params (x64).
     zeros = jax.tree.map(
       lambda p: numerics.zeros_like_stacked(p, dtype=numerics.compute_dtype(p)),
@@ -385,7 +396,8 @@ def estimate_fisher_diag(
 
   needs_model = kind not in ("empirical", "batch_squared")
   return optax.GradientTransformationExtraArgs(
-    init_fn, _update_fn(step, _key_impl(key), needs_model=needs_model)
+    init_fn,
+    _update_fn(step, lambda s: s.diag, _key_impl(key), needs_model=needs_model),
   )
 
 
@@ -467,6 +479,9 @@ def estimate_fisher_low_rank(
   _check_key(key)
 
   def init_fn(params):
+    validation.check_real_floating(
+      params, what="params", function="estimate_fisher_low_rank"
+    )
     # As the estimators: float32, or float64 for float64 params (x64).
     vecs = jax.tree.map(
       lambda p: numerics.zeros_like_stacked(
@@ -525,7 +540,15 @@ def estimate_fisher_low_rank(
     return state._replace(eigvals=vals, eigvecs=vecs, **counters)
 
   return optax.GradientTransformationExtraArgs(
-    init_fn, _update_fn(step, _key_impl(key), needs_model=kind != "empirical")
+    init_fn,
+    _update_fn(
+      step,
+      lambda s: jax.tree.map(
+        lambda v: jax.ShapeDtypeStruct(v.shape[1:], v.dtype), s.eigvecs
+      ),
+      _key_impl(key),
+      needs_model=kind != "empirical",
+    ),
   )
 
 

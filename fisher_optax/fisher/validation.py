@@ -210,6 +210,51 @@ def check_choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
   return value
 
 
+def check_real_floating(tree: Any, *, what: str, function: str) -> None:
+  """Raises ``TypeError`` naming the first leaf that is not a real float.
+
+  The Fisher of every method here is defined for real parameters: a complex
+  leaf would be squared where its modulus is meant, and an integer or
+  boolean leaf (a step counter kept with the parameters) has no gradient.
+  ``optax.MaskedNode`` and ``None`` leaves pass.
+
+  Args:
+    tree: the tree to check (params at ``init``, or per-example gradients).
+    what: ``tree``'s name in the message.
+    function: the caller's public name, for the message.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from fisher_optax.fisher import validation
+    >>> validation.check_real_floating(
+    ...   {"w": jnp.zeros(2, jnp.complex64)}, what="params", function="fadam"
+    ... )
+    Traceback (most recent call last):
+    ...
+    TypeError: params['w'] has dtype complex64: fadam requires real floating-point params. ...
+  """
+  for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+    dtype = getattr(leaf, "dtype", None)
+    if dtype is None and isinstance(leaf, (bool, int, float, complex)):
+      dtype = np.result_type(leaf)
+    if dtype is None or jnp.issubdtype(dtype, jnp.floating):
+      continue
+    head = (
+      f"{what}{jax.tree_util.keystr(path)} has dtype {dtype}: {function} "
+      f"requires real floating-point {what}."
+    )
+    if jnp.issubdtype(dtype, jnp.complexfloating):
+      raise TypeError(
+        f"{head} Complex parameters are not supported (their Fisher needs "
+        "|g|^2 and conjugate transposes); keep the real and imaginary parts "
+        "as two real leaves."
+      )
+    raise TypeError(
+      f"{head} Leave integer and boolean leaves out with optax.masked or "
+      "optax.partition."
+    )
+
+
 def check_same_structure(
   reference: Any, other: Any, *, what: str, reference_name: str = "updates"
 ) -> None:
