@@ -1279,6 +1279,17 @@ def _bn_train_model(api: str = "linen"):
   return apply_fn, variables["params"], x
 
 
+def _empirical_diagonal(apply_fn, params, batch, method: str):
+  return fisher.diagonal(
+    apply_fn,
+    params,
+    batch,
+    likelihood=fisher.Categorical(),
+    kind="empirical",
+    method=method,
+  )
+
+
 class MixedExamplesTest(parameterized.TestCase):
   """A model whose outputs combine different examples has no per-example
   gradients: every estimator says so, on either path."""
@@ -1444,14 +1455,7 @@ class MixedExamplesTest(parameterized.TestCase):
           fisher.FisherMixedExamplesWarning, "draws random values.*dropout"
         ) as caught,
       ):
-        fisher.diagonal(
-          fn,
-          params,
-          (x, y),
-          likelihood=fisher.Categorical(),
-          kind="empirical",
-          method=method,
-        )
+        _empirical_diagonal(fn, params, (x, y), method)
       self.assertEqual(caught.filename, __file__)
 
   @parameterized.product(method=("auto", "per_example"), api=("linen", "nnx"))
@@ -1460,14 +1464,7 @@ class MixedExamplesTest(parameterized.TestCase):
     y = jnp.arange(B) % 4
     with warnings.catch_warnings(record=True) as caught:
       warnings.simplefilter("always")
-      fisher.diagonal(
-        apply_fn,
-        params,
-        (x, y),
-        likelihood=fisher.Categorical(),
-        kind="empirical",
-        method=method,
-      )
+      _empirical_diagonal(apply_fn, params, (x, y), method)
     found = [
       w for w in caught if w.category is fisher.FisherMixedExamplesWarning
     ]
