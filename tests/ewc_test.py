@@ -690,6 +690,15 @@ class EWCTransformTest(parameterized.TestCase):
     out, _ = jax.jit(tx.update)(theta, tx.init(theta), _params(1, jnp.bfloat16))
     chex.assert_trees_all_equal_dtypes(out, theta)
 
+  def test_anchor_of_the_full_params_under_masked(self):
+    params = {"base": jnp.ones(3), "lora": jnp.ones(2)}
+    tx = optax.masked(
+      fisher_optax.add_ewc_gradient(1.0, fisher_optax.init_ewc_anchor(params)),
+      {"base": False, "lora": True},
+    )
+    with self.assertRaisesRegex(ValueError, "build the anchor's params on"):
+      tx.update(params, tx.init(params), params)
+
   def test_masked_lora_style(self):
     """AlignGuard-style: the penalty acts only on the masked (LoRA) leaves."""
     theta = {"base": jnp.ones((3,)), "lora": jnp.ones((2, 2))}

@@ -288,6 +288,20 @@ class ProjectOutSubspaceTest(parameterized.TestCase):
     leaves = 1.01 if placement == "after" else 1.26
     self.assertLessEqual(temp, leaves * params["w"].nbytes)
 
+  def test_subspace_of_the_full_params_under_masked(self):
+    # The error says how to build it for optax.masked's MaskedNode tree.
+    params = {"base": jnp.ones((3, 2)), "lora": jnp.ones((3, 2))}
+    tx = optax.masked(
+      fisher_optax.project_out_subspace(
+        2, subspace=fisher_optax.init_protected_subspace(params, 2)
+      ),
+      {"base": False, "lora": True},
+    )
+    with self.assertRaisesRegex(
+      ValueError, "MaskedNode .* build subspace on the masked tree"
+    ):
+      tx.init(params)
+
   def test_donated_state_keeps_the_users_subspace(self):
     sub, params, u = self._setup()
     want = jax.tree.map(np.asarray, sub.bases)

@@ -19,6 +19,7 @@ import jax
 import jax.core
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 
 def concrete_value(x: Any) -> float | None:
@@ -255,6 +256,24 @@ def check_real_floating(tree: Any, *, what: str, function: str) -> None:
     )
 
 
+def _has_masked_nodes(tree: Any) -> bool:
+  is_masked = lambda x: isinstance(x, optax.MaskedNode)
+  return any(map(is_masked, jax.tree.leaves(tree, is_leaf=is_masked)))
+
+
+def _masked_hint(tree: Any, what: str, like: Any, like_name: str) -> str:
+  """Under ``optax.masked`` the inner transform sees ``MaskedNode`` leaves:
+  a tree built on the full params then differs in structure."""
+  masked, like_masked = _has_masked_nodes(tree), _has_masked_nodes(like)
+  if masked == like_masked:
+    return ""
+  return (
+    "\n  (optax.masked gives the inner transform optax.MaskedNode for the "
+    f"leaves it skips: build {like_name if masked else what} on the masked "
+    "tree.)"
+  )
+
+
 def check_same_structure(
   reference: Any, other: Any, *, what: str, reference_name: str = "updates"
 ) -> None:
@@ -265,6 +284,7 @@ def check_same_structure(
     raise ValueError(
       f"{what} must have the same tree structure as {reference_name}.\n"
       f"  {reference_name}: {ref_def}\n  {what}: {other_def}"
+      + _masked_hint(other, what, reference, reference_name)
     )
 
 
@@ -488,7 +508,7 @@ def check_like(
     raise ValueError(
       f"{what} do not match {reference_name}: {what} must have the same "
       f"tree structure as {reference_name}.\n  {reference_name}: {ref_def}\n"
-      f"  {what}: {tree_def}"
+      f"  {what}: {tree_def}" + _masked_hint(tree, what, like, reference_name)
     )
   paths = jax.tree_util.tree_flatten_with_path(tree)[0]
   for (path, leaf), ref in zip(paths, jax.tree.leaves(like)):
