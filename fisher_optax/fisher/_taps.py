@@ -4607,12 +4607,9 @@ def _mixing(
     ]
     if all(a is None for a in ins):
       if any(s is not None for s in rand) or _draws_random(eqn):
+        one = len(eqn.outvars) == 1
         for o in eqn.outvars:
-          drawn[o] = (
-            _shared_after(eqn, rand)
-            if len(eqn.outvars) == 1
-            else (_ones(_shape(o)))
-          )
+          drawn[o] = _shared_after(eqn, rand) if one else _ones(_shape(o))
       continue
     name, p = eqn.primitive.name, eqn.params
     if _random_per_example(eqn, ins, rand):
